@@ -28,7 +28,7 @@ esac
 
 STAMP="$VENV/.moe_lora_rl_stamp"
 WANT="$(stamp_of "$REQ" "${EXTRA[@]}")"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c 'import moe_lora_rl, megatron.core' 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("moe_lora_rl", "megatron.core", "transformers")))' 2>/dev/null; then
   echo "setup.sh: $VENV is up to date"; exit 0
 fi
 

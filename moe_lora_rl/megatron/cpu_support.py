@@ -1,0 +1,200 @@
+"""CPU/gloo runtime support for megatron-core: the CUDA-only calls that break on a CPU machine, and their fixes.
+
+Applied by an explicit call, never at import time:
+
+    handle = cpu_support.apply()      # idempotent; returns the active handle
+    ...
+    handle.restore()                  # puts every patched symbol back
+
+Every patch is listed in patches/README.md (symbol, versions, why, when to drop). The set is checked against the
+installed megatron-core version: an untested version fails loudly instead of half-working.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED_MCORE = ("0.16.", "0.19.")
+
+
+def mcore_version() -> str:
+    return importlib.metadata.version("megatron-core")
+
+
+class _DummyStream:
+    """Stands in for torch.cuda.Stream/Event on CPU: every wait/record is a no-op (CPU work is synchronous)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _DummyStream()
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _DummyStream)
+
+    def __hash__(self):
+        return 0
+
+
+@contextlib.contextmanager
+def _null_stream_ctx(stream=None):
+    yield
+
+
+@contextlib.contextmanager
+def _rng_fork_noop(self, name=None):
+    # CUDA RNG trackers isolate dropout/init randomness per TP rank; on CPU every dropout in our models is 0 and
+    # initialisation is done on CPU (use_cpu_initialization), so the fork has nothing to isolate.
+    yield
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # Upstream only converts CUDA tensors; gloo's all_to_all_single rejects tensor split sizes, so CPU tensors must
+    # become numpy/lists here too.
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().to("cpu")
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """All-gather(-v) along dim 0. gloo's list all_gather rejects uneven tensors: pad, gather, trim."""
+    world = group.size()
+    if world == 1:
+        return input_
+    input_ = input_.contiguous()
+    if output_split_sizes is None:
+        out = torch.empty((input_.shape[0] * world, *input_.shape[1:]), dtype=input_.dtype)
+        dist.all_gather_into_tensor(out, input_, group=group)
+        return out
+    sizes = [int(s) for s in output_split_sizes]
+    longest = max(sizes) if sizes else 0
+    padded = torch.zeros((longest, *input_.shape[1:]), dtype=input_.dtype)
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)], dim=0)
+
+
+def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """Reduce-scatter(-v) along dim 0; the uneven case is all_reduce + own slice (gloo has no reduce_scatter-v)."""
+    world = group.size()
+    if world == 1:
+        return input_
+    input_ = input_.contiguous()
+    if input_split_sizes is None:
+        if input_.shape[0] % world:
+            raise ValueError(f"reduce-scatter: dim 0 ({input_.shape[0]}) not divisible by group size {world}")
+        out = torch.empty((input_.shape[0] // world, *input_.shape[1:]), dtype=input_.dtype)
+        dist.reduce_scatter_tensor(out, input_, group=group)
+        return out
+    total = input_.clone()
+    dist.all_reduce(total, group=group)
+    sizes = [int(s) for s in input_split_sizes]
+    start = sum(sizes[: group.rank()])
+    return total[start : start + sizes[group.rank()]].contiguous()
+
+
+class _CudaDeviceToCpu(torch.overrides.TorchFunctionMode):
+    """Rewrites device='cuda' keyword arguments to CPU: the PP schedule and the default causal mask allocate on
+    'cuda' explicitly (0.16.1 pipeline_parallel/schedules.py, transformer/utils.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and "cuda" in str(dev):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@dataclass
+class CpuSupport:
+    """The applied patches; restore() undoes them in reverse order."""
+
+    version: str
+    patched: list[tuple[Any, str, Any]] = field(default_factory=list)
+
+    def _set(self, owner: Any, name: str, value: Any, must_exist: bool = True) -> None:
+        if must_exist and not hasattr(owner, name):
+            raise RuntimeError(
+                f"megatron-core {self.version}: {getattr(owner, '__name__', owner)}.{name} not found; "
+                "the CPU support in moe_lora_rl/megatron/cpu_support.py must be revisited for this version"
+            )
+        self.patched.append((owner, name, getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        global _ACTIVE
+        for owner, name, old in reversed(self.patched):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+        self.patched.clear()
+        _ACTIVE = None
+
+    @contextlib.contextmanager
+    def cuda_device_kwargs_to_cpu(self):
+        """Scope for code that allocates with device='cuda' (PP schedules): rewrite those allocations to CPU."""
+        with _CudaDeviceToCpu():
+            yield
+
+
+_MISSING = object()
+_ACTIVE: CpuSupport | None = None
+
+
+def apply() -> CpuSupport:
+    """Patch megatron-core for CPU/gloo. Idempotent. Raises RuntimeError on an untested megatron-core version."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_support.apply() is for CPU-only machines; a GPU is present, use the CUDA path")
+    version = mcore_version()
+    if not version.startswith(SUPPORTED_MCORE):
+        raise RuntimeError(f"megatron-core {version} is untested on CPU; supported: {', '.join(SUPPORTED_MCORE)}x")
+
+    from megatron.core.tensor_parallel import mappings, random as mrandom
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    cs = CpuSupport(version)
+    cs._set(torch.cuda, "current_device", lambda: "cpu")
+    cs._set(torch.cuda, "Stream", _DummyStream)
+    cs._set(torch.cuda, "Event", _DummyStream)
+    cs._set(torch.cuda, "current_stream", lambda device=None: _DummyStream())
+    cs._set(torch.cuda, "stream", _null_stream_ctx)
+    cs._set(torch.cuda, "synchronize", lambda device=None: None)
+    cs._set(mrandom.CudaRNGStatesTracker, "add", lambda self, name, seed: None)
+    cs._set(mrandom.CudaRNGStatesTracker, "fork", _rng_fork_noop)
+    if version.startswith("0.16.") and not hasattr(moe_utils, "te_general_gemm"):
+        # 0.16.1 references te_general_gemm unconditionally although it is only imported with TE (fixed in 0.19).
+        cs._set(moe_utils, "te_general_gemm", None, must_exist=False)
+    cs._set(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+    cs._set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+    cs._set(mappings, "_gather_along_first_dim", _gather_along_first_dim)
+    cs._set(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+    _ACTIVE = cs
+    return cs

@@ -1,0 +1,143 @@
+"""Tiny and medium MoE checkpoints in HF format, made locally, deterministic from a seed, cached on disk.
+
+    path = get_model("qwen3_moe", "tiny")     # Qwen3-MoE: every layer MoE, softmax top-k
+    path = get_model("glm4_moe", "tiny")      # DeepSeek-V3/Kimi-K2 routing on GQA attention (GLM-4.5 architecture):
+                                              # leading dense layer, shared expert, sigmoid scores + expert bias,
+                                              # group-limited top-k, routed scaling factor
+
+Weights are drawn per tensor from a generator seeded by (seed, tensor name), so they do not depend on the order in
+which transformers initialises modules. The cache key hashes the spec, the seed and GENERATOR_VERSION.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+GENERATOR_VERSION = 1
+
+_COMMON = dict(vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               hidden_act="silu", attention_dropout=0.0, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+
+SPECS: dict[tuple[str, str], dict] = {
+    ("qwen3_moe", "tiny"): dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    ("glm4_moe", "tiny"): dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=128, intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=16,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
+        use_qk_norm=False, num_mtp_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    ("qwen3_moe", "medium"): dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=384, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    ("glm4_moe", "medium"): dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=1024, intermediate_size=2048,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, n_routed_experts=32,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        moe_intermediate_size=384, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
+        use_qk_norm=False, num_mtp_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+FAMILIES = sorted({f for f, _ in SPECS})
+SIZES = ("tiny", "medium")
+_DTYPE = {"tiny": "float32", "medium": "bfloat16"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOE_LORA_RL_CACHE", Path.home() / ".cache" / "moe_lora_rl")) / "models"
+
+
+def spec_key(family: str, size: str, seed: int) -> str:
+    blob = json.dumps({"spec": SPECS[(family, size)], "seed": seed, "v": GENERATOR_VERSION}, sort_keys=True)
+    return f"{family}-{size}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+def _init_value(name: str, shape: torch.Size, seed: int, hidden: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16))
+    if name.endswith("norm.weight") or ".q_norm." in name or ".k_norm." in name:
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)        # not all-ones: a misplaced norm must show
+    if "e_score_correction_bias" in name:
+        return 0.05 * torch.randn(shape, generator=g)
+    if name.endswith(".bias"):
+        return 0.02 * torch.randn(shape, generator=g)
+    if name.endswith("mlp.gate.weight"):                          # router: spread scores so top-k has clear gaps
+        return (1.0 / hidden ** 0.5) * torch.randn(shape, generator=g)
+    if "embed_tokens" in name or "lm_head" in name:
+        return 0.5 * torch.randn(shape, generator=g)
+    return (1.0 / shape[-1] ** 0.5) * torch.randn(shape, generator=g)
+
+
+def build_hf_config(family: str, size: str):
+    import transformers
+
+    if (family, size) not in SPECS:
+        raise ValueError(f"no model spec {family!r}/{size!r}; known: {sorted(SPECS)}")
+    spec = {**_COMMON, **SPECS[(family, size)]}
+    cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__
+    cfg = cls(**spec)
+    cfg.dtype = _DTYPE[size]
+    return cfg
+
+
+def _write(out: Path, family: str, size: str, seed: int) -> None:
+    import transformers
+
+    from .tokenizer import train_tokenizer
+
+    cfg = build_hf_config(family, size)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("inv_freq") or "original_inv_freq" in name:
+            continue
+        state[name] = _init_value(name, t.shape, seed, cfg.hidden_size).to(getattr(torch, _DTYPE[size]))
+    model = model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "inv_freq" not in m]
+    if missing or unexpected:
+        raise RuntimeError(f"tiny model init left tensors unset: missing={missing} unexpected={unexpected}")
+    model.model.rotary_emb.__init__(config=cfg)                  # meta-built buffers: recompute inv_freq on CPU
+    model.to(getattr(torch, _DTYPE[size]))
+    model.save_pretrained(out, safe_serialization=True)
+    train_tokenizer(out, vocab_size=cfg.vocab_size, seed=seed)
+    (out / "moe_lora_rl.json").write_text(json.dumps({"family": family, "size": size, "seed": seed,
+                                                      "generator_version": GENERATOR_VERSION}))
+
+
+def get_model(family: str, size: str = "tiny", seed: int = 0) -> Path:
+    """Path of the cached checkpoint, creating it first if needed (safe under concurrent callers)."""
+    if (family, size) not in SPECS:
+        raise ValueError(f"no model spec {family!r}/{size!r}; families: {FAMILIES}, sizes: {SIZES}")
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / spec_key(family, size, seed)
+    if (out / "moe_lora_rl.json").exists():
+        return out
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "moe_lora_rl.json").exists():
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        try:
+            with torch.random.fork_rng():
+                _write(tmp, family, size, seed)
+            os.replace(tmp, out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(tmp)
+    return out
