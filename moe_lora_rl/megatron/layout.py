@@ -62,7 +62,7 @@ class Layout:
             )
 
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int, num_experts: int,
-                    moe_ffn: int, ffn: int, seq_multiple_of_tp: bool = True) -> None:
+                    moe_ffn: int, ffn: int | None) -> None:
         """Raise ValueError naming the first size this layout does not divide, and what would work."""
         def need(value: int, by: int, what: str, axis: str):
             if value % by:
@@ -72,7 +72,8 @@ class Layout:
         need(num_layers, self.pp, "num_layers", "pp")
         need(num_heads, self.tp, "num_attention_heads", "tp")
         need(num_kv_heads, self.tp, "num_key_value_heads", "tp")
-        need(ffn, self.tp, "intermediate_size", "tp")
+        if ffn is not None:                          # None: the model has no dense MLP layer
+            need(ffn, self.tp, "intermediate_size", "tp")
         if num_experts:
             need(num_experts, self.ep, "num_experts", "ep")
             need(moe_ffn, self.etp, "moe_intermediate_size", "etp")

@@ -1,0 +1,106 @@
+"""Build a megatron-core GPTModel with MoE from an HF config, for the current rank of a layout.
+
+    arch = arch_from_hf_config(hf_config)          # pure: family reader, ValueError on what cannot be reproduced
+    model = build_model(arch, layout)              # local spec (SequentialMLP), SP-tolerant RMSNorm, fp32 on CPU
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..models.arch import MoEArch
+from .layout import Layout
+
+
+class SPRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with megatron's norm signature that accepts sequence parallelism (the local spec's
+    WrappedTorchNorm asserts it away; MoE with TP needs SP in training)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def check_layout(arch: MoEArch, layout: Layout) -> None:
+    layout.check_model(num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                       num_experts=arch.num_experts, moe_ffn=arch.moe_ffn_hidden_size,
+                       ffn=None if all(arch.moe_layers) else arch.ffn_hidden_size)
+    if arch.shared_expert_ffn and arch.shared_expert_ffn % layout.tp:
+        raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the shared expert's "
+                         f"intermediate size {arch.shared_expert_ffn}")
+
+
+def padded_vocab(arch: MoEArch, layout: Layout) -> int:
+    return math.ceil(arch.vocab_size / layout.tp) * layout.tp
+
+
+def transformer_config(arch: MoEArch, layout: Layout, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.topk, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layer_freq=[int(m) for m in arch.moe_layers], moe_router_score_function=arch.score_function,
+        moe_router_pre_softmax=arch.pre_softmax, moe_router_enable_expert_bias=arch.expert_bias,
+        moe_router_bias_update_rate=0.0,             # the base model (and its routing bias) is frozen in LoRA RL
+        moe_router_num_groups=arch.num_groups, moe_router_group_topk=arch.group_topk,
+        moe_router_topk_scaling_factor=arch.scaling_factor,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn or None,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.tp > 1, use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, apply_rope_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, moe_permute_fusion=False,
+        moe_router_fusion=False,                     # the fused router bypasses router replay
+        variable_seq_lengths=True,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _swap_norms(obj, seen=None):
+    """Replace megatron's local norm classes with SPRMSNorm throughout a (block) spec."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    seen = seen if seen is not None else set()
+    if id(obj) in seen or obj is None:
+        return obj
+    seen.add(id(obj))
+    if obj is WrappedTorchNorm:
+        return SPRMSNorm
+    if isinstance(obj, list):
+        return [_swap_norms(o, seen) for o in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _swap_norms(getattr(obj, f.name), seen) for f in dataclasses.fields(obj)
+                   if f.name not in ("params",)}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def build_model(arch: MoEArch, layout: Layout, **config_overrides):
+    """The GPTModel stage of this rank (parallel state must be initialised for `layout`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    check_layout(arch, layout)
+    if arch.tie_embeddings and layout.pp > 1:
+        raise ValueError(f"layout {layout.name}: tied input/output embeddings with pp={layout.pp} are not supported; "
+                         "use pp=1")
+    cfg = transformer_config(arch, layout, **config_overrides)
+    spec = _swap_norms(get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"))
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=spec, vocab_size=padded_vocab(arch, layout),
+        max_sequence_length=4096, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta, parallel_output=True)
+    return model

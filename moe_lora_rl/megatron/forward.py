@@ -1,0 +1,71 @@
+"""Run a megatron-core model through its pipeline schedule on CPU and collect outputs on the last stage.
+
+The same entry point serves PP=1 and PP>1: megatron's forward_backward_func does the stage hand-offs.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+from . import cpu_support
+
+
+def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """position ids and the explicit boolean causal mask ([1,1,S,S], True = masked): megatron's default mask is
+    allocated on 'cuda'."""
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    return pos, mask
+
+
+def gather_vocab(logits_local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[b, s, V/tp] vocab-parallel logits -> [b, s, V] (padding rows trimmed)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits_local)[..., :vocab_size]
+
+
+def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
+                 on_output: Callable[[torch.Tensor, dict], object], seq_length: int, micro_batch_size: int):
+    """Run every microbatch; `on_output(local_logits, batch)` runs on the last stage and its results are returned.
+
+    When forward_only is False, on_output must return (loss, logged) and gradients accumulate in the model.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    it = iter(microbatches)
+
+    def step(data_iterator, m):
+        batch = next(data_iterator)
+        pos, mask = causal_inputs(batch["tokens"])
+        out = m(input_ids=batch["tokens"], position_ids=pos, attention_mask=mask)
+        if forward_only:
+            return out, lambda t, non_loss_data=False: on_output(t, batch)
+        return out, partial(_loss_wrapper, on_output, batch)
+
+    with cpu_support.apply().cuda_device_kwargs_to_cpu():
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=it, model=[model], num_microbatches=len(microbatches),
+            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
+            collect_non_loss_data=forward_only)
+
+
+def _loss_wrapper(on_output, batch, output_tensor):
+    loss, logged = on_output(output_tensor, batch)
+    return loss, logged
+
+
+@torch.no_grad()
+def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Full-vocabulary fp32 logits [b, s, V] on last-stage ranks, None on the others."""
+    from megatron.core import parallel_state as ps
+
+    model.eval()
+    b, s = tokens.shape
+    outs = run_schedule(model, [{"tokens": tokens}], forward_only=True,
+                        on_output=lambda t, batch: gather_vocab(t, vocab_size).float(),
+                        seq_length=s, micro_batch_size=b)
+    return outs[0] if ps.is_pipeline_last_stage() else None

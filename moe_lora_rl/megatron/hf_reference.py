@@ -1,0 +1,28 @@
+"""HF transformers reference outputs (fp32, eager attention) for the same tokens Megatron sees."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=4)
+def hf_model(path: str):
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return m.eval()
+
+
+@torch.no_grad()
+def hf_logits(path: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    return hf_model(str(path))(input_ids=tokens).logits.float()
+
+
+def load_arch(path: str | Path):
+    import transformers
+
+    from ..models.arch import arch_from_hf_config
+
+    return arch_from_hf_config(transformers.AutoConfig.from_pretrained(path))

@@ -1,0 +1,122 @@
+"""Load an HF safetensors checkpoint into this rank's shard of a megatron-core model.
+
+plan (pure, per parameter: HF sources + shard kind + group rank/size) -> read HF tensors -> assemble -> slice -> copy.
+Every local parameter must be resolved and shape-checked; nothing is skipped silently.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.arch import MoEArch
+from ..models.name_map import Resolved, resolve
+
+
+class HFCheckpoint:
+    """Lazy reader over the (possibly sharded) safetensors files of an HF checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"no safetensors files in checkpoint directory {self.path}")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as s:
+                    weight_map.update({k: f.name for k in s.keys()})
+        self.weight_map = weight_map
+        self._handles = {f: safe_open(self.path / f, "pt") for f in set(weight_map.values())}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} not in checkpoint {self.path}")
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    rank: int
+    size: int
+
+
+def assemble(kind: str, parts: list[torch.Tensor], arch: MoEArch, shard: ShardSpec, padded_vocab: int):
+    """Full HF tensors -> this rank's Megatron shard."""
+    r, n = shard.rank, shard.size
+    if kind == "replicated":
+        return parts[0]
+    if kind == "vocab":
+        w = parts[0]
+        if padded_vocab > w.shape[0]:
+            w = torch.cat([w, w.new_zeros(padded_vocab - w.shape[0], *w.shape[1:])])
+        return w.chunk(n, dim=0)[r]
+    if kind == "column":
+        return parts[0].chunk(n, dim=0)[r]
+    if kind == "row":
+        return parts[0].chunk(n, dim=1)[r]
+    if kind == "glu":
+        gate, up = parts
+        return torch.cat([gate.chunk(n, dim=0)[r], up.chunk(n, dim=0)[r]], dim=0)
+    if kind == "qkv":
+        q, k, v = parts
+        g, hd = arch.num_kv_heads, arch.head_dim
+        tail = q.shape[1:]
+        full = torch.cat([q.reshape(g, -1, hd, *tail), k.reshape(g, 1, hd, *tail), v.reshape(g, 1, hd, *tail)], 1)
+        return full.reshape(-1, *tail).chunk(n, dim=0)[r]
+    raise AssertionError(f"unknown shard kind {kind!r}")
+
+
+def _offsets(model) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    layers = model.decoder.layers
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    num_local = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    return layer_offset, ps.get_expert_model_parallel_rank() * num_local
+
+
+def local_tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters plus the persistent routing buffers (expert bias) that come from the checkpoint."""
+    out = dict(model.named_parameters())
+    out.update({n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")})
+    return out
+
+
+def plan(model) -> dict[str, Resolved]:
+    layer_offset, expert_offset = _offsets(model)
+    return {name: resolve(name, layer_offset, expert_offset) for name in local_tensors(model)}
+
+
+def load_hf_weights(model, ckpt_dir: str | Path, arch: MoEArch) -> int:
+    """Copy the checkpoint into the local model shard; returns the number of tensors loaded."""
+    from megatron.core import parallel_state as ps
+
+    ckpt = HFCheckpoint(ckpt_dir)
+    tp = ShardSpec(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    etp = ShardSpec(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    vocab = model.vocab_size
+    tensors = local_tensors(model)
+    for name, res in plan(model).items():
+        missing = [h for h in res.hf_names if h not in ckpt]
+        if missing:
+            raise ValueError(f"checkpoint {ckpt_dir} lacks {missing} needed for Megatron parameter {name!r}")
+        parts = [ckpt.get(h).to(torch.float32) for h in res.hf_names]
+        value = assemble(res.row.kind, parts, arch, etp if res.row.expert else tp, vocab)
+        target = tensors[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)} from {res.hf_names}, the model "
+                             f"shard expects {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+    return len(tensors)
