@@ -11,7 +11,7 @@ from ..megatron import cpu_support
 from ..megatron.build import build_model
 from ..megatron.forward import forward_logits
 from ..megatron.hf_reference import hf_logits, load_arch
-from ..megatron.layout import parse_layouts
+from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 
@@ -29,7 +29,8 @@ def main(argv=None):
     cpu_support.apply()
     torch.manual_seed(0)
     out: dict = {}
-    for layout in parse_layouts(a.layouts):
+    for key in a.layouts.split(","):
+        layout = Layout.parse(key)
         init_distributed(layout)
         for path in a.models.split(","):
             arch = load_arch(path)
@@ -41,7 +42,7 @@ def main(argv=None):
             if logits is not None:
                 diff = (logits - hf_logits(path, tokens)).abs().max()
             dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-            out.setdefault(layout.name, {})[path] = float(diff)
+            out.setdefault(key, {})[path] = float(diff)
             del model
         teardown()
     if dist.get_rank() == 0:

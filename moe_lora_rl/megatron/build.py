@@ -67,23 +67,23 @@ def transformer_config(arch: MoEArch, layout: Layout, **overrides):
     return TransformerConfig(**kw)
 
 
-def _swap_norms(obj, seen=None):
-    """Replace megatron's local norm classes with SPRMSNorm throughout a (block) spec."""
+def _swap_norms(obj, memo=None):
+    """Replace megatron's local norm classes with SPRMSNorm throughout a (block) spec (shared sub-specs once)."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    seen = seen if seen is not None else set()
-    if id(obj) in seen or obj is None:
-        return obj
-    seen.add(id(obj))
+    memo = memo if memo is not None else {}
     if obj is WrappedTorchNorm:
         return SPRMSNorm
+    if id(obj) in memo:
+        return memo[id(obj)]
+    new = obj
     if isinstance(obj, list):
-        return [_swap_norms(o, seen) for o in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _swap_norms(getattr(obj, f.name), seen) for f in dataclasses.fields(obj)
-                   if f.name not in ("params",)}
-        return dataclasses.replace(obj, **changes)
-    return obj
+        new = [_swap_norms(o, memo) for o in obj]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = dataclasses.replace(obj, **{f.name: _swap_norms(getattr(obj, f.name), memo)
+                                         for f in dataclasses.fields(obj) if f.init and f.name != "params"})
+    memo[id(obj)] = new
+    return new
 
 
 def build_model(arch: MoEArch, layout: Layout, **config_overrides):

@@ -1,0 +1,23 @@
+"""python -m moe_lora_rl.bench NAME [--json] [--model DIR] [--layouts ...]: one JSON line per run."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "parity": "moe_lora_rl.bench.parity",
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: python -m moe_lora_rl.bench {{{','.join(BENCHES)}}} [--json] [--model DIR] [--layouts ...]",
+              file=sys.stderr)
+        return 2
+    importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
