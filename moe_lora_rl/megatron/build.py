@@ -62,6 +62,7 @@ def transformer_config(arch: MoEArch, layout: Layout, **overrides):
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, moe_permute_fusion=False,
         moe_router_fusion=False,                     # the fused router bypasses router replay
         variable_seq_lengths=True,
+        calculate_per_token_loss=True,              # loss functions here return sums already normalised globally
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

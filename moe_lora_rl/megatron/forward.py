@@ -32,7 +32,8 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
                  on_output: Callable[[torch.Tensor, dict], object], seq_length: int, micro_batch_size: int):
     """Run every microbatch; `on_output(local_logits, batch)` runs on the last stage and its results are returned.
 
-    When forward_only is False, on_output must return (loss, logged) and gradients accumulate in the model.
+    When forward_only is False, on_output must return (loss, num_tokens, logged) as megatron's loss functions do,
+    and gradients accumulate in the model.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -44,18 +45,13 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
         out = m(input_ids=batch["tokens"], position_ids=pos, attention_mask=mask)
         if forward_only:
             return out, lambda t, non_loss_data=False: on_output(t, batch)
-        return out, partial(_loss_wrapper, on_output, batch)
+        return out, partial(on_output, batch=batch)
 
     with cpu_support.apply().cuda_device_kwargs_to_cpu():
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=it, model=[model], num_microbatches=len(microbatches),
             seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
             collect_non_loss_data=forward_only)
-
-
-def _loss_wrapper(on_output, batch, output_tensor):
-    loss, logged = on_output(output_tensor, batch)
-    return loss, logged
 
 
 @torch.no_grad()

@@ -1,0 +1,112 @@
+"""torchrun worker: LoRA on a Megatron model at each layout; equal-at-init, K training steps, gathered adapters,
+sharded checkpoint save and cross-layout load. Rank 0 writes tensors to --out and a JSON summary to --result."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters, load_sharded, save_sharded
+from ..lora import sync_adapter_grads
+from ..megatron import cpu_support
+from ..megatron.build import build_model
+from ..megatron.forward import forward_logits
+from ..megatron.hf_reference import load_arch
+from ..megatron.layout import Layout
+from ..megatron.load import load_hf_weights
+from ..megatron.parallel import init_distributed, teardown
+from ..megatron.train_step import lm_train_step
+
+
+def build(path: str, layout: Layout, cfg: LoRAConfig | None):
+    arch = load_arch(path)
+    model = build_model(arch, layout)
+    load_hf_weights(model, path, arch)
+    if cfg is not None:
+        apply_lora(model, cfg)
+    return arch, model
+
+
+def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) -> tuple[list[float], list[float]]:
+    params = [p for _, p in adapter_factors(model)] if hasattr(model, "lora_config") else \
+        [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    losses, times = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for p in params:
+            p.grad = None
+        loss = lm_train_step(model, tokens, arch.vocab_size, micro_batch_size=mbs,
+                             after_backward=lambda: sync_adapter_grads(model) if hasattr(model, "lora_config") else None)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    return losses, times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layouts", required=True)
+    ap.add_argument("--data", required=True, help=".pt with 'train' [N,S] and 'eval' [B,S] token tensors")
+    ap.add_argument("--lora", required=True, help="LoRAConfig as JSON")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--load-from", default=None, help="checkpoint dir saved at another layout, to load and compare")
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    cpu_support.apply()
+    cfg = LoRAConfig.from_dict(json.loads(a.lora))
+    data = torch.load(a.data)
+    out = Path(a.out)
+    summary = {}
+    for key in a.layouts.split(","):
+        layout = Layout.parse(key)
+        init_distributed(layout)
+        arch, model = build(a.model, layout, None)
+        base_logits = forward_logits(model, data["eval"], arch.vocab_size)
+        apply_lora(model, cfg)
+        lora_logits = forward_logits(model, data["eval"], arch.vocab_size)
+        init_diff = torch.tensor(-1.0 if base_logits is None else (lora_logits - base_logits).abs().max().item())
+        dist.all_reduce(init_diff, op=dist.ReduceOp.MAX)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        only_adapters = torch.tensor(int(all(hasattr(p, "lora_meta") for p in model.parameters() if p.requires_grad)
+                                         and len(trainable) > 0))
+        dist.all_reduce(only_adapters, op=dist.ReduceOp.MIN)
+        losses, times = train(model, arch, data["train"], a.steps, a.lr, a.mbs)
+        adapters = gather_adapters(model)
+        eval_logits = forward_logits(model, data["eval"], arch.vocab_size)
+        ckpt = out / f"ckpt-{key}"
+        save_sharded(model, ckpt)
+        rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
+               "n_adapter_tensors": len(adapters), "step_s": times}
+        if a.load_from:
+            _, fresh = build(a.model, layout, cfg)
+            load_sharded(fresh, a.load_from)
+            loaded_logits = forward_logits(fresh, data["eval"], arch.vocab_size)
+            rec["loaded_from"] = a.load_from
+            del fresh
+        # the last-stage rank with global rank == world-1 always holds logits; it writes the tensors
+        holder = dist.get_world_size() - 1
+        if dist.get_rank() == holder:
+            blob = {"adapters": adapters, "eval_logits": eval_logits, "losses": losses}
+            if a.load_from:
+                blob["loaded_logits"] = loaded_logits
+            torch.save(blob, out / f"{key}.pt")
+        summary[key] = rec
+        del model
+        teardown()
+    if dist.get_rank() == 0:
+        Path(a.result).write_text(json.dumps(summary))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

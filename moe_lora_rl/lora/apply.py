@@ -1,0 +1,195 @@
+"""Apply LoRA to a megatron-core GPTModel stage: plan every adapter first (pure checks), then attach all of them.
+
+A failing check raises before anything is attached, so a model never carries a partial adapter set.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import GROUPS, TARGETS, LoRAConfig
+from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
+from .sharding import LinearRule, rule_for
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def _target_regex(suffix: str) -> re.Pattern:
+    return re.compile(r"^decoder\.layers\.\d+\." + re.escape(suffix).replace(r"\*", r"(\d+)") + "$")
+
+
+_TARGET_RES = {t: [_target_regex(s) for s in sufs] for t, sufs in TARGETS.items()}
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    module_name: str              # local megatron module name of the base linear
+    target: str
+    rule: LinearRule
+    A: FactorMeta
+    B: FactorMeta
+    shared: tuple[bool, bool]     # (A, B) shared by all experts of the layer: one parameter, referenced per expert
+
+
+def _parallel_kind(linear: nn.Module) -> str:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(linear, ColumnParallelLinear):
+        return "column"
+    if isinstance(linear, RowParallelLinear):
+        return "row"
+    raise ValueError(f"LoRA supports megatron ColumnParallelLinear/RowParallelLinear bases, got {type(linear).__name__}")
+
+
+def _global_name(module_name: str, layer_offset: int, expert_offset: int, layout: str) -> tuple[str, bool]:
+    """decoder.layers.{l}.X -> layers.{L}.X with global layer, and global expert ids for routed experts.
+    Returns (name, is_expert). For shared layouts the expert index is dropped (one adapter for all experts)."""
+    m = _LAYER.match(module_name)
+    assert m, f"not a decoder layer module: {module_name}"
+    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+    e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$", rest)
+    if not e:
+        return f"layers.{layer}.{rest}", False
+    return f"layers.{layer}.mlp.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}", True
+
+
+def _shared_flags(layout: str, fc: str) -> tuple[bool, bool]:
+    if layout == "shared":
+        return True, True
+    if layout == "shared_outer":
+        return (True, False) if fc == "linear_fc1" else (False, True)
+    return False, False
+
+
+def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
+    from megatron.core import parallel_state as ps
+
+    mcfg = model.config
+    if "router" in cfg.resolved_targets():
+        raise ValueError("LoRA target 'router': adapting the router is not supported (the router stays frozen; "
+                         "router replay relies on its logits); remove 'router' from targets")
+    ep = ps.get_expert_model_parallel_world_size()
+    if mcfg.num_moe_experts and mcfg.num_moe_experts % ep:
+        raise ValueError(f"num_moe_experts={mcfg.num_moe_experts} is not divisible by expert parallel size {ep}")
+    layers = getattr(model.decoder, "layers", [])
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    expert_offset = ps.get_expert_model_parallel_rank() * (mcfg.num_moe_experts // ep if mcfg.num_moe_experts else 0)
+    sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size()}
+    modules = dict(model.named_modules())
+    if any(type(m).__name__ in ("GroupedMLP", "TEGroupedMLP") for m in modules.values()) and \
+            any(t.startswith("expert_") for t in cfg.resolved_targets()):
+        raise ValueError("expert LoRA needs SequentialMLP experts (moe_grouped_gemm=False) in this version")
+
+    wanted = cfg.resolved_targets()
+    plans: list[AdapterPlan] = []
+    for name, mod in modules.items():
+        for target in wanted:
+            if not any(r.match(name) for r in _TARGET_RES[target]):
+                continue
+            kind = _parallel_kind(mod)
+            gname, is_expert = _global_name(name, layer_offset, expert_offset, cfg.adapter_layout)
+            fc = name.rsplit(".", 1)[-1]
+            shared = _shared_flags(cfg.adapter_layout, fc) if is_expert else (False, False)
+            group = "etp" if is_expert else "tp"
+            t = sizes[group]
+            rule = rule_for(kind, expert=is_expert, sequence_parallel=bool(mcfg.sequence_parallel), tp_size=t,
+                            shared_across_experts=shared)
+            w = mod.weight
+            out_local, in_local = w.shape
+            out_full = out_local * (t if kind == "column" else 1)
+            in_full = in_local * (t if kind == "row" else 1)
+            glu = fc == "linear_fc1" and bool(mcfg.gated_linear_unit) and "mlp" in name
+            r = cfg.rank
+
+            def fname(factor: str, is_shared: bool) -> str:
+                base = re.sub(r"\.experts\.\d+\.", ".experts.", gname) if is_shared else gname
+                return f"{base}.lora_{factor}"
+
+            A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce)
+            b_shape = (2, out_full // 2, r) if glu else (out_full, r)
+            b_dim = None if rule.B.shard_dim is None else (1 if glu else 0)
+            B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu)
+            plans.append(AdapterPlan(name, target, rule, A, B, shared))
+    _check_explicit_targets(cfg, plans)
+    if not plans:
+        raise ValueError(f"LoRA targets {list(cfg.targets)} match no layer of this model")
+    return plans
+
+
+def _check_explicit_targets(cfg: LoRAConfig, plans: list[AdapterPlan]) -> None:
+    """A named target must match a layer on some pipeline stage (counted over the PP group, so every stage
+    raises together instead of one stage hanging in a later collective)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not cfg.explicit:
+        return
+    counts = torch.tensor([sum(p.target in GROUPS.get(t, (t,)) for p in plans) for t in cfg.explicit],
+                          dtype=torch.int64)
+    if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
+    unmatched = [t for t, c in zip(cfg.explicit, counts.tolist()) if c == 0]
+    if unmatched:
+        raise ValueError(f"LoRA targets {unmatched} match no layer of this model; "
+                         f"matched: {sorted({p.target for p in plans})}")
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
+    """Freeze the base, attach adapters per the plan. All-or-nothing."""
+    from megatron.core import parallel_state as ps
+
+    plans = plan_adapters(model, cfg)
+    modules = dict(model.named_modules())
+    if any(hasattr(modules[p.module_name], "lora") for p in plans):
+        raise ValueError("model already has LoRA adapters attached")
+    ranks = {"tp": ps.get_tensor_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank(), None: 0}
+    sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
+             None: 1}
+    dtype = _DTYPES[cfg.dtype]
+    shared: dict[str, nn.Parameter] = {}
+    adapters = []
+    for p in plans:                                     # build everything first; attach only if all succeeded
+        facs = []
+        for meta, init, is_shared in ((p.A, "kaiming", p.shared[0]), (p.B, "zeros", p.shared[1])):
+            if is_shared:
+                if meta.global_name not in shared:
+                    shared[meta.global_name] = make_factor(meta, ranks[meta.group], sizes[meta.group], init=init,
+                                                           seed=cfg.init_seed, dtype=dtype)
+                facs.append((shared[meta.global_name], False))
+            else:
+                facs.append((make_factor(meta, ranks[meta.group], sizes[meta.group], init=init, seed=cfg.init_seed,
+                                         dtype=dtype), True))
+        (A, own_A), (B, own_B) = facs
+        tp_group = ps.get_tensor_model_parallel_group() if p.rule.seq_comm else None
+        adapters.append((p, LoRAAdapter(p.rule, cfg.scale, cfg.dropout, A, B, own_A, own_B, tp_group)))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    holders: dict[str, nn.Module] = {}
+    for p, adapter in adapters:
+        attach(modules[p.module_name], adapter)
+        for fac, own in ((adapter.factor_A, "A" in adapter._parameters), (adapter.factor_B, "B" in adapter._parameters)):
+            if not own:                                  # register a shared factor once, on its experts module
+                experts_name = p.module_name.split(".local_experts.")[0]
+                holder = holders.get(experts_name)
+                if holder is None:
+                    holder = holders[experts_name] = nn.Module()
+                    modules[experts_name].lora_shared = holder
+                key = fac.lora_meta.global_name.rsplit(".experts.", 1)[1].replace(".", "_")
+                if key not in holder._parameters:
+                    holder.register_parameter(key, fac)
+    for _, fac in adapter_factors(model):
+        fac.requires_grad_(True)
+    model.lora_config = cfg
+    return plans
+
+
+def remove_lora(model: nn.Module) -> None:
+    for mod in list(model.modules()):
+        if hasattr(mod, "_lora_hook"):
+            detach(mod)
+        if hasattr(mod, "lora_shared"):
+            del mod.lora_shared

@@ -1,0 +1,101 @@
+"""LoRA configuration: what to adapt, with which rank/alpha, in which adapter layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# target name -> the Megatron linear(s) it covers (module-name suffixes), grouped by role
+TARGETS: dict[str, tuple[str, ...]] = {
+    "expert_fc1": ("mlp.experts.local_experts.*.linear_fc1",),
+    "expert_fc2": ("mlp.experts.local_experts.*.linear_fc2",),
+    "qkv": ("self_attention.linear_qkv",),
+    "proj": ("self_attention.linear_proj",),
+    "dense_fc1": ("mlp.linear_fc1",),
+    "dense_fc2": ("mlp.linear_fc2",),
+    "shared_fc1": ("mlp.shared_experts.linear_fc1",),
+    "shared_fc2": ("mlp.shared_experts.linear_fc2",),
+    "router": ("mlp.router",),
+}
+GROUPS: dict[str, tuple[str, ...]] = {
+    "experts": ("expert_fc1", "expert_fc2"),
+    "attention": ("qkv", "proj"),
+    "dense_mlp": ("dense_fc1", "dense_fc2"),
+    "shared_experts": ("shared_fc1", "shared_fc2"),
+}
+ALL = ("experts", "attention", "dense_mlp", "shared_experts")      # "all": whatever of these the model has
+LAYOUTS = ("per_expert", "shared_outer", "shared")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 16
+    """LoRA rank r (> 0)."""
+    alpha: float = 32.0
+    """Scale is alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter input, in [0, 1)."""
+    targets: tuple[str, ...] = ("all",)
+    """Target names or groups (see TARGETS / GROUPS); "all" = experts, attention, dense MLP and shared experts that
+    exist in the model. An explicitly named target that matches no layer is an error. The router is never adapted
+    unless "router" is named."""
+    adapter_layout: str = "per_expert"
+    """per_expert: each routed expert its own A and B. shared_outer: one A shared by all experts of a layer for fc1
+    and one B for fc2, per-expert inner factors. shared: one A/B per layer for all experts (upstream's default, here
+    shared across EP ranks so it does not change with the EP degree)."""
+    dtype: str = "float32"
+    """Adapter parameter dtype."""
+    init_seed: int = 0
+    """Seed for A's initialisation; A is drawn per adapter from its global name, so init is layout-independent."""
+    explicit: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRA rank must be a positive integer, got rank={self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0, got alpha={self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={self.dropout!r}")
+        if self.adapter_layout not in LAYOUTS:
+            raise ValueError(f"adapter_layout={self.adapter_layout!r}; choose one of {LAYOUTS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {DTYPES}")
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        if not targets:
+            raise ValueError("LoRA targets is empty")
+        known = set(TARGETS) | set(GROUPS) | {"all"}
+        bad = [t for t in targets if t not in known]
+        if bad:
+            raise ValueError(f"unknown LoRA targets {bad}; known: {sorted(known)}")
+        object.__setattr__(self, "targets", targets)
+        object.__setattr__(self, "explicit", tuple(t for t in targets if t != "all"))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def resolved_targets(self) -> tuple[str, ...]:
+        """Concrete target names, expanded from groups and "all"."""
+        out: list[str] = []
+        for t in self.targets:
+            names = [n for g in ALL for n in GROUPS[g]] if t == "all" else GROUPS.get(t, (t,))
+            out += [n for n in names if n not in out]
+        return tuple(out)
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
+                "adapter_layout": self.adapter_layout, "dtype": self.dtype, "init_seed": self.init_seed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoRAConfig":
+        return cls(**{**d, "targets": tuple(d["targets"])})
+
+    def check_compatible(self, other: "LoRAConfig", where: str) -> None:
+        """A checkpoint written with `other` can be loaded into adapters built with self only if the shapes and
+        the function they compute agree: rank, alpha, layout and targets."""
+        for k in ("rank", "alpha", "adapter_layout"):
+            if getattr(self, k) != getattr(other, k):
+                raise ValueError(f"{where}: LoRA {k} mismatch: checkpoint has {getattr(other, k)!r}, "
+                                 f"the model's adapters have {getattr(self, k)!r}")
+        if set(self.resolved_targets()) != set(other.resolved_targets()):
+            raise ValueError(f"{where}: LoRA targets mismatch: checkpoint {sorted(other.resolved_targets())}, "
+                             f"model {sorted(self.resolved_targets())}")
