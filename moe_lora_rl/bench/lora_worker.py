@@ -48,59 +48,58 @@ def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) ->
     return losses, times
 
 
+def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
+    arch, model = build(path, layout, None)
+    base_logits = forward_logits(model, data["eval"], arch.vocab_size)
+    apply_lora(model, cfg)
+    lora_logits = forward_logits(model, data["eval"], arch.vocab_size)
+    init_diff = torch.tensor(-1.0 if base_logits is None else (lora_logits - base_logits).abs().max().item())
+    dist.all_reduce(init_diff, op=dist.ReduceOp.MAX)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    only_adapters = torch.tensor(int(bool(trainable) and all(hasattr(p, "lora_meta") for p in trainable)))
+    dist.all_reduce(only_adapters, op=dist.ReduceOp.MIN)
+    losses, times = train(model, arch, data["train"], a.steps, a.lr, a.mbs)
+    adapters = gather_adapters(model)
+    eval_logits = forward_logits(model, data["eval"], arch.vocab_size)
+    save_sharded(model, out / f"ckpt-{key}-m{mi}")
+    rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
+           "n_adapter_tensors": len(adapters), "adapter_params": sum(t.numel() for t in adapters.values()),
+           "step_s": times}
+    blob = {"adapters": adapters, "eval_logits": eval_logits, "losses": losses}
+    if a.load_from:
+        _, fresh = build(path, layout, cfg)
+        load_sharded(fresh, out / f"ckpt-{a.load_from}-m{mi}")
+        blob["loaded_logits"] = forward_logits(fresh, data["eval"], arch.vocab_size)
+        del fresh
+    if dist.get_rank() == dist.get_world_size() - 1:     # always on the last pipeline stage: it holds the logits
+        torch.save(blob, out / f"{key}-m{mi}.pt")
+    del model
+    return rec
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--models", required=True, help="comma-separated HF checkpoint dirs")
     ap.add_argument("--layouts", required=True)
-    ap.add_argument("--data", required=True, help=".pt with 'train' [N,S] and 'eval' [B,S] token tensors")
+    ap.add_argument("--data", required=True, help=".pt: {model_dir: {'train': [N,S], 'eval': [B,S]}} token tensors")
     ap.add_argument("--lora", required=True, help="LoRAConfig as JSON")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--load-from", default=None, help="checkpoint dir saved at another layout, to load and compare")
+    ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
     cpu_support.apply()
     cfg = LoRAConfig.from_dict(json.loads(a.lora))
     data = torch.load(a.data)
     out = Path(a.out)
-    summary = {}
+    summary: dict = {}
     for key in a.layouts.split(","):
         layout = Layout.parse(key)
         init_distributed(layout)
-        arch, model = build(a.model, layout, None)
-        base_logits = forward_logits(model, data["eval"], arch.vocab_size)
-        apply_lora(model, cfg)
-        lora_logits = forward_logits(model, data["eval"], arch.vocab_size)
-        init_diff = torch.tensor(-1.0 if base_logits is None else (lora_logits - base_logits).abs().max().item())
-        dist.all_reduce(init_diff, op=dist.ReduceOp.MAX)
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        only_adapters = torch.tensor(int(all(hasattr(p, "lora_meta") for p in model.parameters() if p.requires_grad)
-                                         and len(trainable) > 0))
-        dist.all_reduce(only_adapters, op=dist.ReduceOp.MIN)
-        losses, times = train(model, arch, data["train"], a.steps, a.lr, a.mbs)
-        adapters = gather_adapters(model)
-        eval_logits = forward_logits(model, data["eval"], arch.vocab_size)
-        ckpt = out / f"ckpt-{key}"
-        save_sharded(model, ckpt)
-        rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
-               "n_adapter_tensors": len(adapters), "step_s": times}
-        if a.load_from:
-            _, fresh = build(a.model, layout, cfg)
-            load_sharded(fresh, a.load_from)
-            loaded_logits = forward_logits(fresh, data["eval"], arch.vocab_size)
-            rec["loaded_from"] = a.load_from
-            del fresh
-        # the last-stage rank with global rank == world-1 always holds logits; it writes the tensors
-        holder = dist.get_world_size() - 1
-        if dist.get_rank() == holder:
-            blob = {"adapters": adapters, "eval_logits": eval_logits, "losses": losses}
-            if a.load_from:
-                blob["loaded_logits"] = loaded_logits
-            torch.save(blob, out / f"{key}.pt")
-        summary[key] = rec
-        del model
+        for mi, path in enumerate(a.models.split(",")):
+            summary.setdefault(key, {})[path] = run_one(a, cfg, layout, key, mi, path, data[path], out)
         teardown()
     if dist.get_rank() == 0:
         Path(a.result).write_text(json.dumps(summary))

@@ -16,8 +16,9 @@ def init_distributed(layout: Layout) -> None:
     layout.check_world_size(world)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:          # a single process without torchrun
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"),
-                              RANK="0", WORLD_SIZE="1")
+            from ..testing.launch import free_port
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     from megatron.core import parallel_state as ps
 

@@ -1,0 +1,64 @@
+"""Train LoRA at several layouts on identical data and compare everything against the unsharded reference.
+
+reference layout tp1ep1pp1 (world 1) first; every other layout (one torchrun launch per world size) also loads the
+reference's sharded checkpoint into fresh adapters, so save-at-one-layout / load-at-another is checked too.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..lora import LoRAConfig
+from ..testing.launch import run_torchrun
+from .common import group_by_world
+
+REFERENCE = "tp1ep1pp1"
+
+
+def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
+    """Per model: a training batch with an empty and an odd-loaded expert in one MoE layer, and an eval batch."""
+    from ..megatron.hf_reference import hf_model
+    from ..testing.data import uneven_batch
+
+    data, info = {}, {}
+    for m in models:
+        hf = hf_model(m)
+        train, why = uneven_batch(hf, n, s, hf.config.vocab_size)
+        g = torch.Generator().manual_seed(7)
+        data[m] = {"train": train, "eval": torch.randint(0, hf.config.vocab_size, (2, s), generator=g)}
+        info[m] = why
+    torch.save(data, out / "data.pt")
+    return info
+
+
+def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-3) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    load_info = make_data(models, workdir)
+    names = [n for n in layouts.split(",") if n and n != REFERENCE]
+    common = ["--models", ",".join(models), "--data", str(workdir / "data.pt"), "--lora", json.dumps(cfg.to_dict()),
+              "--steps", str(steps), "--lr", str(lr), "--out", str(workdir)]
+    summary = run_torchrun("moe_lora_rl.bench.lora_worker", 1, common + ["--layouts", REFERENCE])
+    for world, group in group_by_world(",".join(names)).items():
+        summary.update(run_torchrun("moe_lora_rl.bench.lora_worker", world,
+                                    common + ["--layouts", ",".join(group), "--load-from", REFERENCE]))
+    report: dict = {"per_layout": {}, "expert_load": load_info}
+    for mi, m in enumerate(models):
+        ref = torch.load(workdir / f"{REFERENCE}-m{mi}.pt")
+        for name in [REFERENCE] + names:
+            got = torch.load(workdir / f"{name}-m{mi}.pt")
+            rec = dict(summary[name][m])
+            if set(got["adapters"]) != set(ref["adapters"]):
+                raise AssertionError(f"{name}: adapter names differ from the reference: "
+                                     f"{sorted(set(got['adapters']) ^ set(ref['adapters']))[:6]}")
+            rec["adapter_max_diff"] = max((got["adapters"][k] - ref["adapters"][k]).abs().max().item()
+                                          for k in ref["adapters"])
+            rec["loss_max_diff"] = max(abs(x - y) for x, y in zip(got["losses"], ref["losses"]))
+            rec["eval_logits_max_diff"] = (got["eval_logits"] - ref["eval_logits"]).abs().max().item()
+            if "loaded_logits" in got:
+                rec["loaded_logits_max_diff"] = (got["loaded_logits"] - ref["eval_logits"]).abs().max().item()
+            report["per_layout"].setdefault(name, {})[m] = rec
+    report["layout_max_diff"] = max(max(r["adapter_max_diff"], r["loss_max_diff"])
+                                    for per in report["per_layout"].values() for r in per.values())
+    return report
