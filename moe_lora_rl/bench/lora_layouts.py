@@ -33,7 +33,9 @@ def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
     return info
 
 
-def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-3) -> dict:
+def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-3,
+        grouped: bool = False) -> dict:
+    """grouped: the non-reference layouts use the legacy GroupedMLP; the reference stays SequentialMLP."""
     workdir.mkdir(parents=True, exist_ok=True)
     load_info = make_data(models, workdir)
     names = [n for n in layouts.split(",") if n and n != REFERENCE]
@@ -42,7 +44,8 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     summary = run_torchrun("moe_lora_rl.bench.lora_worker", 1, common + ["--layouts", REFERENCE])
     for world, group in group_by_world(",".join(names)).items():
         summary.update(run_torchrun("moe_lora_rl.bench.lora_worker", world,
-                                    common + ["--layouts", ",".join(group), "--load-from", REFERENCE]))
+                                    common + ["--layouts", ",".join(group), "--load-from", REFERENCE]
+                                    + (["--grouped"] if grouped else [])))
     report: dict = {"per_layout": {}, "expert_load": load_info}
     for mi, m in enumerate(models):
         ref = torch.load(workdir / f"{REFERENCE}-m{mi}.pt")

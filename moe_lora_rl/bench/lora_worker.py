@@ -22,9 +22,9 @@ from ..megatron.parallel import init_distributed, teardown
 from ..megatron.train_step import lm_train_step
 
 
-def build(path: str, layout: Layout, cfg: LoRAConfig | None):
+def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = False):
     arch = load_arch(path)
-    model = build_model(arch, layout)
+    model = build_model(arch, layout, grouped_experts=grouped)
     load_hf_weights(model, path, arch)
     if cfg is not None:
         apply_lora(model, cfg)
@@ -49,7 +49,7 @@ def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) ->
 
 
 def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
-    arch, model = build(path, layout, None)
+    arch, model = build(path, layout, None, a.grouped)
     base_logits = forward_logits(model, data["eval"], arch.vocab_size)
     apply_lora(model, cfg)
     lora_logits = forward_logits(model, data["eval"], arch.vocab_size)
@@ -67,7 +67,7 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
            "step_s": times}
     blob = {"adapters": adapters, "eval_logits": eval_logits, "losses": losses}
     if a.load_from:
-        _, fresh = build(path, layout, cfg)
+        _, fresh = build(path, layout, cfg, a.grouped)
         load_sharded(fresh, out / f"ckpt-{a.load_from}-m{mi}")
         blob["loaded_logits"] = forward_logits(fresh, data["eval"], arch.vocab_size)
         del fresh
@@ -88,6 +88,7 @@ def main(argv=None):
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
+    ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
     cpu_support.apply()

@@ -24,6 +24,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
     ap.add_argument("--layouts", required=True)
+    ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
     cpu_support.apply()
@@ -34,7 +35,7 @@ def main(argv=None):
         init_distributed(layout)
         for path in a.models.split(","):
             arch = load_arch(path)
-            model = build_model(arch, layout)
+            model = build_model(arch, layout, grouped_experts=a.grouped)
             load_hf_weights(model, path, arch)
             tokens = sample_tokens(arch.vocab_size)
             logits = forward_logits(model, tokens, arch.vocab_size)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .config import GROUPS, TARGETS, LoRAConfig
+from .grouped import attach_grouped, detach_grouped, virtual_expert_linears
 from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
 from .sharding import LinearRule, rule_for
 
@@ -38,6 +39,8 @@ class AdapterPlan:
 def _parallel_kind(linear: nn.Module) -> str:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+    if hasattr(linear, "grouped"):                   # a per-expert linear inside a GroupedMLP
+        return linear.kind
     if isinstance(linear, ColumnParallelLinear):
         return "column"
     if isinstance(linear, RowParallelLinear):
@@ -80,9 +83,13 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     expert_offset = ps.get_expert_model_parallel_rank() * (mcfg.num_moe_experts // ep if mcfg.num_moe_experts else 0)
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size()}
     modules = dict(model.named_modules())
-    if any(type(m).__name__ in ("GroupedMLP", "TEGroupedMLP") for m in modules.values()) and \
+    if any(type(m).__name__ == "TEGroupedMLP" for m in modules.values()) and \
             any(t.startswith("expert_") for t in cfg.resolved_targets()):
-        raise ValueError("expert LoRA needs SequentialMLP experts (moe_grouped_gemm=False) in this version")
+        raise ValueError("expert LoRA on TEGroupedMLP needs Transformer Engine's grouped linear (GPU); use "
+                         "SequentialMLP or the legacy GroupedMLP")
+    for name, mod in list(modules.items()):
+        if type(mod).__name__ == "GroupedMLP":
+            modules.update(virtual_expert_linears(name, mod))
 
     wanted = cfg.resolved_targets()
     plans: list[AdapterPlan] = []
@@ -144,7 +151,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
 
     plans = plan_adapters(model, cfg)
     modules = dict(model.named_modules())
-    if any(hasattr(modules[p.module_name], "lora") for p in plans):
+    if any(hasattr(m, "lora") for m in modules.values()):
         raise ValueError("model already has LoRA adapters attached")
     ranks = {"tp": ps.get_tensor_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank(), None: 0}
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
@@ -169,8 +176,13 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     for param in model.parameters():
         param.requires_grad_(False)
     holders: dict[str, nn.Module] = {}
+    grouped: dict[str, dict[str, list]] = {}
     for p, adapter in adapters:
-        attach(modules[p.module_name], adapter)
+        experts_name, _, rest = p.module_name.partition(".local_experts.")
+        if p.module_name in modules:
+            attach(modules[p.module_name], adapter)
+        else:                                            # GroupedMLP: collect per local expert, attach below
+            grouped.setdefault(experts_name, {"linear_fc1": [], "linear_fc2": []})[rest.split(".")[1]].append(adapter)
         for fac, own in ((adapter.factor_A, "A" in adapter._parameters), (adapter.factor_B, "B" in adapter._parameters)):
             if not own:                                  # register a shared factor once, on its experts module
                 experts_name = p.module_name.split(".local_experts.")[0]
@@ -181,6 +193,8 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
                 key = fac.lora_meta.global_name.rsplit(".experts.", 1)[1].replace(".", "_")
                 if key not in holder._parameters:
                     holder.register_parameter(key, fac)
+    for experts_name, fcs in grouped.items():
+        attach_grouped(modules[experts_name], fcs["linear_fc1"], fcs["linear_fc2"])
     for _, fac in adapter_factors(model):
         fac.requires_grad_(True)
     model.lora_config = cfg
@@ -191,5 +205,7 @@ def remove_lora(model: nn.Module) -> None:
     for mod in list(model.modules()):
         if hasattr(mod, "_lora_hook"):
             detach(mod)
+        if type(mod).__name__ == "GroupedMLP" and "forward" in mod.__dict__:
+            detach_grouped(mod)
         if hasattr(mod, "lora_shared"):
             del mod.lora_shared

@@ -87,8 +87,11 @@ def _swap_norms(obj, memo=None):
     return new
 
 
-def build_model(arch: MoEArch, layout: Layout, **config_overrides):
-    """The GPTModel stage of this rank (parallel state must be initialised for `layout`)."""
+def build_model(arch: MoEArch, layout: Layout, *, grouped_experts: bool = False, **config_overrides):
+    """The GPTModel stage of this rank (parallel state must be initialised for `layout`).
+
+    grouped_experts: the legacy GroupedMLP (one weight1/weight2 for all local experts, grouped GEMM; megatron-core
+    0.16 only; on CPU its gmm is cpu_support.torch_gmm) instead of SequentialMLP."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -97,6 +100,13 @@ def build_model(arch: MoEArch, layout: Layout, **config_overrides):
     if arch.tie_embeddings and layout.pp > 1:
         raise ValueError(f"layout {layout.name}: tied input/output embeddings with pp={layout.pp} are not supported; "
                          "use pp=1")
+    if grouped_experts:
+        from .cpu_support import mcore_version
+
+        if not mcore_version().startswith("0.16."):
+            raise ValueError(f"grouped_experts=True: the legacy GroupedMLP was removed in megatron-core "
+                             f"{mcore_version()}; use SequentialMLP (or TEGroupedMLP on GPU)")
+        config_overrides = {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True, **config_overrides}
     cfg = transformer_config(arch, layout, **config_overrides)
     spec = _swap_norms(get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"))
     model = GPTModel(
@@ -104,4 +114,17 @@ def build_model(arch: MoEArch, layout: Layout, **config_overrides):
         max_sequence_length=4096, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",
         rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta, parallel_output=True)
+    if grouped_experts:
+        _allow_fp32_grouped_mlp(model)
     return model
+
+
+def _allow_fp32_grouped_mlp(model) -> None:
+    """GroupedMLP.forward asserts config.bf16 because the CUDA grouped_gemm kernel is bf16-only. The CPU gmm
+    computes in any dtype, so each GroupedMLP gets its own config copy with the flag set; nothing else reads it."""
+    import copy
+
+    for m in model.modules():
+        if type(m).__name__ == "GroupedMLP":
+            m.config = copy.copy(m.config)
+            m.config.bf16 = True

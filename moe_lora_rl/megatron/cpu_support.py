@@ -117,6 +117,20 @@ def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_g
     return total[start : start + sizes[group.rank()]].contiguous()
 
 
+def torch_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) -> torch.Tensor:
+    """Pure-torch grouped GEMM with grouped_gemm.ops.gmm's contract: rows of `a` split by batch_sizes, group i
+    multiplied by b[i] (or b[i].T with trans_b). Autograd comes from the per-group matmuls."""
+    sizes = [int(x) for x in (batch_sizes.tolist() if torch.is_tensor(batch_sizes) else batch_sizes)]
+    if len(sizes) != b.shape[0]:
+        raise ValueError(f"gmm: {len(sizes)} group sizes for {b.shape[0]} weight groups")
+    outs = [torch.matmul(x, w.t() if trans_b else w) for x, w in zip(torch.split(a, sizes), b.unbind(0))]
+    return torch.cat(outs, dim=0) if outs else a.new_zeros(0, b.shape[1] if trans_b else b.shape[2])
+
+
+class _GmmOps:
+    gmm = staticmethod(torch_gmm)
+
+
 class _CudaDeviceToCpu(torch.overrides.TorchFunctionMode):
     """Rewrites device='cuda' keyword arguments to CPU: the PP schedule and the default causal mask allocate on
     'cuda' explicitly (0.16.1 pipeline_parallel/schedules.py, transformer/utils.py)."""
@@ -196,5 +210,12 @@ def apply() -> CpuSupport:
     cs._set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     cs._set(mappings, "_gather_along_first_dim", _gather_along_first_dim)
     cs._set(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+    if version.startswith("0.16."):
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+        if gg.grouped_gemm is None:
+            # the legacy GroupedMLP needs the CUDA-only `grouped_gemm` package; a pure-torch gmm stands in on CPU
+            cs._set(gg, "grouped_gemm", _GmmOps)
+            cs._set(gg, "ops", _GmmOps)
     _ACTIVE = cs
     return cs

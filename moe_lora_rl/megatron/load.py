@@ -107,12 +107,24 @@ def load_hf_weights(model, ckpt_dir: str | Path, arch: MoEArch) -> int:
     etp = ShardSpec(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     vocab = model.vocab_size
     tensors = local_tensors(model)
+    _, expert_offset = _offsets(model)
+    num_local = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size() \
+        if model.config.num_moe_experts else 0
     for name, res in plan(model).items():
-        missing = [h for h in res.hf_names if h not in ckpt]
-        if missing:
-            raise ValueError(f"checkpoint {ckpt_dir} lacks {missing} needed for Megatron parameter {name!r}")
-        parts = [ckpt.get(h).to(torch.float32) for h in res.hf_names]
-        value = assemble(res.row.kind, parts, arch, etp if res.row.expert else tp, vocab)
+        grouped = res.row.kind.startswith("grouped_")
+        experts = range(expert_offset, expert_offset + num_local) if grouped else [None]
+        shards = []
+        for e in experts:
+            names = [h.replace("{E}", str(e)) for h in res.hf_names] if grouped else list(res.hf_names)
+            missing = [h for h in names if h not in ckpt]
+            if missing:
+                raise ValueError(f"checkpoint {ckpt_dir} lacks {missing} needed for Megatron parameter {name!r}")
+            parts = [ckpt.get(h).to(torch.float32) for h in names]
+            kind = {"grouped_glu": "glu", "grouped_row": "row"}.get(res.row.kind, res.row.kind)
+            shards.append(assemble(kind, parts, arch, etp if res.row.expert else tp, vocab))
+        # GroupedMLP reads weight1 [hidden, E*2ffn/etp] as .view(E, hidden, -1) and weight2 [E*ffn/etp, hidden] as
+        # .view(E, -1, hidden): memory holds the per-expert transposed matrices one after another.
+        value = torch.stack([s.t() for s in shards]).reshape(tensors[name].shape) if grouped else shards[0]
         target = tensors[name]
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)} from {res.hf_names}, the model "

@@ -9,6 +9,7 @@ how the full tensor is built and split across ranks:
     column      split on dim 0 (ColumnParallelLinear)
     row         split on dim 1 (RowParallelLinear)
     glu         [gate; up] column: each rank holds [gate_r; up_r]
+    grouped_*   the same per local expert, transposed and concatenated (legacy GroupedMLP weight1/weight2)
     qkv         q/k/v interleaved per query group, then split on dim 0
 
 Expert rows shard over the expert-tensor-parallel group and live on the EP rank that owns the expert.
@@ -53,6 +54,11 @@ ROWS: tuple[Row, ...] = (
         (_H + "mlp.experts.{E}.gate_proj.weight", _H + "mlp.experts.{E}.up_proj.weight"), "glu", expert=True),
     Row("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight",
         (_H + "mlp.experts.{E}.down_proj.weight",), "row", expert=True),
+    # legacy GroupedMLP: all local experts in one tensor, per expert [hidden, 2*ffn/etp] and [ffn/etp, hidden]
+    Row("decoder.layers.{l}.mlp.experts.weight1",
+        (_H + "mlp.experts.{E}.gate_proj.weight", _H + "mlp.experts.{E}.up_proj.weight"), "grouped_glu", expert=True),
+    Row("decoder.layers.{l}.mlp.experts.weight2", (_H + "mlp.experts.{E}.down_proj.weight",), "grouped_row",
+        expert=True),
     Row("decoder.layers.{l}.mlp.shared_experts.linear_fc1.weight",
         (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), "glu"),
     Row("decoder.layers.{l}.mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",),
@@ -77,6 +83,6 @@ def resolve(megatron_name: str, layer_offset: int, expert_offset: int) -> Resolv
             continue
         gl = int(m["l"]) + layer_offset if "l" in m.groupdict() else None
         ge = int(m["e"]) + expert_offset if "e" in m.groupdict() else None
-        names = tuple(h.replace("{L}", str(gl)).replace("{E}", str(ge)) for h in row.hf)
+        names = tuple(h.replace("{L}", str(gl)).replace("{E}", str(ge) if ge is not None else "{E}") for h in row.hf)
         return Resolved(row, names, gl, ge)
     raise ValueError(f"no HF source known for Megatron parameter {megatron_name!r} (moe_lora_rl/models/name_map.py)")
