@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .config import GROUPS, TARGETS, LoRAConfig
-from .grouped import attach_grouped, detach_grouped, virtual_expert_linears
+from .grouped import (attach_grouped, attach_te_grouped, detach_grouped, te_virtual_expert_linears,
+                      virtual_expert_linears)
 from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
 from .sharding import LinearRule, rule_for
 
@@ -83,13 +84,11 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     expert_offset = ps.get_expert_model_parallel_rank() * (mcfg.num_moe_experts // ep if mcfg.num_moe_experts else 0)
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size()}
     modules = dict(model.named_modules())
-    if any(type(m).__name__ == "TEGroupedMLP" for m in modules.values()) and \
-            any(t.startswith("expert_") for t in cfg.resolved_targets()):
-        raise ValueError("expert LoRA on TEGroupedMLP needs Transformer Engine's grouped linear (GPU); use "
-                         "SequentialMLP or the legacy GroupedMLP")
     for name, mod in list(modules.items()):
         if type(mod).__name__ == "GroupedMLP":
             modules.update(virtual_expert_linears(name, mod))
+        elif type(mod).__name__ == "TEGroupedMLP":
+            modules.update(te_virtual_expert_linears(name, mod))
 
     wanted = cfg.resolved_targets()
     plans: list[AdapterPlan] = []
@@ -181,7 +180,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
         experts_name, _, rest = p.module_name.partition(".local_experts.")
         if p.module_name in modules:
             attach(modules[p.module_name], adapter)
-        else:                                            # GroupedMLP: collect per local expert, attach below
+        else:                                            # (TE)GroupedMLP: collect per local expert, attach below
             grouped.setdefault(experts_name, {"linear_fc1": [], "linear_fc2": []})[rest.split(".")[1]].append(adapter)
         for fac, own in ((adapter.factor_A, "A" in adapter._parameters), (adapter.factor_B, "B" in adapter._parameters)):
             if not own:                                  # register a shared factor once, on its experts module
@@ -194,7 +193,12 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
                 if key not in holder._parameters:
                     holder.register_parameter(key, fac)
     for experts_name, fcs in grouped.items():
-        attach_grouped(modules[experts_name], fcs["linear_fc1"], fcs["linear_fc2"])
+        experts = modules[experts_name]
+        if type(experts).__name__ == "TEGroupedMLP":
+            attach_te_grouped(experts.linear_fc1, fcs["linear_fc1"])
+            attach_te_grouped(experts.linear_fc2, fcs["linear_fc2"])
+        else:
+            attach_grouped(experts, fcs["linear_fc1"], fcs["linear_fc2"])
     for _, fac in adapter_factors(model):
         fac.requires_grad_(True)
     model.lora_config = cfg

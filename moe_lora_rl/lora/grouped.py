@@ -74,3 +74,34 @@ def virtual_expert_linears(name: str, experts: nn.Module) -> dict:
         out[f"{name}.local_experts.{i}.linear_fc2"] = SimpleNamespace(kind="row", weight=SimpleNamespace(
             shape=(h, fc2_in)), grouped=name)
     return out
+
+
+# --- TEGroupedMLP (Transformer Engine grouped linears, GPU only) --------------------------------------------------
+# linear_fc1 / linear_fc2 are TEColumnParallelGroupedLinear / TERowParallelGroupedLinear with weight0..weight{E-1}
+# and forward(x, m_splits) -> (out, bias). The adapter is a forward hook on each grouped linear that splits the
+# tokens by m_splits and applies expert i's factors to its rows; names and factors are the SequentialMLP ones.
+
+def te_virtual_expert_linears(name: str, experts: nn.Module) -> dict:
+    from types import SimpleNamespace
+
+    out = {}
+    for fc, kind in (("linear_fc1", "column"), ("linear_fc2", "row")):
+        lin = getattr(experts, fc)
+        for i in range(lin.num_gemms):
+            w = getattr(lin, f"weight{i}")
+            out[f"{name}.local_experts.{i}.{fc}"] = SimpleNamespace(kind=kind, weight=SimpleNamespace(shape=w.shape),
+                                                                    grouped=name, te_linear=f"{name}.{fc}")
+    return out
+
+
+def _te_hook(module, args, kwargs, output):
+    x = args[0]
+    m_splits = args[1] if len(args) > 1 else kwargs["m_splits"]
+    out, bias = output
+    parts = [a(xi) for a, xi in zip(module.lora, torch.split(x, list(m_splits)))]
+    return out + torch.cat(parts, dim=0).to(out.dtype), bias
+
+
+def attach_te_grouped(linear: nn.Module, adapters: list) -> None:
+    linear.lora = nn.ModuleList(adapters)
+    linear._lora_hook = linear.register_forward_hook(_te_hook, with_kwargs=True)

@@ -108,7 +108,7 @@ def attach(linear: nn.Module, adapter: LoRAAdapter) -> None:
     linear._lora_hook = linear.register_forward_hook(_hook, with_kwargs=True)
 
 
-def detach(linear: nn.Module) -> None:
+def detach(linear: nn.Module) -> None:  # also undoes grouped.attach_te_grouped
     linear._lora_hook.remove()
     del linear._lora_hook
     del linear.lora
