@@ -6,6 +6,7 @@ import sys
 
 BENCHES = {
     "parity": "moe_lora_rl.bench.parity",
+    "lora": "moe_lora_rl.bench.lora",
 }
 
 

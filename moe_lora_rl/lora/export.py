@@ -77,17 +77,29 @@ def to_peft_tensors(adapters: dict[str, torch.Tensor], arch: MoEArch) -> dict[st
         Bs = _split_B(module, fac["B"], arch)
         assert len(Bs) == len(hf_mods), (module, len(Bs))
         for hf, B in zip(hf_mods, Bs):
-            out[f"{PREFIX}layers.{layer}.{hf}.lora_A.weight"] = fac["A"].contiguous()
-            out[f"{PREFIX}layers.{layer}.{hf}.lora_B.weight"] = B.contiguous()
+            out[f"{PREFIX}layers.{layer}.{hf}.lora_A.weight"] = fac["A"].clone()  # A is shared by the split parts
+            out[f"{PREFIX}layers.{layer}.{hf}.lora_B.weight"] = B.clone()
     return out
 
 
+# Dense-MLP and shared-expert projections share their names with the routed experts' projections; peft 0.21 moves
+# every gate/up/down_proj target onto the fused expert parameters of transformers 5 MoE models, so these 2D weights
+# must be named in target_parameters to keep their adapters (vLLM reads tensor names and ignores both lists).
+_MLP_PARAMS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+               "mlp.shared_experts.down_proj.weight")
+
+
 def peft_config(cfg: LoRAConfig, tensors: dict[str, torch.Tensor], base_model: str | None) -> dict:
-    targets = sorted({k[len(PREFIX):].rsplit(".lora_", 1)[0].split(".")[-1] for k in tensors})
+    modules = {k[len(PREFIX):].rsplit(".lora_", 1)[0] for k in tensors}
+    targets = sorted({m.split(".")[-1] for m in modules})
+    params = sorted({p for m in modules if ".experts." not in m or ".shared_experts." in m
+                     for p in _MLP_PARAMS if f"{m}.weight".endswith("." + p)})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "bias": "none", "target_modules": targets, "use_rslora": False,
-            "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
-            "base_model_name_or_path": base_model, "inference_mode": True}
+            "lora_dropout": 0.0, "bias": "none", "target_modules": targets, "target_parameters": params or None,
+            "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+            "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True,
+            "rank_pattern": {}, "alpha_pattern": {}}
 
 
 def save_peft(adapters: dict[str, torch.Tensor], arch: MoEArch, cfg: LoRAConfig, out_dir: str | Path,

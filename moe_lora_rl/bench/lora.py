@@ -1,0 +1,82 @@
+"""lora: expert LoRA layout invariance and PEFT export (tiny models), step time vs the base (medium model).
+
+    python -m moe_lora_rl.bench lora --json [--model DIR ...] [--speed-model DIR] [--layouts ...] [--rank 16]
+
+layout_max_diff: max over layouts/models of |loss| and |adapter| differences after 3 steps vs tp1ep1pp1.
+peft_max_diff: the trained adapters exported to PEFT, loaded into HF transformers + peft: max |logit diff| vs
+Megatron+LoRA. Step times: base = full fine-tuning step (fwd+bwd+AdamW over all weights), LoRA = frozen base +
+adapters (fwd+bwd+grad sync+AdamW over adapters), interleaved in one process; fwd_time_ratio isolates the adapters'
+forward cost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..lora import LoRAConfig
+from ..testing.launch import run_torchrun
+from .common import DEFAULT_LAYOUTS, emit, resolve_models
+
+
+def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
+    """Export a trained adapter blob (canonical tensors + Megatron eval logits) to PEFT and compare in HF."""
+    from ..lora.peft_hf import peft_logits
+    from ..lora.export import save_peft
+    from ..megatron.hf_reference import load_arch
+
+    blob = torch.load(blob_path)
+    data = torch.load(blob_path.parent / "data.pt")[model_dir]
+    save_peft(blob["adapters"], load_arch(model_dir), cfg, out, base_model=model_dir)
+    return (peft_logits(model_dir, out, data["eval"]) - blob["eval_logits"]).abs().max().item()
+
+
+def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfig, speed_layout: str) -> dict:
+    from . import lora_layouts
+
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        rep = lora_layouts.run(models, layouts, cfg, work)
+        pdiff = {m: peft_diff(m, work / f"{lora_layouts.REFERENCE}-m{i}.pt", cfg, work / f"peft-m{i}")
+                 for i, m in enumerate(models)}
+    result = {"layout_max_diff": rep["layout_max_diff"], "peft_max_diff": max(pdiff.values())}
+    if speed_model:
+        from ..megatron.layout import Layout
+
+        sp = run_torchrun("moe_lora_rl.bench.lora_speed_worker", Layout.parse(speed_layout).min_world_size,
+                          ["--model", speed_model, "--layout", speed_layout, "--lora", json.dumps(cfg.to_dict())])
+        result.update({k: sp[k] for k in ("base_step_s", "lora_step_s", "step_time_ratio", "base_fwd_s",
+                                          "lora_fwd_s", "fwd_time_ratio")})
+        result["adapter_params"], result["base_params"] = sp["adapter_params_local"], sp["base_params_local"]
+        result["speed_model"], result["speed_layout"] = speed_model, speed_layout
+    result.update({"models": models, "layouts": layouts.split(","), "rank": cfg.rank,
+                   "adapter_layout": cfg.adapter_layout, "per_model_peft_diff": pdiff,
+                   "per_layout": {k: {m: {kk: r[kk] for kk in ("loss_max_diff", "adapter_max_diff")}
+                                      for m, r in v.items()} for k, v in rep["per_layout"].items()}})
+    return result
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench lora", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", action="append", help="HF checkpoint(s) for the diffs; default: both tiny models")
+    ap.add_argument("--speed-model", default=None, help="checkpoint for step times; default: the medium qwen3_moe")
+    ap.add_argument("--no-speed", action="store_true", help="skip the step-time measurement")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS)
+    ap.add_argument("--speed-layout", default="tp1ep1pp1")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=32.0)
+    ap.add_argument("--adapter-layout", default="per_expert")
+    a = ap.parse_args(argv)
+    cfg = LoRAConfig(rank=a.rank, alpha=a.alpha, adapter_layout=a.adapter_layout)
+    speed = None
+    if not a.no_speed:
+        from ..models import get_model
+
+        speed = a.speed_model or str(get_model("qwen3_moe", "medium"))
+    result = run(resolve_models(a.model), speed, a.layouts, cfg, a.speed_layout)
+    emit(result, a.json)
+    return result
