@@ -33,7 +33,7 @@ def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
     return info
 
 
-def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-3,
+def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-4,
         grouped: bool = False) -> dict:
     """grouped: the non-reference layouts use the legacy GroupedMLP; the reference stays SequentialMLP."""
     workdir.mkdir(parents=True, exist_ok=True)

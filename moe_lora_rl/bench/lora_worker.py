@@ -84,7 +84,7 @@ def main(argv=None):
     ap.add_argument("--data", required=True, help=".pt: {model_dir: {'train': [N,S], 'eval': [B,S]}} token tensors")
     ap.add_argument("--lora", required=True, help="LoRAConfig as JSON")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")

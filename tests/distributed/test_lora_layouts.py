@@ -1,8 +1,10 @@
 """Expert LoRA trains identically at every layout (fp32), on a batch where some expert gets an odd number of tokens
 and some expert none; adapters saved at the unsharded layout load at every other layout.
 
-Tolerances: 1e-5 on losses and gathered adapter tensors after 3 AdamW steps (lr 1e-3); the only differences are
-fp32 reduction orders (measured ~1e-6). 1e-4 on logits of magnitude ~10 (as in the parity test).
+Tolerances: 1e-5 on losses and gathered adapter tensors after 3 AdamW steps (lr 1e-4); the only differences are
+fp32 reduction orders. Adam divides by the gradient's own magnitude, so for factors whose gradient is near zero that
+noise becomes a fraction of lr per step (measured 1.4e-5 at lr 1e-3, ~1e-6 at lr 1e-4). 1e-4 on logits of magnitude
+~10 (as in the parity test).
 Regressions covered: one adapter per EP rank (EP-dependent numerics), silently wrong ETP>1, lost gradients for
 experts with odd token counts, export by local expert index (every global expert id must be present).
 """

@@ -1,0 +1,96 @@
+"""Movers: execute a RefitPlan against one kind of engine. Each push is versioned and checksummed; the engine
+stages buckets and only the final commit switches what it serves, so generation continues during a push and a
+failed push leaves the previous complete version serving.
+
+    InprocTransport   colocated vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors by reference
+    HttpTransport     a separate vLLM OpenAI server started with our worker extension: /collective_rpc
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import torch
+
+from ..vllm.adapter_set import checksum
+from .plan import RefitPlan, plan_buckets
+
+
+class RefitError(RuntimeError):
+    """The engine did not take the push (unreachable, died, or refused); it still serves its previous version."""
+
+
+@dataclass
+class PushResult:
+    version: int
+    bytes: int
+    seconds: float
+    served: dict
+
+
+class _Base:
+    bucket_bytes = 64 << 20
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        plan = plan_buckets(version, {k: v.numel() * v.element_size() for k, v in tensors.items()},
+                            self.bucket_bytes)
+        digest = checksum(tensors)
+        t0 = time.perf_counter()
+        self._call("moe_lora_begin", version, digest, rank, alpha, len(plan.buckets))
+        for b in plan.buckets:
+            self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
+        served = self._call("moe_lora_commit", version)
+        return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
+
+    def status(self) -> dict:
+        return self._call("moe_lora_status")
+
+
+class InprocTransport(_Base):
+    """vLLM LLM object in this process; collective_rpc hands the tensors to the worker without copies."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def _call(self, method: str, *args):
+        try:
+            return self.llm.collective_rpc(method, args=args)[0]
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - engine failure, not a user error
+            raise RefitError(f"{method} failed in the engine: {e}") from e
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        self._call("moe_lora_bucket", version, index, tensors)
+
+
+class HttpTransport(_Base):
+    """A vLLM server (VLLM_SERVER_DEV_MODE=1, --worker-extension-cls moe_lora_rl.vllm.worker_ext....)."""
+
+    def __init__(self, base_url: str, timeout: float = 120.0):
+        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+
+    def _call(self, method: str, *args):
+        body = json.dumps({"method": method, "args": list(args)}).encode()
+        req = urllib.request.Request(f"{self.base_url}/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                payload = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            if "ValueError" in detail:
+                raise ValueError(f"engine refused {method}: {detail}") from e
+            raise RefitError(f"{method}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise RefitError(f"{method}: engine at {self.base_url} unreachable: {e}") from e
+        results = payload.get("results", payload)
+        return results[0] if isinstance(results, list) else results
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        from ..vllm.worker_ext import encode_blob
+
+        self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))

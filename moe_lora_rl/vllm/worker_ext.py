@@ -1,0 +1,88 @@
+"""vLLM worker extension (worker_extension_cls="moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"): adapter
+pushes reach the worker through collective_rpc, in process or over the server's /collective_rpc endpoint."""
+from __future__ import annotations
+
+import base64
+
+import torch
+
+from .adapter_set import build_adapter_set
+
+
+def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(base64.b64decode(blob_b64))
+
+
+def encode_blob(tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save
+
+    return base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode()
+
+
+class MoELoRAWorkerExtension:
+    def _moe_lora_runtime(self):
+        rt = getattr(self, "_moe_lora_rt", None)
+        if rt is None:
+            from .runtime import LoRARuntime
+
+            rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model)
+        return rt
+
+    def moe_lora_push(self, version: int, checksum: str, tensors: dict, rank: int, alpha: float) -> dict:
+        """Validate a complete adapter and make it the served version; on any error the previous one stays."""
+        rt = self._moe_lora_runtime()
+        dtype = torch.float32
+        adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
+                                    expected_checksum=checksum, dtype=dtype)
+        rt.activate(adapter)
+        return rt.status()
+
+    # staged push: begin -> bucket* -> commit; serving is untouched until commit validates the whole adapter
+    def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int) -> dict:
+        served = self._moe_lora_runtime().status()["version"]
+        if served is not None and version <= served:
+            raise ValueError(f"stale adapter version {version}: version {served} is served")
+        self._moe_lora_stage = {"version": version, "checksum": checksum, "rank": rank, "alpha": alpha,
+                                "num_buckets": num_buckets, "buckets": {}, "tensors": {}}
+        return {"staging": version}
+
+    def moe_lora_bucket(self, version: int, index: int, tensors: dict) -> dict:
+        st = getattr(self, "_moe_lora_stage", None)
+        if st is None or st["version"] != version:
+            raise ValueError(f"bucket {index} of version {version} without a matching begin "
+                             f"(staging {st['version'] if st else None})")
+        if index in st["buckets"] or not 0 <= index < st["num_buckets"]:
+            raise ValueError(f"version {version}: bucket index {index} repeated or out of range "
+                             f"0..{st['num_buckets'] - 1}")
+        dup = set(tensors) & set(st["tensors"])
+        if dup:
+            raise ValueError(f"version {version}: tensors sent twice: {sorted(dup)[:4]}")
+        st["buckets"][index] = len(tensors)
+        st["tensors"].update(tensors)
+        return {"received": len(st["buckets"])}
+
+    def moe_lora_bucket_blob(self, version: int, index: int, blob_b64: str) -> dict:
+        return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
+
+    def moe_lora_commit(self, version: int) -> dict:
+        st = getattr(self, "_moe_lora_stage", None)
+        self._moe_lora_stage = None
+        if st is None or st["version"] != version:
+            raise ValueError(f"commit of version {version} without a matching begin")
+        if len(st["buckets"]) != st["num_buckets"]:
+            missing = sorted(set(range(st["num_buckets"])) - set(st["buckets"]))
+            raise ValueError(f"version {version}: buckets {missing} never arrived")
+        return self.moe_lora_push(version, st["checksum"], st["tensors"], st["rank"], st["alpha"])
+
+    def moe_lora_push_blob(self, version: int, checksum: str, blob_b64: str, rank: int, alpha: float) -> dict:
+        return self.moe_lora_push(version, checksum, decode_blob(blob_b64), rank, alpha)
+
+    def moe_lora_status(self) -> dict:
+        return self._moe_lora_runtime().status()
+
+    def moe_lora_clear(self) -> dict:
+        rt = self._moe_lora_runtime()
+        rt.deactivate()
+        return rt.status()
