@@ -128,3 +128,15 @@ def test_checkpoint_missing_expert_is_refused_and_nothing_loaded(qwen, tmp_path)
 def test_experts_not_dividing_ep_refused():
     with pytest.raises(ValueError, match="ep=3 does not divide num_experts=8"):
         Layout.parse("ep3").check_model(num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8, moe_ffn=64, ffn=None)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer", "shared"])
+def test_refit_calculator_counts_the_adapters_megatron_builds(qwen, layout):
+    from moe_lora_rl.refit.calc import MoESpec, expert_adapter_params, other_adapter_params
+
+    m = qwen()
+    apply_lora(m, LoRAConfig(rank=2, adapter_layout=layout))
+    built = sum(f.numel() for _, f in adapter_factors(m))
+    # qwen3_moe tiny: 2 MoE layers, 8 experts, hidden 128, expert FFN 64; fused qkv 128 -> (4+2+2)*32, o 128 -> 128
+    spec = MoESpec("qwen3_moe-tiny", 2, 2, 8, 128, 64, attention=((128, 256), (128, 128)))
+    assert built == expert_adapter_params(spec, 2, layout) + other_adapter_params(spec, 2)

@@ -1,0 +1,85 @@
+"""Refit sizes by calculation: adapter and base bytes of a MoE model for each adapter layout and rank, and the
+time to move them over a link. Pure arithmetic, so trillion-parameter claims are checkable by hand.
+
+Per routed expert (GLU): fc1 [2F, H], fc2 [H, F]. LoRA factors: A [r, in], B [out, r].
+    per_expert    per MoE layer: E * r * (H + 2F) + E * r * (F + H)          = E r (2H + 3F)
+    shared_outer  fc1 A and fc2 B shared:  r H + E 2F r + E r F + H r         = r (2H + 3 E F)
+    shared        one fc1 and one fc2 adapter per layer                       = r (2H + 3F)
+Other linears (attention, shared expert, dense MLP): r * (in + out) each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    name: str
+    num_layers: int
+    moe_layers: int
+    experts: int
+    hidden: int
+    expert_ffn: int
+    shared_ffn: int = 0               # shared expert intermediate size (0 = none)
+    dense_ffn: int = 0                # dense MLP layers' intermediate size
+    vocab: int = 0
+    attention: tuple[tuple[int, int], ...] = field(default_factory=tuple)   # (in, out) of every attention linear
+    router_bias: bool = False
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
+
+
+_KIMI_ATT = ((7168, 1536), (1536, 64 * (128 + 64)), (7168, 512 + 64), (512, 64 * (128 + 128)), (64 * 128, 7168))
+SPECS = {
+    # Kimi-K2: 61 layers (first dense), 384 routed experts + 1 shared, hidden 7168, expert FFN 2048, MLA attention
+    "kimi-k2": MoESpec("kimi-k2", 61, 60, 384, 7168, 2048, shared_ffn=2048, dense_ffn=18432, vocab=163840,
+                       attention=_KIMI_ATT, router_bias=True),
+    # Qwen3-30B-A3B: 48 layers all MoE, 128 experts, hidden 2048, expert FFN 768, GQA 32 q / 4 kv heads of 128
+    "qwen3-30b-a3b": MoESpec("qwen3-30b-a3b", 48, 48, 128, 2048, 768, vocab=151936,
+                             attention=((2048, 4096), (2048, 512), (2048, 512), (4096, 2048))),
+}
+
+
+def expert_adapter_params(s: MoESpec, r: int, layout: str) -> int:
+    H, F, E = s.hidden, s.expert_ffn, s.experts
+    per_layer = {"per_expert": E * r * (2 * H + 3 * F), "shared_outer": r * (2 * H + 3 * E * F),
+                 "shared": r * (2 * H + 3 * F)}
+    if layout not in per_layer:
+        raise ValueError(f"adapter layout {layout!r}; choose one of {sorted(per_layer)}")
+    return s.moe_layers * per_layer[layout]
+
+
+def other_adapter_params(s: MoESpec, r: int) -> int:
+    att = sum(r * (i + o) for i, o in s.attention) * s.num_layers
+    shared = s.moe_layers * r * (2 * s.hidden + 3 * s.shared_ffn) if s.shared_ffn else 0
+    dense = s.dense_layers * r * (2 * s.hidden + 3 * s.dense_ffn) if s.dense_ffn else 0
+    return att + shared + dense
+
+
+def base_params(s: MoESpec) -> int:
+    H = s.hidden
+    experts = s.moe_layers * s.experts * 3 * H * s.expert_ffn
+    shared = s.moe_layers * 3 * H * s.shared_ffn
+    router = s.moe_layers * (s.experts * H + (s.experts if s.router_bias else 0))
+    dense = s.dense_layers * 3 * H * s.dense_ffn
+    att = s.num_layers * sum(i * o for i, o in s.attention)
+    norms = s.num_layers * 2 * H + H
+    return experts + shared + router + dense + att + norms + 2 * s.vocab * H
+
+
+def refit_report(s: MoESpec, ranks=(8, 32, 128), layouts=("per_expert", "shared_outer", "shared"),
+                 bytes_per_param: int = 2, link_gbps: float = 25.0) -> dict:
+    """link_gbps: link bandwidth in GB/s (e.g. 25 GB/s ~ a 200 Gb/s NIC)."""
+    base_bytes = base_params(s) * bytes_per_param
+    out = {"model": s.name, "base_params": base_params(s), "base_bytes": base_bytes,
+           "bytes_per_param": bytes_per_param, "link_GBps": link_gbps,
+           "base_refit_s": base_bytes / (link_gbps * 1e9), "adapters": {}}
+    for layout in layouts:
+        for r in ranks:
+            n = expert_adapter_params(s, r, layout) + other_adapter_params(s, r)
+            b = n * bytes_per_param
+            out["adapters"][f"{layout}/r{r}"] = {"params": n, "bytes": b, "refit_s": b / (link_gbps * 1e9),
+                                                 "bytes_ratio_base_over_lora": base_bytes / b}
+    return out
