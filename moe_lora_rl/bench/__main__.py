@@ -7,6 +7,7 @@ import sys
 BENCHES = {
     "parity": "moe_lora_rl.bench.parity",
     "lora": "moe_lora_rl.bench.lora",
+    "refit": "moe_lora_rl.bench.refit",
 }
 
 

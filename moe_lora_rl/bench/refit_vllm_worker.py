@@ -82,7 +82,9 @@ def main(argv=None) -> dict:
     errors = {}
     drop = next(k for k in tensors if ".mlp.experts.3.down_proj.lora_B" in k)
     bad = {
-        "missing_expert": (version + 1, {k: v for k, v in tensors.items() if k != drop}),
+        "missing_expert": (version + 1, {k: v for k, v in tensors.items()
+                                         if k not in (drop, drop.replace("lora_B", "lora_A"))}),
+        "half_pair": (version + 1, {k: v for k, v in tensors.items() if k != drop}),
         "stale_version": (version, tensors),
         "wrong_shape": (version + 1, {**tensors, drop: torch.zeros(tensors[drop].shape[0] + 1, a.rank)}),
         "unknown_name": (version + 1, {**tensors, "base_model.model.model.layers.0.mlp.foo.lora_A.weight":
@@ -113,5 +115,87 @@ def main(argv=None) -> dict:
     return res
 
 
+def merged_state(model_dir: str, peft: dict, scale: float):
+    """Every checkpoint tensor, with W + scale * B @ A folded into the adapted ones (the full-weight refit)."""
+    import re
+
+    import torch
+    from safetensors import safe_open
+
+    from ..vllm.runtime import _Checkpoint
+
+    ck = _Checkpoint(__import__("pathlib").Path(model_dir))
+    delta = {}
+    for k, A in peft.items():
+        m = re.match(r"^base_model\.model\.(.+)\.lora_A\.weight$", k)
+        if m:
+            B = peft[k.replace("lora_A", "lora_B")]
+            delta[m.group(1) + ".weight"] = (B.double() @ A.double()) * scale
+    out = []
+    for name in ck.wm:
+        t = ck.get(name).float()
+        if name in delta:
+            t = (t.double() + delta.pop(name)).float()
+        out.append((name, t))
+    if delta:
+        raise ValueError(f"merged refit: adapters for tensors not in the checkpoint: {sorted(delta)[:4]}")
+    return out
+
+
+def bench(argv=None) -> dict:
+    """Side by side on one engine: LoRA-only push vs full merged-weight reload."""
+    import time
+
+    import torch
+
+    from ..lora.export import to_peft_tensors
+    from ..models.arch import arch_from_hf_config
+    from ..refit.transports import InprocTransport
+    import transformers
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--blob", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--alpha", type=float, required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    arch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(a.model))
+    data = torch.load(a.data)[a.model]
+    blob = torch.load(a.blob)
+    seqs = data["eval"].tolist()
+    want = megatron_logprobs(data["eval"], blob["eval_logits"])
+    peft = to_peft_tensors(blob["adapters"], arch)
+    llm = make_llm(a.model)
+    tr = InprocTransport(llm)
+    lora_s = []
+    for i in range(a.repeats):
+        lora_s.append(tr.push(i + 1, peft, a.rank, a.alpha).seconds)
+    lora_diff = (prompt_logprobs(llm, seqs) - want).abs().max().item()
+    tr._call("moe_lora_clear")
+    full_s = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        weights = merged_state(a.model, peft, a.alpha / a.rank)       # the trainer-side merge is part of the cost
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        llm.reset_prefix_cache()
+        full_s.append(time.perf_counter() - t0)
+    merged_diff = (prompt_logprobs(llm, seqs) - want).abs().max().item()
+    lora_bytes = sum(t.numel() * t.element_size() for t in peft.values())
+    full_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    res = {"model": a.model, "lora_bytes": lora_bytes, "full_bytes": full_bytes, "bytes_ratio": full_bytes / lora_bytes,
+           "lora_refit_s": med(lora_s), "full_refit_s": med(full_s), "time_ratio": med(full_s) / med(lora_s),
+           "logprob_max_diff_lora": lora_diff, "logprob_max_diff_merged": merged_diff}
+    print("RESULT " + json.dumps(res))
+    return res
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["bench"]:
+        bench(sys.argv[2:])
+    else:
+        main()

