@@ -82,7 +82,11 @@ class HttpTransport(_Base):
                 payload = json.loads(r.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
-            if "ValueError" in detail:
+            if "collective_rpc method failed" in detail:   # the engine answered: our method refused the push
+                try:
+                    detail = json.loads(detail)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    pass
                 raise ValueError(f"engine refused {method}: {detail}") from e
             raise RefitError(f"{method}: HTTP {e.code}: {detail}") from e
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
