@@ -111,35 +111,13 @@ def main(argv=None) -> dict:
     res["unchanged_after_bad"] = (prompt_logprobs(llm, seqs) - served_lp).abs().max().item()
     recovered = tr.push(version + 1, tensors, a.rank, a.alpha)   # the next good push recovers
     res["recovered_version"] = recovered.served["version"]
+    from ..refit.transports import MergedInprocTransport
+
+    merged = MergedInprocTransport(llm, a.model).push(1, tensors, a.rank, a.alpha)   # full-weight refit, same API
+    res["merged_logprob_max_diff"] = (prompt_logprobs(llm, seqs) - want).abs().max().item()
+    res["merged_bytes"] = merged.bytes
     print("RESULT " + json.dumps(res))
     return res
-
-
-def merged_state(model_dir: str, peft: dict, scale: float):
-    """Every checkpoint tensor, with W + scale * B @ A folded into the adapted ones (the full-weight refit)."""
-    import re
-
-    import torch
-    from safetensors import safe_open
-
-    from ..vllm.runtime import _Checkpoint
-
-    ck = _Checkpoint(__import__("pathlib").Path(model_dir))
-    delta = {}
-    for k, A in peft.items():
-        m = re.match(r"^base_model\.model\.(.+)\.lora_A\.weight$", k)
-        if m:
-            B = peft[k.replace("lora_A", "lora_B")]
-            delta[m.group(1) + ".weight"] = (B.double() @ A.double()) * scale
-    out = []
-    for name in ck.wm:
-        t = ck.get(name).float()
-        if name in delta:
-            t = (t.double() + delta.pop(name)).float()
-        out.append((name, t))
-    if delta:
-        raise ValueError(f"merged refit: adapters for tensors not in the checkpoint: {sorted(delta)[:4]}")
-    return out
 
 
 def bench(argv=None) -> dict:
@@ -150,7 +128,7 @@ def bench(argv=None) -> dict:
 
     from ..lora.export import to_peft_tensors
     from ..models.arch import arch_from_hf_config
-    from ..refit.transports import InprocTransport
+    from ..refit.transports import InprocTransport, MergedInprocTransport
     import transformers
 
     ap = argparse.ArgumentParser()
@@ -173,17 +151,14 @@ def bench(argv=None) -> dict:
     for i in range(a.repeats):
         lora_s.append(tr.push(i + 1, peft, a.rank, a.alpha).seconds)
     lora_diff = (prompt_logprobs(llm, seqs) - want).abs().max().item()
-    tr._call("moe_lora_clear")
-    full_s = []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        weights = merged_state(a.model, peft, a.alpha / a.rank)       # the trainer-side merge is part of the cost
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        llm.reset_prefix_cache()
-        full_s.append(time.perf_counter() - t0)
+    full = MergedInprocTransport(llm, a.model)     # the trainer-side merge is part of the full refit's cost
+    full_s, full_bytes = [], 0
+    for i in range(a.repeats):
+        r = full.push(i + 1, peft, a.rank, a.alpha)
+        full_s.append(r.seconds)
+        full_bytes = r.bytes
     merged_diff = (prompt_logprobs(llm, seqs) - want).abs().max().item()
     lora_bytes = sum(t.numel() * t.element_size() for t in peft.values())
-    full_bytes = sum(t.numel() * t.element_size() for _, t in weights)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     res = {"model": a.model, "lora_bytes": lora_bytes, "full_bytes": full_bytes, "bytes_ratio": full_bytes / lora_bytes,
            "lora_refit_s": med(lora_s), "full_refit_s": med(full_s), "time_ratio": med(full_s) / med(lora_s),

@@ -2,8 +2,9 @@
 stages buckets and only the final commit switches what it serves, so generation continues during a push and a
 failed push leaves the previous complete version serving.
 
-    InprocTransport   colocated vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors by reference
-    HttpTransport     a separate vLLM OpenAI server started with our worker extension: /collective_rpc
+    InprocTransport         colocated vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors by reference
+    HttpTransport           a separate vLLM OpenAI server started with our worker extension: /collective_rpc
+    MergedInprocTransport   full-weight refit (adapters merged into every weight) through reload_weights
 """
 from __future__ import annotations
 
@@ -98,3 +99,30 @@ class HttpTransport(_Base):
         from ..vllm.worker_ext import encode_blob
 
         self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))
+
+
+class MergedInprocTransport:
+    """Same push(version, tensors, rank, alpha) interface; moves the whole model with the adapters merged."""
+
+    def __init__(self, llm, model_dir: str):
+        self.llm, self.model_dir, self.version = llm, model_dir, None
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        from .merged import merged_state
+
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"stale weight version {version}: version {self.version} is served")
+        t0 = time.perf_counter()
+        weights = merged_state(self.model_dir, tensors, alpha / rank)
+        try:
+            self.llm.collective_rpc("moe_lora_clear")            # the merged weights already hold the adapter
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+        except Exception as e:  # noqa: BLE001
+            raise RefitError(f"full-weight reload failed: {e}") from e
+        self.version = version
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        return PushResult(version, nbytes, time.perf_counter() - t0, {"version": version})
+
+    def status(self) -> dict:
+        return {"version": self.version}

@@ -61,6 +61,7 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
         assert r["served_after_bad"]["version"] == 2
         assert r["unchanged_after_bad"] == 0.0
         assert r["recovered_version"] == 3
+        assert r["merged_logprob_max_diff"] <= 1e-3 and r["merged_bytes"] > 10 * r["layouts"]["tp2ep2"]["bytes"]
 
 
 def test_server_process_push_over_http(trained, tmp_path):
