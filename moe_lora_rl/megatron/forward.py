@@ -21,6 +21,19 @@ def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pos, mask
 
 
+def packed_inputs(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples packed into one sequence: positions restart per sample, attention is block-diagonal causal
+    (the local attention path's equivalent of THD packing)."""
+    total = sum(lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        allowed[start:start + n, start:start + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        start += n
+    return pos, (~allowed)[None, None]
+
+
 def gather_vocab(logits_local: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[b, s, V/tp] vocab-parallel logits -> [b, s, V] (padding rows trimmed)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -42,6 +55,7 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
     def step(data_iterator, m):
         batch = next(data_iterator)
         pos, mask = causal_inputs(batch["tokens"])
+        pos, mask = batch.get("position_ids", pos), batch.get("attention_mask", mask)
         out = m(input_ids=batch["tokens"], position_ids=pos, attention_mask=mask)
         if forward_only:
             return out, lambda t, non_loss_data=False: on_output(t, batch)
@@ -55,13 +69,14 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
 
 
 @torch.no_grad()
-def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Full-vocabulary fp32 logits [b, s, V] on last-stage ranks, None on the others."""
+def forward_logits(model, tokens: torch.Tensor, vocab_size: int, **inputs) -> torch.Tensor | None:
+    """Full-vocabulary fp32 logits [b, s, V] on last-stage ranks, None on the others. inputs: optional
+    position_ids / attention_mask (e.g. packed_inputs)."""
     from megatron.core import parallel_state as ps
 
     model.eval()
     b, s = tokens.shape
-    outs = run_schedule(model, [{"tokens": tokens}], forward_only=True,
+    outs = run_schedule(model, [{"tokens": tokens, **inputs}], forward_only=True,
                         on_output=lambda t, batch: gather_vocab(t, vocab_size).float(),
                         seq_length=s, micro_batch_size=b)
     return outs[0] if ps.is_pipeline_last_stage() else None

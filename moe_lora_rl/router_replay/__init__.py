@@ -1,0 +1,2 @@
+"""Router replay: routes recorded at rollout (R3) or in an earlier training pass (R2), aligned to the training
+layout and replayed in Megatron's routers, consumed exactly once; plus train-inference mismatch metrics."""

@@ -1,0 +1,119 @@
+"""Replay recorded routes in megatron-core's routers (training side).
+
+megatron-core's TopKRouter already passes `self.router_replay` into its top-k (moe_utils.topk_routing_with_score
+_function -> router_replay.get_replay_topk). We use that hook point but not its RouterReplay class, which (1) keeps
+a process-global registry in construction order, so two models in one process or PP stages mix up layers, (2)
+reuses one target for every microbatch, (3) checks neither the token count nor the expert ids, and (4) cannot tell
+whether every route was used. Here every router gets a RouteReplay that knows its global layer number and holds a
+queue with one entry per microbatch, consumed exactly once per forward (and once more by activation recompute).
+
+The gating weights still come from the training router's scores at the replayed experts (scores.gather), so the
+router keeps its gradient.
+"""
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+
+import torch
+
+
+class Mode(str, Enum):
+    DISABLED = "disabled"
+    RECORD = "record"      # compute routes and keep them (R2: the old policy's pass)
+    REPLAY = "replay"      # use queued routes (R2 later mini-batches, R3 rollout routes)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class RouteReplay:
+    def __init__(self, layer: int, num_experts: int, topk: int, recompute: bool):
+        self.layer, self.num_experts, self.topk, self.recompute = layer, num_experts, topk, recompute
+        self.mode = Mode.DISABLED
+        self.queue: deque[torch.Tensor] = deque()
+        self.recompute_queue: deque[torch.Tensor] = deque()
+        self.recorded: list[torch.Tensor] = []
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.mode is Mode.DISABLED:
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.mode is Mode.RECORD:
+            probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if not _in_backward():
+                self.recorded.append(idx.detach().clone())
+            return probs, idx
+        if self.recompute and _in_backward():
+            if not self.recompute_queue:
+                raise ValueError(f"layer {self.layer}: activation recompute found no replayed route to reuse")
+            idx = self.recompute_queue.popleft()
+        else:
+            if not self.queue:
+                raise ValueError(f"layer {self.layer}: no recorded route left for a forward of {scores.shape[0]} "
+                                 "tokens (more microbatches than routes were queued)")
+            idx = self.queue.popleft()
+            if tuple(idx.shape) != (scores.shape[0], topk):
+                raise ValueError(f"layer {self.layer}: routes of shape {tuple(idx.shape)} for a router input of "
+                                 f"{scores.shape[0]} tokens with top-k {topk}")
+            if self.recompute:
+                self.recompute_queue.append(idx)
+        idx = idx.to(scores.device)
+        self.recorded.append(idx)
+        return scores.gather(1, idx), idx
+
+
+class RouterReplayer:
+    """Attach RouteReplay objects to every TopKRouter of a model stage; queue, replay, record, check."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        cfg = model.config
+        recompute = cfg.recompute_granularity is not None
+        self.replays: list[RouteReplay] = []
+        for layer in model.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if isinstance(router, TopKRouter):
+                rp = RouteReplay(layer.layer_number - 1, cfg.num_moe_experts, cfg.moe_router_topk, recompute)
+                router.router_replay = rp
+                self.replays.append(rp)
+        self.routers = [layer.mlp.router for layer in model.decoder.layers
+                        if isinstance(getattr(getattr(layer, "mlp", None), "router", None), TopKRouter)]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [r.layer for r in self.replays]
+
+    def set_mode(self, mode: Mode | str) -> None:
+        mode = Mode(mode)
+        for r in self.replays:
+            r.mode = mode
+
+    def queue_microbatch(self, per_layer: list[torch.Tensor]) -> None:
+        if len(per_layer) != len(self.replays):
+            raise ValueError(f"routes for {len(per_layer)} MoE layers, this stage has {len(self.replays)} "
+                             f"(global layers {self.layer_ids})")
+        for r, idx in zip(self.replays, per_layer):
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= r.num_experts):
+                raise ValueError(f"layer {r.layer}: expert id out of range 0..{r.num_experts - 1} "
+                                 f"(min {int(idx.min())}, max {int(idx.max())})")
+            r.queue.append(idx.long())
+
+    def check_consumed(self) -> None:
+        """Every queued route used exactly once (and every recompute copy too)."""
+        left = {r.layer: (len(r.queue), len(r.recompute_queue)) for r in self.replays
+                if r.queue or r.recompute_queue}
+        if left:
+            raise ValueError(f"routes left unconsumed per layer (forward, recompute): {left}")
+
+    def pop_recorded(self) -> list[list[torch.Tensor]]:
+        out = [r.recorded for r in self.replays]
+        for r in self.replays:
+            r.recorded = []
+        return out
+
+    def detach(self) -> None:
+        for router in self.routers:
+            router.router_replay = None
+        self.replays, self.routers = [], []
