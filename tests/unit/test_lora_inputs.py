@@ -3,32 +3,9 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_lora_rl.lora import LoRAConfig, adapter_factors, apply_lora, load_sharded, remove_lora, save_sharded
-from moe_lora_rl.megatron import cpu_support
-from moe_lora_rl.megatron.build import build_model
-from moe_lora_rl.megatron.hf_reference import load_arch
 from moe_lora_rl.megatron.layout import Layout
-from moe_lora_rl.megatron.load import load_hf_weights
-from moe_lora_rl.megatron.parallel import init_distributed, teardown
-from moe_lora_rl.models import get_model
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    cpu_support.apply()
-    init_distributed(Layout())
-    path = get_model("qwen3_moe")
-    arch = load_arch(path)
-
-    def make():
-        m = build_model(arch, Layout())
-        load_hf_weights(m, path, arch)
-        return m
-    yield make
-    teardown()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -1,0 +1,30 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """A factory of tiny Qwen3-MoE Megatron models on a single-rank gloo world (in this process)."""
+    import torch.distributed as dist
+
+    from moe_lora_rl.megatron import cpu_support
+    from moe_lora_rl.megatron.build import build_model
+    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.megatron.layout import Layout
+    from moe_lora_rl.megatron.load import load_hf_weights
+    from moe_lora_rl.megatron.parallel import init_distributed, teardown
+    from moe_lora_rl.models import get_model
+
+    cpu_support.apply()
+    init_distributed(Layout())
+    path = get_model("qwen3_moe")
+    arch = load_arch(path)
+
+    def make(**kw):
+        cpu_support.apply()
+        m = build_model(arch, Layout(), **kw)
+        load_hf_weights(m, path, arch)
+        return m
+    make.arch = arch
+    yield make
+    teardown()
+    dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""Routes container, alignment, metrics and the replay queue (pure / single process)."""
+import numpy as np
+import pytest
+import torch
+
+from moe_lora_rl.router_replay.align import align_microbatch, spread_pad
+from moe_lora_rl.router_replay.metrics import k3_kl, ratio_exceeds, router_disagreement
+from moe_lora_rl.router_replay.replay import Mode, RouteReplay
+from moe_lora_rl.router_replay.routes import RoutesBatch
+
+
+def _routes(lengths, layers=(1, 2, 3), k=2, e=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return RoutesBatch([rng.integers(0, e, (n, len(layers), k)) for n in lengths], tuple(layers), e, k)
+
+
+def test_compact_dtype_and_bytes():
+    r = _routes([5, 3])
+    assert r.samples[0].dtype == np.uint8 and r.bytes_per_token == 3 * 2          # = moe_layers * top_k
+    big = RoutesBatch([np.full((2, 1, 8), 383)], (1,), 384, 8)
+    assert big.samples[0].dtype == np.uint16 and big.bytes_per_token == 16
+
+
+def test_validation_names_sample_layer_sizes():
+    with pytest.raises(ValueError, match=r"sample 1 have shape \(4, 2, 2\); expected \[tokens, 3 MoE layers, top-k 2\]"):
+        RoutesBatch([np.zeros((4, 3, 2)), np.zeros((4, 2, 2))], (1, 2, 3), 16, 2)
+    bad = np.zeros((4, 3, 2))
+    bad[2, 1, 0] = 16
+    with pytest.raises(ValueError, match=r"sample 0: expert id 16 at token 2, layer 2 is out of range 0..15"):
+        RoutesBatch([bad], (1, 2, 3), 16, 2)
+    with pytest.raises(ValueError, match="sample 1: routes cover 3 tokens, the sample has 4"):
+        _routes([5, 3]).check_tokens([5, 4])
+    with pytest.raises(ValueError, match="routes for 2 samples, batch has 3"):
+        _routes([5, 3]).check_tokens([5, 3, 1])
+
+
+def test_field_roundtrip():
+    r = _routes([5, 3, 7])
+    back = RoutesBatch.from_field(r.to_field(), 16)
+    assert back.layer_ids == r.layer_ids and all(np.array_equal(a, b) for a, b in zip(r.samples, back.samples))
+
+
+def test_spread_pad_balances_experts():
+    pad = spread_pad(100, 4, 16)
+    assert all(len(set(row)) == 4 for row in pad.tolist())
+    counts = np.bincount(pad.reshape(-1), minlength=16)
+    assert counts.max() - counts.min() <= 1                    # never all padding on experts 0..k-1
+
+
+def test_align_padded_sequence_parallel_and_stage_layers():
+    r = _routes([5, 3], layers=(1, 2, 3))
+    out = align_microbatch(r, [0, 1], padded_len=6, stage_layers=[2, 3], tp_rank=1, tp_size=2,
+                           sequence_parallel=True)
+    assert len(out) == 2 and out[0].shape == (3 * 2, 2)         # seq 6 / tp 2 = 3 positions x batch 2
+    # s-major: position 3 of sample 0 then of sample 1 (padding), ...
+    assert out[0][0].tolist() == r.samples[0][3, 1].tolist()
+    assert out[0][2].tolist() == r.samples[0][4, 1].tolist()
+    full = align_microbatch(r, [0, 1], padded_len=6, stage_layers=[2, 3])[0].reshape(6, 2, 2)
+    assert torch.equal(full[3:].reshape(-1, 2), out[0])
+    assert full[3:, 1].tolist() == spread_pad(3, 2, 16, start=6).tolist()   # sample 1's padding
+
+
+def test_align_packed_and_errors():
+    r = _routes([5, 3])
+    out = align_microbatch(r, [1, 0], padded_len=None, stage_layers=[1])
+    assert torch.equal(out[0], torch.from_numpy(np.concatenate([r.samples[1][:, 0], r.samples[0][:, 0]])).long())
+    with pytest.raises(ValueError, match=r"routes have no MoE layers \[0\]"):
+        align_microbatch(r, [0], padded_len=None, stage_layers=[0, 1])          # a dense layer has no routes
+    with pytest.raises(ValueError, match="routes missing for sample 2"):
+        align_microbatch(r, [2], padded_len=None, stage_layers=[1])
+    with pytest.raises(ValueError, match="sample 0: 5 routed tokens > padded length 4"):
+        align_microbatch(r, [0], padded_len=4, stage_layers=[1])
+
+
+def test_metrics_hand_computed():
+    a = torch.tensor([[0, 1], [2, 3]])
+    b = torch.tensor([[1, 0], [2, 5]])
+    assert router_disagreement(a, b) == pytest.approx(0.25)
+    lt, li = torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0])
+    r = np.exp(-1.0)
+    assert k3_kl(lt, li) == pytest.approx(((r - 1) - (-1.0)) / 2)
+    assert ratio_exceeds(torch.tensor([0.0, 1.0, -2.0]), torch.zeros(3), 2.0) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="cannot be compared"):
+        router_disagreement(a, b[:1])
+
+
+def _default_topk(scores, topk, num_groups=None, group_topk=None):
+    return torch.topk(scores, topk, dim=1)
+
+
+def test_replay_queue_consumed_once_and_checked():
+    rp = RouteReplay(layer=3, num_experts=8, topk=2, recompute=False)
+    rp.mode = Mode.REPLAY
+    scores = torch.randn(4, 8)
+    rp.queue.append(torch.tensor([[7, 1]] * 4))
+    probs, idx = rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
+    assert idx.tolist() == [[7, 1]] * 4 and torch.equal(probs, scores.gather(1, idx))
+    with pytest.raises(ValueError, match="layer 3: no recorded route left for a forward of 4 tokens"):
+        rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
+    rp.queue.append(torch.zeros(5, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"layer 3: routes of shape \(5, 2\) for a router input of 4 tokens"):
+        rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
+
+
+def test_replay_with_activation_recompute():
+    rp = RouteReplay(layer=1, num_experts=8, topk=2, recompute=True)
+    rp.mode = Mode.REPLAY
+    target = torch.tensor([[5, 6], [0, 7]])
+    rp.queue.append(target)
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def f(s):
+        probs, idx = rp.get_replay_topk(s * 2, 2, default_compute_topk=_default_topk)
+        assert torch.equal(idx, target)
+        return probs.sum()
+    y = torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True)
+    assert len(rp.recompute_queue) == 1
+    y.backward()                                               # recompute pops the same routes
+    assert not rp.queue and not rp.recompute_queue
+    assert x.grad is not None and x.grad[0, 5] == 2 and x.grad[0, 0] == 0   # gradient flows at replayed experts
+
+
+def test_r2_record_then_replay_in_megatron(qwen):
+    """R2: routes recorded in one pass replay bit-exactly in the next; gradients still reach the router; a
+    perturbed router does not change the replayed routes."""
+    from moe_lora_rl.megatron.forward import forward_logits
+    from moe_lora_rl.router_replay.replay import RouterReplayer
+
+    m = qwen()
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    rr = RouterReplayer(m)
+    assert rr.layer_ids == [0, 1]
+    rr.set_mode("record")
+    ref = forward_logits(m, tokens, 512)
+    recorded = [r[0] for r in rr.pop_recorded()]
+    with torch.no_grad():
+        for layer in m.decoder.layers:
+            layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))   # the router now disagrees
+    rr.set_mode("disabled")
+    moved = forward_logits(m, tokens, 512)
+    rr.set_mode("replay")
+    rr.queue_microbatch(recorded)
+    replayed = forward_logits(m, tokens, 512)
+    rr.check_consumed()
+    again = [r[0] for r in rr.pop_recorded()]
+    assert all(torch.equal(a, b) for a, b in zip(again, recorded))
+    assert (moved - ref).abs().max() > 1e-3                      # the perturbation matters without replay
+    assert (replayed - moved).abs().max() > 0                    # replay changes the computation ...
+    with pytest.raises(ValueError, match=r"routes left unconsumed per layer .*\{0: \(1, 0\), 1: \(1, 0\)\}"):
+        rr.queue_microbatch(recorded)
+        rr.check_consumed()
+    rr.pop_recorded()
+    for r in rr.replays:
+        r.queue.clear()
+    with pytest.raises(ValueError, match=r"layer 1: expert id out of range 0..7"):
+        rr.queue_microbatch([recorded[0], recorded[1] + 8])
+    rr.detach()
+    assert all(layer.mlp.router.router_replay is None for layer in m.decoder.layers)
