@@ -26,9 +26,28 @@ def make_rollout(models: list[str], out: Path, n: int = 8, s: int = 64, seed: in
     torch.save(data, out / "rollout.pt")
 
 
-def run(models: list[str], layouts: str, workdir: Path) -> dict:
+def make_rollout_vllm(models: list[str], out: Path, overhead_batches: int = 0) -> None:
+    import subprocess
+    import sys
+
+    from ..testing.launch import worker_env
+
+    args = [sys.executable, "-m", "moe_lora_rl.bench.rollout_vllm_worker", "--models", ",".join(models),
+            "--out", str(out / "rollout.pt"), "--overhead-batches", str(overhead_batches)]
+    proc = subprocess.run(args, env=worker_env(), cwd=out, capture_output=True, text=True, timeout=2400)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM rollout worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", overhead_batches: int = 0) -> dict:
+    """engine: "vllm" (bf16 rollouts with routing capture) or "hf" (HF transformers bf16 stand-in)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    make_rollout(models, workdir)
+    if engine == "vllm":
+        make_rollout_vllm(models, workdir, overhead_batches)
+    elif engine == "hf":
+        make_rollout(models, workdir)
+    else:
+        raise ValueError(f"engine={engine!r}; choose 'vllm' or 'hf'")
     res: dict = {}
     for world, names in group_by_world(layouts).items():
         res.update(run_torchrun("moe_lora_rl.bench.replay_worker", world,

@@ -86,3 +86,26 @@ class MoELoRAWorkerExtension:
         rt = self._moe_lora_runtime()
         rt.deactivate()
         return rt.status()
+
+    # routing capture for router replay
+    def moe_lora_capture_start(self) -> dict:
+        from .capture import RouteCapture
+
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is None:
+            cap = self._moe_lora_capture = RouteCapture(self.model_runner)
+            cap.start()
+        return cap.meta()
+
+    def moe_lora_capture_pop(self, request_ids: list) -> dict:
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is None:
+            raise ValueError("routing capture was not started (moe_lora_capture_start)")
+        return cap.pop(request_ids)
+
+    def moe_lora_capture_stop(self) -> dict:
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            cap.stop()
+            self._moe_lora_capture = None
+        return {"stopped": True}
