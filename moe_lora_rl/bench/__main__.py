@@ -8,6 +8,7 @@ BENCHES = {
     "parity": "moe_lora_rl.bench.parity",
     "lora": "moe_lora_rl.bench.lora",
     "refit": "moe_lora_rl.bench.refit",
+    "replay": "moe_lora_rl.bench.replay",
 }
 
 

@@ -39,7 +39,8 @@ def make_rollout_vllm(models: list[str], out: Path, overhead_batches: int = 0) -
         raise RuntimeError(f"vLLM rollout worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", overhead_batches: int = 0) -> dict:
+def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", overhead_batches: int = 0,
+        timing: int = 0) -> dict:
     """engine: "vllm" (bf16 rollouts with routing capture) or "hf" (HF transformers bf16 stand-in)."""
     workdir.mkdir(parents=True, exist_ok=True)
     if engine == "vllm":
@@ -52,5 +53,5 @@ def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", over
     for world, names in group_by_world(layouts).items():
         res.update(run_torchrun("moe_lora_rl.bench.replay_worker", world,
                                 ["--models", ",".join(models), "--layouts", ",".join(names),
-                                 "--data", str(workdir / "rollout.pt")]))
+                                 "--data", str(workdir / "rollout.pt"), "--timing", str(timing)]))
     return res

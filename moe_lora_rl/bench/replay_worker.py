@@ -24,6 +24,8 @@ from ..router_replay.routes import RoutesBatch
 
 def _pass(model, replayer, mode, tokens, inputs, aligned, vocab):
     replayer.set_mode(mode)
+    if mode is Mode.DISABLED:
+        return forward_logits(model, tokens, vocab, **inputs), 0, 0
     if mode is Mode.REPLAY:
         replayer.queue_microbatch(aligned)
     logits = forward_logits(model, tokens, vocab, **inputs)
@@ -57,6 +59,7 @@ def main(argv=None):
     ap.add_argument("--models", required=True)
     ap.add_argument("--layouts", required=True)
     ap.add_argument("--data", required=True)
+    ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
     cpu_support.apply()
@@ -98,6 +101,20 @@ def main(argv=None):
                     if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
                         k, cnt = _k3(logits, tok, ref, lens)
                         stats[base + 2] += k / max(cnt, 1) / dp      # mean over this DP rank's tokens, averaged
+            if a.timing:
+                import statistics
+                import time
+
+                aligned = align_microbatch(routes, ids, padded_len=s, stage_layers=replayer.layer_ids, **sp)
+                t_off, t_on = [], []
+                for _ in range(a.timing + 1):
+                    for mode, acc in ((Mode.DISABLED, t_off), (Mode.REPLAY, t_on)):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        _pass(model, replayer, mode, tokens, {}, aligned, arch.vocab_size)
+                        acc.append(time.perf_counter() - t0)
+                timing = torch.tensor([statistics.median(t_off[1:]), statistics.median(t_on[1:])])
+                dist.all_reduce(timing, op=dist.ReduceOp.MAX)
             dist.all_reduce(stats)
             rec = {}
             for j, name in enumerate(("padded", "packed")):
@@ -107,6 +124,8 @@ def main(argv=None):
                              "decisions": int(stats[b + 1]), "kl_without": float(stats[b + 2]),
                              "kl_with": float(stats[b + 5])}
             out.setdefault(key, {})[path] = {k: {kk: float(vv) for kk, vv in v.items()} for k, v in rec.items()}
+            if a.timing:
+                out[key][path]["forward_s"] = {"without": float(timing[0]), "with_replay": float(timing[1])}
             replayer.detach()
             del model
         teardown()

@@ -46,18 +46,14 @@ def main(argv=None):
                     llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
                 return a.overhead_batches * a.n * a.gen_len / (time.perf_counter() - t0)
             tps()                                                    # warm-up
-            without = [tps()]
-            meta = llm.collective_rpc("moe_lora_capture_start")[0]
-            with_ = [tps()]
-            without.append(None)
-            llm.collective_rpc("moe_lora_capture_stop")
-            without[1] = tps()
-            llm.collective_rpc("moe_lora_capture_start")
-            with_.append(tps())
-            t_without, t_with = sum(without) / 2, sum(with_) / 2     # interleaved: off, on, off, on
-            overhead = {"tps_without": t_without, "tps_with": t_with, "capture_overhead": 1 - t_with / t_without}
-            llm.collective_rpc("moe_lora_capture_pop", args=([],))
-            llm.collective_rpc("moe_lora_capture_stop")
+            off, on = [], []
+            for _ in range(2):                                       # interleaved: off, on, off, on
+                off.append(tps())
+                llm.collective_rpc("moe_lora_capture_start")
+                on.append(tps())
+                llm.collective_rpc("moe_lora_capture_stop")         # drops the captured routes too
+            overhead = {"tps_without": sum(off) / 2, "tps_with": sum(on) / 2,
+                        "capture_overhead": 1 - sum(on) / sum(off)}
         meta = llm.collective_rpc("moe_lora_capture_start")[0]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         ids = [o.request_id for o in outs]
