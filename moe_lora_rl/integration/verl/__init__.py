@@ -1,0 +1,1 @@
+"""veRL integration: the only package that imports verl."""
