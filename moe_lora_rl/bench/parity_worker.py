@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from ..megatron.hf_reference import hf_logits, load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
+from ..testing.launch import finish_worker
 
 
 def sample_tokens(vocab: int, batch: int = 2, seq: int = 32, seed: int = 1234) -> torch.Tensor:
@@ -46,11 +46,7 @@ def main(argv=None):
             out.setdefault(key, {})[path] = float(diff)
             del model
         teardown()
-    if dist.get_rank() == 0:
-        with open(a.result, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, a.result)
 
 
 if __name__ == "__main__":

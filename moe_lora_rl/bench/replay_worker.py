@@ -4,7 +4,6 @@ the rollout routes, k3 KL to the rollout logprobs, consumed-once check. Rank 0 w
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -16,6 +15,7 @@ from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
+from ..testing.launch import finish_worker
 from ..router_replay.align import align_microbatch
 from ..router_replay.metrics import router_disagreement
 from ..router_replay.replay import Mode, RouterReplayer
@@ -129,11 +129,7 @@ def main(argv=None):
             replayer.detach()
             del model
         teardown()
-    if dist.get_rank() == 0:
-        with open(a.result, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, a.result)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import torch
 
 
 def merged_state(model_dir: str | Path, peft: dict[str, torch.Tensor], scale: float) -> list[tuple[str, torch.Tensor]]:
-    from ..vllm.runtime import _Checkpoint
+    from ..models.checkpoint import HFCheckpoint
 
-    ck = _Checkpoint(Path(model_dir))
+    ck = HFCheckpoint(model_dir)
     delta = {}
     for k, A in peft.items():
         m = re.match(r"^base_model\.model\.(.+)\.lora_A\.weight$", k)
@@ -19,7 +19,7 @@ def merged_state(model_dir: str | Path, peft: dict[str, torch.Tensor], scale: fl
             B = peft[k.replace("lora_A", "lora_B")]
             delta[m.group(1) + ".weight"] = (B.double() @ A.double()) * scale
     out = []
-    for name in ck.wm:
+    for name in ck.weight_map:
         t = ck.get(name).float()
         if name in delta:
             t = (t.double() + delta.pop(name)).float()

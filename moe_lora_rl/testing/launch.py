@@ -41,3 +41,13 @@ def run_torchrun(module: str, nproc: int, args: list[str], timeout: float = 900)
             tail = "\n".join(l for l in lines[first:first + 80] if "warn" not in l.lower())
             raise RuntimeError(f"torchrun {module} (nproc={nproc}) failed with code {proc.returncode}:\n{tail}")
         return json.loads(result.read_text())
+
+
+def finish_worker(result: dict, path: str) -> None:
+    """Rank 0 writes the worker's JSON result; every rank then leaves the process group together."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -11,13 +11,13 @@ version serving. Supports vLLM tensor parallel size 1 (the CPU engine's layout).
 """
 from __future__ import annotations
 
-import json
 import types
 from pathlib import Path
 
 import torch
 
 from ..models.arch import MoEArch, arch_from_hf_config
+from ..models.checkpoint import HFCheckpoint
 from .adapter_set import AdapterSet
 from .moe_torch import MoEWeights, load_moe_weights, routed_experts
 
@@ -30,25 +30,6 @@ MERGED = {
     "mlp.shared_experts.gate_up_proj": ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
     "mlp.shared_experts.down_proj": ("mlp.shared_experts.down_proj",),
 }
-
-
-class _Checkpoint:
-    def __init__(self, path: Path):
-        from safetensors import safe_open
-
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            wm = json.loads(index.read_text())["weight_map"]
-        else:
-            wm = {}
-            for f in sorted(path.glob("*.safetensors")):
-                with safe_open(f, "pt") as s:
-                    wm.update({k: f.name for k in s.keys()})
-        self.wm, self.path = wm, path
-        self.handles = {f: safe_open(path / f, "pt") for f in set(wm.values())}
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.handles[self.wm[name]].get_tensor(name)
 
 
 def _resolve(root, dotted: str):
@@ -78,7 +59,7 @@ class LoRARuntime:
     def _moe_weights(self, layer: int) -> MoEWeights:
         if layer not in self._moe:
             if not hasattr(self, "_ckpt"):
-                self._ckpt = _Checkpoint(self.model_dir)
+                self._ckpt = HFCheckpoint(self.model_dir)
             self._moe[layer] = load_moe_weights(self._ckpt, self.arch, layer)
         return self._moe[layer]
 
