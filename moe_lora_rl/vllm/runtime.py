@@ -44,9 +44,12 @@ class LoRARuntime:
     def __init__(self, model, model_dir: str | Path):
         import transformers
 
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
         self.model, self.model_dir = model, Path(model_dir)
-        if getattr(model.config if hasattr(model, "config") else None, "tensor_parallel_size", 1) not in (1, None):
-            raise ValueError("the plain-torch LoRA runtime supports vLLM tensor parallel size 1")
+        tp = get_tensor_model_parallel_world_size()
+        if tp != 1:
+            raise ValueError(f"the plain-torch LoRA runtime supports vLLM tensor_parallel_size=1, got {tp}")
         self.arch: MoEArch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(str(self.model_dir)))
         self.active: AdapterSet | None = None
         self.layers = model.model.layers
