@@ -26,8 +26,7 @@ def measured(model: str, layout: str, cfg: LoRAConfig) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        lora_layouts.run([model], layout if layout != lora_layouts.REFERENCE else lora_layouts.REFERENCE, cfg,
-                         work, steps=1, lr=1e-3)
+        lora_layouts.run([model], layout, cfg, work, steps=1, lr=1e-3)
         args = [sys.executable, "-m", "moe_lora_rl.bench.refit_vllm_worker", "bench", "--model", model, "--blob",
                 str(work / f"{layout}-m0.pt"), "--data", str(work / "data.pt"), "--rank", str(cfg.rank),
                 "--alpha", str(cfg.alpha)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -122,7 +121,6 @@ def main(argv=None) -> dict:
 
 def bench(argv=None) -> dict:
     """Side by side on one engine: LoRA-only push vs full merged-weight reload."""
-    import time
 
     import torch
 

@@ -49,9 +49,9 @@ def _parallel_kind(linear: nn.Module) -> str:
     raise ValueError(f"LoRA supports megatron ColumnParallelLinear/RowParallelLinear bases, got {type(linear).__name__}")
 
 
-def _global_name(module_name: str, layer_offset: int, expert_offset: int, layout: str) -> tuple[str, bool]:
+def _global_name(module_name: str, layer_offset: int, expert_offset: int) -> tuple[str, bool]:
     """decoder.layers.{l}.X -> layers.{L}.X with global layer, and global expert ids for routed experts.
-    Returns (name, is_expert). For shared layouts the expert index is dropped (one adapter for all experts)."""
+    Returns (name, is_expert)."""
     m = _LAYER.match(module_name)
     assert m, f"not a decoder layer module: {module_name}"
     layer, rest = int(m.group(1)) + layer_offset, m.group(2)
@@ -97,7 +97,7 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
             if not any(r.match(name) for r in _TARGET_RES[target]):
                 continue
             kind = _parallel_kind(mod)
-            gname, is_expert = _global_name(name, layer_offset, expert_offset, cfg.adapter_layout)
+            gname, is_expert = _global_name(name, layer_offset, expert_offset)
             fc = name.rsplit(".", 1)[-1]
             shared = _shared_flags(cfg.adapter_layout, fc) if is_expert else (False, False)
             group = "etp" if is_expert else "tp"

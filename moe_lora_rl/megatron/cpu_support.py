@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

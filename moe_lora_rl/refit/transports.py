@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..vllm.adapter_set import checksum
-from .plan import RefitPlan, plan_buckets
+from .plan import plan_buckets
 
 
 class RefitError(RuntimeError):

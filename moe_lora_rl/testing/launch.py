@@ -32,7 +32,7 @@ def run_torchrun(module: str, nproc: int, args: list[str], timeout: float = 900)
     with tempfile.TemporaryDirectory() as d:
         result = Path(d) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               f"--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module, *args,
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module, *args,
                "--result", str(result)]
         proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not result.exists():

@@ -8,7 +8,6 @@ noise becomes a fraction of lr per step (measured 1.4e-5 at lr 1e-3, ~1e-6 at lr
 Regressions covered: one adapter per EP rank (EP-dependent numerics), silently wrong ETP>1, lost gradients for
 experts with odd token counts, export by local expert index (every global expert id must be present).
 """
-import re
 
 import pytest
 
