@@ -108,11 +108,11 @@ def train_seconds(tokens: float, flops_per_token: float, gpus: int, peak_flops: 
 
 
 def decode_step_seconds(bytes_read: float, flops: float, mem_bw: float, peak_flops: float) -> float:
-    """One decode step of a batch: memory traffic (weights touched + KV read) over the achieved bandwidth plus
-    FLOPs over the achieved compute, without overlap (the roofline of Williams et al. 2009 gives max() of the two
-    terms as the lower bound; near the ridge point, where RL decode batches sit, both count). `mem_bw` and
-    `peak_flops` are the achieved figures (datasheet x efficiency, or calibrated)."""
-    return bytes_read / mem_bw + flops / peak_flops
+    """One decode step of a batch: the roofline (Williams et al. 2009, 'Roofline: an insightful visual performance
+    model'): the slower of moving the bytes (weights the batch touches + KV read) at the achieved bandwidth and
+    doing the FLOPs at the achieved compute rate. `mem_bw` and `peak_flops` are achieved figures (datasheet x
+    efficiency, or calibrated)."""
+    return max(bytes_read / mem_bw, flops / peak_flops)
 
 
 def rollout_batch_seconds(samples: int, engines: int, concurrency: int, response_len: int,

@@ -144,9 +144,10 @@ def kv_per_token_per_gpu(m: ModelSpec, tp: int) -> float:
     return m.kv_bytes_per_token / (1 if m.mla else min(tp, m.kv_heads))
 
 
-def decode_step_seconds(m: ModelSpec, hw: Hardware, rl: RLSettings, r: RolloutLayout, concurrency: int,
-                        rollout_weight_bytes: float) -> float:
-    """One decode step of an engine running `concurrency` sequences at the mean context (prompt + response/2)."""
+def decode_traffic(m: ModelSpec, rl: RLSettings, r: RolloutLayout, concurrency: int,
+                   rollout_weight_bytes: float) -> tuple[float, float]:
+    """(bytes read, FLOPs) per GPU of one decode step of an engine running `concurrency` sequences at the mean
+    context (prompt + response/2): the weights of the experts the batch touches, dense weights, adapters, KV."""
     g, tp = r.engine_gpus, r.tp
     ctx = rl.prompt_len + rl.response_len / 2
     active = F.expected_active_experts(m.moe.experts, m.top_k, concurrency) / m.moe.experts
@@ -156,8 +157,21 @@ def decode_step_seconds(m: ModelSpec, hw: Hardware, rl: RLSettings, r: RolloutLa
     kv = concurrency / (g // tp) * ctx * kv_per_token_per_gpu(m, tp)
     flops = concurrency * (2 * (m.active_params + (exp_a * m.top_k / m.moe.experts + oth_a))
                            + F.attention_flops_per_token(m.moe.num_layers, ctx, m.qk_dim, m.v_dim)) / g
-    return F.decode_step_seconds(weights + kv, flops, hw.hbm_GBps * 1e9 * hw.decode_bw_eff,
+    return weights + kv, flops
+
+
+def decode_step_seconds(m: ModelSpec, hw: Hardware, rl: RLSettings, r: RolloutLayout, concurrency: int,
+                        rollout_weight_bytes: float) -> float:
+    nbytes, flops = decode_traffic(m, rl, r, concurrency, rollout_weight_bytes)
+    return F.decode_step_seconds(nbytes, flops, hw.hbm_GBps * 1e9 * hw.decode_bw_eff,
                                  hw.bf16_TFLOPs * 1e12 * hw.decode_flops_eff)
+
+
+def train_flops_per_token(m: ModelSpec, rl: RLSettings) -> float:
+    exp_a, oth_a = adapter_counts(m, rl)
+    attn = F.attention_flops_per_token(m.moe.num_layers, rl.seq_len / 2, m.qk_dim, m.v_dim)
+    return F.lora_train_flops_per_token(m.active_params, exp_a * m.top_k / m.moe.experts + oth_a, attn,
+                                        rl.recompute)
 
 
 def rollout_layouts(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, rollout_weight_bytes: float):
@@ -175,11 +189,10 @@ def rollout_layouts(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, rollo
     return out
 
 
-def _step(m, hw, rl, t: TrainLayout, r: RolloutLayout, refit_s: float, rwb: float) -> dict:
-    exp_a, oth_a = adapter_counts(m, rl)
-    L, ctx = m.moe.num_layers, rl.seq_len / 2
-    fpt = F.lora_train_flops_per_token(m.active_params, exp_a * m.top_k / m.moe.experts + oth_a,
-                                       F.attention_flops_per_token(L, ctx, m.qk_dim, m.v_dim), rl.recompute)
+def step_times(m: ModelSpec, hw: Hardware, rl: RLSettings, t: TrainLayout, r: RolloutLayout, refit_s: float,
+               rwb: float) -> dict:
+    """Step times, rates and binding terms of one (training layout, rollout layout) pair, sync and async."""
+    fpt = train_flops_per_token(m, rl)
     bubble = F.pipeline_bubble_fraction(t.pp, t.microbatches)
     train_s = F.train_seconds(rl.batch * rl.seq_len, fpt, t.gpus, hw.bf16_TFLOPs * 1e12, hw.train_mfu, bubble)
     # sync: the batch spread over the engines; async: engines full in steady state
@@ -270,7 +283,7 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
             continue
         t = t_fit[0]
         for r in r_fit:
-            s = _step(m, hw, rl, t, r, refit["refit_s"], rwb)
+            s = step_times(m, hw, rl, t, r, refit["refit_s"], rwb)
             score = s["async_step_s"] if rl.mode == "async" else s["sync_step_s"]
             if best is None or score < best[0]:
                 best = (score, t, r, s)

@@ -54,7 +54,7 @@ def spec_from_config(name: str, cfg: dict, source: str, moe: MoESpec | None = No
     """A ModelSpec from an HF config.json dict: DeepSeek-V3 style (MLA: kv_lora_rank) or GQA (Qwen3-MoE, GLM-4.5)."""
     H, L = _g(cfg, "hidden_size"), _g(cfg, "num_hidden_layers")
     heads = _g(cfg, "num_attention_heads")
-    experts = cfg.get("n_routed_experts") or _g(cfg, "num_experts")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or _g(cfg, "num_experts")
     top_k, eff = _g(cfg, "num_experts_per_tok"), _g(cfg, "moe_intermediate_size")
     first_dense = cfg.get("first_k_dense_replace", 0) or 0
     moe_layers = L - first_dense - len(cfg.get("mlp_only_layers") or [])

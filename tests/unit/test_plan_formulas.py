@@ -63,7 +63,9 @@ def test_bubble_and_train_time():
 
 
 def test_decode_and_rates():
-    assert F.decode_step_seconds(1e9, 1e12, 1e12, 1e15) == pytest.approx(2e-3)      # 1 ms memory + 1 ms compute
+    assert F.decode_step_seconds(1e9, 1e12, 1e12, 1e15) == pytest.approx(1e-3)      # 1 ms memory, 1 ms compute
+    assert F.decode_step_seconds(2e9, 1e12, 1e12, 1e15) == pytest.approx(2e-3)      # memory bound
+    assert F.decode_step_seconds(1e9, 3e12, 1e12, 1e15) == pytest.approx(3e-3)      # compute bound
     # 100 samples on 2 engines x 32 slots: 2 waves x 10 steps x 10 ms
     assert F.rollout_batch_seconds(100, 2, 32, 10, 0.01) == pytest.approx(0.2)
     assert F.rollout_batch_seconds(64, 2, 32, 10, 0.01) == pytest.approx(0.1)
