@@ -42,6 +42,7 @@ class RolloutLayout:
     ep: int                 # experts spread over all GPUs of the engine
     concurrency: int        # sequences in flight per engine (KV-cache bound, capped by max_num_seqs per DP rank)
     memory_GB: dict
+    kv_bound: bool = False  # the KV cache, not max_num_seqs, sets the concurrency
 
     @property
     def name(self) -> str:
@@ -185,7 +186,7 @@ def rollout_layouts(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, rollo
             mem = rollout_memory(m, hw, rl, g, tp, rollout_weight_bytes)
             per_rank = F.kv_concurrency(mem["kv_cache"] * GB, kv_per_token_per_gpu(m, tp), rl.seq_len)
             conc = (g // tp) * min(per_rank, rl.max_engine_concurrency)
-            out.append(RolloutLayout(gpus, gpus // g, g, tp, g, conc, mem))
+            out.append(RolloutLayout(gpus, gpus // g, g, tp, g, conc, mem, per_rank < rl.max_engine_concurrency))
     return out
 
 
@@ -300,7 +301,9 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
     head_t = (budget_t - t.memory_GB["total"]) / budget_t
     one_seq = kv_per_token_per_gpu(m, r.tp) * rl.seq_len / GB
     head_r = (budget_r - r.memory_GB["weights"] - r.memory_GB["adapters"] - one_seq) / budget_r
-    mem_bind = ("training memory" if head_t < head_r else "rollout memory (KV cache caps concurrency)")
+    mem_bind = [w for w, on in (("training memory (headroom < 10%)", head_t < 0.1),
+                                ("rollout memory (KV cache caps concurrency)", r.kv_bound)) if on]
+    mem_bind = ", ".join(mem_bind) or "none"
     step_bind = s["async_binding"] if rl.mode == "async" else s["sync_binding"]
     steps = {"sync": 60 / s["sync_step_s"]}
     if "async_step_s" in s:
