@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,7 +51,8 @@ def calibrate(m: ModelSpec, rl: RLSettings, rollout_s: float, train_s: float, pe
     else:
         bw = nbytes / step
     peak = max(decode_flops, train_flops)
-    return Hardware(memory_GB=1024.0, usable_fraction=1.0, bf16_TFLOPs=peak / 1e12, hbm_GBps=bw / 1e9,
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return Hardware(memory_GB=ram, usable_fraction=1.0, bf16_TFLOPs=peak / 1e12, hbm_GBps=bw / 1e9,
                     train_mfu=train_flops / peak, decode_bw_eff=1.0, decode_flops_eff=decode_flops / peak,
                     gpus_per_node=1, source=f"calibrated by `bench plan` at batch {rl.batch}")
 

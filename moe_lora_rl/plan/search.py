@@ -251,7 +251,7 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
     key = f"{rl.adapter_layout}/r{rl.rank}"
     refit = refit_report(m.moe, ranks=(rl.rank,), layouts=(rl.adapter_layout,), bytes_per_param=2,
                          link_gbps=hw.link_GBps)["adapters"][key]
-    best, worst_fail, divides = None, None, False
+    best, closest_fail, divides = None, None, False
     for n_roll in _pools(gpus, hw):
         n_train = gpus - n_roll
         tl = train_layouts(m, hw, rl, n_train, twb)
@@ -279,8 +279,8 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
                               f"{r.memory_GB['weights']:.1f}, adapters {r.memory_GB['adapters']:.1f}, KV cache of "
                               f"one {rl.seq_len}-token sequence {one:.2f})"))
             short = max(fails)
-            if worst_fail is None or short[0] < worst_fail[0]:
-                worst_fail = (short[0], short[1], "; ".join(f[2] for f in fails))
+            if closest_fail is None or short[0] < closest_fail[0]:
+                closest_fail = (short[0], short[1], "; ".join(f[2] for f in fails))
             continue
         t = t_fit[0]
         for r in r_fit:
@@ -292,7 +292,7 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
         if not divides:
             raise ValueError(f"GPU count {gpus}: no layout divides it for {m.moe.name} with batch {rl.batch} "
                              f"(TP must divide {m.heads} heads, EP {m.moe.experts} experts, DP the batch)")
-        short, what, detail = worst_fail
+        short, what, detail = closest_fail
         budget = hw.memory_GB * hw.usable_fraction
         raise ValueError(f"{m.moe.name} does not fit on {gpus} x {hw.memory_GB:g} GB ({budget:.1f} GB usable per "
                          f"GPU): {what} is short by {short:.1f} GB per GPU at the closest split: {detail}")

@@ -150,13 +150,18 @@ def load_hardware(path: str | None = None, **overrides) -> Hardware:
     then explicit overrides. Unknown keys are a ValueError."""
     hw = Hardware()
     if path:
-        data = json.loads(Path(path).read_text().strip().splitlines()[-1])
-        data = data.get("hardware", data)
+        try:
+            data = json.loads(Path(path).read_text().strip().splitlines()[-1])
+        except (OSError, IndexError, json.JSONDecodeError) as e:
+            raise ValueError(f"hardware JSON {path!r}: cannot read one JSON object from its last line ({e})")
+        data = data.get("hardware", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise ValueError(f"hardware JSON {path!r}: expected an object, got {type(data).__name__}")
         known = {f.name for f in fields(Hardware)}
         bad = sorted(set(data) - known)
         if bad:
             raise ValueError(f"hardware JSON {path}: unknown keys {bad}; known: {sorted(known)}")
-        hw = replace(hw, **data, source=data.get("source", path))
+        hw = replace(hw, **{"source": path, **data})
     return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -133,6 +133,11 @@ def test_hardware_json(tmp_path):
     f.write_text(json.dumps({"predicted_steps_per_min": 1.0, "hardware": {"memory_GB": 40.0, "train_mfu": 0.5}}))
     hw = load_hardware(str(f), link_GBps=50.0)
     assert (hw.memory_GB, hw.train_mfu, hw.link_GBps, hw.bf16_TFLOPs) == (40.0, 0.5, 50.0, 989.0)
+    assert hw.source == str(f)
+    f.write_text("log line\n" + json.dumps({"hardware": {**Hardware().to_dict(), "source": "bench plan"}}))
+    assert load_hardware(str(f)).source == "bench plan"                 # a bench's full hardware object
+    with pytest.raises(ValueError, match="cannot read one JSON object"):
+        load_hardware(str(tmp_path / "missing.json"))
     f.write_text(json.dumps({"hardware": {"memroy_GB": 40.0}}))
     with pytest.raises(ValueError, match="unknown keys \\['memroy_GB'\\]"):
         load_hardware(str(f))
