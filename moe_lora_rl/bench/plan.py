@@ -156,8 +156,12 @@ def main(argv=None) -> dict:
             if getattr(a, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')}={getattr(a, k)}: must be >= 1")
         if a.model:
+            from pathlib import Path
+
             from ..plan.specs import load_model
 
+            if not Path(a.model[0]).is_dir():
+                raise ValueError(f"--model {a.model[0]!r}: not a checkpoint directory (the bench runs the model)")
             load_model(a.model[0])                       # unsupported configs fail here, before any process
     except ValueError as e:
         print(f"bench plan: error: {e}", file=sys.stderr)

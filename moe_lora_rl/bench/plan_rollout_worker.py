@@ -1,5 +1,6 @@
 """Run in its own process: decode timings of one in-process vLLM CPU engine at several concurrencies (all requests
-submitted together, fixed lengths). Prints `RESULT {json}`: per concurrency the median wall and process-CPU seconds of a generate()."""
+submitted together, fixed lengths). Prints `RESULT {json}`: per concurrency the median wall and process-CPU seconds
+of a generate()."""
 from __future__ import annotations
 
 import argparse

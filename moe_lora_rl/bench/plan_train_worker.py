@@ -47,7 +47,8 @@ def main(argv=None):
         t0, c0 = time.perf_counter(), time.process_time()
         for p in params:
             p.grad = None
-        lm_train_step(model, data[b], arch.vocab_size, micro_batch_size=1, after_backward=lambda: sync_adapter_grads(model))
+        lm_train_step(model, data[b], arch.vocab_size, micro_batch_size=1,
+                      after_backward=lambda: sync_adapter_grads(model))
         opt.step()
         return time.perf_counter() - t0, time.process_time() - c0
 

@@ -2,8 +2,9 @@
 fastest training layout (TP/ETP/EP/PP/DP) and rollout engines (engines x TP/EP) that fit in memory, then the split
 with the most RL steps per minute in the chosen mode. Pure: numbers in, a frozen Plan out.
 
-Invariants (the optimal-layout talk, seeds 000): training consumption rate == rollout production rate; the
-staleness of any sample <= the bound. Memory decides what fits."""
+Invariants (Garg & Li, Applied Compute, "Efficient Reinforcement Learning" talk, 2025, slide "Figuring out the
+optimal layout"): training consumption rate == rollout production rate; the staleness of any sample <= the bound.
+Memory decides what fits."""
 from __future__ import annotations
 
 import math

@@ -120,7 +120,8 @@ def load_model(name_or_dir: str) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Per-GPU figures. Defaults: an 80 GB H800/H100 SXM node of 8 (the seeds' 64 x H800 run)."""
+    """Per-GPU figures. Defaults: an 80 GB H800/H100 SXM node of 8 (Mind Lab's trillion-parameter LoRA RL ran on
+    64 x H800)."""
     memory_GB: float = 80.0           # H100/H800 SXM5 80 GB HBM3 (NVIDIA H100 datasheet)
     usable_fraction: float = 0.9      # allocator, CUDA context, fragmentation (vLLM's gpu_memory_utilization=0.9)
     bf16_TFLOPs: float = 989.0        # dense BF16 tensor core, H100/H800 SXM5 (NVIDIA H100 datasheet)
@@ -128,7 +129,7 @@ class Hardware:
     train_mfu: float = 0.25           # guess [?]: large-MoE Megatron training with EP all-to-all and recompute
     decode_bw_eff: float = 0.6        # guess [?]: achieved fraction of HBM bandwidth in decode
     decode_flops_eff: float = 0.3     # guess [?]: achieved fraction of peak FLOPs in decode GEMMs
-    link_GBps: float = 25.0           # trainer -> engine link for the refit: the refit calculator's default (200 Gb/s NIC)
+    link_GBps: float = 25.0           # trainer -> engine refit link: the refit calculator's default (200 Gb/s NIC)
     gpus_per_node: int = 8            # HGX/DGX H100/H800 node
     source: str = "defaults (NVIDIA H100/H800 SXM5 datasheet; efficiencies are guesses)"
 

@@ -43,7 +43,8 @@ def test_calibration_recovers_the_model(hw, rollout_growth):
     (["--layouts", "tp2ep2"], "only tp1ep1pp1"),
     (["--calibration-batch", "8", "--predicted-batch", "8"], "must be at another batch size"),
     (["--model", "a", "--model", "b"], "--model given 2 times"),
-    (["--model", "/no/such/dir"], "model '/no/such/dir'"),
+    (["--model", "/no/such/dir"], "--model '/no/such/dir': not a checkpoint directory"),
+    (["--model", "kimi-k2"], "not a checkpoint directory"),
     (["--rank", "0"], "--rank=0"),
 ])
 def test_bad_arguments_refused_up_front(args, text, capsys):

@@ -1,6 +1,6 @@
-"""The layout planner: memory sums against a hand-computed toy model, the trillion-parameter Kimi-K2 case of the
-seeds (r128 per-expert LoRA on 64 x 80 GB), and bad input (does not fit, staleness 0 with async, GPU counts no
-layout divides) as one-line errors, from the CLI without a traceback."""
+"""The layout planner: memory sums against a hand-computed toy model, Kimi-K2 at the scale of Mind Lab's
+trillion-parameter LoRA RL (r128 per-expert LoRA on 64 x 80 GB), and bad input (does not fit, staleness 0 with
+async, GPU counts no layout divides) as one-line errors, from the CLI without a traceback."""
 import json
 import subprocess
 import sys
