@@ -82,7 +82,8 @@ def kv_concurrency(free_bytes: float, kv_bytes_per_token_per_gpu: float, seq_len
 
 def attention_flops_per_token(layers: int, ctx: float, qk_dim: int, v_dim: int) -> float:
     """Forward attention-score and value FLOPs of one token attending to `ctx` tokens: 2*ctx*qk_dim (Q K^T) +
-    2*ctx*v_dim (A V) per layer (Kaplan et al. 2020, Table 1, 'Attention: QK logits / value' rows)."""
+    2*ctx*v_dim (A V) per layer (PaLM, Chowdhery et al. 2022, appendix B: 6N + 12*L*H*Q*T training FLOPs per
+    token, i.e. 4*L*H*Q*T forward for qk_dim = v_dim = H*Q, context T)."""
     return 2 * layers * ctx * (qk_dim + v_dim)
 
 
