@@ -1,0 +1,176 @@
+"""plan: the layout planner's step-time model calibrated at one batch size, checked at another, side by side.
+
+    python -m moe_lora_rl.bench plan --json [--model DIR] [--calibration-batch 4] [--predicted-batch 16]
+
+There is no RL main job yet, so the step predicted and measured is a synchronous rollout + update step of the
+project's modules on one CPU: vLLM CPU generation of a batch (bf16, the whole batch in flight) followed by one
+Megatron LoRA training step on the same batch (fwd + bwd + adapter grad sync + AdamW, microbatch 1). Refit is
+left out of both sides (measured by `bench refit`).
+
+Calibration (batch b1): the rollout time gives the achieved decode bandwidth (the planner's roofline: bytes the
+batch touches per step / seconds per step; a matmul measures the compute ceiling), the training step gives the
+achieved fraction of that ceiling. Prediction (batch b2): the planner's own step_times() with those figures.
+Both batches are measured in the same run, interleaved. Times are process CPU seconds of single-threaded workers
+(OMP_NUM_THREADS=1), so other jobs on a shared machine do not distort them; wall times are reported alongside.
+The "hardware" object is a calibrated hardware file for `moe-lora-rl plan --hardware-json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from ..plan.search import RolloutLayout, TrainLayout, decode_traffic, step_times, train_flops_per_token
+from ..plan.specs import Hardware, ModelSpec, RLSettings
+from .common import emit
+
+
+def settings(batch: int, prompt_len: int, response_len: int, rank: int) -> RLSettings:
+    return RLSettings(batch=batch, prompt_len=prompt_len, response_len=response_len, rank=rank, mode="sync",
+                      staleness=0, micro_batch=1, recompute=False)
+
+
+def _one_gpu(rl: RLSettings) -> tuple[TrainLayout, RolloutLayout]:
+    return (TrainLayout(1, 1, 1, 1, 1, 1, rl.batch, {}),
+            RolloutLayout(1, 1, 1, 1, 1, rl.batch, {}))
+
+
+def calibrate(m: ModelSpec, rl: RLSettings, rollout_s: float, train_s: float, peak_flops: float,
+              weight_bytes: float = 2) -> Hardware:
+    """Hardware figures that make the planner reproduce the measured rollout and training times at rl.batch."""
+    _, r = _one_gpu(rl)
+    nbytes, flops = decode_traffic(m, rl, r, rl.batch, weight_bytes)
+    step = rollout_s / rl.response_len
+    train_flops = rl.batch * rl.seq_len * train_flops_per_token(m, rl) / train_s
+    decode_flops = max(peak_flops, flops / step)
+    if flops / decode_flops >= step * (1 - 1e-9):        # compute bound even at this ceiling: memory no limit
+        bw = 1e6 * nbytes / step
+    else:
+        bw = nbytes / step
+    peak = max(decode_flops, train_flops)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return Hardware(memory_GB=ram, usable_fraction=1.0, bf16_TFLOPs=peak / 1e12, hbm_GBps=bw / 1e9,
+                    train_mfu=train_flops / peak, decode_bw_eff=1.0, decode_flops_eff=decode_flops / peak,
+                    gpus_per_node=1, source=f"calibrated by `bench plan` at batch {rl.batch}")
+
+
+def predict(m: ModelSpec, hw: Hardware, rl: RLSettings, weight_bytes: float = 2) -> dict:
+    """The planner's synchronous step (rollout + training, no refit) on one device at rl.batch."""
+    t, r = _one_gpu(rl)
+    s = step_times(m, hw, rl, t, r, 0.0, weight_bytes)
+    return {"step_s": s["sync_step_s"], "rollout_s": s["rollout_sync_s"], "train_s": s["train_s"]}
+
+
+def compare(predicted_step_s: float, measured_step_s: float, b1: int, b2: int) -> dict:
+    p, m = 60 / predicted_step_s, 60 / measured_step_s
+    return {"predicted_steps_per_min": p, "measured_steps_per_min": m, "error": abs(p - m) / m,
+            "calibration_batch": b1, "predicted_batch": b2}
+
+
+def matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+    """Single-thread fp32 matmul FLOP/s (best of `repeats`): the compute ceiling of one CPU core."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        a @ b
+        best = min(best, time.process_time() - t0)
+    return 2 * n ** 3 / best
+
+
+def measure(model: str, batches: list[int], prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:
+    from ..lora import LoRAConfig
+    from ..testing.launch import run_torchrun, worker_env
+
+    conc = ",".join(map(str, batches))
+    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench.plan_rollout_worker", "--model", model,
+                           "--concurrency", conc, "--prompt-len", str(prompt_len), "--response-len",
+                           str(response_len), "--repeats", str(repeats)],
+                          env=worker_env(), capture_output=True, text=True, timeout=1800)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"plan rollout worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    roll = json.loads(lines[-1][len("RESULT "):])
+    train = run_torchrun("moe_lora_rl.bench.plan_train_worker", 1,
+                         ["--model", model, "--lora", json.dumps(LoRAConfig(rank=rank, alpha=2.0 * rank).to_dict()),
+                          "--batches", conc, "--seq", str(prompt_len + response_len), "--repeats", str(repeats)])
+    return {"rollout": roll, "train": train}
+
+
+def run(model: str, b1: int, b2: int, prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:
+    from ..plan.specs import load_model
+
+    m = load_model(model)
+    meas = measure(model, [b1, b2], prompt_len, response_len, rank, repeats)
+    rl1, rl2 = (settings(b, prompt_len, response_len, rank) for b in (b1, b2))
+    out = {}
+    for timer in ("cpu_s", "wall_s"):
+        r, t = meas["rollout"][timer], meas["train"][timer]
+        hw = calibrate(m, rl1, r[str(b1)], t[str(b1)], matmul_flops())
+        pred = predict(m, hw, rl2)
+        res = compare(pred["step_s"], r[str(b2)] + t[str(b2)], b1, b2)
+        res.update({"predicted": pred, "measured": {"rollout_s": r[str(b2)], "train_s": t[str(b2)],
+                                                    "step_s": r[str(b2)] + t[str(b2)]},
+                    "calibration": {"rollout_s": r[str(b1)], "train_s": t[str(b1)]}, "hardware": hw.to_dict()})
+        out[timer] = res
+    result = {k: out["cpu_s"][k] for k in ("predicted_steps_per_min", "measured_steps_per_min", "error",
+                                           "calibration_batch", "predicted_batch")}
+    result.update({"timer": "process CPU seconds (single-threaded workers)", "target": 0.25,
+                   "what": "synchronous rollout (vLLM CPU, bf16) + Megatron LoRA update step; no RL main job yet",
+                   "model": model, "prompt_len": prompt_len, "response_len": response_len, "rank": rank,
+                   "predicted": out["cpu_s"]["predicted"], "measured": out["cpu_s"]["measured"],
+                   "calibration": out["cpu_s"]["calibration"], "hardware": out["cpu_s"]["hardware"],
+                   "wall": {k: out["wall_s"][k] for k in ("predicted_steps_per_min", "measured_steps_per_min",
+                                                          "error", "measured")}})
+    return result
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", action="append", help="HF checkpoint dir (default: the medium qwen3_moe); one only")
+    ap.add_argument("--layouts", default="tp1ep1pp1", help="only tp1ep1pp1: the step is measured on one process")
+    ap.add_argument("--calibration-batch", type=int, default=4)
+    ap.add_argument("--predicted-batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--response-len", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    try:
+        if a.layouts.strip().lower() != "tp1ep1pp1":
+            raise ValueError(f"--layouts {a.layouts!r}: this bench measures one process; only tp1ep1pp1 is supported")
+        if a.model and len(a.model) > 1:
+            raise ValueError(f"--model given {len(a.model)} times: this bench takes one model")
+        if a.calibration_batch == a.predicted_batch:
+            raise ValueError(f"--predicted-batch {a.predicted_batch} equals --calibration-batch: the prediction must "
+                             "be at another batch size")
+        for k in ("calibration_batch", "predicted_batch", "prompt_len", "response_len", "rank", "repeats"):
+            if getattr(a, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')}={getattr(a, k)}: must be >= 1")
+        if a.model:
+            from pathlib import Path
+
+            from ..plan.specs import load_model
+
+            if not Path(a.model[0]).is_dir():
+                raise ValueError(f"--model {a.model[0]!r}: not a checkpoint directory (the bench runs the model)")
+            load_model(a.model[0])                       # unsupported configs fail here, before any process
+    except ValueError as e:
+        print(f"bench plan: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if not a.model:
+        from ..models import get_model
+
+        a.model = [str(get_model("qwen3_moe", "medium"))]
+    result = run(a.model[0], a.calibration_batch, a.predicted_batch, a.prompt_len, a.response_len, a.rank,
+                 a.repeats)
+    emit(result, a.json)
+    return result

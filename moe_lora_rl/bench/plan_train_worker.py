@@ -1,0 +1,66 @@
+"""torchrun worker: LoRA training step times (fwd + bwd + adapter grad sync + AdamW on the adapters) of a
+Megatron-core model at several global batch sizes, microbatch 1, interleaved; reports the median wall and
+process-CPU seconds per batch."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ..lora import LoRAConfig, adapter_factors, apply_lora, sync_adapter_grads
+from ..megatron import cpu_support
+from ..megatron.build import build_model
+from ..megatron.hf_reference import load_arch
+from ..megatron.layout import Layout
+from ..megatron.load import load_hf_weights
+from ..megatron.parallel import init_distributed, teardown
+from ..megatron.train_step import lm_train_step
+from ..testing.launch import finish_worker
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lora", required=True)
+    ap.add_argument("--batches", required=True, help="comma-separated global batch sizes")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    cpu_support.apply()
+    layout = Layout()
+    init_distributed(layout)
+    arch = load_arch(a.model)
+    model = build_model(arch, layout)
+    load_hf_weights(model, a.model, arch)
+    apply_lora(model, LoRAConfig.from_dict(json.loads(a.lora)))
+    params = [p for _, p in adapter_factors(model)]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    batches = [int(b) for b in a.batches.split(",")]
+    g = torch.Generator().manual_seed(0)
+    data = {b: torch.randint(0, arch.vocab_size, (b, a.seq), generator=g) for b in batches}
+
+    def step(b: int) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for p in params:
+            p.grad = None
+        lm_train_step(model, data[b], arch.vocab_size, micro_batch_size=1,
+                      after_backward=lambda: sync_adapter_grads(model))
+        opt.step()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    step(batches[0])                                             # warm-up
+    times = {b: [] for b in batches}
+    for _ in range(a.repeats):
+        for b in batches:
+            times[b].append(step(b))
+    teardown()
+    finish_worker({"wall_s": {str(b): statistics.median(t[0] for t in v) for b, v in times.items()},
+                   "cpu_s": {str(b): statistics.median(t[1] for t in v) for b, v in times.items()}}, a.result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""What the planner is given: a model (presets read from public HF configs, or any supported config.json), the
+hardware figures (stated defaults with sources, overridable, or read from a bench's JSON) and the RL settings."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from ..refit.calc import SPECS, MoESpec, base_params
+from . import formulas as F
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    moe: MoESpec                  # shapes, parameter and adapter counts: the refit calculator's
+    top_k: int
+    heads: int
+    qk_dim: int                   # all heads' query/key width (attention FLOPs)
+    v_dim: int                    # all heads' value width
+    kv_bytes_per_token: float     # KV cache per token, whole model, in the cache dtype
+    kv_heads: int                 # GQA: KV heads (TP must divide them); MLA: the query heads
+    mla: bool                     # MLA's cached latent is shared by all heads: TP replicates it
+    weight_bytes: float           # bytes per base parameter in the released checkpoint
+    source: str
+
+    @property
+    def total_params(self) -> int:
+        return base_params(self.moe)
+
+    @property
+    def expert_params(self) -> int:
+        m = self.moe
+        return m.moe_layers * m.experts * 3 * m.hidden * m.expert_ffn
+
+    @property
+    def dense_params(self) -> int:
+        """Everything that is not a routed expert (attention, embeddings, dense and shared MLPs, routers)."""
+        return self.total_params - self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        m = self.moe
+        return F.active_params(self.total_params, m.moe_layers, m.experts, self.top_k, m.hidden, m.expert_ffn)
+
+
+def _g(cfg: dict, key: str, default=None):
+    v = cfg.get(key, default)
+    if v is None:
+        raise ValueError(f"model config has no {key!r}")
+    return v
+
+
+def spec_from_config(name: str, cfg: dict, source: str, moe: MoESpec | None = None) -> ModelSpec:
+    """A ModelSpec from an HF config.json dict: DeepSeek-V3 style (MLA: kv_lora_rank) or GQA (Qwen3-MoE, GLM-4.5)."""
+    H, L = _g(cfg, "hidden_size"), _g(cfg, "num_hidden_layers")
+    heads = _g(cfg, "num_attention_heads")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or _g(cfg, "num_experts")
+    top_k, eff = _g(cfg, "num_experts_per_tok"), _g(cfg, "moe_intermediate_size")
+    first_dense = cfg.get("first_k_dense_replace", 0) or 0
+    moe_layers = L - first_dense - len(cfg.get("mlp_only_layers") or [])
+    shared = (cfg.get("n_shared_experts") or 0) * eff
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    wbytes = 1 if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8" else \
+        {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    if cfg.get("kv_lora_rank"):
+        r, rope, nope, v = cfg["kv_lora_rank"], _g(cfg, "qk_rope_head_dim"), _g(cfg, "qk_nope_head_dim"), \
+            _g(cfg, "v_head_dim")
+        ql = cfg.get("q_lora_rank")
+        q = ((H, ql), (ql, heads * (nope + rope))) if ql else ((H, heads * (nope + rope)),)
+        att = q + ((H, r + rope), (r, heads * (nope + v)), (heads * v, H))
+        qk, vd, kvh = heads * (nope + rope), heads * v, heads
+        kv = F.kv_bytes_per_token_mla(L, r, rope, 2)
+    else:
+        hd = cfg.get("head_dim") or H // heads
+        kvh = cfg.get("num_key_value_heads") or heads
+        att = ((H, heads * hd), (H, kvh * hd), (H, kvh * hd), (heads * hd, H))
+        qk = vd = heads * hd
+        kv = F.kv_bytes_per_token_gqa(L, kvh, hd, 2)
+    derived = MoESpec(name, L, moe_layers, experts, H, eff, shared_ffn=shared,
+                      dense_ffn=cfg.get("intermediate_size", 0) if first_dense else 0, vocab=_g(cfg, "vocab_size"),
+                      attention=att, router_bias=cfg.get("topk_method") == "noaux_tc" or "n_group" in cfg)
+    if moe is not None and moe != derived:
+        raise ValueError(f"{name}: config gives {derived}, the refit calculator has {moe}")
+    return ModelSpec(moe or derived, top_k, heads, qk, vd, kv, kvh, bool(cfg.get("kv_lora_rank")), wbytes, source)
+
+
+# Excerpts of the public config.json files (the fields the planner reads).
+KIMI_K2_CONFIG = {   # huggingface.co/moonshotai/Kimi-K2-Instruct/blob/main/config.json (DeepseekV3ForCausalLM)
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "first_k_dense_replace": 1, "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
+    "topk_method": "noaux_tc", "n_group": 1, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}
+QWEN3_30B_A3B_CONFIG = {   # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (Qwen3MoeForCausalLM)
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "vocab_size": 151936, "mlp_only_layers": [], "torch_dtype": "bfloat16",
+}
+PRESETS = {
+    "kimi-k2": lambda: spec_from_config("kimi-k2", KIMI_K2_CONFIG, "moonshotai/Kimi-K2-Instruct config.json",
+                                        SPECS["kimi-k2"]),
+    "qwen3-30b-a3b": lambda: spec_from_config("qwen3-30b-a3b", QWEN3_30B_A3B_CONFIG,
+                                              "Qwen/Qwen3-30B-A3B config.json", SPECS["qwen3-30b-a3b"]),
+}
+
+
+def load_model(name_or_dir: str) -> ModelSpec:
+    """A preset name, or a checkpoint directory / config.json path of a supported family."""
+    if name_or_dir in PRESETS:
+        return PRESETS[name_or_dir]()
+    p = Path(name_or_dir)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ValueError(f"model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}) nor a config.json / "
+                         "checkpoint directory")
+    return spec_from_config(p.parent.name, json.loads(p.read_text()), str(p))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU figures. Defaults: an 80 GB H800/H100 SXM node of 8 (Mind Lab's trillion-parameter LoRA RL ran on
+    64 x H800)."""
+    memory_GB: float = 80.0           # H100/H800 SXM5 80 GB HBM3 (NVIDIA H100 datasheet)
+    usable_fraction: float = 0.9      # allocator, CUDA context, fragmentation (vLLM's gpu_memory_utilization=0.9)
+    bf16_TFLOPs: float = 989.0        # dense BF16 tensor core, H100/H800 SXM5 (NVIDIA H100 datasheet)
+    hbm_GBps: float = 3350.0          # H100/H800 SXM5 HBM3 bandwidth (NVIDIA H100 datasheet)
+    train_mfu: float = 0.25           # guess [?]: large-MoE Megatron training with EP all-to-all and recompute
+    decode_bw_eff: float = 0.6        # guess [?]: achieved fraction of HBM bandwidth in decode
+    decode_flops_eff: float = 0.3     # guess [?]: achieved fraction of peak FLOPs in decode GEMMs
+    link_GBps: float = 25.0           # trainer -> engine refit link: the refit calculator's default (200 Gb/s NIC)
+    gpus_per_node: int = 8            # HGX/DGX H100/H800 node
+    source: str = "defaults (NVIDIA H100/H800 SXM5 datasheet; efficiencies are guesses)"
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "source" and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"hardware {f.name}={v!r}: must be a positive number")
+        for f in ("usable_fraction", "train_mfu", "decode_bw_eff", "decode_flops_eff"):
+            if getattr(self, f) > 1:
+                raise ValueError(f"hardware {f}={getattr(self, f)}: a fraction must be <= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_hardware(path: str | None = None, **overrides) -> Hardware:
+    """Defaults, then the "hardware" object of a bench JSON (e.g. `python -m moe_lora_rl.bench plan --json`),
+    then explicit overrides. Unknown keys are a ValueError."""
+    hw = Hardware()
+    if path:
+        try:
+            data = json.loads(Path(path).read_text().strip().splitlines()[-1])
+        except (OSError, IndexError, json.JSONDecodeError) as e:
+            raise ValueError(f"hardware JSON {path!r}: cannot read one JSON object from its last line ({e})")
+        data = data.get("hardware", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise ValueError(f"hardware JSON {path!r}: expected an object, got {type(data).__name__}")
+        known = {f.name for f in fields(Hardware)}
+        bad = sorted(set(data) - known)
+        if bad:
+            raise ValueError(f"hardware JSON {path}: unknown keys {bad}; known: {sorted(known)}")
+        hw = replace(hw, **{"source": path, **data})
+    return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class RLSettings:
+    batch: int = 512                  # samples (prompt + response) per optimizer step
+    prompt_len: int = 1024
+    response_len: int = 8192
+    rank: int = 128
+    adapter_layout: str = "per_expert"
+    mode: str = "async"               # "sync" | "async"
+    staleness: int = 1                # max policy versions a sample may lag (async)
+    micro_batch: int = 1
+    recompute: bool = True            # full activation recomputation in training
+    max_engine_concurrency: int = 256 # vLLM's max_num_seqs default
+
+    def __post_init__(self):
+        for f in ("batch", "prompt_len", "response_len", "rank", "micro_batch", "max_engine_concurrency"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}={v!r}: must be an integer >= 1")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode={self.mode!r}: choose 'sync' or 'async'")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness={self.staleness!r}: must be an integer >= 0")
+        if self.mode == "async" and self.staleness == 0:
+            raise ValueError("staleness bound 0 with mode 'async': asynchronous RL lets a sample lag at least one "
+                             "policy version; use --staleness >= 1 or --mode sync")
+        if self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not a multiple of micro_batch {self.micro_batch}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
