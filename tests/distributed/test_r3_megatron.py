@@ -13,22 +13,42 @@ import torch
 from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
 from moe_lora_rl.bench.replay_check import FIDELITY_TOL, SHUFFLED_MIN, run
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None,
+    reason="vLLM is installed: tests/e2e/test_r3_vllm.py runs these checks on real vLLM rollouts")]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
-                    reason="vLLM is installed: tests/e2e/test_r3_vllm.py runs these checks on real vLLM rollouts")
-def test_r3_against_forced_route_reference(tmp_path):
-    res = run(resolve_models(None), DEFAULT_LAYOUTS, tmp_path, engine="hf", single_launch=True)
-    for m, sets in res["forced_decisions"].items():
-        bad, tot = sum(b for b, _ in sets.values()), sum(t for _, t in sets.values())
-        assert tot > 1000 and bad / tot >= 0.05, (m, sets)
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    return run(resolve_models(None), DEFAULT_LAYOUTS, tmp_path_factory.mktemp("r3"), engine="hf", single_launch=True)
+
+
+def _each(res):
     for layout in DEFAULT_LAYOUTS.split(","):
         for m, per in res[layout].items():
             for kind in ("padded", "packed"):
-                r, where = per[kind], (layout, m, kind)
-                assert max(r["fidelity_max_diff"].values()) <= FIDELITY_TOL[torch.float32], (where, r)
-                assert r["shuffled_routes_diff"] > SHUFFLED_MIN, (where, r)
-                assert all(n > 0 for n in r["dispatcher_tokens"].values()), (where, r)
-                assert set(r["dispatcher_mismatched_tokens"].values()) == {0}, (where, r)
-                assert r["disagreement_without"] > 0 and r["kl_with"] < r["kl_without"], (where, r)
+                yield (layout, m, kind), per[kind]
+
+
+def test_replay_matches_forced_route_reference(res):
+    for where, r in _each(res):
+        assert max(r["fidelity_max_diff"].values()) <= FIDELITY_TOL[torch.float32], (where, r["fidelity_max_diff"])
+
+
+def test_shuffled_routes_differ_and_forced_routes_are_not_the_routers_own(res):
+    for m, sets in res["forced_decisions"].items():
+        bad, tot = sum(b for b, _ in sets.values()), sum(t for _, t in sets.values())
+        assert tot > 1000 and bad / tot >= 0.05, (m, sets)
+    for where, r in _each(res):
+        assert r["shuffled_routes_diff"] > SHUFFLED_MIN, (where, r)
+
+
+def test_dispatcher_receives_the_rollout_routes(res):
+    for where, r in _each(res):
+        assert all(n > 0 for n in r["dispatcher_tokens"].values()), (where, r)
+        assert set(r["dispatcher_mismatched_tokens"].values()) == {0}, (where, r["dispatcher_mismatched_tokens"])
+
+
+def test_kl_drops_with_replay(res):
+    for where, r in _each(res):
+        assert r["disagreement_without"] > 0 and r["kl_with"] < r["kl_without"], (where, r)
