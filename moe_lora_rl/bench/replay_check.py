@@ -85,6 +85,26 @@ def pack_offsets(lengths: list[int], dp: int) -> list[int]:
     return [sum(lengths[i - i % chunk:i]) for i in range(len(lengths))]
 
 
+def check_rollout(d: dict, model: str) -> None:
+    """The rollout's routes must fit the model (MoE layers, experts, top-k, one row per token): ValueError naming the
+    value, before any process starts."""
+    from ..megatron.hf_reference import load_arch
+
+    arch = load_arch(model)
+    field = d["routes"]
+    layers = tuple(field["routed_experts_layers"].tolist())
+    want = tuple(i for i, moe in enumerate(arch.moe_layers) if moe)
+    if layers != want:
+        raise ValueError(f"{model}: routes for layers {layers}, the model's MoE layers are {want}")
+    if d["num_experts"] != arch.num_experts:
+        raise ValueError(f"{model}: routes over {d['num_experts']} experts, the model has {arch.num_experts}")
+    if field["routed_experts"].shape[-1] != arch.topk:
+        raise ValueError(f"{model}: routes with top-k {field['routed_experts'].shape[-1]}, the model's is {arch.topk}")
+    lens, n = field["routed_experts_len"].tolist(), d["tokens"].shape[1]
+    if any(L != n for L in lens):
+        raise ValueError(f"{model}: routes cover {lens} tokens per sample, the samples have {n}")
+
+
 def add_forced_sets(rollout: Path, out: Path, layouts: list[Layout], dp_sizes: list[int],
                     dtype: torch.dtype = torch.float32, seed: int = 5) -> dict:
     """Forced sets and their reference logits (see the module docstring): reference[set][i] for padded batches,
@@ -95,6 +115,7 @@ def add_forced_sets(rollout: Path, out: Path, layouts: list[Layout], dp_sizes: l
     data = torch.load(rollout)
     stats = {}
     for m, d in data.items():
+        check_rollout(d, m)
         hf = reference_model(m, dtype)
         field = d["routes"]
         full = [field["routed_experts"][i, :n].numpy().astype(np.int64)

@@ -87,3 +87,22 @@ def test_map_to_ids():
     m[1, [0, 5]] = True
     m[2, [2]] = True                                          # a token with one expert instead of two
     assert map_to_ids(m, 2).tolist() == [[1, 4], [0, 5], [-1, -1]]
+
+
+def test_rollout_that_does_not_fit_the_model_is_refused():
+    from moe_lora_rl.bench.replay_check import check_rollout
+    from moe_lora_rl.router_replay.routes import RoutesBatch
+
+    path = str(get_model("glm4_moe"))                       # MoE layers 1, 2, 3; 16 experts; top-k 4
+    def rollout(layers=(1, 2, 3), e=16, k=4, n=5, tokens=5):
+        routes = RoutesBatch([np.zeros((n, len(layers), k), dtype=np.int64)], layers, e, k)
+        return {"routes": routes.to_field(), "num_experts": e, "tokens": torch.zeros(1, tokens, dtype=torch.long)}
+    check_rollout(rollout(), path)
+    with pytest.raises(ValueError, match=r"routes for layers \(0, 1, 2\), the model's MoE layers are \(1, 2, 3\)"):
+        check_rollout(rollout(layers=(0, 1, 2)), path)
+    with pytest.raises(ValueError, match="routes over 32 experts, the model has 16"):
+        check_rollout(rollout(e=32), path)
+    with pytest.raises(ValueError, match="routes with top-k 2, the model's is 4"):
+        check_rollout(rollout(k=2), path)
+    with pytest.raises(ValueError, match=r"routes cover \[5\] tokens per sample, the samples have 6"):
+        check_rollout(rollout(tokens=6), path)
