@@ -167,7 +167,7 @@ class Case:
         return t
 
 
-def run_case(case: Case, dp: int, timing: int) -> dict:
+def run_case(case: Case, timing: int) -> dict:
     rec: dict = {}
     for kind, packed in (("padded", False), ("packed", True)):
         m = case.rollout_metrics(packed)
@@ -214,7 +214,7 @@ def main(argv=None):
             if n % dp:
                 raise ValueError(f"{n} samples do not split over data parallel size {dp} (layout {key})")
             case = Case(model, arch, d, list(range(dpr * n // dp, (dpr + 1) * n // dp)))
-            out.setdefault(key, {})[path] = run_case(case, dp, a.timing)
+            out.setdefault(key, {})[path] = run_case(case, a.timing)
             case.replayer.detach()
             del model, case
         teardown()
