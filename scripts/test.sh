@@ -10,7 +10,7 @@ echo "== .venv: $(.venv/bin/python -c 'import importlib.metadata as m; print("me
 .venv/bin/python -m pytest tests "$@"
 if [[ -x .venv312/bin/python ]]; then
   echo "== .venv312: $(.venv312/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))')"
-  .venv312/bin/python -m pytest tests -m "not vllm" "$@"
+  .venv312/bin/python -m pytest tests -m "not vllm and not verl" "$@"
 elif [[ "${CI:-}" == "true" ]]; then
   echo "test.sh: CI requires .venv312 (bash scripts/setup.sh --compat)" >&2; exit 1
 else

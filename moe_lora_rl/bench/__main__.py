@@ -19,7 +19,11 @@ def main(argv=None) -> int:
         print(f"usage: python -m moe_lora_rl.bench {{{','.join(BENCHES)}}} [--json] [--model DIR] [--layouts ...]",
               file=sys.stderr)
         return 2
-    importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    try:
+        importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    except ValueError as e:                          # a bad argument or input: one line, no traceback
+        print(f"bench {argv[0]}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import OrderedDict
+from pathlib import Path
 
 from ..megatron.layout import Layout
 
@@ -25,6 +27,31 @@ def group_by_world(layout_names: str) -> "OrderedDict[int, list[str]]":
     for name in [n.strip() for n in layout_names.split(",") if n.strip()]:
         groups.setdefault(Layout.parse(name).min_world_size, []).append(name)
     return OrderedDict(sorted(groups.items()))
+
+
+def check_layouts(models: list[str], layout_names: str) -> list[Layout]:
+    """Every layout parsed and checked against every model before any process starts (ValueError naming the value)."""
+    from ..megatron.build import check_layout
+    from ..megatron.hf_reference import load_arch
+
+    names = [n.strip() for n in layout_names.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--layouts {layout_names!r}: no layout given")
+    layouts = [Layout.parse(n) for n in names]
+    for m in models:
+        if not (Path(m) / "config.json").is_file():
+            raise ValueError(f"--model {m!r}: not an HF checkpoint directory (no config.json)")
+        arch = load_arch(m)
+        for layout in layouts:
+            check_layout(arch, layout)
+    return layouts
+
+
+def dp_batch(layouts: list[Layout], at_least: int) -> int:
+    """A global batch of at least `at_least` sequences that splits over the data-parallel size of every layout at
+    the smallest world size it runs at (group_by_world)."""
+    step = math.lcm(*[l.min_world_size // (l.tp * l.pp) for l in layouts])
+    return step * math.ceil(at_least / step)
 
 
 def emit(result: dict, as_json: bool) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from ..lora import LoRAConfig
 from ..testing.launch import run_torchrun
-from .common import DEFAULT_LAYOUTS, emit, resolve_models
+from .common import DEFAULT_LAYOUTS, check_layouts, emit, resolve_models
 
 
 def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
@@ -72,11 +72,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--adapter-layout", default="per_expert")
     a = ap.parse_args(argv)
     cfg = LoRAConfig(rank=a.rank, alpha=a.alpha, adapter_layout=a.adapter_layout)
+    models = resolve_models(a.model)
+    check_layouts(models, a.layouts)                       # every layout is run: refuse bad ones before any process
     speed = None
     if not a.no_speed:
         from ..models import get_model
 
         speed = a.speed_model or str(get_model("qwen3_moe", "medium"))
-    result = run(resolve_models(a.model), speed, a.layouts, cfg, a.speed_layout)
+        if len(check_layouts([speed], a.speed_layout)) != 1:
+            raise ValueError(f"--speed-layout {a.speed_layout!r}: give one layout")
+    result = run(models, speed, a.layouts, cfg, a.speed_layout)
     emit(result, a.json)
     return result

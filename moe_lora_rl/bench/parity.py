@@ -8,20 +8,13 @@ import argparse
 import time
 
 from ..testing.launch import run_torchrun
-from .common import DEFAULT_LAYOUTS, emit, group_by_world, resolve_models
+from .common import DEFAULT_LAYOUTS, check_layouts, emit, group_by_world, resolve_models
 
 TARGET = 1e-4
 
 
 def run(models: list[str], layouts: str) -> dict:
-    from ..megatron.build import check_layout
-    from ..megatron.hf_reference import load_arch
-    from ..megatron.layout import Layout
-
-    for m in models:                                   # bad layouts fail here, before any process starts
-        arch = load_arch(m)
-        for name in layouts.split(","):
-            check_layout(arch, Layout.parse(name))
+    check_layouts(models, layouts)                     # bad layouts fail here, before any process starts
     t0 = time.time()
     per_layout: dict[str, dict[str, float]] = {}
     for world, names in group_by_world(layouts).items():

@@ -1,9 +1,9 @@
 """refit: LoRA-only vs full merged-weight refit into vLLM, side by side on one engine; or the analytic calculator.
 
-    python -m moe_lora_rl.bench refit --json [--model DIR] [--layouts tp1ep1pp1] [--rank 16]
+    python -m moe_lora_rl.bench refit --json [--model DIR] [--layouts tp1ep1pp1,ep4] [--rank 16]
     python -m moe_lora_rl.bench refit --calc --model kimi-k2 --json [--link-gbps 25] [--ranks 8,32,128]
 
-Measured mode: Megatron trains LoRA one step at the given layout (default the medium qwen3_moe), the adapters go
+Measured mode: Megatron trains LoRA one step at each given layout (default the medium qwen3_moe), the adapters go
 to an in-process vLLM CPU engine (fp32) through InprocTransport; then the same engine reloads all weights with the
 adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA.
 """
@@ -21,21 +21,28 @@ from ..testing.launch import worker_env
 from .common import emit
 
 
-def measured(model: str, layout: str, cfg: LoRAConfig) -> dict:
+def measured(model: str, layouts: list[str], cfg: LoRAConfig) -> dict:
+    """Adapters trained at every layout (one LoRA run), each pushed to a fresh engine; the first layout's numbers
+    on top, every layout's under per_layout."""
     from . import lora_layouts
 
+    per: dict = {}
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        lora_layouts.run([model], layout, cfg, work, steps=1, lr=1e-3)
-        args = [sys.executable, "-m", "moe_lora_rl.bench.refit_vllm_worker", "bench", "--model", model, "--blob",
-                str(work / f"{layout}-m0.pt"), "--data", str(work / "data.pt"), "--rank", str(cfg.rank),
-                "--alpha", str(cfg.alpha)]
-        proc = subprocess.run(args, env=worker_env(), cwd=work, capture_output=True, text=True, timeout=2400)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"refit bench worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    res = json.loads(lines[-1][len("RESULT "):])
-    res.update({"megatron_layout": layout, "rank": cfg.rank})
+        lora_layouts.run([model], ",".join(layouts), cfg, work, steps=1, lr=1e-3)
+        for layout in layouts:
+            args = [sys.executable, "-m", "moe_lora_rl.bench.refit_vllm_worker", "bench", "--model", model, "--blob",
+                    str(work / f"{layout}-m0.pt"), "--data", str(work / "data.pt"), "--rank", str(cfg.rank),
+                    "--alpha", str(cfg.alpha)]
+            proc = subprocess.run(args, env=worker_env(), cwd=work, capture_output=True, text=True, timeout=2400)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"refit bench worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            per[layout] = json.loads(lines[-1][len("RESULT "):])
+    res = dict(per[layouts[0]])
+    res.update({"megatron_layout": layouts[0], "rank": cfg.rank, "layouts": layouts})
+    if len(layouts) > 1:
+        res["per_layout"] = per
     return res
 
 
@@ -61,9 +68,11 @@ def main(argv=None) -> dict:
                               bytes_per_param=a.bytes_per_param, link_gbps=a.link_gbps)
     else:
         from ..models import get_model
+        from .common import check_layouts
 
-        layout = a.layouts.split(",")[0]
-        result = measured(a.model or str(get_model("qwen3_moe", "medium")), layout,
-                          LoRAConfig(rank=a.rank, alpha=a.alpha))
+        model = a.model or str(get_model("qwen3_moe", "medium"))
+        layouts = [l.strip() for l in a.layouts.split(",") if l.strip()]
+        check_layouts([model], ",".join(layouts))           # every layout is run: refuse bad ones up front
+        result = measured(model, layouts, LoRAConfig(rank=a.rank, alpha=a.alpha))
     emit(result, a.json)
     return result

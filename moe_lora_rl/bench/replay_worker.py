@@ -1,10 +1,20 @@
-"""torchrun worker: R3 in Megatron at each layout against routes and logprobs of a rollout engine.
-Without replay (routes recorded) and with R3 (routes replayed), padded (BSHD) and packed: router disagreement with
-the rollout routes, k3 KL to the rollout logprobs, consumed-once check. Rank 0 writes JSON."""
+"""torchrun worker: R3 in Megatron at each layout, against a rollout and the forced-route reference.
+
+Per layout and model:
+  rollout metrics (full-length samples, padded and packed): router disagreement without replay, k3 KL to the
+      rollout logprobs without and with R3;
+  fidelity (the forced sets of replay_check.py, samples of different lengths, padded and packed): max |logit diff|
+      between Megatron replaying a set and HF transformers forced to it (rollout and random sets), and between
+      Megatron replaying the shuffled set and the reference of the rollout set (must differ);
+  dispatcher: the routing map every MoE layer's token dispatcher received vs the rollout-format routes of the tokens
+      this rank holds (rollout and random sets, padding included), counted in mismatching tokens.
+Every queued route is consumed exactly once (check_consumed). Rank 0 writes JSON.
+"""
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -15,41 +25,167 @@ from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
-from ..testing.launch import finish_worker
 from ..router_replay.align import align_microbatch
-from ..router_replay.metrics import router_disagreement
+from ..router_replay.metrics import k3_kl, router_disagreement
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
+from ..testing.dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
+from ..testing.launch import finish_worker
 
 
-def _pass(model, replayer, mode, tokens, inputs, aligned, vocab):
-    replayer.set_mode(mode)
-    if mode is Mode.DISABLED:
-        return forward_logits(model, tokens, vocab, **inputs), 0, 0
-    if mode is Mode.REPLAY:
-        replayer.queue_microbatch(aligned)
-    logits = forward_logits(model, tokens, vocab, **inputs)
-    replayer.check_consumed()
-    rec = [r[0] for r in replayer.pop_recorded()]
-    mism = sum(router_disagreement(r, a) * r.numel() for r, a in zip(rec, aligned))
-    total = sum(r.numel() for r in rec)
-    return logits, mism, total
+def _inputs(tokens: list[torch.Tensor], padded_len: int | None):
+    """(token tensor, forward kwargs) for a padded [b, padded_len] or packed [1, sum] batch."""
+    if padded_len is None:
+        pos, mask = packed_inputs([len(t) for t in tokens])
+        return torch.cat(tokens)[None], {"position_ids": pos, "attention_mask": mask}
+    out = torch.zeros(len(tokens), padded_len, dtype=torch.long)
+    for b, t in enumerate(tokens):
+        out[b, :len(t)] = t
+    return out, {}
 
 
-def _k3(logits, tokens, ref_lp, packed_lengths=None):
-    from ..router_replay.metrics import k3_kl
+def _per_sample(logits: torch.Tensor, lengths: list[int], packed: bool) -> list[torch.Tensor]:
+    if not packed:
+        return [logits[b, :n] for b, n in enumerate(lengths)]
+    starts = np.cumsum([0] + lengths[:-1])
+    return [logits[0, s:s + n] for s, n in zip(starts, lengths)]
 
-    lp = torch.log_softmax(logits.double(), -1)
-    if packed_lengths is None:
-        got = lp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-        return k3_kl(got, ref_lp.double()) * got.numel(), got.numel()
-    out, n, start = 0.0, 0, 0
-    for i, L in enumerate(packed_lengths):
-        seg = lp[0, start:start + L - 1].gather(-1, tokens[0, start + 1:start + L, None])[:, 0]
-        out += k3_kl(seg, ref_lp[i].double()) * seg.numel()
-        n += seg.numel()
-        start += L
-    return out, n
+
+def _k3(logits, lengths, packed, ref_lp, tokens) -> tuple[float, int]:
+    total, cnt = 0.0, 0
+    for seg, lp, tok in zip(_per_sample(logits, lengths, packed), ref_lp, tokens):
+        got = torch.log_softmax(seg.double(), -1)[:-1].gather(-1, tok[1:, None])[:, 0]
+        total += k3_kl(got, lp.double()) * got.numel()
+        cnt += got.numel()
+    return total, cnt
+
+
+class Case:
+    """One model at one layout on this rank: its samples, sequence-parallel position, replayer."""
+
+    def __init__(self, model, arch, d: dict, ids: list[int]):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.arch, self.d, self.ids = model, arch, d, ids
+        self.dp = ps.get_data_parallel_world_size()
+        self.replayer = RouterReplayer(model)
+        self.sp = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                       sequence_parallel=bool(model.config.sequence_parallel))
+        self.full = RoutesBatch.from_field(d["routes"], d["num_experts"])
+        self.last_stage = ps.is_pipeline_last_stage()
+        self.seq_len = d["tokens"].shape[1]
+
+    def forward(self, mode: Mode, tokens, inputs, aligned=None):
+        self.replayer.set_mode(mode)
+        if aligned is not None:
+            self.replayer.queue_microbatch(aligned)
+        logits = forward_logits(self.model, tokens, self.arch.vocab_size, **inputs)
+        self.replayer.check_consumed()
+        return logits
+
+    def rollout_metrics(self, packed: bool) -> torch.Tensor:
+        """[disagreement decisions, decisions, k3 sum without, k3 sum with, k3 tokens]"""
+        toks = [self.d["tokens"][i] for i in self.ids]
+        lengths = [self.seq_len] * len(toks)
+        padded_len = None if packed else self.seq_len
+        tok, inputs = _inputs(toks, padded_len)
+        aligned = align_microbatch(self.full, self.ids, padded_len=padded_len,
+                                   stage_layers=self.replayer.layer_ids, **self.sp)
+        ref_lp = [self.d["logprobs"][i] for i in self.ids]
+        out = torch.zeros(5, dtype=torch.float64)
+        logits = self.forward(Mode.RECORD, tok, inputs)
+        rec = [r[0] for r in self.replayer.pop_recorded()]
+        out[0] = sum(router_disagreement(r, a) * r.numel() for r, a in zip(rec, aligned))
+        out[1] = sum(r.numel() for r in rec)
+        with_r3 = self.forward(Mode.REPLAY, tok, inputs, aligned)
+        if self.replayer.pop_recorded() != [[] for _ in self.replayer.replays]:
+            raise AssertionError("replay mode kept routes although no record was asked for")
+        if self.last_stage and self.sp["tp_rank"] == 0:
+            out[2], out[4] = _k3(logits, lengths, packed, ref_lp, toks)
+            out[3], _ = _k3(with_r3, lengths, packed, ref_lp, toks)
+        return out
+
+    def fidelity(self, packed: bool) -> dict[str, torch.Tensor]:
+        lengths = [self.d["lengths"][i] for i in self.ids]
+        toks = [self.d["tokens"][i, :n] for i, n in zip(self.ids, lengths)]
+        padded_len = None if packed else self.seq_len
+        tok, inputs = _inputs(toks, padded_len)
+        out = {}
+        for name in ("rollout", "random", "shuffled"):
+            samples = self.d["forced_sets"][name]
+            routes = RoutesBatch(samples, self.full.layer_ids, self.full.num_experts, self.full.topk)
+            aligned = align_microbatch(routes, self.ids, padded_len=padded_len, stage_layers=self.replayer.layer_ids,
+                                       **self.sp)
+            with capture_routing_maps(self.model) as maps:
+                logits = self.forward(Mode.REPLAY, tok, inputs, aligned)
+            diff = torch.tensor(-1.0, dtype=torch.float64)
+            if logits is not None:
+                refs = self.d["reference_packed"][self.dp] if packed else self.d["reference"]
+                ref = refs["rollout" if name == "shuffled" else name]        # shuffled: against the original routes
+                diff = max((got - ref[i]).abs().max().double()
+                           for got, i in zip(_per_sample(logits, lengths, packed), self.ids))
+            out[f"diff_{name}"] = diff
+            if name != "shuffled":
+                out[f"dispatch_{name}"] = self.dispatcher_mismatch(maps, [samples[i] for i in self.ids], lengths,
+                                                                   padded_len)
+        return out
+
+    def dispatcher_mismatch(self, maps, samples, lengths, padded_len) -> torch.Tensor:
+        """[tokens whose dispatcher routing differs from the rollout-format routes, tokens checked]"""
+        bad = tot = 0
+        if sorted(maps) != sorted(self.replayer.layer_ids):
+            raise AssertionError(f"dispatcher saw layers {sorted(maps)}, the stage routes {self.replayer.layer_ids}")
+        for layer, got in maps.items():
+            if len(got) != 1:
+                raise AssertionError(f"layer {layer}: {len(got)} dispatches for one microbatch")
+            ids = map_to_ids(got[0], self.full.topk)
+            want = expected_rows(samples, self.full.layer_ids.index(layer), lengths, padded_len=padded_len,
+                                 num_experts=self.full.num_experts, **self.sp)
+            if ids.shape != want.shape:
+                bad, tot = bad + max(len(ids), len(want)), tot + max(len(ids), len(want))
+                continue
+            bad += int((ids != want).any(-1).sum())
+            tot += len(want)
+        return torch.tensor([bad, tot], dtype=torch.float64)
+
+    def timing(self, reps: int) -> torch.Tensor:
+        import statistics
+        import time
+
+        tok = self.d["tokens"][self.ids]
+        aligned = align_microbatch(self.full, self.ids, padded_len=self.seq_len, stage_layers=self.replayer.layer_ids,
+                                   **self.sp)
+        t_off, t_on = [], []
+        for _ in range(reps + 1):
+            for mode, acc in ((Mode.DISABLED, t_off), (Mode.REPLAY, t_on)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                self.forward(mode, tok, {}, aligned if mode is Mode.REPLAY else None)
+                acc.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(t_off[1:]), statistics.median(t_on[1:])])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+
+def run_case(case: Case, timing: int) -> dict:
+    rec: dict = {}
+    for kind, packed in (("padded", False), ("packed", True)):
+        m = case.rollout_metrics(packed)
+        dist.all_reduce(m)
+        rec[kind] = {"disagreement_without": float(m[0] / max(m[1], 1)), "decisions": int(m[1]),
+                     "kl_without": float(m[2] / max(m[4], 1)), "kl_with": float(m[3] / max(m[4], 1))}
+        f = case.fidelity(packed)
+        for k, v in f.items():
+            dist.all_reduce(v, op=dist.ReduceOp.MAX if k.startswith("diff") else dist.ReduceOp.SUM)
+        rec[kind].update({
+            "fidelity_max_diff": {n: float(f[f"diff_{n}"]) for n in ("rollout", "random")},
+            "shuffled_routes_diff": float(f["diff_shuffled"]),
+            "dispatcher_mismatched_tokens": {n: int(f[f"dispatch_{n}"][0]) for n in ("rollout", "random")},
+            "dispatcher_tokens": {n: int(f[f"dispatch_{n}"][1]) for n in ("rollout", "random")}})
+    if timing:
+        t = case.timing(timing)
+        rec["forward_s"] = {"without": float(t[0]), "with_replay": float(t[1])}
+    return rec
 
 
 def main(argv=None):
@@ -58,76 +194,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
     ap.add_argument("--layouts", required=True)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, help="the forced-set file written by replay_check.add_forced_sets")
     ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
     cpu_support.apply()
-    data = torch.load(a.data)
+    data = torch.load(a.data, weights_only=False)
     out: dict = {}
     for key in a.layouts.split(","):
         layout = Layout.parse(key)
         init_distributed(layout)
         for path in a.models.split(","):
             d = data[path]
-            routes = RoutesBatch.from_field(d["routes"], d["num_experts"])
             arch = load_arch(path)
             model = build_model(arch, layout)
             load_hf_weights(model, path, arch)
-            replayer = RouterReplayer(model)
             dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            n, s = d["tokens"].shape
-            ids = list(range(dpr * n // dp, (dpr + 1) * n // dp))
-            tokens = d["tokens"][ids]
-            sp = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                      sequence_parallel=bool(model.config.sequence_parallel))
-            stats = torch.zeros(12, dtype=torch.float64)
-            for j, packed in enumerate((False, True)):
-                if packed:
-                    lens = [s] * len(ids)
-                    pos, mask = packed_inputs(lens)
-                    tok, inputs = tokens.reshape(1, -1), {"position_ids": pos, "attention_mask": mask}
-                    aligned = align_microbatch(routes, ids, padded_len=None, stage_layers=replayer.layer_ids, **sp)
-                    ref = [d["logprobs"][i] for i in ids]
-                else:
-                    lens, tok, inputs = None, tokens, {}
-                    aligned = align_microbatch(routes, ids, padded_len=s, stage_layers=replayer.layer_ids, **sp)
-                    ref = torch.stack([d["logprobs"][i] for i in ids])
-                for m, mode in enumerate((Mode.RECORD, Mode.REPLAY)):
-                    logits, mism, total = _pass(model, replayer, mode, tok, inputs, aligned, arch.vocab_size)
-                    base = j * 6 + m * 3
-                    stats[base] += mism
-                    stats[base + 1] += total
-                    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
-                        k, cnt = _k3(logits, tok, ref, lens)
-                        stats[base + 2] += k / max(cnt, 1) / dp      # mean over this DP rank's tokens, averaged
-            if a.timing:
-                import statistics
-                import time
-
-                aligned = align_microbatch(routes, ids, padded_len=s, stage_layers=replayer.layer_ids, **sp)
-                t_off, t_on = [], []
-                for _ in range(a.timing + 1):
-                    for mode, acc in ((Mode.DISABLED, t_off), (Mode.REPLAY, t_on)):
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        _pass(model, replayer, mode, tokens, {}, aligned, arch.vocab_size)
-                        acc.append(time.perf_counter() - t0)
-                timing = torch.tensor([statistics.median(t_off[1:]), statistics.median(t_on[1:])])
-                dist.all_reduce(timing, op=dist.ReduceOp.MAX)
-            dist.all_reduce(stats)
-            rec = {}
-            for j, name in enumerate(("padded", "packed")):
-                b = j * 6
-                rec[name] = {"disagreement_without": stats[b] / max(stats[b + 1], 1),
-                             "disagreement_with": stats[b + 3] / max(stats[b + 4], 1),
-                             "decisions": int(stats[b + 1]), "kl_without": float(stats[b + 2]),
-                             "kl_with": float(stats[b + 5])}
-            out.setdefault(key, {})[path] = {k: {kk: float(vv) for kk, vv in v.items()} for k, v in rec.items()}
-            if a.timing:
-                out[key][path]["forward_s"] = {"without": float(timing[0]), "with_replay": float(timing[1])}
-            replayer.detach()
-            del model
+            n = d["tokens"].shape[0]
+            if n % dp:
+                raise ValueError(f"{n} samples do not split over data parallel size {dp} (layout {key})")
+            case = Case(model, arch, d, list(range(dpr * n // dp, (dpr + 1) * n // dp)))
+            out.setdefault(key, {})[path] = run_case(case, a.timing)
+            case.replayer.detach()
+            del model, case
         teardown()
     finish_worker(out, a.result)
 

@@ -32,6 +32,7 @@ class RouteReplay:
     def __init__(self, layer: int, num_experts: int, topk: int, recompute: bool):
         self.layer, self.num_experts, self.topk, self.recompute = layer, num_experts, topk, recompute
         self.mode = Mode.DISABLED
+        self.keep_replayed = False         # REPLAY mode keeps nothing unless asked: a long run must not hold every route
         self.queue: deque[torch.Tensor] = deque()
         self.recompute_queue: deque[torch.Tensor] = deque()
         self.recorded: list[torch.Tensor] = []
@@ -59,7 +60,8 @@ class RouteReplay:
             if self.recompute:
                 self.recompute_queue.append(idx)
         idx = idx.to(scores.device)
-        self.recorded.append(idx)
+        if self.keep_replayed and not _in_backward():
+            self.recorded.append(idx)
         return scores.gather(1, idx), idx
 
 
@@ -85,10 +87,11 @@ class RouterReplayer:
     def layer_ids(self) -> list[int]:
         return [r.layer for r in self.replays]
 
-    def set_mode(self, mode: Mode | str) -> None:
+    def set_mode(self, mode: Mode | str, keep_replayed: bool = False) -> None:
+        """keep_replayed: in REPLAY mode also keep the replayed routes for pop_recorded (off by default)."""
         mode = Mode(mode)
         for r in self.replays:
-            r.mode = mode
+            r.mode, r.keep_replayed = mode, bool(keep_replayed)
 
     def queue_microbatch(self, per_layer: list[torch.Tensor]) -> None:
         if len(per_layer) != len(self.replays):

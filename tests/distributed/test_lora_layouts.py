@@ -19,9 +19,13 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run(resolve_models(None), DEFAULT_LAYOUTS, LoRAConfig(rank=4, alpha=8.0),
-               tmp_path_factory.mktemp("lora"))
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def report(work):
+    return run(resolve_models(None), DEFAULT_LAYOUTS, LoRAConfig(rank=4, alpha=8.0), work)
 
 
 def test_expert_load_is_uneven(report):
@@ -54,10 +58,19 @@ def test_checkpoint_loads_at_other_layouts(report):
             assert r["loaded_logits_max_diff"] <= 1e-4, (layout, m, r)
 
 
-def test_every_global_expert_has_its_own_adapter(report):
-    per = report["per_layout"]["ep4"]
-    for m, r in per.items():
-        n_experts = 16 if "glm4" in m else 8
-        moe_layers = 3 if "glm4" in m else 2
-        # fc1 and fc2, A and B, for every (layer, global expert)
-        assert r["n_adapter_tensors"] >= moe_layers * n_experts * 4, r
+def test_every_global_expert_has_its_own_adapter(report, work):
+    """The adapters gathered at ep4 name exactly fc1 and fc2, A and B, of every (MoE layer, global expert)."""
+    import re
+
+    import torch
+
+    from moe_lora_rl.megatron.hf_reference import load_arch
+
+    for i, m in enumerate(report["per_layout"]["ep4"]):
+        arch = load_arch(m)
+        want = {(layer, e, fc, f) for layer, moe in enumerate(arch.moe_layers) if moe
+                for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2") for f in "AB"}
+        names = torch.load(work / f"ep4-m{i}.pt")["adapters"]
+        got = {(int(x[1]), int(x[2]), x[3], x[4]) for x in
+               (re.search(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc[12])\.lora_([AB])", n) for n in names) if x}
+        assert got == want, (m, sorted(want - got)[:6], sorted(got - want)[:6])

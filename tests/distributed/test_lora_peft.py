@@ -12,6 +12,27 @@ from moe_lora_rl.lora import LoRAConfig
 pytestmark = pytest.mark.dist
 
 
+def _all_expert_names(model_dir) -> set:
+    """(layer, expert, projection, factor) for every routed expert of every MoE layer."""
+    from moe_lora_rl.megatron.hf_reference import load_arch
+
+    arch = load_arch(model_dir)
+    return {(layer, e, p, f) for layer, moe in enumerate(arch.moe_layers) if moe for e in range(arch.num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj") for f in "AB"}
+
+
+def _peft_expert_names(peft_dir) -> set:
+    import re
+
+    from safetensors import safe_open
+
+    with safe_open(str(peft_dir / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    hits = (re.search(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.lora_([AB])", k)
+            for k in keys)
+    return {(int(h[1]), int(h[2]), h[3], h[4]) for h in hits if h}
+
+
 @pytest.mark.parametrize("layout,layouts", [("per_expert", (REFERENCE, "ep4")), ("shared_outer", (REFERENCE,))])
 def test_peft_export_matches_megatron(tmp_path, layout, layouts):
     cfg = LoRAConfig(rank=4, alpha=8.0, adapter_layout=layout)
@@ -21,6 +42,7 @@ def test_peft_export_matches_megatron(tmp_path, layout, layouts):
         for lay in layouts:
             d = peft_diff(m, tmp_path / f"{lay}-m{i}.pt", cfg, tmp_path / f"peft-{lay}-{i}")
             assert d <= 1e-4, (m, lay, d)
+            assert _peft_expert_names(tmp_path / f"peft-{lay}-{i}") == _all_expert_names(m), (m, lay)
         if layout == "per_expert":
             blob = torch.load(tmp_path / f"{layouts[-1]}-m{i}.pt")
             key = next(k for k in blob["adapters"] if ".experts.3.linear_fc2.lora_B" in k)

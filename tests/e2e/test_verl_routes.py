@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-pytest.importorskip("verl", reason="verl is installed only in the main (Python 3.11) venv")
+pytestmark = pytest.mark.verl
 
 
 def test_routes_roundtrip_through_dataproto():

@@ -95,6 +95,7 @@ def test_replay_queue_consumed_once_and_checked():
     rp.queue.append(torch.tensor([[7, 1]] * 4))
     probs, idx = rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
     assert idx.tolist() == [[7, 1]] * 4 and torch.equal(probs, scores.gather(1, idx))
+    assert rp.recorded == []                                   # nothing kept in replay mode unless asked
     with pytest.raises(ValueError, match="layer 3: no recorded route left for a forward of 4 tokens"):
         rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
     rp.queue.append(torch.zeros(5, 2, dtype=torch.long))
@@ -142,6 +143,10 @@ def test_r2_record_then_replay_in_megatron(qwen):
     rr.queue_microbatch(recorded)
     replayed = forward_logits(m, tokens, 512)
     rr.check_consumed()
+    assert rr.pop_recorded() == [[], []]                         # replay keeps nothing unless asked
+    rr.set_mode("replay", keep_replayed=True)
+    rr.queue_microbatch(recorded)
+    forward_logits(m, tokens, 512)
     again = [r[0] for r in rr.pop_recorded()]
     assert all(torch.equal(a, b) for a, b in zip(again, recorded))
     assert (moved - ref).abs().max() > 1e-3                      # the perturbation matters without replay
@@ -156,3 +161,14 @@ def test_r2_record_then_replay_in_megatron(qwen):
         rr.queue_microbatch([recorded[0], recorded[1] + 8])
     rr.detach()
     assert all(layer.mlp.router.router_replay is None for layer in m.decoder.layers)
+
+
+def test_replay_keeps_routes_only_when_asked():
+    rp = RouteReplay(layer=0, num_experts=8, topk=2, recompute=False)
+    rp.mode = Mode.REPLAY
+    for keep, kept in ((False, 0), (True, 3)):
+        rp.keep_replayed = keep
+        for _ in range(3):
+            rp.queue.append(torch.tensor([[0, 1]] * 4))
+            rp.get_replay_topk(torch.randn(4, 8), 2, default_compute_topk=_default_topk)
+        assert len(rp.recorded) == kept

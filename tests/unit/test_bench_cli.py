@@ -1,0 +1,31 @@
+"""Benches refuse what they cannot do before any process starts: one line naming the value, exit code 2, no
+traceback. Batches are sized from every layout's data-parallel size."""
+import subprocess
+import sys
+
+import pytest
+
+from moe_lora_rl.bench.common import dp_batch
+from moe_lora_rl.megatron.layout import Layout
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["lora", "--no-speed", "--layouts", "ep6"], "ep=6 does not divide num_experts="),
+    (["replay", "--engine", "hf", "--layouts", "tp1ep1pp1,tp2ep3"], "ep=3 does not divide num_experts="),
+    (["parity", "--layouts", "tp2,xx3"], "layout 'xx3' is not a combination"),
+    (["refit", "--layouts", "tp1ep1pp1,ep5"], "ep=5 does not divide num_experts="),
+    (["replay", "--engine", "hf", "--model", "/nonexistent"], "--model '/nonexistent': not an HF checkpoint"),
+])
+def test_user_errors_are_one_line(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", *argv], capture_output=True, text=True,
+                          timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_batch_splits_over_every_data_parallel_size():
+    assert dp_batch([Layout.parse(n) for n in ("tp1ep1pp1", "tp2ep2", "ep4", "pp2ep2")], 4) == 4
+    assert dp_batch([Layout.parse("ep6")], 4) == 6                     # world 6, data parallel 6
+    assert dp_batch([Layout.parse("tp2ep3")], 4) == 6                  # world 6, data parallel 3
+    assert dp_batch([Layout.parse("ep4"), Layout.parse("ep3")], 8) == 12
