@@ -3,18 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# target name -> the Megatron linear(s) it covers (module-name suffixes), grouped by role
-TARGETS: dict[str, tuple[str, ...]] = {
-    "expert_fc1": ("mlp.experts.local_experts.*.linear_fc1",),
-    "expert_fc2": ("mlp.experts.local_experts.*.linear_fc2",),
-    "qkv": ("self_attention.linear_qkv",),
-    "proj": ("self_attention.linear_proj",),
-    "dense_fc1": ("mlp.linear_fc1",),
-    "dense_fc2": ("mlp.linear_fc2",),
-    "shared_fc1": ("mlp.shared_experts.linear_fc1",),
-    "shared_fc2": ("mlp.shared_experts.linear_fc2",),
-    "router": ("mlp.router",),
-}
+from ..models.naming import MEGATRON
+from ..models.naming.base import ROUTER_TARGET
+
+# target names (the linears of models/naming, plus "router" so that naming it gives a clear error)
+TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0],)
 GROUPS: dict[str, tuple[str, ...]] = {
     "experts": ("expert_fc1", "expert_fc2"),
     "attention": ("qkv", "proj"),

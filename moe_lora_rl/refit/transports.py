@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..vllm.adapter_set import checksum
 from .plan import plan_buckets
+from .wire import checksum, encode_blob
 
 
 class RefitError(RuntimeError):
@@ -96,8 +96,6 @@ class HttpTransport(_Base):
         return results[0] if isinstance(results, list) else results
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
-        from ..vllm.worker_ext import encode_blob
-
         self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))
 
 

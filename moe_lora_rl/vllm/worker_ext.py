@@ -2,23 +2,10 @@
 pushes reach the worker through collective_rpc, in process or over the server's /collective_rpc endpoint."""
 from __future__ import annotations
 
-import base64
-
 import torch
 
+from ..refit.wire import decode_blob
 from .adapter_set import build_adapter_set
-
-
-def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(base64.b64decode(blob_b64))
-
-
-def encode_blob(tensors: dict[str, torch.Tensor]) -> str:
-    from safetensors.torch import save
-
-    return base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode()
 
 
 class MoELoRAWorkerExtension:
