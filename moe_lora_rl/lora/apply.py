@@ -42,14 +42,6 @@ def _parallel_kind(linear: nn.Module) -> str:
     raise ValueError(f"LoRA supports megatron ColumnParallelLinear/RowParallelLinear bases, got {type(linear).__name__}")
 
 
-def _shared_flags(layout: str, fc: str) -> tuple[bool, bool]:
-    if layout == "shared":
-        return True, True
-    if layout == "shared_outer":
-        return (True, False) if fc == "linear_fc1" else (False, True)
-    return False, False
-
-
 def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     from megatron.core import parallel_state as ps
 
@@ -76,7 +68,7 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
         kind = _parallel_kind(mod)
         gname, is_expert = aname.canonical, aname.linear.part == "expert"
         fc = name.rsplit(".", 1)[-1]
-        shared = _shared_flags(cfg.adapter_layout, fc) if is_expert else (False, False)
+        shared = cfg.expert_factors_shared(target) if is_expert else (False, False)
         group = "etp" if is_expert else "tp"
         t = sizes[group]
         rule = rule_for(kind, expert=is_expert, sequence_parallel=bool(mcfg.sequence_parallel), tp_size=t,

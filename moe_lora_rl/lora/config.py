@@ -74,6 +74,14 @@ class LoRAConfig:
             out += [n for n in names if n not in out]
         return tuple(out)
 
+    def expert_factors_shared(self, target: str) -> tuple[bool, bool]:
+        """(A, B) of a routed-expert target shared by all experts of a layer, by adapter layout."""
+        if self.adapter_layout == "shared":
+            return True, True
+        if self.adapter_layout == "shared_outer":
+            return (True, False) if target == "expert_fc1" else (False, True)
+        return False, False
+
     def to_dict(self) -> dict:
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
                 "adapter_layout": self.adapter_layout, "dtype": self.dtype, "init_seed": self.init_seed}

@@ -55,6 +55,27 @@ def save_peft(adapters: dict[str, torch.Tensor], arch: MoEArch, cfg: LoRAConfig,
     return out
 
 
+def stream_to_peft(model, arch: MoEArch, out_dir: str | Path, bucket_bytes: int = 64 << 20, writer_rank: int = 0,
+                   base_model: str | None = None) -> str:
+    """Collective: the PEFT adapter of a sharded model written by `writer_rank` bucket by bucket (no rank holds
+    more than one bucket of it). Returns the adapter checksum."""
+    import torch.distributed as dist
+
+    from .gather import build_plan, stream
+
+    plan = build_plan(model, arch, bucket_bytes)
+    out = Path(out_dir)
+    writer = None
+    if dist.get_rank() == writer_rank:
+        out.mkdir(parents=True, exist_ok=True)
+        writer = SafetensorsWriter(out / "adapter_model.safetensors", plan.entries())
+    digest = stream(model, arch, plan, lambda bucket, buf: writer.write(buf), collect_to=writer_rank)
+    if writer is not None:
+        writer.close()
+        write_config(out, model.lora_config, [name for name, _, _ in plan.entries()], arch, base_model)
+    return digest
+
+
 class SafetensorsWriter:
     """A safetensors file written in order: the header (every name, dtype and shape, known from the plan) first,
     then each tensor's bytes as they arrive, so no more than the caller's buffer is ever held."""
