@@ -42,6 +42,9 @@ def _is_owner(meta) -> bool:
 def gather_adapters(model, check_replicas: bool = True) -> dict[str, torch.Tensor]:
     """Full canonical tensors of every adapter factor in the model, on every rank (collective over the world).
 
+    Every rank ends up holding the whole adapter (plus pickled copies): a reference for tests at small scale. The
+    refit and PEFT export paths stream instead (refit/gather.py), holding one bucket at a time.
+
     With check_replicas, copies of the same factor held by different ranks must be bitwise equal: a gradient
     reduction that missed a group shows up here."""
     local: dict[str, torch.Tensor] = {}

@@ -7,7 +7,6 @@ config must produce: every factor has exactly one sender, every bucket has one s
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from ..lora.config import LoRAConfig
 from ..models.arch import MoEArch
 from ..models.naming import AdapterName, naming_for
+from .plan import layer_major
 from .rename import PeftOut, peft_outputs
 from .wire import nbytes
 
@@ -89,14 +89,9 @@ def expected_factors(arch: MoEArch, cfg: LoRAConfig) -> set[str]:
     return out
 
 
-def _describe(factor: str) -> str:
-    m = re.match(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.", factor)
-    return f"expert {m.group(2)} of layer {m.group(1)} ({factor})" if m else factor
-
-
-def _layer_major(factor: str):
-    m = re.match(r"^layers\.(\d+)\.", factor)
-    return (int(m.group(1)) if m else -1, factor)
+def _describe(factor: str, arch: MoEArch) -> str:
+    name, _ = naming_for(arch).parse_canonical(factor)
+    return f"expert {name.expert} of layer {name.layer} ({factor})" if name.expert is not None else factor
 
 
 def plan_stream(reports: list[list[FactorReport]], arch: MoEArch, bucket_bytes: int,
@@ -118,19 +113,19 @@ def plan_stream(reports: list[list[FactorReport]], arch: MoEArch, bucket_bytes: 
                 if rank not in f.members:
                     raise ValueError(f"adapter factor {f.factor}: sender rank {rank} is not in its group {f.members}")
     if expected is not None:
-        missing = sorted(expected - set(seen), key=_layer_major)
+        missing = sorted(expected - set(seen), key=layer_major)
         if missing:
-            raise ValueError(f"no rank holds adapter factor {_describe(missing[0])}"
+            raise ValueError(f"no rank holds adapter factor {_describe(missing[0], arch)}"
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         extra = sorted(set(seen) - expected)
         if extra:
             raise ValueError(f"adapter factor {extra[0]} is not one the model's LoRA config produces")
     units = []
-    for factor in sorted(seen, key=_layer_major):
+    for factor in sorted(seen, key=layer_major):
         who = senders.get(factor, [])
         if len(who) != 1:
             what = "no rank sends" if not who else f"ranks {who} all send"
-            raise ValueError(f"owner map: {what} adapter factor {_describe(factor)}")
+            raise ValueError(f"owner map: {what} adapter factor {_describe(factor, arch)}")
         f = seen[factor]
         u = Unit(factor, f.shape, f.shard_dim, f.members, who[0], tuple(peft_outputs(arch, factor, f.shape)))
         if u.nbytes > bucket_bytes:
