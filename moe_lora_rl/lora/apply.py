@@ -77,7 +77,7 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
         out_local, in_local = w.shape
         out_full = out_local * (t if kind == "column" else 1)
         in_full = in_local * (t if kind == "row" else 1)
-        glu = fc == "linear_fc1" and bool(mcfg.gated_linear_unit) and "mlp" in name
+        glu = bool(mcfg.gated_linear_unit) and len(aname.linear.hf) == 2      # fc1: gate and up
         r = cfg.rank
 
         def fname(factor: str, is_shared: bool) -> str:

@@ -46,7 +46,7 @@ def plan_buckets(version: int, sizes: dict[str, int], bucket_bytes: int = 64 << 
 
 def layer_major(name: str):
     """Sort key: global layer number (canonical layers.L... or PEFT ...layers.L...), then name."""
-    import re
+    from ..models.naming import layer_of
 
-    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    return (int(m.group(1)) if m else -1, name)
+    layer = layer_of(name)
+    return (-1 if layer is None else layer, name)

@@ -149,3 +149,24 @@ def test_peft_split_by_shards_equals_whole(family):
             assert torch.equal(buf, whole[o.name]), o.name
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_proj: incomplete, has only lora_B"):
         to_peft_tensors({k: t for k, t in adapters.items() if "qkv.lora_A" not in k}, arch)
+
+
+def test_engine_side_names():
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.models.naming import layer_of
+    from moe_lora_rl.vllm.moe_torch import load_moe_weights
+
+    g, q = naming_for("glm4_moe"), naming_for("qwen3_moe")
+    assert g.expert_weights(2, 7) == tuple(f"model.layers.2.mlp.experts.7.{p}_proj.weight" for p in
+                                           ("gate", "up", "down"))
+    assert g.router_weights(1) == ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias")
+    assert q.router_weights(1) == ("model.layers.1.mlp.gate.weight", None)
+    assert q.expert_modules(3) == ("mlp.experts.3.gate_proj", "mlp.experts.3.up_proj", "mlp.experts.3.down_proj")
+    assert [layer_of(n) for n in ("model.layers.12.mlp.experts.w13_weight", "layers.3.self_attention.linear_qkv",
+                                  "decoder.layers.0.mlp.router", "model.norm.weight")] == [12, 3, 0, None]
+    for family, arch in ARCHS.items():                           # the engine's expert weights read by these names
+        from moe_lora_rl.models.checkpoint import HFCheckpoint
+
+        mw = load_moe_weights(HFCheckpoint(get_model(family, "tiny")), arch, arch.moe_layer_ids[0])
+        assert mw.w_gate.shape == (arch.num_experts, arch.moe_ffn_hidden_size, arch.hidden_size)
+        assert (mw.bias is not None) == arch.expert_bias

@@ -4,7 +4,7 @@ models/arch.py)."""
 from __future__ import annotations
 
 from . import glm4_moe, qwen3_moe
-from .base import AdapterName, Linear, Naming, Offsets, ParamRow, Resolved, VllmName, owner
+from .base import AdapterName, Linear, Naming, Offsets, ParamRow, Resolved, VllmName, layer_of, owner
 
 FAMILIES: dict[str, Naming] = {
     "qwen3_moe": qwen3_moe.NAMING,
@@ -25,4 +25,4 @@ def naming_for(arch_or_family) -> Naming:
 MEGATRON = glm4_moe.NAMING
 
 __all__ = ["FAMILIES", "naming_for", "MEGATRON", "Naming", "Offsets", "AdapterName", "Linear", "ParamRow",
-           "Resolved", "VllmName", "owner"]
+           "Resolved", "VllmName", "layer_of", "owner"]

@@ -146,6 +146,15 @@ def owner(global_layer: int, global_expert: int | None, *, num_layers: int, pp: 
     return stage, ep_rank, Offsets.for_rank(stage * per_stage, ep_rank, ep, num_experts)
 
 
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The layer number in any of the systems' names (HF, Megatron, canonical, PEFT, vLLM modules), or None."""
+    m = _LAYER_NUMBER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def _template_regex(template: str) -> re.Pattern:
     pat = re.escape(template)
     for key in "lLeE":
@@ -232,6 +241,25 @@ class Naming:
                              int(d["E"]) - offsets.expert if "E" in d else None, local=True)
                 return name, i
         raise ValueError(f"{self.family}: no Megatron parameter known for HF tensor {hf_name!r}")
+
+    def _param_row(self, megatron_suffix: str) -> ParamRow:
+        return next(r for r in self.params if r.megatron.endswith(megatron_suffix))
+
+    def expert_weights(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """HF names of a routed expert's (gate, up, down) weights."""
+        fc1 = self._param_row("local_experts.{e}.linear_fc1.weight").hf
+        fc2 = self._param_row("local_experts.{e}.linear_fc2.weight").hf
+        return tuple(h.replace("{L}", str(layer)).replace("{E}", str(expert)) for h in fc1 + fc2)
+
+    def router_weights(self, layer: int) -> tuple[str, str | None]:
+        """HF names of a MoE layer's router weight and expert bias (None if the family has none)."""
+        bias = [r for r in self.params if r.megatron.endswith("mlp.router.expert_bias")]
+        name = lambda r: r.hf[0].replace("{L}", str(layer))  # noqa: E731
+        return name(self._param_row("mlp.router.weight")), name(bias[0]) if bias else None
+
+    def expert_modules(self, expert: int) -> tuple[str, str, str]:
+        """HF modules (under model.layers.L.) of a routed expert's (gate, up, down) projections."""
+        return tuple(_fill(h, expert=expert) for t in ("expert_fc1", "expert_fc2") for h in self.linear(t).hf)
 
     # -- adapters: Megatron modules <-> canonical <-> PEFT <-> vLLM ----------------------------------------------
     def linear(self, target: str) -> Linear:
