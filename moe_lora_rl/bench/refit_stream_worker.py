@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters
 from ..lora.layers import make_factor
-from ..lora.state import _group_rank_size
+from ..lora.state import group_rank_size
 from ..megatron import cpu_support
 from ..megatron.build import build_model
 from ..megatron.hf_reference import load_arch
@@ -86,7 +86,7 @@ def randomize(model, seed: int) -> None:
     """Every factor set from its global name (replicas agree), so the adapters are not the zero B of init."""
     with torch.no_grad():
         for _, p in adapter_factors(model):
-            r, n = _group_rank_size(p.lora_meta.group)
+            r, n = group_rank_size(p.lora_meta.group)
             p.copy_(make_factor(p.lora_meta, r, n, init="kaiming", seed=seed, dtype=p.dtype))
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..lora.grad_sync import process_group
 from ..lora.layers import adapter_factors
-from ..lora.state import _is_owner
+from ..lora.state import is_owner
 from ..models.arch import MoEArch
 from .rename import place
 from .stream_plan import DTYPE, FactorReport, StreamBucket, StreamPlan, expected_factors, plan_stream
@@ -38,7 +38,7 @@ def local_reports(model) -> tuple[list[FactorReport], dict[str, torch.nn.Paramet
     reports, params = [], {}
     for _, p in adapter_factors(model):
         meta = p.lora_meta
-        if not _is_owner(meta):
+        if not is_owner(meta):
             continue
         members = _members(meta.group if meta.shard_dim is not None else None)
         reports.append(FactorReport(meta.global_name, tuple(meta.global_shape), meta.shard_dim, members,
