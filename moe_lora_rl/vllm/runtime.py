@@ -59,13 +59,16 @@ class LoRARuntime:
     # -- hooks -------------------------------------------------------------------------------------------
     def _install_linear_hooks(self) -> None:
         for li, layer in enumerate(self.layers):
-            for vname, parts in naming_for(self.arch).vllm_linears().items():
+            naming = naming_for(self.arch)
+            for vname, parts in naming.vllm_linears().items():
                 mod = _resolve(layer, vname)
                 if mod is None:
                     continue
-                self._hooks.append(mod.register_forward_hook(self._make_linear_hook(li, parts)))
+                shapes = naming.hf_shapes(self.arch, li)
+                sizes = [shapes[p][1] for p in parts]
+                self._hooks.append(mod.register_forward_hook(self._make_linear_hook(li, parts, sizes)))
 
-    def _make_linear_hook(self, layer: int, parts: tuple[str, ...]):
+    def _make_linear_hook(self, layer: int, parts: tuple[str, ...], sizes: list[int]):
         def hook(module, args, output):
             adapter = self.active
             mods = adapter.layers.get(layer) if adapter else None
@@ -74,8 +77,6 @@ class LoRARuntime:
             x = args[0]
             out, bias = output if isinstance(output, tuple) else (output, None)
             deltas, offset = [], 0
-            shapes = naming_for(self.arch).hf_shapes(self.arch, layer)
-            sizes = [shapes[p][1] for p in parts]
             for p, n in zip(parts, sizes):
                 if p in mods:
                     A, B = mods[p]
