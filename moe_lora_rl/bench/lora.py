@@ -25,7 +25,7 @@ from .common import DEFAULT_LAYOUTS, check_layouts, emit, resolve_models
 def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
     """Export a trained adapter blob (canonical tensors + Megatron eval logits) to PEFT and compare in HF."""
     from ..lora.peft_hf import peft_logits
-    from ..lora.export import save_peft
+    from ..refit.export import save_peft
     from ..megatron.hf_reference import load_arch
 
     blob = torch.load(blob_path)

@@ -2,10 +2,15 @@
 
     python -m moe_lora_rl.bench refit --json [--model DIR] [--layouts tp1ep1pp1,ep4] [--rank 16]
     python -m moe_lora_rl.bench refit --calc --model kimi-k2 --json [--link-gbps 25] [--ranks 8,32,128]
+        [--layouts tp8pp8ep32] [--bucket-bytes 2147483648]
 
 Measured mode: Megatron trains LoRA one step at each given layout (default the medium qwen3_moe), the adapters go
 to an in-process vLLM CPU engine (fp32) through InprocTransport; then the same engine reloads all weights with the
 adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA.
+
+Calc mode adds "streaming": the busiest rank of the streaming gather (refit/gather.py) for per_expert adapters at
+the largest --ranks value, at --layouts (default: Kimi-K2's public training layout, Miles' TP8 PP8 CP4 EP32) with
+--bucket-bytes (default: that recipe's 2 GiB update buffer), next to the all_gather_object gather's per-rank bytes.
 """
 from __future__ import annotations
 
@@ -51,7 +56,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--calc", action="store_true", help="analytic sizes instead of a measurement")
     ap.add_argument("--model", default=None, help="HF checkpoint dir, or with --calc a spec name (kimi-k2, ...)")
-    ap.add_argument("--layouts", default="tp1ep1pp1", help="Megatron layout the adapters are trained at")
+    ap.add_argument("--layouts", default=None, help="Megatron layout the adapters are trained at (measured: "
+                    "default tp1ep1pp1; --calc: the streaming layout, default tp8pp8ep32)")
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="--calc: streaming bucket size (default 2 GiB)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--ranks", default="8,32,128")
@@ -59,19 +66,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--bytes-per-param", type=int, default=2)
     a = ap.parse_args(argv)
     if a.calc:
-        from ..refit.calc import SPECS, refit_report
+        from ..refit.calc import KIMI_K2_BUCKET, KIMI_K2_LAYOUT, SPECS, refit_report, streaming_report
 
         name = a.model or "kimi-k2"
         if name not in SPECS:
             raise ValueError(f"--calc --model {name!r}: known specs {sorted(SPECS)}")
-        result = refit_report(SPECS[name], ranks=tuple(int(r) for r in a.ranks.split(",")),
-                              bytes_per_param=a.bytes_per_param, link_gbps=a.link_gbps)
+        ranks = tuple(int(r) for r in a.ranks.split(","))
+        result = refit_report(SPECS[name], ranks=ranks, bytes_per_param=a.bytes_per_param, link_gbps=a.link_gbps)
+        result["streaming"] = streaming_report(SPECS[name], max(ranks), a.layouts or KIMI_K2_LAYOUT,
+                                               a.bucket_bytes or KIMI_K2_BUCKET, a.bytes_per_param)
     else:
         from ..models import get_model
         from .common import check_layouts
 
+        if a.bucket_bytes is not None:
+            raise ValueError("--bucket-bytes applies to --calc only")
         model = a.model or str(get_model("qwen3_moe", "medium"))
-        layouts = [l.strip() for l in a.layouts.split(",") if l.strip()]
+        layouts = [l.strip() for l in (a.layouts or "tp1ep1pp1").split(",") if l.strip()]
         check_layouts([model], ",".join(layouts))           # every layout is run: refuse bad ones up front
         result = measured(model, layouts, LoRAConfig(rank=a.rank, alpha=a.alpha))
     emit(result, a.json)

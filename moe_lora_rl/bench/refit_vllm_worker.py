@@ -44,7 +44,7 @@ def megatron_logprobs(eval_tokens, eval_logits):
 def main(argv=None) -> dict:
     import torch
 
-    from ..lora.export import to_peft_tensors
+    from ..refit.rename import to_peft_tensors
     from ..models.arch import arch_from_hf_config
     from ..refit.transports import InprocTransport
 
@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
         except ValueError as e:
             errors[what] = str(e)[:200]
     try:                                               # checksum mismatch: the payload changed after hashing
-        from ..vllm.adapter_set import checksum
+        from ..refit.wire import checksum
 
         digest = checksum(tensors)
         tr._call("moe_lora_begin", version + 1, digest, a.rank, a.alpha, 1)
@@ -124,7 +124,7 @@ def bench(argv=None) -> dict:
 
     import torch
 
-    from ..lora.export import to_peft_tensors
+    from ..refit.rename import to_peft_tensors
     from ..models.arch import arch_from_hf_config
     from ..refit.transports import InprocTransport, MergedInprocTransport
     import transformers

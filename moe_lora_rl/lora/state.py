@@ -19,7 +19,7 @@ from .layers import adapter_factors
 _META_KEY = "moe_lora_rl"
 
 
-def _group_rank_size(name: str | None) -> tuple[int, int]:
+def group_rank_size(name: str | None) -> tuple[int, int]:
     if name is None or not dist.is_initialized():
         return 0, 1
     g = process_group(name)
@@ -33,14 +33,17 @@ def _slice_bounds(meta, size: int, rank: int) -> tuple[int, int]:
     return rank * n, (rank + 1) * n
 
 
-def _is_owner(meta) -> bool:
+def is_owner(meta) -> bool:
     """One copy per replica set: rank 0 within every group the factor is replicated over (its reduce groups)."""
-    return all(_group_rank_size(g)[0] == 0 for g in meta.reduce)
+    return all(group_rank_size(g)[0] == 0 for g in meta.reduce)
 
 
 @torch.no_grad()
 def gather_adapters(model, check_replicas: bool = True) -> dict[str, torch.Tensor]:
     """Full canonical tensors of every adapter factor in the model, on every rank (collective over the world).
+
+    Every rank ends up holding the whole adapter (plus pickled copies): a reference for tests at small scale. The
+    refit and PEFT export paths stream instead (refit/gather.py), holding one bucket at a time.
 
     With check_replicas, copies of the same factor held by different ranks must be bitwise equal: a gradient
     reduction that missed a group shows up here."""
@@ -82,9 +85,9 @@ def save_sharded(model, out_dir: str | Path) -> None:
     tensors, index = {}, {}
     for _, p in adapter_factors(model):
         meta = p.lora_meta
-        if not _is_owner(meta):
+        if not is_owner(meta):
             continue
-        r, n = _group_rank_size(meta.group)
+        r, n = group_rank_size(meta.group)
         start, stop = _slice_bounds(meta, n, r)
         key = f"{meta.global_name}@{start}"
         tensors[key] = meta.canonical(p.detach()).contiguous().clone()
@@ -120,7 +123,7 @@ def load_sharded(model, ckpt_dir: str | Path) -> int:
         if have[0][2]["global_shape"] != list(meta.global_shape):
             raise ValueError(f"{ckpt}: adapter {meta.global_name} has global shape {have[0][2]['global_shape']}, "
                              f"the model expects {list(meta.global_shape)}")
-        r, n = _group_rank_size(meta.group)
+        r, n = group_rank_size(meta.group)
         start, stop = _slice_bounds(meta, n, r)
         target = torch.full(meta.canonical(p.detach()).shape, float("nan"), dtype=torch.float32)
         for f, key, info in have:

@@ -6,9 +6,21 @@ Per routed expert (GLU): fc1 [2F, H], fc2 [H, F]. LoRA factors: A [r, in], B [ou
     shared_outer  fc1 A and fc2 B shared:  r H + E 2F r + E r F + H r         = r (2H + 3 E F)
     shared        one fc1 and one fc2 adapter per layer                       = r (2H + 3F)
 Other linears (attention, shared expert, dense MLP): r * (in + out) each.
+
+Streaming gather (refit/gather.py), per_expert adapters, at a layout tpT ppP epN (even split, ETP 1). What travels
+is PEFT tensors: a GLU fc1's A goes to gate and to up, so per expert r (3H + 3F) (canonical r (2H + 3F)).
+The busiest sender is the first rank of a stage holding the most MoE layers m = min(ceil(L / P), moe layers): it
+sends its E / N experts of those layers and, as the TP group's first rank of the first replica, the stage's
+attention and shared-expert adapters:
+    per_rank_send_bytes = b [ m (E/N) r (3H + 3F) + ceil(L/P) sum_att r (in + out) + m r (3H + 3S) ]
+    per_rank_peak_bytes = bucket_bytes + its own shard
+    own shard          <= b [ m (E/N) r (2H + 3F) + ceil(L/P) sum_att r (in + out) + m r (2H + 3S) ]
+(the non-expert part counted unsharded: an upper bound). The all_gather_object gather instead holds every adapter
+on every rank: at least the total adapter bytes per rank.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -83,3 +95,57 @@ def refit_report(s: MoESpec, ranks=(8, 32, 128), layouts=("per_expert", "shared_
             out["adapters"][f"{layout}/r{r}"] = {"params": n, "bytes": b, "refit_s": b / (link_gbps * 1e9),
                                                  "bytes_ratio_base_over_lora": base_bytes / b}
     return out
+
+
+# Kimi-K2's public Megatron training layout: Miles' recipe, 256 GPUs, TP8 PP8 CP4 EP32 (CP and the data-parallel
+# degree only add replicas, which send nothing), with a 2 GiB weight-update buffer (notes/anchors.md)
+KIMI_K2_LAYOUT = "tp8pp8ep32"
+KIMI_K2_BUCKET = 2 << 30
+
+
+def _layout(name: str) -> dict[str, int]:
+    import re
+
+    sizes = {"tp": 1, "pp": 1, "ep": 1, "etp": 1}
+    text, pos = name.strip().lower(), 0
+    for m in re.finditer(r"(etp|tp|pp|ep|cp|dp)(\d+)", text):
+        if m.start() != pos:
+            break
+        sizes[m.group(1)] = int(m.group(2))
+        pos = m.end()
+    if pos != len(text) or not text:
+        raise ValueError(f"layout {name!r} is not a combination of tpN, ppN, epN (etpN, cpN, dpN)")
+    if sizes["etp"] != 1:
+        raise ValueError(f"layout {name!r}: the streaming calculator assumes expert TP 1, got etp{sizes['etp']}")
+    return sizes
+
+
+def streaming_report(s: MoESpec, r: int, layout: str, bucket_bytes: int, bytes_per_param: int = 2) -> dict:
+    """The busiest rank of the streaming gather for per_expert adapters (see the module docstring)."""
+    sizes = _layout(layout)
+    pp, ep = sizes["pp"], sizes["ep"]
+    if s.experts % ep:
+        raise ValueError(f"layout {layout!r}: ep{ep} does not divide {s.name}'s {s.experts} experts")
+    if pp > s.num_layers:
+        raise ValueError(f"layout {layout!r}: pp{pp} exceeds {s.name}'s {s.num_layers} layers")
+    H, F, S = s.hidden, s.expert_ffn, s.shared_ffn
+    stage_layers = math.ceil(s.num_layers / pp)
+    m = min(stage_layers, s.moe_layers)
+    local = s.experts // ep
+    att = stage_layers * sum(r * (i + o) for i, o in s.attention)
+    shared_send = m * r * (3 * H + 3 * S) if S else 0
+    shared_own = m * r * (2 * H + 3 * S) if S else 0
+    send = m * local * r * (3 * H + 3 * F) + att + shared_send
+    own = m * local * r * (2 * H + 3 * F) + att + shared_own
+    total = (expert_adapter_params(s, r, "per_expert") + other_adapter_params(s, r)) * bytes_per_param
+    # one factor as PEFT tensors: a GLU B [2, ffn, r] split in two, a GLU A [r, H] copied twice, attention as is
+    largest = max([2 * r * f for f in (s.dense_ffn, F, S, H)] + [r * max(i, o) for i, o in s.attention]) \
+        * bytes_per_param
+    if bucket_bytes < largest:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than {s.name}'s largest adapter tensor "
+                         f"({largest} bytes)")
+    return {"layout": layout, "adapter_layout": "per_expert", "lora_rank": r, "bucket_bytes": bucket_bytes,
+            "bytes_per_param": bytes_per_param, "stage_layers": stage_layers, "experts_per_rank": local,
+            "per_rank_send_bytes": send * bytes_per_param,
+            "per_rank_peak_bytes": bucket_bytes + own * bytes_per_param,
+            "all_gather_object_per_rank_bytes": total}

@@ -32,7 +32,7 @@ def plan_buckets(version: int, sizes: dict[str, int], bucket_bytes: int = 64 << 
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     buckets, cur, cur_bytes = [], [], 0
-    for name in sorted(sizes, key=_layer_major):
+    for name in sorted(sizes, key=layer_major):
         n = sizes[name]
         if cur and cur_bytes + n > bucket_bytes:
             buckets.append(Bucket(len(buckets), tuple(cur), cur_bytes))
@@ -44,8 +44,9 @@ def plan_buckets(version: int, sizes: dict[str, int], bucket_bytes: int = 64 << 
     return RefitPlan(version, tuple(buckets), sum(sizes.values()))
 
 
-def _layer_major(name: str):
-    import re
+def layer_major(name: str):
+    """Sort key: global layer number (canonical layers.L... or PEFT ...layers.L...), then name."""
+    from ..models.naming import layer_of
 
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    return (int(m.group(1)) if m else -1, name)
+    layer = layer_of(name)
+    return (-1 if layer is None else layer, name)

@@ -9,11 +9,11 @@ caching (cached prompt tokens are not forwarded, so their routes would be missin
 """
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import torch
 
+from ..models.naming import layer_of
 from ..router_replay.routes import compact_dtype
 
 
@@ -29,9 +29,9 @@ class RouteCapture:
         self.routers: list[tuple[int, object]] = []
         for name, mod in runner.model.named_modules():
             router = getattr(mod, "router", None)
-            m = re.search(r"layers\.(\d+)\.", name)
-            if router is not None and hasattr(router, "set_capture_fn") and m:
-                self.routers.append((int(m.group(1)), router))
+            layer = layer_of(name)
+            if router is not None and hasattr(router, "set_capture_fn") and layer is not None:
+                self.routers.append((layer, router))
         self.routers.sort(key=lambda x: x[0])
         if not self.routers:
             raise ValueError("no MoE router with a capture hook found in the served model")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.arch import MoEArch
+from ..models.naming import naming_for
 
 
 @dataclass
@@ -23,12 +24,12 @@ class MoEWeights:
 
 def load_moe_weights(ckpt, arch: MoEArch, layer: int) -> MoEWeights:
     """ckpt: anything with .get(name) -> tensor (safetensors reader)."""
-    p = f"model.layers.{layer}.mlp."
-    stack = lambda proj: torch.stack([ckpt.get(f"{p}experts.{e}.{proj}.weight").float()  # noqa: E731
-                                      for e in range(arch.num_experts)])
-    bias = ckpt.get(p + "gate.e_score_correction_bias").float() if arch.expert_bias else None
-    return MoEWeights(ckpt.get(p + "gate.weight").float(), bias, stack("gate_proj"), stack("up_proj"),
-                      stack("down_proj"))
+    naming = naming_for(arch)
+    names = [naming.expert_weights(layer, e) for e in range(arch.num_experts)]
+    stack = lambda i: torch.stack([ckpt.get(n[i]).float() for n in names])  # noqa: E731
+    router, bias = naming.router_weights(layer)
+    bias = ckpt.get(bias).float() if arch.expert_bias else None
+    return MoEWeights(ckpt.get(router).float(), bias, stack(0), stack(1), stack(2))
 
 
 def route(logits: torch.Tensor, arch: MoEArch, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +67,8 @@ def _lin(x, W, lora):
 
 def routed_experts(x: torch.Tensor, mw: MoEWeights, arch: MoEArch, adapters: dict | None, scale: float,
                    on_route=None) -> torch.Tensor:
-    """x [T, H] -> routed expert output [T, H] (fp32). adapters: {"mlp.experts.E.<proj>": (A, B)} or None."""
+    """x [T, H] -> routed expert output [T, H] (fp32). adapters: {HF expert module: (A, B)} or None."""
+    naming = naming_for(arch)
     xf = x.float()
     w, ids = route(xf @ mw.gate.t(), arch, mw.bias)
     if on_route is not None:
@@ -75,9 +77,9 @@ def routed_experts(x: torch.Tensor, mw: MoEWeights, arch: MoEArch, adapters: dic
     for e in torch.unique(ids).tolist():
         tok, pos = torch.where(ids == e)
         xe = xf[tok]
-        get = (lambda proj: (*adapters[f"mlp.experts.{e}.{proj}"], scale)  # noqa: E731
-               if adapters and f"mlp.experts.{e}.{proj}" in adapters else None)
-        h = F.silu(_lin(xe, mw.w_gate[e], get("gate_proj"))) * _lin(xe, mw.w_up[e], get("up_proj"))
-        y = _lin(h, mw.w_down[e], get("down_proj"))
+        gate, up, down = naming.expert_modules(e)
+        get = (lambda m: (*adapters[m], scale) if adapters and m in adapters else None)  # noqa: E731
+        h = F.silu(_lin(xe, mw.w_gate[e], get(gate))) * _lin(xe, mw.w_up[e], get(up))
+        y = _lin(h, mw.w_down[e], get(down))
         out.index_add_(0, tok, y * w[tok, pos, None])
     return out

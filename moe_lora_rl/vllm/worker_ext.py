@@ -2,23 +2,10 @@
 pushes reach the worker through collective_rpc, in process or over the server's /collective_rpc endpoint."""
 from __future__ import annotations
 
-import base64
-
 import torch
 
+from ..refit.wire import decode_blob
 from .adapter_set import build_adapter_set
-
-
-def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(base64.b64decode(blob_b64))
-
-
-def encode_blob(tensors: dict[str, torch.Tensor]) -> str:
-    from safetensors.torch import save
-
-    return base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode()
 
 
 class MoELoRAWorkerExtension:
@@ -66,11 +53,16 @@ class MoELoRAWorkerExtension:
     def moe_lora_bucket_blob(self, version: int, index: int, blob_b64: str) -> dict:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
-    def moe_lora_commit(self, version: int) -> dict:
+    def moe_lora_commit(self, version: int, checksum: str | None = None) -> dict:
+        """checksum: when the senders could only compute it after streaming (begin was given None)."""
         st = getattr(self, "_moe_lora_stage", None)
         self._moe_lora_stage = None
         if st is None or st["version"] != version:
             raise ValueError(f"commit of version {version} without a matching begin")
+        if checksum is not None:
+            st["checksum"] = checksum
+        if st["checksum"] is None:
+            raise ValueError(f"version {version}: no checksum given at begin or commit")
         if len(st["buckets"]) != st["num_buckets"]:
             missing = sorted(set(range(st["num_buckets"])) - set(st["buckets"]))
             raise ValueError(f"version {version}: buckets {missing} never arrived")

@@ -47,3 +47,67 @@ def test_bucket_plan():
     assert sorted(plan.names) == sorted(sizes)
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets(1, sizes, 0)
+
+
+def test_streaming_hand_computed_toy():
+    from moe_lora_rl.refit.calc import streaming_report
+
+    rep = streaming_report(TOY, 2, "pp2ep2", bucket_bytes=1000, bytes_per_param=2)
+    # one layer per stage, the MoE one: 2 of 4 experts * r(3H + 3F) = 2 * 2 * 39 = 156; attention 2*(16+16) = 64;
+    # shared expert r(3H + 3S) = 2 * 36 = 72 -> 292 params sent; own shard 2*2*29 + 64 + 2*26 = 232
+    assert rep["per_rank_send_bytes"] == 292 * 2
+    assert rep["per_rank_peak_bytes"] == 1000 + 232 * 2
+    assert rep["all_gather_object_per_rank_bytes"] == (232 + 250) * 2
+    # the largest tensor: the dense fc1's A [2, 10] copied to gate and up = 40 params
+    with pytest.raises(ValueError, match=r"bucket_bytes=79 is smaller than toy's largest adapter tensor \(80 bytes\)"):
+        streaming_report(TOY, 2, "pp2ep2", bucket_bytes=79)
+    with pytest.raises(ValueError, match="ep3 does not divide toy's 4 experts"):
+        streaming_report(TOY, 2, "ep3", bucket_bytes=1000)
+    with pytest.raises(ValueError, match="'tp2xp2' is not a combination"):
+        streaming_report(TOY, 2, "tp2xp2", bucket_bytes=1000)
+
+
+def test_streaming_formula_matches_the_plan():
+    """The formula's busiest sender equals the streaming planner's on tiny GLM4 at pp2ep2 (rank = stage*2 + EP rank;
+    the stage's non-expert factors sent by its EP rank 0)."""
+    from moe_lora_rl.lora import LoRAConfig
+    from moe_lora_rl.models.arch import arch_from_hf_config
+    from moe_lora_rl.models.tiny import build_hf_config
+    from moe_lora_rl.refit.calc import streaming_report
+    from moe_lora_rl.refit.stream_plan import FactorReport, expected_factors, plan_stream
+
+    a = arch_from_hf_config(build_hf_config("glm4_moe", "tiny"))
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    spec = MoESpec("glm4-tiny", a.num_layers, sum(a.moe_layers), a.num_experts, a.hidden_size, a.moe_ffn_hidden_size,
+                   shared_ffn=a.shared_expert_ffn, dense_ffn=a.ffn_hidden_size,
+                   attention=((a.hidden_size, q), (a.hidden_size, kv), (a.hidden_size, kv), (q, a.hidden_size)))
+    r = 4
+    cfg = LoRAConfig(rank=r)
+    reports = [[] for _ in range(4)]
+    for f in expected_factors(a, cfg):
+        layer = int(f.split(".")[1])
+        parts = f.split(".")
+        e = int(parts[4]) if parts[3] == "experts" and parts[4].isdigit() else None
+        stage = layer // 2
+        rank = stage * 2 + (0 if e is None else e // (a.num_experts // 2))
+        reports[rank].append(FactorReport(f, _canonical_shape(a, f, r), None, (rank,), True))
+    plan = plan_stream(reports, a, 1 << 20, expected_factors(a, cfg))
+    rep = streaming_report(spec, r, "pp2ep2", bucket_bytes=1 << 20, bytes_per_param=4)
+    assert max(plan.send_bytes(k) for k in range(4)) == rep["per_rank_send_bytes"] == plan.send_bytes(2)
+
+
+def _canonical_shape(a, f: str, r: int) -> tuple[int, ...]:
+    h, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    ffn = a.ffn_hidden_size if ".mlp.linear_" in f else a.shared_expert_ffn if "shared_experts" in f \
+        else a.moe_ffn_hidden_size
+    if f.endswith("linear_qkv.lora_A") or f.endswith("fc1.lora_A"):
+        return (r, h)
+    if f.endswith("linear_qkv.lora_B"):
+        return (q + 2 * kv, r)
+    if f.endswith("linear_proj.lora_A"):
+        return (r, q)
+    if f.endswith("linear_proj.lora_B") or f.endswith("fc2.lora_B"):
+        return (h, r)
+    if f.endswith("fc1.lora_B"):
+        return (2, ffn, r)
+    return (r, ffn)                                        # fc2 A
