@@ -71,7 +71,6 @@ def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfi
     result = {"layout_max_diff": rep["layout_max_diff"], "peft_max_diff": max(pdiff.values())}
     if speed_model:
         from ..megatron.layout import Layout
-
         from ..megatron.run_config import RunConfig
         from .run_args import worker_arg
 
