@@ -105,6 +105,12 @@ def main(argv=None) -> dict:
     add_run_args(ap)
     a = ap.parse_args(argv)
     rc = run_config_from_args(a, ap.prog)
+    if rc.dtype != "fp32" and not a.no_speed:
+        import sys
+
+        print(f"{ap.prog}: error: --dtype {rc.dtype} with step times and memory: the full fine-tuning baseline here "
+              "has no fp32 main grads (no megatron DDP wrapper); add --no-speed", file=sys.stderr)
+        sys.exit(2)
     cfg = LoRAConfig(rank=a.rank, alpha=a.alpha, adapter_layout=a.adapter_layout)
     speed = None
     if not a.no_speed:

@@ -115,3 +115,12 @@ def test_bench_refuses_bad_values_in_one_line(capsys):
             parity.main(argv)
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1 and match in err, err
+
+
+def test_lora_bench_refuses_bf16_timing_it_cannot_honour(capsys):
+    from moe_lora_rl.bench import lora
+
+    with pytest.raises(SystemExit) as e:
+        lora.main(["--dtype", "bf16"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--dtype bf16 with step times" in err, err
