@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..lora import LoRAConfig, adapter_factors, apply_lora, sync_adapter_grads
-from ..megatron import cpu_support
+from ..megatron.run_config import RunConfig, prepare_host
 from ..megatron.build import build_model
 from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
@@ -30,7 +30,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
-    cpu_support.apply()
+    prepare_host(RunConfig())                                # fp32 on CPU: the caller applies the CPU support
     layout = Layout()
     init_distributed(layout)
     arch = load_arch(a.model)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters
 from ..lora.layers import make_factor
 from ..lora.state import group_rank_size
-from ..megatron import cpu_support
+from ..megatron.run_config import RunConfig, prepare_host
 from ..megatron.build import build_model
 from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
@@ -160,7 +160,7 @@ def main(argv=None):
     ap.add_argument("--buckets", required=True, help="comma-separated bucket sizes in bytes")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
-    cpu_support.apply()
+    prepare_host(RunConfig())                                # fp32 on CPU: the caller applies the CPU support
     cfg = LoRAConfig.from_dict(json.loads(a.lora))
     buckets = [int(b) for b in a.buckets.split(",")]
     summary: dict = {}

@@ -18,19 +18,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..megatron import cpu_support
 from ..megatron.build import build_model
 from ..megatron.forward import forward_logits, packed_inputs
 from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
+from ..megatron.run_config import prepare_host
 from ..router_replay.align import align_microbatch
 from ..router_replay.metrics import k3_kl, router_disagreement
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
 from ..testing.dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
 from ..testing.launch import finish_worker
+from .run_args import from_worker_arg
 
 
 def _inputs(tokens: list[torch.Tensor], padded_len: int | None):
@@ -196,18 +197,20 @@ def main(argv=None):
     ap.add_argument("--layouts", required=True)
     ap.add_argument("--data", required=True, help="the forced-set file written by replay_check.add_forced_sets")
     ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
+    ap.add_argument("--run-config", default="", help="RunConfig as JSON (run_args.worker_arg); default fp32 on CPU")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
-    cpu_support.apply()
+    rc = from_worker_arg(a.run_config)
+    prepare_host(rc)
     data = torch.load(a.data, weights_only=False)
     out: dict = {}
     for key in a.layouts.split(","):
         layout = Layout.parse(key)
-        init_distributed(layout)
+        init_distributed(layout, rc)
         for path in a.models.split(","):
             d = data[path]
             arch = load_arch(path)
-            model = build_model(arch, layout)
+            model = build_model(arch, layout, rc)
             load_hf_weights(model, path, arch)
             dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             n = d["tokens"].shape[0]
