@@ -1,0 +1,54 @@
+"""The task as parquet in verl's row format (what verl's RLHFDataset and reward managers read):
+
+    {"data_source": str, "prompt": [{"role": "user", "content": str}], "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": str}, "extra_info": {"split", "index", "a", "b"}}
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .task import DATA_SOURCE, Problem, TaskSpec, make_split, messages
+
+REQUIRED = ("data_source", "prompt", "reward_model", "extra_info")
+
+
+def to_row(problem: Problem, split: str) -> dict:
+    return {"data_source": DATA_SOURCE, "prompt": messages(problem), "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": problem.answer},
+            "extra_info": {"split": split, "index": problem.index, "a": problem.a, "b": problem.b}}
+
+
+def write_parquet(spec: TaskSpec, split: str, path: str | Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [to_row(p, split) for p in make_split(spec, split)]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a task parquet file; ValueError naming the file if it does not parse or lacks verl's columns."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001  (pyarrow raises several types for unreadable files)
+        raise ValueError(f"dataset file {path} does not parse as parquet: {type(e).__name__}: {e}") from None
+    missing = [c for c in REQUIRED if c not in table.column_names]
+    if missing:
+        raise ValueError(f"dataset file {path} lacks verl columns {missing} (has {table.column_names})")
+    rows = table.to_pylist()
+    for i, r in enumerate(rows):
+        gt = (r["reward_model"] or {}).get("ground_truth")
+        if not isinstance(gt, str) or not isinstance(r["prompt"], list) or not r["prompt"]:
+            raise ValueError(f"dataset file {path} row {i} has no chat prompt or no reward_model.ground_truth")
+    return rows
+
+
+def problems_from_rows(rows: list[dict]) -> list[Problem]:
+    return [Problem(int(r["extra_info"]["a"]), int(r["extra_info"]["b"]), int(r["extra_info"]["index"]))
+            for r in rows]

@@ -1,0 +1,128 @@
+"""The synthetic task: deterministic splits with no overlap, the scorer, the parquet rows in verl's format, and the
+same file and scorer through verl's own RLHFDataset and reward manager (CPU)."""
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from moe_lora_rl.rl.dataset import problems_from_rows, read_rows, write_parquet
+from moe_lora_rl.rl.reward import DATA_SOURCE, compute_score, extract_answer
+from moe_lora_rl.rl.task import Problem, TaskSpec, make_split
+
+
+def test_splits_deterministic_disjoint_and_complete():
+    spec = TaskSpec(digits=2, n_eval=256, seed=0)
+    tr, ev = make_split(spec, "train"), make_split(spec, "eval")
+    assert [(p.a, p.b) for p in ev] == [(p.a, p.b) for p in make_split(spec, "eval")]      # deterministic
+    pairs = lambda ps: {frozenset((p.a, p.b)) if p.a != p.b else frozenset((p.a,)) for p in ps}  # noqa: E731
+    assert len(ev) == 256 and len(tr) == spec.num_pairs() - 256 == 90 * 91 // 2 - 256
+    assert not pairs(tr) & pairs(ev)                       # no pair in either order in both splits
+    assert len(pairs(tr) | pairs(ev)) == spec.num_pairs()
+    assert [p.index for p in ev] == list(range(256))
+    other = make_split(TaskSpec(digits=2, n_eval=256, seed=1), "eval")
+    assert [(p.a, p.b) for p in other] != [(p.a, p.b) for p in ev]    # negative control: the seed matters
+    assert all(10 <= p.a <= 99 and 10 <= p.b <= 99 for p in tr)
+
+
+def test_problem_text():
+    p = Problem(37, 45, 0)
+    assert p.question == "3 7 + 4 5 =" and p.answer == "8 2"
+    assert Problem(99, 99, 0).answer == "1 9 8"
+
+
+@pytest.mark.parametrize("response, score", [
+    ("8 2", 1.0), (" 8 2 ", 1.0), ("8 2\nmore text", 1.0),
+    ("82", 0.0), ("8  2", 0.0), ("8 3", 0.0), ("8 2 0", 0.0), ("", 0.0), ("answer: 8 2", 0.0), ("8 2.", 0.0),
+])
+def test_compute_score(response, score):
+    assert compute_score(DATA_SOURCE, response, "8 2", {"index": 0}) == score
+
+
+def test_compute_score_wrong_source_and_extract():
+    with pytest.raises(ValueError, match="data_source 'openai/gsm8k'"):
+        compute_score("openai/gsm8k", "8 2", "8 2")
+    assert extract_answer("1 9 8") == "1 9 8" and extract_answer("x") is None
+
+
+def test_bad_spec():
+    with pytest.raises(ValueError, match="digits=7"):
+        TaskSpec(digits=7)
+    with pytest.raises(ValueError, match="n_eval=5000"):
+        TaskSpec(digits=2, n_eval=5000)
+    with pytest.raises(ValueError, match="split 'test'"):
+        make_split(TaskSpec(), "test")
+
+
+def test_parquet_rows_roundtrip(tmp_path):
+    spec = TaskSpec(digits=2, n_eval=64)
+    path = write_parquet(spec, "eval", tmp_path / "eval.parquet")
+    rows = read_rows(path)
+    assert len(rows) == 64
+    r = rows[3]
+    p = make_split(spec, "eval")[3]
+    assert r["data_source"] == DATA_SOURCE and r["prompt"] == [{"role": "user", "content": p.question}]
+    assert r["reward_model"] == {"style": "rule", "ground_truth": p.answer}
+    assert r["extra_info"]["index"] == 3 and r["extra_info"]["split"] == "eval"
+    assert problems_from_rows(rows) == make_split(spec, "eval")
+
+
+def test_unparsable_dataset_is_one_line_error(tmp_path):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(ValueError) as e:
+        read_rows(bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "x"}]), other)
+    with pytest.raises(ValueError, match="lacks verl columns"):
+        read_rows(other)
+
+
+def test_verl_rlhf_dataset_and_reward_manager(tmp_path):
+    """The parquet through verl's RLHFDataset (chat template, lengths) and our scorer through verl's reward loader
+    (custom_reward_function) and its naive reward manager, on a tokenized (prompt, response) batch."""
+    pytest.importorskip("verl")
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl import DataProto
+    from verl.trainer.ppo.reward import load_reward_manager
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from moe_lora_rl.models import get_model
+
+    tok = AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
+    spec = TaskSpec(digits=2, n_eval=32)
+    path = write_parquet(spec, "eval", tmp_path / "eval.parquet")
+    ds = RLHFDataset(str(path), tok, OmegaConf.create({"max_prompt_length": 24, "filter_overlong_prompts": True,
+                                                       "cache_dir": str(tmp_path / "cache"),
+                                                       "filter_overlong_prompts_workers": 1}))
+    assert len(ds) == 32                                    # every prompt fits in 24 tokens (none filtered)
+    item = ds[5]
+    problems = make_split(spec, "eval")
+    assert item["raw_prompt"] == [{"role": "user", "content": problems[5].question}] and item["index"] == 5
+    assert item["reward_model"]["ground_truth"] == problems[5].answer
+
+    cfg = OmegaConf.create({"reward": {"custom_reward_function": {"path": "pkg://moe_lora_rl.rl.reward",
+                                                                  "name": "compute_score", "reward_kwargs": {}},
+                                       "reward_manager": {"source": "register", "name": "naive"}}})
+    mgr = load_reward_manager(cfg, tok)
+    responses = [problems[0].answer, "1 2", problems[2].answer + "\nx", "nonsense"]
+    expect = [1.0, 0.0, 1.0, 0.0]                      # "1 2": no two 2-digit numbers sum to 12
+    scores = []
+    for i, text in enumerate(responses):
+        row = ds[i]
+        p_ids = tok.apply_chat_template(row["raw_prompt"], add_generation_prompt=True, tokenize=True)
+        p_ids = list(p_ids["input_ids"] if hasattr(p_ids, "keys") else p_ids)
+        r_ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        data = DataProto.from_dict(
+            tensors={"prompts": torch.tensor([p_ids]), "responses": torch.tensor([r_ids]),
+                     "attention_mask": torch.ones(1, len(p_ids) + len(r_ids), dtype=torch.long)},
+            non_tensors={"data_source": [row["data_source"]], "reward_model": [row["reward_model"]],
+                         "extra_info": [row["extra_info"]]})
+        out = mgr.loop.run_until_complete(mgr.run_single(data))
+        scores.append(out["reward_score"])
+    assert scores == expect
