@@ -52,3 +52,30 @@ def read_rows(path: str | Path) -> list[dict]:
 def problems_from_rows(rows: list[dict]) -> list[Problem]:
     return [Problem(int(r["extra_info"]["a"]), int(r["extra_info"]["b"]), int(r["extra_info"]["index"]))
             for r in rows]
+
+
+def main(argv=None) -> int:
+    """python -m moe_lora_rl.rl.dataset OUT_DIR [--digits N] [--n-eval N] [--seed S]: write train.parquet and
+    eval.parquet for verl (data.train_files / data.val_files; reward: custom_reward_function.path =
+    pkg://moe_lora_rl.rl.reward, name = compute_score)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m moe_lora_rl.rl.dataset")
+    p.add_argument("out_dir")
+    p.add_argument("--digits", type=int, default=TaskSpec.digits)
+    p.add_argument("--n-eval", type=int, default=TaskSpec.n_eval)
+    p.add_argument("--seed", type=int, default=TaskSpec.seed)
+    a = p.parse_args(argv)
+    try:
+        spec = TaskSpec(digits=a.digits, n_eval=a.n_eval, seed=a.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for split in ("train", "eval"):
+        print(write_parquet(spec, split, Path(a.out_dir) / f"{split}.parquet"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

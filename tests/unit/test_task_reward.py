@@ -15,19 +15,37 @@ def test_splits_deterministic_disjoint_and_complete():
     tr, ev = make_split(spec, "train"), make_split(spec, "eval")
     assert [(p.a, p.b) for p in ev] == [(p.a, p.b) for p in make_split(spec, "eval")]      # deterministic
     pairs = lambda ps: {frozenset((p.a, p.b)) if p.a != p.b else frozenset((p.a,)) for p in ps}  # noqa: E731
-    assert len(ev) == 256 and len(tr) == spec.num_pairs() - 256 == 90 * 91 // 2 - 256
+    assert len(ev) == 256 and len(tr) == spec.num_pairs() - 256
     assert not pairs(tr) & pairs(ev)                       # no pair in either order in both splits
     assert len(pairs(tr) | pairs(ev)) == spec.num_pairs()
     assert [p.index for p in ev] == list(range(256))
     other = make_split(TaskSpec(digits=2, n_eval=256, seed=1), "eval")
     assert [(p.a, p.b) for p in other] != [(p.a, p.b) for p in ev]    # negative control: the seed matters
-    assert all(10 <= p.a <= 99 and 10 <= p.b <= 99 for p in tr)
+    assert all(10 <= p.a <= 99 and 10 <= p.b <= 99 and "0" not in f"{p.a}{p.b}{p.a + p.b}" for p in tr + ev)
+    # every problem with digits 1-9 (operands and sum) is in one split: count them independently
+    ops = [n for n in range(11, 100) if n % 10]
+    assert spec.num_pairs() == sum(1 for i, a in enumerate(ops) for b in ops[i:] if "0" not in str(a + b))
+
+
+def test_every_problem_tokenizes_to_the_same_length():
+    from transformers import AutoTokenizer
+
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.rl.hf_sampling import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
+    spec = TaskSpec(digits=2, n_eval=64)
+    problems = make_split(spec, "train") + make_split(spec, "eval")
+    assert {len(p) for p in prompt_ids(tok, problems)} == {22}           # <= 24 prompt tokens
+    assert all(len(tok(p.answer, add_special_tokens=False)["input_ids"]) == len(str(p.a + p.b)) for p in problems)
+    # negative control: a zero digit would take two tokens (the BPE has no " 0")
+    assert len(tok("1 0", add_special_tokens=False)["input_ids"]) == 3
 
 
 def test_problem_text():
-    p = Problem(37, 45, 0)
-    assert p.question == "3 7 + 4 5 =" and p.answer == "8 2"
-    assert Problem(99, 99, 0).answer == "1 9 8"
+    p = Problem(37, 45, 0)                       # least significant digit first
+    assert p.question == "7 3 + 5 4 =" and p.answer == "2 8"
+    assert Problem(99, 99, 0).answer == "8 9 1"
 
 
 @pytest.mark.parametrize("response, score", [
@@ -47,8 +65,8 @@ def test_compute_score_wrong_source_and_extract():
 def test_bad_spec():
     with pytest.raises(ValueError, match="digits=7"):
         TaskSpec(digits=7)
-    with pytest.raises(ValueError, match="n_eval=5000"):
-        TaskSpec(digits=2, n_eval=5000)
+    with pytest.raises(ValueError, match="n_eval=1000"):
+        TaskSpec(digits=2, n_eval=1000)
     with pytest.raises(ValueError, match="split 'test'"):
         make_split(TaskSpec(), "test")
 
@@ -110,8 +128,8 @@ def test_verl_rlhf_dataset_and_reward_manager(tmp_path):
                                                                   "name": "compute_score", "reward_kwargs": {}},
                                        "reward_manager": {"source": "register", "name": "naive"}}})
     mgr = load_reward_manager(cfg, tok)
-    responses = [problems[0].answer, "1 2", problems[2].answer + "\nx", "nonsense"]
-    expect = [1.0, 0.0, 1.0, 0.0]                      # "1 2": no two 2-digit numbers sum to 12
+    responses = [problems[0].answer, "1 1", problems[2].answer + "\nx", "nonsense"]
+    expect = [1.0, 0.0, 1.0, 0.0]                      # "1 1": no two 2-digit numbers sum to 11
     scores = []
     for i, text in enumerate(responses):
         row = ds[i]
