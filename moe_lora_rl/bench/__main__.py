@@ -9,6 +9,7 @@ BENCHES = {
     "lora": "moe_lora_rl.bench.lora",
     "refit": "moe_lora_rl.bench.refit",
     "replay": "moe_lora_rl.bench.replay",
+    "grpo_hf": "moe_lora_rl.bench.grpo_hf",
 }
 
 

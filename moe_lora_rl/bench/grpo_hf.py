@@ -106,12 +106,11 @@ def run(a) -> dict:
         resp = [r if r else [tok.eos_token_id] for r in resp]
         r = torch.tensor(score(tok, batch, resp))
         rewards.append(r.mean().item())
-        with torch.no_grad():
-            old, mask = _response_logprobs(model, prompts, resp, tok.pad_token_id)
-        adv = grpo_advantages(r, mask, [i // a.group for i in range(len(batch))])
         model.train()
-        new, _ = _response_logprobs(model, prompts, resp, tok.pad_token_id)
-        loss, _ = policy_loss(old, new, adv, mask, settings)
+        new, mask = _response_logprobs(model, prompts, resp, tok.pad_token_id)
+        adv = grpo_advantages(r, mask, [i // a.group for i in range(len(batch))])
+        # one update per batch: the old policy is the current one (ratio 1, the PPO gradient is the PG gradient)
+        loss, _ = policy_loss(new.detach(), new, adv, mask, settings)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -108,8 +108,8 @@ class LoRASettings:
 
 @dataclass
 class DataSettings:
-    digits: int = 2
-    """Operand length of the addition task (moe_lora_rl.rl.task)."""
+    length: int = 5
+    """Digits per list of the sorting task (moe_lora_rl.rl.task)."""
     n_eval: int = 256
     """Held-out problems."""
     train_file: Optional[str] = None
@@ -119,7 +119,7 @@ class DataSettings:
     def __post_init__(self):
         from .task import TaskSpec
 
-        TaskSpec(digits=self.digits, n_eval=self.n_eval)
+        TaskSpec(length=self.length, n_eval=self.n_eval)
         for key in ("train_file", "eval_file"):
             p = getattr(self, key)
             if p is not None and not Path(p).is_file():

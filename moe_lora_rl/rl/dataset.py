@@ -1,7 +1,7 @@
 """The task as parquet in verl's row format (what verl's RLHFDataset and reward managers read):
 
     {"data_source": str, "prompt": [{"role": "user", "content": str}], "ability": "math",
-     "reward_model": {"style": "rule", "ground_truth": str}, "extra_info": {"split", "index", "a", "b"}}
+     "reward_model": {"style": "rule", "ground_truth": str}, "extra_info": {"split", "index", "digits"}}
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REQUIRED = ("data_source", "prompt", "reward_model", "extra_info")
 def to_row(problem: Problem, split: str) -> dict:
     return {"data_source": DATA_SOURCE, "prompt": messages(problem), "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": problem.answer},
-            "extra_info": {"split": split, "index": problem.index, "a": problem.a, "b": problem.b}}
+            "extra_info": {"split": split, "index": problem.index, "digits": list(problem.digits)}}
 
 
 def write_parquet(spec: TaskSpec, split: str, path: str | Path) -> Path:
@@ -50,12 +50,12 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def problems_from_rows(rows: list[dict]) -> list[Problem]:
-    return [Problem(int(r["extra_info"]["a"]), int(r["extra_info"]["b"]), int(r["extra_info"]["index"]))
+    return [Problem(tuple(int(d) for d in r["extra_info"]["digits"]), int(r["extra_info"]["index"]))
             for r in rows]
 
 
 def main(argv=None) -> int:
-    """python -m moe_lora_rl.rl.dataset OUT_DIR [--digits N] [--n-eval N] [--seed S]: write train.parquet and
+    """python -m moe_lora_rl.rl.dataset OUT_DIR [--length N] [--n-eval N] [--seed S]: write train.parquet and
     eval.parquet for verl (data.train_files / data.val_files; reward: custom_reward_function.path =
     pkg://moe_lora_rl.rl.reward, name = compute_score)."""
     import argparse
@@ -63,12 +63,12 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_lora_rl.rl.dataset")
     p.add_argument("out_dir")
-    p.add_argument("--digits", type=int, default=TaskSpec.digits)
+    p.add_argument("--length", type=int, default=TaskSpec.length)
     p.add_argument("--n-eval", type=int, default=TaskSpec.n_eval)
     p.add_argument("--seed", type=int, default=TaskSpec.seed)
     a = p.parse_args(argv)
     try:
-        spec = TaskSpec(digits=a.digits, n_eval=a.n_eval, seed=a.seed)
+        spec = TaskSpec(length=a.length, n_eval=a.n_eval, seed=a.seed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

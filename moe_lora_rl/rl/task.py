@@ -1,86 +1,81 @@
-"""The synthetic verifiable task: add two n-digit numbers written digit by digit, least significant digit first.
+"""The synthetic verifiable task: sort a list of digits in ascending order.
 
-    "7 3 + 5 4 ="  ->  "2 8"          (37 + 45 = 82)
+    "sort 3 1 4 1 5"  ->  "1 1 3 4 5"
 
-Least-significant-first order lets a left-to-right model emit each digit after the carry that decides it (the
-order in which small transformers learn addition fastest). Digits are separated by spaces so every digit is one
-token of the project's byte-level BPE (" 7"); that BPE has no " 0" token, so the task uses only numbers whose digits
-are 1-9, operands and sum alike, and every problem of a size tokenizes to the same length.
+Digits are 1-9 separated by spaces, so each is one token of the project's byte-level BPE (" 7"; that BPE has no
+" 0" token) and every prompt of a length tokenizes to the same number of tokens (23 for length 5, with the chat
+template). A small model learns the task in tens of supervised steps, which lets the warm start stop early at a
+low success rate and leaves RL a task it can improve quickly on a CPU.
 
-Problems are unordered pairs {a, b}; a seeded shuffle of all pairs gives the held-out split first and the training
-split from the rest, so no pair (in either order) is in both.
+Held-out problems are held out by multiset: a seeded shuffle of all multisets of `length` digits gives the held-out
+multisets first (one seeded ordering each); training draws any ordering of the others. No held-out list, nor any
+permutation of it, is a training prompt.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from dataclasses import dataclass
 
 from .reward import DATA_SOURCE  # noqa: F401  (the task's data_source, defined next to its scorer)
 
+DIGITS = tuple(range(1, 10))
+
 
 @dataclass(frozen=True)
 class TaskSpec:
-    digits: int = 2          # operand length
-    n_eval: int = 256        # held-out problems
+    length: int = 5          # digits per list (answer: length tokens + end of turn)
+    n_eval: int = 256        # held-out problems (= held-out multisets)
     seed: int = 0
 
     def __post_init__(self):
-        if not 1 <= self.digits <= 3:
-            raise ValueError(f"task digits={self.digits} is outside 1..3")
-        n_pairs = self.num_pairs()
-        if not 0 < self.n_eval <= n_pairs // 4:
-            raise ValueError(f"task n_eval={self.n_eval} must be in 1..{n_pairs // 4} for digits={self.digits} "
-                             f"({n_pairs} problems; at most a quarter are held out)")
-
-    def num_pairs(self) -> int:
-        return len(_all_pairs(self.digits))
+        if not 3 <= self.length <= 6:
+            raise ValueError(f"task length={self.length} is outside 3..6")
+        n = len(_multisets(self.length))
+        if not 0 < self.n_eval <= n // 4:
+            raise ValueError(f"task n_eval={self.n_eval} must be in 1..{n // 4} for length={self.length} "
+                             f"({n} multisets; at most a quarter are held out)")
 
 
 @dataclass(frozen=True)
 class Problem:
-    a: int
-    b: int
+    digits: tuple[int, ...]
     index: int               # position in its split
 
     @property
     def question(self) -> str:
-        return f"{spaced(self.a)} + {spaced(self.b)} ="
+        return "sort " + " ".join(map(str, self.digits))
 
     @property
     def answer(self) -> str:
-        return spaced(self.a + self.b)
-
-
-def spaced(n: int) -> str:
-    """Digits least significant first, separated by spaces: 82 -> '2 8'."""
-    return " ".join(reversed(str(n)))
-
-
-def _no_zero(n: int) -> bool:
-    return "0" not in str(n)
+        return " ".join(map(str, sorted(self.digits)))
 
 
 @functools.lru_cache(maxsize=None)
-def _all_pairs(digits: int) -> tuple[tuple[int, int], ...]:
-    ops = [n for n in range(10 ** (digits - 1), 10 ** digits) if _no_zero(n)]
-    return tuple((a, b) for i, a in enumerate(ops) for b in ops[i:] if _no_zero(a + b))
+def _multisets(length: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(itertools.combinations_with_replacement(DIGITS, length))
+
+
+def held_out_multisets(spec: TaskSpec) -> list[tuple[int, ...]]:
+    ms = list(_multisets(spec.length))
+    random.Random(f"sort:{spec.length}:{spec.seed}").shuffle(ms)
+    return ms[:spec.n_eval]
 
 
 def make_split(spec: TaskSpec, split: str) -> list[Problem]:
-    """'eval': the held-out problems; 'train': all others. Each unordered pair is shown in a seeded random order."""
+    """'eval': one seeded ordering of each held-out multiset; 'train': every ordering of every other multiset,
+    in a seeded order."""
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is not 'train' or 'eval'")
-    pairs = list(_all_pairs(spec.digits))
-    random.Random(f"addition:{spec.digits}:{spec.seed}").shuffle(pairs)
-    chosen = pairs[:spec.n_eval] if split == "eval" else pairs[spec.n_eval:]
-    rng = random.Random(f"order:{split}:{spec.digits}:{spec.seed}")
-    out = []
-    for i, (a, b) in enumerate(chosen):
-        if rng.random() < 0.5:
-            a, b = b, a
-        out.append(Problem(a, b, i))
-    return out
+    held = held_out_multisets(spec)
+    if split == "eval":
+        rng = random.Random(f"eval-order:{spec.length}:{spec.seed}")
+        return [Problem(tuple(rng.sample(m, len(m))), i) for i, m in enumerate(held)]
+    held_set = set(held)
+    seqs = [s for s in itertools.product(DIGITS, repeat=spec.length) if tuple(sorted(s)) not in held_set]
+    random.Random(f"train-order:{spec.length}:{spec.seed}").shuffle(seqs)
+    return [Problem(s, i) for i, s in enumerate(seqs)]
 
 
 def messages(problem: Problem) -> list[dict]:

@@ -1,7 +1,6 @@
 """The synthetic task: deterministic splits with no overlap, the scorer, the parquet rows in verl's format, and the
 same file and scorer through verl's own RLHFDataset and reward manager (CPU)."""
-import asyncio
-from pathlib import Path
+import math
 
 import pytest
 
@@ -11,20 +10,21 @@ from moe_lora_rl.rl.task import Problem, TaskSpec, make_split
 
 
 def test_splits_deterministic_disjoint_and_complete():
-    spec = TaskSpec(digits=2, n_eval=256, seed=0)
+    spec = TaskSpec(length=5, n_eval=256, seed=0)
     tr, ev = make_split(spec, "train"), make_split(spec, "eval")
-    assert [(p.a, p.b) for p in ev] == [(p.a, p.b) for p in make_split(spec, "eval")]      # deterministic
-    pairs = lambda ps: {frozenset((p.a, p.b)) if p.a != p.b else frozenset((p.a,)) for p in ps}  # noqa: E731
-    assert len(ev) == 256 and len(tr) == spec.num_pairs() - 256
-    assert not pairs(tr) & pairs(ev)                       # no pair in either order in both splits
-    assert len(pairs(tr) | pairs(ev)) == spec.num_pairs()
-    assert [p.index for p in ev] == list(range(256))
-    other = make_split(TaskSpec(digits=2, n_eval=256, seed=1), "eval")
-    assert [(p.a, p.b) for p in other] != [(p.a, p.b) for p in ev]    # negative control: the seed matters
-    assert all(10 <= p.a <= 99 and 10 <= p.b <= 99 and "0" not in f"{p.a}{p.b}{p.a + p.b}" for p in tr + ev)
-    # every problem with digits 1-9 (operands and sum) is in one split: count them independently
-    ops = [n for n in range(11, 100) if n % 10]
-    assert spec.num_pairs() == sum(1 for i, a in enumerate(ops) for b in ops[i:] if "0" not in str(a + b))
+    assert [p.digits for p in ev] == [p.digits for p in make_split(spec, "eval")]        # deterministic
+    ms = lambda ps: {tuple(sorted(p.digits)) for p in ps}  # noqa: E731
+    assert len(ev) == len(ms(ev)) == 256 and [p.index for p in ev] == list(range(256))
+    assert not ms(tr) & ms(ev)                             # no held-out list, nor a permutation of one, in training
+    assert len(ms(tr) | ms(ev)) == math.comb(9 + 5 - 1, 5)  # every multiset of five digits 1-9 is in one split
+    assert len(tr) == len({p.digits for p in tr}) == 9 ** 5 - sum(_orderings(m) for m in ms(ev))
+    other = make_split(TaskSpec(length=5, n_eval=256, seed=1), "eval")
+    assert [p.digits for p in other] != [p.digits for p in ev]      # negative control: the seed matters
+    assert all(set(p.digits) <= set(range(1, 10)) for p in tr + ev)
+
+
+def _orderings(m):
+    return math.factorial(len(m)) // math.prod(math.factorial(m.count(d)) for d in set(m))
 
 
 def test_every_problem_tokenizes_to_the_same_length():
@@ -34,26 +34,26 @@ def test_every_problem_tokenizes_to_the_same_length():
     from moe_lora_rl.rl.hf_sampling import prompt_ids
 
     tok = AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
-    spec = TaskSpec(digits=2, n_eval=64)
-    problems = make_split(spec, "train") + make_split(spec, "eval")
-    assert {len(p) for p in prompt_ids(tok, problems)} == {22}           # <= 24 prompt tokens
-    assert all(len(tok(p.answer, add_special_tokens=False)["input_ids"]) == len(str(p.a + p.b)) for p in problems)
+    spec = TaskSpec(length=5, n_eval=64)
+    problems = make_split(spec, "train")[:2000] + make_split(spec, "eval")
+    assert {len(p) for p in prompt_ids(tok, problems)} == {23}           # <= 24 prompt tokens
+    assert {len(tok(p.answer, add_special_tokens=False)["input_ids"]) for p in problems} == {5}
     # negative control: a zero digit would take two tokens (the BPE has no " 0")
     assert len(tok("1 0", add_special_tokens=False)["input_ids"]) == 3
 
 
 def test_problem_text():
-    p = Problem(37, 45, 0)                       # least significant digit first
-    assert p.question == "7 3 + 5 4 =" and p.answer == "2 8"
-    assert Problem(99, 99, 0).answer == "8 9 1"
+    p = Problem((3, 1, 4, 1, 5), 0)
+    assert p.question == "sort 3 1 4 1 5" and p.answer == "1 1 3 4 5"
 
 
 @pytest.mark.parametrize("response, score", [
-    ("8 2", 1.0), (" 8 2 ", 1.0), ("8 2\nmore text", 1.0),
-    ("82", 0.0), ("8  2", 0.0), ("8 3", 0.0), ("8 2 0", 0.0), ("", 0.0), ("answer: 8 2", 0.0), ("8 2.", 0.0),
+    ("1 1 3 4 5", 1.0), (" 1 1 3 4 5 ", 1.0), ("1 1 3 4 5\nmore text", 1.0),
+    ("11345", 0.0), ("1  1 3 4 5", 0.0), ("1 3 1 4 5", 0.0), ("1 1 3 4 5 5", 0.0), ("1 1 3 4", 0.0), ("", 0.0),
+    ("sorted: 1 1 3 4 5", 0.0), ("1 1 3 4 5.", 0.0),
 ])
 def test_compute_score(response, score):
-    assert compute_score(DATA_SOURCE, response, "8 2", {"index": 0}) == score
+    assert compute_score(DATA_SOURCE, response, "1 1 3 4 5", {"index": 0}) == score
 
 
 def test_compute_score_wrong_source_and_extract():
@@ -63,16 +63,16 @@ def test_compute_score_wrong_source_and_extract():
 
 
 def test_bad_spec():
-    with pytest.raises(ValueError, match="digits=7"):
-        TaskSpec(digits=7)
-    with pytest.raises(ValueError, match="n_eval=1000"):
-        TaskSpec(digits=2, n_eval=1000)
+    with pytest.raises(ValueError, match="length=9"):
+        TaskSpec(length=9)
+    with pytest.raises(ValueError, match="n_eval=400"):
+        TaskSpec(length=5, n_eval=400)
     with pytest.raises(ValueError, match="split 'test'"):
         make_split(TaskSpec(), "test")
 
 
 def test_parquet_rows_roundtrip(tmp_path):
-    spec = TaskSpec(digits=2, n_eval=64)
+    spec = TaskSpec(length=5, n_eval=64)
     path = write_parquet(spec, "eval", tmp_path / "eval.parquet")
     rows = read_rows(path)
     assert len(rows) == 64
@@ -81,6 +81,7 @@ def test_parquet_rows_roundtrip(tmp_path):
     assert r["data_source"] == DATA_SOURCE and r["prompt"] == [{"role": "user", "content": p.question}]
     assert r["reward_model"] == {"style": "rule", "ground_truth": p.answer}
     assert r["extra_info"]["index"] == 3 and r["extra_info"]["split"] == "eval"
+    assert r["extra_info"]["digits"] == list(p.digits)
     assert problems_from_rows(rows) == make_split(spec, "eval")
 
 
@@ -113,7 +114,7 @@ def test_verl_rlhf_dataset_and_reward_manager(tmp_path):
     from moe_lora_rl.models import get_model
 
     tok = AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
-    spec = TaskSpec(digits=2, n_eval=32)
+    spec = TaskSpec(length=5, n_eval=32)
     path = write_parquet(spec, "eval", tmp_path / "eval.parquet")
     ds = RLHFDataset(str(path), tok, OmegaConf.create({"max_prompt_length": 24, "filter_overlong_prompts": True,
                                                        "cache_dir": str(tmp_path / "cache"),
@@ -128,8 +129,8 @@ def test_verl_rlhf_dataset_and_reward_manager(tmp_path):
                                                                   "name": "compute_score", "reward_kwargs": {}},
                                        "reward_manager": {"source": "register", "name": "naive"}}})
     mgr = load_reward_manager(cfg, tok)
-    responses = [problems[0].answer, "1 1", problems[2].answer + "\nx", "nonsense"]
-    expect = [1.0, 0.0, 1.0, 0.0]                      # "1 1": no two 2-digit numbers sum to 11
+    responses = [problems[0].answer, problems[1].question[5:], problems[2].answer + "\nx", "nonsense"]
+    expect = [1.0, float(problems[1].question[5:] == problems[1].answer), 1.0, 0.0]    # unsorted copy: 0
     scores = []
     for i, text in enumerate(responses):
         row = ds[i]

@@ -20,8 +20,8 @@ def tiny():
 
 def test_sft_batch_labels_only_the_answer(tiny):
     _, tok = tiny
-    ids, mask, labels = sft_batch(tok, [Problem(37, 45, 0), Problem(99, 99, 1)])
-    for i, ans in enumerate(["2 8", "8 9 1"]):
+    ids, mask, labels = sft_batch(tok, [Problem((3, 1, 4, 1, 5), 0), Problem((9, 2, 6, 5, 3), 1)])
+    for i, ans in enumerate(["1 1 3 4 5", "2 3 5 6 9"]):
         kept = labels[i][labels[i] != -100].tolist()
         assert tok.decode(kept) == ans + "<|im_end|>"
         n = int(mask[i].sum())
@@ -40,7 +40,7 @@ def _weights_after(path, tok, spec):
 
 def test_train_deterministic_from_seed(tiny):
     path, tok = tiny
-    spec = WarmStartSpec(task=TaskSpec(digits=2, n_eval=64), steps=3, batch_size=4)
+    spec = WarmStartSpec(task=TaskSpec(length=5, n_eval=64), steps=3, batch_size=4)
     w1, info = _weights_after(path, tok, spec)
     w2, _ = _weights_after(path, tok, spec)
     assert torch.equal(w1, w2) and info["steps"] == 3 and info["final_loss"] > 0
