@@ -7,8 +7,8 @@ Digits are 1-9 separated by spaces, so each is one token of the project's byte-l
 template). A small model learns the task in tens of supervised steps, which lets the warm start stop early at a
 low success rate and leaves RL a task it can improve quickly on a CPU.
 
-Held-out problems are held out by multiset: a seeded shuffle of all multisets of `length` digits gives the held-out
-multisets first (one seeded ordering each); training draws any ordering of the others. No held-out list, nor any
+Held-out problems are held out by multiset: the held-out lists are drawn like training prompts (uniform over lists),
+one per multiset, and training uses every list whose multiset is not held out. No held-out list, nor any
 permutation of it, is a training prompt.
 """
 from __future__ import annotations
@@ -57,22 +57,31 @@ def _multisets(length: int) -> tuple[tuple[int, ...], ...]:
     return tuple(itertools.combinations_with_replacement(DIGITS, length))
 
 
-def held_out_multisets(spec: TaskSpec) -> list[tuple[int, ...]]:
-    ms = list(_multisets(spec.length))
-    random.Random(f"sort:{spec.length}:{spec.seed}").shuffle(ms)
-    return ms[:spec.n_eval]
+@functools.lru_cache(maxsize=None)
+def _held_out(length: int, n_eval: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    """The first n_eval lists of a seeded shuffle of all lists, skipping repeats of a multiset: held-out lists are
+    drawn like training prompts (uniform over lists, not over multisets)."""
+    seqs = list(itertools.product(DIGITS, repeat=length))
+    random.Random(f"sort:{length}:{seed}").shuffle(seqs)
+    out, seen = [], set()
+    for s in seqs:
+        m = tuple(sorted(s))
+        if m not in seen:
+            seen.add(m)
+            out.append(s)
+            if len(out) == n_eval:
+                break
+    return tuple(out)
 
 
 def make_split(spec: TaskSpec, split: str) -> list[Problem]:
-    """'eval': one seeded ordering of each held-out multiset; 'train': every ordering of every other multiset,
-    in a seeded order."""
+    """'eval': the held-out lists; 'train': every list whose multiset is not held out, in a seeded order."""
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is not 'train' or 'eval'")
-    held = held_out_multisets(spec)
+    held = _held_out(spec.length, spec.n_eval, spec.seed)
     if split == "eval":
-        rng = random.Random(f"eval-order:{spec.length}:{spec.seed}")
-        return [Problem(tuple(rng.sample(m, len(m))), i) for i, m in enumerate(held)]
-    held_set = set(held)
+        return [Problem(s, i) for i, s in enumerate(held)]
+    held_set = {tuple(sorted(s)) for s in held}
     seqs = [s for s in itertools.product(DIGITS, repeat=spec.length) if tuple(sorted(s)) not in held_set]
     random.Random(f"train-order:{spec.length}:{spec.seed}").shuffle(seqs)
     return [Problem(s, i) for i, s in enumerate(seqs)]

@@ -26,13 +26,13 @@ from ..models.tiny import cache_root, get_model, spec_key
 from .hf_sampling import prompt_ids
 from .task import Problem, TaskSpec, make_split
 
-WARM_START_VERSION = 1
+WARM_START_VERSION = 2
 
 
 @dataclass(frozen=True)
 class WarmStartSpec:
     task: TaskSpec = field(default_factory=TaskSpec)
-    steps: int = 400
+    steps: int = 60
     batch_size: int = 32
     lr: float = 2e-3
     warmup_steps: int = 20
