@@ -96,6 +96,8 @@ def run(a) -> dict:
 
     rl_s = rl_cpu = 0.0
     curve, rewards = [ev(0)], []
+    if not a.json:
+        print(json.dumps(curve[0]), file=sys.stderr, flush=True)
     for step in range(1, a.steps + 1):
         t0, c0 = time.perf_counter(), time.process_time()
         problems = [train[rng.randrange(len(train))] for _ in range(a.prompts)]
