@@ -120,10 +120,14 @@ class DataSettings:
         from .task import TaskSpec
 
         TaskSpec(length=self.length, n_eval=self.n_eval)
+        from .dataset import read_rows
+
         for key in ("train_file", "eval_file"):
             p = getattr(self, key)
             if p is not None and not Path(p).is_file():
                 raise ValueError(f"data.{key}={p!r} is not a file")
+            if p is not None:
+                read_rows(p)              # parsed now: a bad file fails before any process group starts
 
 
 @dataclass
@@ -134,7 +138,7 @@ class AlgoSettings:
     """Prompts per step; the global batch is prompts_per_step * group_size responses."""
     micro_batch_size: int = 16
     """Responses per microbatch of the update."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     temperature: float = 1.0

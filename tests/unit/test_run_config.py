@@ -60,3 +60,16 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("defaults:\n  - moe_lora_rl_train_schema\n  - _self_\nalgo:\n  lrate: 1\n")
     with pytest.raises(ValueError, match="algo.lrate"):
         C.load([], config_name="bad", config_dir=tmp_path)
+
+
+def test_dataset_files_parsed_at_load(tmp_path):
+    from moe_lora_rl.rl.dataset import write_parquet
+    from moe_lora_rl.rl.task import TaskSpec
+
+    good = write_parquet(TaskSpec(n_eval=16), "eval", tmp_path / "eval.parquet")
+    assert C.load([f"data.eval_file={good}"]).data.eval_file == str(good)
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(ValueError) as e:
+        C.load([f"data.train_file={bad}"])
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
