@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..integration.verl.algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
 from ..lora.config import DTYPES as LORA_DTYPES
 from ..lora.config import LAYOUTS as LORA_LAYOUTS
 from ..lora.config import LoRAConfig
@@ -23,8 +24,6 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 REPLAY_MODES = ("r3", "r2", "off")
 SERVING_MODES = ("unmerged", "merged")
-LOSS_MODES = ("vanilla", "gspo")
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ROLLOUT_IS = ("token", "sequence", "off")
 
 
@@ -178,6 +177,11 @@ class AlgoSettings:
                              "need 0 < low < 1 and high > 0")
         if not self.rollout_is_threshold > 1:
             raise ValueError(f"algo.rollout_is_threshold={self.rollout_is_threshold} must be > 1")
+        self.policy_loss_settings()
+
+    def policy_loss_settings(self) -> PolicyLossSettings:
+        return PolicyLossSettings(loss_mode=self.loss_mode, clip_ratio_low=self.clip_ratio_low,
+                                  clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode)
 
 
 @dataclass
