@@ -27,7 +27,7 @@ def _args(argv):
     p.add_argument("--time-budget", type=float, default=600.0, help="stop after this many RL seconds (wall)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--eval-every", type=int, default=20)
@@ -45,30 +45,12 @@ def _args(argv):
     return a
 
 
-def _response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
-    """Per-token log-probs [B, T] of each response given its prompt (left-padded prompt, right-padded response)."""
-    P = max(len(p) for p in prompts)
-    T = max(len(r) for r in responses)
-    ids = torch.full((len(prompts), P + T), pad, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    mask = torch.zeros((len(prompts), T))
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        ids[i, P:P + len(r)] = torch.tensor(r)
-        att[i, P - len(p):P + len(r)] = 1
-        mask[i, :len(r)] = 1
-    pos = (att.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, P - 1:P + T - 1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:P + T, None]).squeeze(-1)
-    return logp, mask
-
-
 def run(a) -> dict:
     import transformers
     from peft import LoraConfig, get_peft_model
 
     from ..integration.verl.algos import PolicyLossSettings, grpo_advantages, policy_loss
-    from ..rl.hf_sampling import evaluate, generate, prompt_ids, score
+    from ..rl.hf_sampling import evaluate, generate, prompt_ids, response_logprobs, score
     from ..rl.task import make_split
     from ..rl.warm_start import WarmStartSpec, warm_started
 
@@ -109,7 +91,7 @@ def run(a) -> dict:
         r = torch.tensor(score(tok, batch, resp))
         rewards.append(r.mean().item())
         model.train()
-        new, mask = _response_logprobs(model, prompts, resp, tok.pad_token_id)
+        new, mask = response_logprobs(model, prompts, resp, tok.pad_token_id)
         adv = grpo_advantages(r, mask, [i // a.group for i in range(len(batch))])
         # one update per batch: the old policy is the current one (ratio 1, the PPO gradient is the PG gradient)
         loss, _ = policy_loss(new.detach(), new, adv, mask, settings)

@@ -40,6 +40,24 @@ def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
     return resp
 
 
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
+    """Per-token log-probs [B, T] of each response given its prompt (left-padded prompt, right-padded response)."""
+    P = max(len(p) for p in prompts)
+    T = max(len(r) for r in responses)
+    ids = torch.full((len(prompts), P + T), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    mask = torch.zeros((len(prompts), T))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(r)] = torch.tensor(r)
+        att[i, P - len(p):P + len(r)] = 1
+        mask[i, :len(r)] = 1
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, P - 1:P + T - 1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:P + T, None]).squeeze(-1)
+    return logp, mask
+
+
 def score(tokenizer, problems: list[Problem], responses: list[list[int]]) -> list[float]:
     return [compute_score(DATA_SOURCE, tokenizer.decode(r, skip_special_tokens=True), p.answer)
             for p, r in zip(problems, responses)]
