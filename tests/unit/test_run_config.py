@@ -63,6 +63,7 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
 
 
 def test_dataset_files_parsed_at_load(tmp_path):
+    pytest.importorskip("pyarrow")
     from moe_lora_rl.rl.dataset import write_parquet
     from moe_lora_rl.rl.task import TaskSpec
 

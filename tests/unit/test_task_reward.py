@@ -72,6 +72,7 @@ def test_bad_spec():
 
 
 def test_parquet_rows_roundtrip(tmp_path):
+    pytest.importorskip("pyarrow")
     spec = TaskSpec(length=5, n_eval=64)
     path = write_parquet(spec, "eval", tmp_path / "eval.parquet")
     rows = read_rows(path)
@@ -86,6 +87,7 @@ def test_parquet_rows_roundtrip(tmp_path):
 
 
 def test_unparsable_dataset_is_one_line_error(tmp_path):
+    pytest.importorskip("pyarrow")
     bad = tmp_path / "broken.parquet"
     bad.write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(ValueError) as e:
