@@ -39,6 +39,13 @@ SPECS: dict[tuple[str, str], dict] = {
         moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
         use_qk_norm=False, num_mtp_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    ("glm4_moe", "small"): dict(      # the RL default: learns the synthetic task in minutes on 2 CPU cores
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, n_routed_experts=16,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        moe_intermediate_size=128, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
+        use_qk_norm=False, num_mtp_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     ("qwen3_moe", "medium"): dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048,
         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
@@ -53,8 +60,8 @@ SPECS: dict[tuple[str, str], dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 FAMILIES = sorted({f for f, _ in SPECS})
-SIZES = ("tiny", "medium")
-_DTYPE = {"tiny": "float32", "medium": "bfloat16"}
+SIZES = ("tiny", "small", "medium")
+_DTYPE = {"tiny": "float32", "small": "float32", "medium": "bfloat16"}
 
 
 def cache_root() -> Path:
@@ -122,7 +129,7 @@ def _write(out: Path, family: str, size: str, seed: int) -> None:
 def get_model(family: str, size: str = "tiny", seed: int = 0) -> Path:
     """Path of the cached checkpoint, creating it first if needed (safe under concurrent callers)."""
     if (family, size) not in SPECS:
-        raise ValueError(f"no model spec {family!r}/{size!r}; families: {FAMILIES}, sizes: {SIZES}")
+        raise ValueError(f"no model spec {family!r}/{size!r}; known: {sorted(SPECS)}")
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     out = root / spec_key(family, size, seed)

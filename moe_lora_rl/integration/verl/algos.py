@@ -1,0 +1,135 @@
+"""verl's RL algorithm pieces, reached from one place: GRPO outcome advantages, the registered policy losses,
+loss aggregation and rollout correction (truncated importance sampling).
+
+    rewards -> grpo_advantages -> policy_loss(old, new, adv, mask, [tis_weights]) -> scalar for backward
+
+The policy losses read their settings from a verl ``ActorConfig``; ``actor_config`` builds the one they need from
+our few settings, including ``global_batch_info`` so that token-mean normalises by the tokens of the whole global
+batch (the same loss at every data-parallel size and microbatch split).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+LOSS_MODES = ("vanilla", "gspo")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    loss_mode: str = "vanilla"            # a verl registered policy loss: vanilla (PPO clip) or gspo
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0             # dual-clip bound for negative advantages (vanilla)
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self):
+        if self.loss_mode not in LOSS_MODES:
+            raise ValueError(f"loss_mode {self.loss_mode!r} is not one of {LOSS_MODES}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+        if not (0 < self.clip_ratio_low < 1 and self.clip_ratio_high > 0):
+            raise ValueError(f"clip ratios low={self.clip_ratio_low} high={self.clip_ratio_high}: need 0<low<1, high>0")
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """What the whole optimizer step sees, so each microbatch's loss is its share of the global loss."""
+    dp_size: int = 1
+    batch_num_tokens: int | None = None   # valid response tokens in the global batch (token-mean)
+    global_batch_size: int | None = None  # sequences in the global batch (seq-mean-*)
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm horizon
+
+    def as_kwargs(self) -> dict:
+        return dict(dp_size=self.dp_size, batch_num_tokens=self.batch_num_tokens,
+                    global_batch_size=self.global_batch_size, loss_scale_factor=self.loss_scale_factor)
+
+
+def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence,
+                    *, norm_by_std: bool = True, epsilon: float = 1e-6) -> torch.Tensor:
+    """Per-token GRPO advantages [B, T] from one scalar reward per response [B] and the prompt id of each response.
+
+    verl takes token-level rewards; an outcome reward sits on the response's last valid token (verl's convention,
+    only its sum is used)."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    if rewards.dim() != 1 or response_mask.dim() != 2 or rewards.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] and response_mask {tuple(response_mask.shape)} "
+                         "[B, T] with the same B")
+    if len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"{len(group_ids)} group ids for {rewards.shape[0]} responses")
+    lengths = response_mask.sum(-1).long()
+    if (lengths == 0).any():
+        raise ValueError(f"responses {torch.nonzero(lengths == 0).flatten().tolist()} have no valid token")
+    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards.float()
+    adv, _ = compute_grpo_outcome_advantage(token_rewards, response_mask.float(), np.asarray(group_ids, dtype=object),
+                                            epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std)
+    return adv
+
+
+def actor_config(settings: PolicyLossSettings, batch: GlobalBatch = GlobalBatch(), rollout_n: int = 1):
+    """The verl ActorConfig the registered policy losses read (clip ratios, aggregation, global batch info)."""
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
+    return ActorConfig(strategy="megatron", rollout_n=rollout_n, ppo_micro_batch_size_per_gpu=1,
+                       clip_ratio=settings.clip_ratio_low, clip_ratio_low=settings.clip_ratio_low,
+                       clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
+                       loss_agg_mode=settings.loss_agg_mode, policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode),
+                       global_batch_info=batch.as_kwargs())
+
+
+def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, settings: PolicyLossSettings, batch: GlobalBatch = GlobalBatch(),
+                rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """verl's registered policy loss ``settings.loss_mode`` on one microbatch: (scalar loss, metrics)."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    shapes = {t.shape for t in (old_log_prob, log_prob, advantages, response_mask)}
+    if len(shapes) != 1:
+        raise ValueError(f"policy loss inputs disagree in shape: {sorted(map(tuple, shapes))}")
+    fn = get_policy_loss_fn(settings.loss_mode)
+    return fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+              response_mask=response_mask.to(log_prob.dtype), loss_agg_mode=settings.loss_agg_mode,
+              config=actor_config(settings, batch), rollout_is_weights=rollout_is_weights)
+
+
+def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
+              batch: GlobalBatch = GlobalBatch()) -> torch.Tensor:
+    """verl's agg_loss (e.g. for a KL-to-reference term aggregated like the policy loss)."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+    return agg_loss(loss_mat=loss_mat, loss_mask=loss_mask.to(loss_mat.dtype), loss_agg_mode=loss_agg_mode,
+                    **batch.as_kwargs())
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """verl's per-token KL estimate to the reference policy (k1 'kl', k2 'mse', k3 'low_var_kl')."""
+    from verl.trainer.ppo.core_algos import kl_penalty as _kl
+
+    return _kl(log_prob, ref_log_prob, kind)
+
+
+def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                       *, level: str = "token", threshold: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """Truncated importance-sampling weights min(pi_train / pi_rollout, threshold) per token ('token') or per
+    sequence ('sequence'), zero on padding, detached; plus verl's mismatch metrics (prefixed rollout_corr/)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"rollout correction level {level!r} is not one of {ROLLOUT_IS_LEVELS}")
+    if not threshold > 1:
+        raise ValueError(f"rollout correction threshold={threshold} must be > 1")
+    weights, _, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask.float(),
+        rollout_is=level, rollout_is_threshold=threshold)
+    return weights.batch["rollout_is_weights"], metrics

@@ -1,0 +1,300 @@
+"""The training run's configuration: one dataclass per concern, validated in __post_init__ (ValueError naming the
+value), composed by hydra from recipes/train.yaml with strict keys (see ``load``).
+
+    load(["layout.tp=2", "lora.rank=16", "replay=r2"]) -> RunConfig
+
+Checks that need the model or the world size (does the layout divide the experts, does the model have MoE layers
+for replay) belong to the driver, before any process group starts; everything checkable from the config alone is
+checked here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..integration.verl.algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
+from ..lora.config import DTYPES as LORA_DTYPES
+from ..lora.config import LAYOUTS as LORA_LAYOUTS
+from ..lora.config import LoRAConfig
+from ..megatron.layout import Layout
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+REPLAY_MODES = ("r3", "r2", "off")
+SERVING_MODES = ("unmerged", "merged")
+ROLLOUT_IS = ("token", "sequence", "off")
+
+
+def _choice(where: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{where}={value!r}; choose one of {tuple(allowed)}")
+
+
+def _positive(where: str, value, *, zero_ok: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        raise ValueError(f"{where}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
+
+
+@dataclass
+class ModelSettings:
+    family: str = "glm4_moe"
+    """Model family of the built-in checkpoints (moe_lora_rl.models)."""
+    size: str = "small"
+    """Built-in size: tiny, small (the RL default), medium."""
+    path: Optional[str] = None
+    """An HF checkpoint directory to use instead of the built-in model (no warm start is run for it)."""
+    warm_start: bool = True
+    """Start from the cached supervised warm start of the built-in model on the task."""
+
+    def __post_init__(self):
+        from ..models.tiny import SPECS
+
+        if self.path is None and (self.family, self.size) not in SPECS:
+            raise ValueError(f"model family/size {self.family!r}/{self.size!r} is not built in; known: "
+                             f"{sorted(SPECS)} (or set model.path)")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"model.path={self.path!r} is not a directory")
+
+
+@dataclass
+class LayoutSettings:
+    tp: int = 1
+    etp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        self.layout()                     # Layout validates each size
+
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, ep=self.ep, etp=self.etp, pp=self.pp)
+
+
+@dataclass
+class RuntimeSettings:
+    device: str = "cpu"
+    train_dtype: str = "float32"
+    """Megatron parameters and compute."""
+    rollout_dtype: str = "bfloat16"
+    """vLLM serving dtype."""
+
+    def __post_init__(self):
+        _choice("runtime.device", self.device, DEVICES)
+        _choice("runtime.train_dtype", self.train_dtype, DTYPES)
+        _choice("runtime.rollout_dtype", self.rollout_dtype, DTYPES)
+
+
+@dataclass
+class LoRASettings:
+    rank: int = 8
+    alpha: float = 16.0
+    adapter_layout: str = "per_expert"
+    targets: list = field(default_factory=lambda: ["experts", "attention"])
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _choice("lora.adapter_layout", self.adapter_layout, LORA_LAYOUTS)
+        _choice("lora.dtype", self.dtype, LORA_DTYPES)
+        self.lora_config()                # LoRAConfig validates rank, alpha and targets
+
+    def lora_config(self, init_seed: int = 0) -> LoRAConfig:
+        return LoRAConfig(rank=self.rank, alpha=float(self.alpha), targets=tuple(self.targets),
+                          adapter_layout=self.adapter_layout, dtype=self.dtype, init_seed=init_seed)
+
+
+@dataclass
+class DataSettings:
+    length: int = 5
+    """Digits per list of the sorting task (moe_lora_rl.rl.task)."""
+    n_eval: int = 256
+    """Held-out problems."""
+    train_file: Optional[str] = None
+    """A parquet file in verl's row format to train on instead of the generated task."""
+    eval_file: Optional[str] = None
+
+    def __post_init__(self):
+        from .task import TaskSpec
+
+        TaskSpec(length=self.length, n_eval=self.n_eval)
+        from .dataset import read_rows
+
+        for key in ("train_file", "eval_file"):
+            p = getattr(self, key)
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"data.{key}={p!r} is not a file")
+            if p is not None:
+                read_rows(p)              # parsed now: a bad file fails before any process group starts
+
+
+@dataclass
+class AlgoSettings:
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    prompts_per_step: int = 8
+    """Prompts per step; the global batch is prompts_per_step * group_size responses."""
+    micro_batch_size: int = 16
+    """Responses per microbatch of the update."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    max_response_tokens: int = 8
+    loss_mode: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    norm_adv_by_std: bool = True
+    kl_coef: float = 0.0
+    """KL to the reference policy (the adapters disabled); 0 turns the reference pass off."""
+    rollout_is: str = "token"
+    """Truncated importance sampling on the rollout/training mismatch: token, sequence or off."""
+    rollout_is_threshold: float = 2.0
+
+    def __post_init__(self):
+        for k in ("group_size", "prompts_per_step", "micro_batch_size", "max_response_tokens"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"algo.{k}={v!r} must be an integer >= 1")
+        if self.group_size < 2:
+            raise ValueError(f"algo.group_size={self.group_size} must be >= 2 (GRPO compares samples of a prompt)")
+        batch = self.group_size * self.prompts_per_step
+        if batch % self.micro_batch_size:
+            raise ValueError(f"algo.micro_batch_size={self.micro_batch_size} does not divide the batch "
+                             f"group_size*prompts_per_step={batch}")
+        _positive("algo.lr", self.lr, zero_ok=True)           # lr=0 is the control run
+        _positive("algo.weight_decay", self.weight_decay, zero_ok=True)
+        _positive("algo.grad_clip", self.grad_clip)
+        _positive("algo.temperature", self.temperature)
+        _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
+        _choice("algo.loss_mode", self.loss_mode, LOSS_MODES)
+        _choice("algo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _choice("algo.rollout_is", self.rollout_is, ROLLOUT_IS)
+        if not 0 < self.clip_ratio_low < 1 or not self.clip_ratio_high > 0:
+            raise ValueError(f"algo.clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}: "
+                             "need 0 < low < 1 and high > 0")
+        if not self.rollout_is_threshold > 1:
+            raise ValueError(f"algo.rollout_is_threshold={self.rollout_is_threshold} must be > 1")
+        self.policy_loss_settings()
+
+    def policy_loss_settings(self) -> PolicyLossSettings:
+        return PolicyLossSettings(loss_mode=self.loss_mode, clip_ratio_low=self.clip_ratio_low,
+                                  clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode)
+
+
+@dataclass
+class RunConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    layout: LayoutSettings = field(default_factory=LayoutSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    lora: LoRASettings = field(default_factory=LoRASettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    algo: AlgoSettings = field(default_factory=AlgoSettings)
+    replay: str = "r3"
+    """Router replay: r3 (rollout routes replayed in training), r2 (training's first pass recorded and replayed),
+    off."""
+    serving: str = "unmerged"
+    """unmerged: vLLM serves base + LoRA, refit sends adapters only; merged: refit sends merged weights."""
+    steps: int = 60
+    seed: int = 0
+    eval_every: int = 10
+    """Held-out evaluation every N steps (and at the start and the end); 0: only start and end."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps; 0: none."""
+    resume: bool = False
+    out_dir: str = "outputs/train"
+
+    def __post_init__(self):
+        _choice("replay", self.replay, REPLAY_MODES)
+        _choice("serving", self.serving, SERVING_MODES)
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps={self.steps!r} must be an integer >= 1")
+        for k in ("eval_every", "checkpoint_every", "seed"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{k}={v!r} must be an integer >= 0")
+        if self.resume and self.checkpoint_every == 0:
+            raise ValueError("resume=true needs checkpoint_every > 0 (a run without checkpoints cannot resume)")
+
+
+SCHEMA_NAME = "moe_lora_rl_train_schema"
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+
+
+def _unknown_key(msg: str) -> str | None:
+    import re
+
+    m = re.search(r"Key '([^']+)' is not in struct", msg) or re.search(r"Could not override '([^']+)'", msg) \
+        or re.search(r"Key '([^']+)' not in '([^']+)'", msg)
+    return m.group(1) if m else None
+
+
+def load(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train",
+         config_dir: str | Path = RECIPES) -> RunConfig:
+    """Compose recipes/<config_name>.yaml over the RunConfig schema with command-line style overrides.
+    Unknown keys, a bad override or a bad value -> ValueError with one line naming it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        return to_run_config(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(_one_line(e)) from None
+
+
+def to_run_config(cfg) -> RunConfig:
+    """A composed DictConfig (e.g. from @hydra.main) -> validated RunConfig."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _check_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig, "")
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ValueError(_one_line(e)) from None
+    if not isinstance(obj, RunConfig):
+        raise ValueError(f"config does not use the {SCHEMA_NAME} schema (got {type(obj).__name__})")
+    return obj
+
+
+def _check_keys(node, schema, prefix: str) -> None:
+    """Every key of the composed config is a field of its dataclass (hydra's '+key=value' can add keys)."""
+    import dataclasses
+
+    if not isinstance(node, dict) or not dataclasses.is_dataclass(schema):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for k, v in node.items():
+        if k not in fields:
+            raise ValueError(f"unknown config key {prefix + str(k)!r}; known here: {sorted(fields)}")
+        sub = fields[k].default_factory if fields[k].default_factory is not dataclasses.MISSING else None
+        if isinstance(v, dict) and sub is not None and dataclasses.is_dataclass(sub):
+            _check_keys(v, sub, f"{prefix}{k}.")
+
+
+def _one_line(e: Exception) -> str:
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    cause = e.__cause__ or e.__context__
+    first = str(e).strip().splitlines()[0]
+    if isinstance(cause, ValueError) and not isinstance(cause, OmegaConfBaseException):
+        return str(cause).splitlines()[0]      # a __post_init__ check surfaced through OmegaConf
+    key = _unknown_key(str(e))
+    if key is not None or isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        key = getattr(cause, "full_key", None) or key
+        return f"unknown config key {key!r} ({first})"
+    full_key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
+    detail = str(cause).strip().splitlines()[0] if isinstance(cause, OmegaConfBaseException) else first
+    return f"{full_key}: {detail}" if full_key else first

@@ -1,0 +1,22 @@
+"""The task's scorer, with verl's reward-function signature. Self-contained (no package imports), so verl can load
+it as ``custom_reward_function.path`` either as ``pkg://moe_lora_rl.rl.reward`` or by file path."""
+from __future__ import annotations
+
+import re
+
+DATA_SOURCE = "moe_lora_rl/addition"
+
+_ANSWER = re.compile(r"\d( \d)*")
+
+
+def extract_answer(solution_str: str) -> str | None:
+    """The response's first line, stripped, if it is digits separated by single spaces; else None."""
+    line = solution_str.split("\n", 1)[0].strip()
+    return line if _ANSWER.fullmatch(line) else None
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """1.0 when the response is exactly the spaced digits of the sum, else 0.0 (no partial credit)."""
+    if data_source != DATA_SOURCE:
+        raise ValueError(f"data_source {data_source!r} is not {DATA_SOURCE!r}")
+    return 1.0 if extract_answer(solution_str) == ground_truth else 0.0

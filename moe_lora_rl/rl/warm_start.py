@@ -1,0 +1,132 @@
+"""Supervised warm start of a built-in model on the synthetic task, so RL starts from a low but non-zero success rate.
+
+    path = warm_started("glm4_moe", "small", WarmStartSpec())   # HF checkpoint dir, cached like get_model
+
+Plain HF transformers training on CPU: full fine-tuning of every weight on the training split's prompt -> answer
+pairs (loss on the answer tokens and the end-of-turn token), a fixed number of steps from a fixed seed, one thread
+(deterministic; several threads change reduction order). The held-out split is never seen.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models.tiny import cache_root, get_model, spec_key
+from .hf_sampling import prompt_ids
+from .task import Problem, TaskSpec, make_split
+
+WARM_START_VERSION = 2
+
+
+@dataclass(frozen=True)
+class WarmStartSpec:
+    task: TaskSpec = field(default_factory=TaskSpec)
+    steps: int = 60
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    seed: int = 0
+
+    def __post_init__(self):
+        for k in ("steps", "batch_size"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"warm start {k}={getattr(self, k)} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"warm start lr={self.lr} must be > 0")
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "v": WARM_START_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 except on the answer and its end-of-turn)."""
+    prompts = prompt_ids(tokenizer, problems)
+    answers = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for p in problems]
+    n = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    ids = torch.full((len(problems), n), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(problems), n), dtype=torch.long)
+    labels = torch.full((len(problems), n), -100, dtype=torch.long)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, :len(p) + len(a)] = 1
+        labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+    return ids, mask, labels
+
+
+def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
+    """Run the supervised phase in place. on_step(step, loss) may evaluate; its time is not counted."""
+    problems = make_split(spec.task, "train")
+    rng = random.Random(f"warm_start:{spec.seed}")
+    torch.manual_seed(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / spec.warmup_steps))
+    model.train()
+    wall = cpu = 0.0
+    loss = torch.tensor(float("nan"))
+    for step in range(1, spec.steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        ids, mask, labels = sft_batch(tokenizer, [problems[rng.randrange(len(problems))]
+                                                  for _ in range(spec.batch_size)])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        if on_step is not None:
+            on_step(step, loss.item())
+    return {"steps": spec.steps, "final_loss": loss.item(), "train_wall_s": wall, "train_cpu_s": cpu}
+
+
+def warm_started(family: str = "glm4_moe", size: str = "small", spec: WarmStartSpec = WarmStartSpec(),
+                 model_seed: int = 0) -> Path:
+    """Path of the cached warm-started checkpoint (base model get_model(family, size, model_seed)), training it
+    first if needed; its moe_lora_rl_warm_start.json records the spec and the measured training time."""
+    import transformers
+
+    base = get_model(family, size, model_seed)
+    root = cache_root()
+    out = root / f"{spec_key(family, size, model_seed)}-warm-{spec.key()}"
+    stamp = out / "moe_lora_rl_warm_start.json"
+    if stamp.exists():
+        return out
+    with open(root / ".lock-warm", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists():
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-warm-"))
+        try:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with torch.random.fork_rng():
+                    tok = transformers.AutoTokenizer.from_pretrained(base)
+                    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+                    info = train(model, tok, spec)
+            finally:
+                torch.set_num_threads(threads)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            shutil.copy(base / "moe_lora_rl.json", tmp / "moe_lora_rl.json")
+            (tmp / "moe_lora_rl_warm_start.json").write_text(json.dumps(
+                {"base": str(base), "spec": asdict(spec), "version": WARM_START_VERSION, **info}, indent=1))
+            os.replace(tmp, out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(tmp)
+    return out
