@@ -183,6 +183,6 @@ def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", over
     for world, names in groups.items():
         res.update(run_torchrun("moe_lora_rl.bench.replay_worker", world,
                                 ["--models", ",".join(models), "--layouts", ",".join(names),
-                                 "--data", str(workdir / "forced.pt"), "--timing", str(timing), *worker_arg(rc or RunConfig())],
-                                timeout=1800))
+                                 "--data", str(workdir / "forced.pt"), "--timing", str(timing),
+                                 *worker_arg(rc or RunConfig())], timeout=1800))
     return res
