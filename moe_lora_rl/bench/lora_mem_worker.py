@@ -13,6 +13,7 @@ Reported per rank as the maximum over ranks.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import resource
@@ -73,7 +74,7 @@ def main(argv=None):
     load_hf_weights(model, a.model, arch)
     if a.variant == "lora":
         apply_lora(model, LoRAConfig.from_dict(json.loads(a.lora)))
-        params, sync = [p for _, p in adapter_factors(model)], (lambda: sync_adapter_grads(model))
+        params, sync = [p for _, p in adapter_factors(model)], functools.partial(sync_adapter_grads, model)
     else:
         params, sync = [p for p in model.parameters() if p.requires_grad], None
     opt = torch.optim.AdamW(params, lr=1e-5)

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from .vllm_env import set_engine_env
+
+if TYPE_CHECKING:
+    import torch
 
 EXT = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
 
@@ -19,7 +23,7 @@ def make_llm(model: str, dtype: str = "float32"):
                enable_prefix_caching=False, worker_extension_cls=EXT)
 
 
-def prompt_logprobs(llm, seqs) -> "torch.Tensor":
+def prompt_logprobs(llm, seqs) -> torch.Tensor:
     import torch
     from vllm import SamplingParams
 

@@ -17,10 +17,15 @@ import numpy as np
 import torch
 
 from ..megatron.layout import Layout
+from ..megatron.run_config import RunConfig
 from ..testing.launch import run_torchrun
 from .common import check_layouts, group_by_world
+from .parity import BF16_UNIT_ROUNDOFF
+from .run_args import worker_arg
 
-FIDELITY_TOL = {torch.float32: 1e-4}     # max |logit diff| between Megatron with R3 and the forced-route reference
+# Megatron with R3 against the fp32 forced-route reference. fp32: max |logit diff|. bf16 (fidelity_max_rel): the
+# worst token's max_v |logit diff| / max_v |reference logit|, 16u (derivation: tests/distributed/test_bf16.py).
+FIDELITY_TOL = {torch.float32: 1e-4, torch.bfloat16: 16 * BF16_UNIT_ROUNDOFF}
 SHUFFLED_MIN = 1e-2                      # the negative control must differ by more than this
 MIN_SAMPLES = 8
 
@@ -149,9 +154,11 @@ def add_forced_sets(rollout: Path, out: Path, layouts: list[Layout], dp_sizes: l
 
 
 def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", overhead_batches: int = 0,
-        timing: int = 0, single_launch: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+        timing: int = 0, single_launch: bool = False, dtype: torch.dtype = torch.float32,
+        rc: RunConfig | None = None) -> dict:
     """engine: "vllm" (bf16 rollouts with routing capture) or "hf" (HF transformers bf16 stand-in).
-    single_launch: every layout in one torchrun launch at the largest world size (tests: fewer launches)."""
+    single_launch: every layout in one torchrun launch at the largest world size (tests: fewer launches).
+    dtype: the forced-route reference's; rc: how Megatron runs (default fp32 on CPU)."""
     if engine not in ("vllm", "hf"):
         raise ValueError(f"engine={engine!r}; choose 'vllm' or 'hf'")
     seq_len = 64
@@ -176,5 +183,6 @@ def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", over
     for world, names in groups.items():
         res.update(run_torchrun("moe_lora_rl.bench.replay_worker", world,
                                 ["--models", ",".join(models), "--layouts", ",".join(names),
-                                 "--data", str(workdir / "forced.pt"), "--timing", str(timing)], timeout=1800))
+                                 "--data", str(workdir / "forced.pt"), "--timing", str(timing),
+                                 *worker_arg(rc or RunConfig())], timeout=1800))
     return res

@@ -5,7 +5,8 @@ Per layout and model:
       rollout logprobs without and with R3;
   fidelity (the forced sets of replay_check.py, samples of different lengths, padded and packed): max |logit diff|
       between Megatron replaying a set and HF transformers forced to it (rollout and random sets), and between
-      Megatron replaying the shuffled set and the reference of the rollout set (must differ);
+      Megatron replaying the shuffled set and the reference of the rollout set (must differ); the same relative
+      per token (max_v |diff| / max_v |reference logit|, the worst token), the bf16 metric;
   dispatcher: the routing map every MoE layer's token dispatcher received vs the rollout-format routes of the tokens
       this rank holds (rollout and random sets, padding included), counted in mismatching tokens.
 Every queued route is consumed exactly once (check_consumed). Rank 0 writes JSON.
@@ -119,13 +120,15 @@ class Case:
                                        **self.sp)
             with capture_routing_maps(self.model) as maps:
                 logits = self.forward(Mode.REPLAY, tok, inputs, aligned)
-            diff = torch.tensor(-1.0, dtype=torch.float64)
+            diff, rel = torch.tensor(-1.0, dtype=torch.float64), torch.tensor(-1.0, dtype=torch.float64)
             if logits is not None:
                 refs = self.d["reference_packed"][self.dp] if packed else self.d["reference"]
                 ref = refs["rollout" if name == "shuffled" else name]        # shuffled: against the original routes
-                diff = max((got - ref[i]).abs().max().double()
-                           for got, i in zip(_per_sample(logits, lengths, packed), self.ids))
-            out[f"diff_{name}"] = diff
+                pairs = [(got.double(), ref[i].double()) for got, i in zip(_per_sample(logits, lengths, packed),
+                                                                         self.ids)]
+                diff = max((g - r).abs().max() for g, r in pairs)
+                rel = max(((g - r).abs().amax(-1) / r.abs().amax(-1)).max() for g, r in pairs)
+            out[f"diff_{name}"], out[f"rel_{name}"] = diff, rel
             if name != "shuffled":
                 out[f"dispatch_{name}"] = self.dispatcher_mismatch(maps, [samples[i] for i in self.ids], lengths,
                                                                    padded_len)
@@ -177,10 +180,11 @@ def run_case(case: Case, timing: int) -> dict:
                      "kl_without": float(m[2] / max(m[4], 1)), "kl_with": float(m[3] / max(m[4], 1))}
         f = case.fidelity(packed)
         for k, v in f.items():
-            dist.all_reduce(v, op=dist.ReduceOp.MAX if k.startswith("diff") else dist.ReduceOp.SUM)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX if k.startswith(("diff", "rel")) else dist.ReduceOp.SUM)
         rec[kind].update({
             "fidelity_max_diff": {n: float(f[f"diff_{n}"]) for n in ("rollout", "random")},
-            "shuffled_routes_diff": float(f["diff_shuffled"]),
+            "fidelity_max_rel": {n: float(f[f"rel_{n}"]) for n in ("rollout", "random")},
+            "shuffled_routes_diff": float(f["diff_shuffled"]), "shuffled_routes_rel": float(f["rel_shuffled"]),
             "dispatcher_mismatched_tokens": {n: int(f[f"dispatch_{n}"][0]) for n in ("rollout", "random")},
             "dispatcher_tokens": {n: int(f[f"dispatch_{n}"][1]) for n in ("rollout", "random")}})
     if timing:

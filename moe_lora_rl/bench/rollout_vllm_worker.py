@@ -39,17 +39,17 @@ def main(argv=None):
                             prompt_logprobs=0, ignore_eos=True)
         overhead = None
         if a.overhead_batches:
-            def tps():
+            def tps(llm):
                 t0 = time.perf_counter()
                 for _ in range(a.overhead_batches):
                     llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
                 return a.overhead_batches * a.n * a.gen_len / (time.perf_counter() - t0)
-            tps()                                                    # warm-up
+            tps(llm)                                                 # warm-up
             off, on = [], []
             for _ in range(2):                                       # interleaved: off, on, off, on
-                off.append(tps())
+                off.append(tps(llm))
                 llm.collective_rpc("moe_lora_capture_start")
-                on.append(tps())
+                on.append(tps(llm))
                 llm.collective_rpc("moe_lora_capture_stop")         # drops the captured routes too
             overhead = {"tps_without": sum(off) / 2, "tps_with": sum(on) / 2,
                         "capture_overhead": 1 - sum(on) / sum(off)}

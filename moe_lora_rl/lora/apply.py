@@ -67,7 +67,6 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
         target = aname.linear.target
         kind = _parallel_kind(mod)
         gname, is_expert = aname.canonical, aname.linear.part == "expert"
-        fc = name.rsplit(".", 1)[-1]
         shared = cfg.expert_factors_shared(target) if is_expert else (False, False)
         group = "etp" if is_expert else "tp"
         t = sizes[group]

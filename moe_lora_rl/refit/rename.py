@@ -51,7 +51,7 @@ def place(out: PeftOut, shard: torch.Tensor, index: int, count: int, shard_dim: 
     """(region of the PEFT tensor, values) for shard `index` of `count` of a canonical factor split on
     `shard_dim` (None: the whole factor)."""
     if shard_dim is None:
-        index, count = 0, 1
+        index = 0
     if out.split == "copy":
         if shard_dim is None:
             return (slice(None),) * shard.dim(), shard
@@ -65,7 +65,6 @@ def place(out: PeftOut, shard: torch.Tensor, index: int, count: int, shard_dim: 
         return (slice(index * n, (index + 1) * n), slice(None)), piece
     qpg, hd, r = arch.num_heads // arch.num_kv_heads, arch.head_dim, shard.shape[-1]
     per = shard.reshape(-1, qpg + 2, hd, r)                  # [groups in this shard, q/g + 2, hd, r]
-    g = per.shape[0]
     piece = per[:, :qpg].reshape(-1, r) if out.part == 0 else per[:, qpg + out.part - 1]
     piece = piece.reshape(-1, r)
     n = piece.shape[0]

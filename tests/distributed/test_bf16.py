@@ -14,13 +14,29 @@ forward of the model after k steps) gets (1+k)*8u relative. The base-vs-LoRA gap
 measured 0.04-0.08) is larger than every bf16 difference: bf16 training reproduces what LoRA changes.
 Measured (glm4_moe / qwen3_moe tiny): trained tp2ep2 vs tp1 bf16 0.033 / 0.008, bf16 vs fp32 0.037 / 0.009,
 loaded 0.017 / 0.006, losses within 1.3%.
+
+R3 in bf16 (replay_check.FIDELITY_TOL[bfloat16] = 16u): Megatron in bf16 replays forced routes (the rollout's and
+a random valid set, padded and packed, at tp2ep2 and pp2ep2 in one launch) against HF transformers in fp32 forced to
+the same routes (the fp32 reference: it isolates Megatron's bf16 error from the reference's). The rollout is HF
+transformers bf16 standing in for vLLM (this module runs in both venvs; vLLM's routes are covered in fp32 by
+tests/e2e/test_r3_vllm.py, and forced routes make the check independent of who chose them). Metric: the worst
+token's max_v |logit diff| / max_v |reference logit| (fidelity_max_rel). Forced routes remove routing flips, so
+unlike parity no token has to be left out and the maximum can be bounded: each token carries the few-u relative
+error of parity's median (2-4u), and the worst of ~1.5k tokens per case sits a few times above it; 16u (the bound
+of a bf16-trained model above) allows 4x over the median's 4u. The negative control (the rollout's routes shuffled
+across tokens, against the rollout set's reference) must exceed 4 x 16u, and a run that is not bf16 at all is
+caught by a lower bound of u/16 (fp32 Megatron is within 1e-4 absolute, ~1e-5 relative). The token dispatcher's
+routing map must equal the rollout-format routes (0 mismatching tokens) and R3 must lower the KL to the rollout.
+Measured (glm4_moe / qwen3_moe tiny, worst over layouts, padded/packed, both sets): 0.045 (11.6u) / 0.024 (6.2u),
+max |logit diff| 0.70 / 0.43; shuffled 1.47 / 1.43.
 """
 import pytest
 
 from moe_lora_rl.bench.common import resolve_models
 from moe_lora_rl.bench.lora_layouts import REFERENCE, run as run_lora
-from moe_lora_rl.bench.parity import TARGET_BF16, run as run_parity
+from moe_lora_rl.bench.parity import BF16_UNIT_ROUNDOFF, TARGET_BF16, run as run_parity
 from moe_lora_rl.bench.parity_worker import token_errors
+from moe_lora_rl.bench.replay_check import FIDELITY_TOL, run as run_replay
 from moe_lora_rl.lora import LoRAConfig
 from moe_lora_rl.megatron.run_config import RunConfig
 
@@ -30,6 +46,33 @@ BF16 = RunConfig(dtype="bf16")
 LAYOUTS = ("tp2ep2", "pp2ep2")
 LR = 3e-3
 TRAINED = 2 * TARGET_BF16
+
+
+@pytest.fixture(scope="module")
+def r3(tmp_path_factory):
+    return run_replay(resolve_models(None), ",".join(LAYOUTS), tmp_path_factory.mktemp("r3_bf16"), engine="hf",
+                      single_launch=True, rc=BF16)
+
+
+def _r3_cases(res):
+    for layout in LAYOUTS:
+        for m, per in res[layout].items():
+            for kind in ("padded", "packed"):
+                yield (layout, m, kind), per[kind]
+
+
+def test_r3_replay_bf16_matches_forced_route_reference(r3):
+    import torch
+
+    tol = FIDELITY_TOL[torch.bfloat16]
+    for where, r in _r3_cases(r3):
+        rel = r["fidelity_max_rel"]
+        worst = max(rel.values())
+        assert BF16_UNIT_ROUNDOFF / 16 < min(rel.values()) and worst <= tol, (where, rel)
+        assert r["shuffled_routes_rel"] > 4 * tol and worst < r["shuffled_routes_rel"], (where, r)
+        assert all(n > 0 for n in r["dispatcher_tokens"].values()), (where, r)
+        assert set(r["dispatcher_mismatched_tokens"].values()) == {0}, (where, r["dispatcher_mismatched_tokens"])
+        assert r["kl_with"] < r["kl_without"], (where, r)
 
 
 def test_parity_bf16():

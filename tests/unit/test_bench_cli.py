@@ -15,6 +15,7 @@ from moe_lora_rl.megatron.layout import Layout
     (["parity", "--layouts", "tp2,xx3"], "layout 'xx3' is not a combination"),
     (["refit", "--layouts", "tp1ep1pp1,ep5"], "ep=5 does not divide num_experts="),
     (["replay", "--engine", "hf", "--model", "/nonexistent"], "--model '/nonexistent': not an HF checkpoint"),
+    (["replay", "--engine", "hf", "--dtype", "fp16"], "dtype='fp16': choose one of"),
 ])
 def test_user_errors_are_one_line(argv, needle):
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", *argv], capture_output=True, text=True,

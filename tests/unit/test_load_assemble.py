@@ -1,5 +1,4 @@
 """Shard assembly (HF -> Megatron layout) against hand-built expectations (names: test_naming.py)."""
-import pytest
 import torch
 
 from moe_lora_rl.megatron.load import ShardSpec, assemble
