@@ -7,6 +7,9 @@ peft_max_diff: the trained adapters exported to PEFT, loaded into HF transformer
 Megatron+LoRA. Step times: base = full fine-tuning step (fwd+bwd+AdamW over all weights), LoRA = frozen base +
 adapters (fwd+bwd+grad sync+AdamW over adapters), interleaved in one process; fwd_time_ratio isolates the adapters'
 forward cost.
+Memory (same model and layout, one fresh process per variant, lora_mem_worker): base_peak_mb / lora_peak_mb are the
+kernel's resident-set high-water mark (ru_maxrss) over 2 training steps minus the process's RSS before the model was
+built: model state + grads + optimizer state + activations. peak_ratio = lora / base, target <= 0.7.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 from ..lora import LoRAConfig
 from ..testing.launch import run_torchrun
 from .common import DEFAULT_LAYOUTS, emit, resolve_models
+from .run_args import add_run_args, run_config_from_args
 
 
 def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
@@ -34,23 +38,51 @@ def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> fl
     return (peft_logits(model_dir, out, data["eval"]) - blob["eval_logits"]).abs().max().item()
 
 
-def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfig, speed_layout: str) -> dict:
+PEAK_RATIO_TARGET = 0.7
+
+
+def measure_memory(model: str, layout: str, cfg: LoRAConfig, rc=None) -> dict:
+    """Peak RSS of full fine-tuning vs LoRA training steps, each variant in its own torchrun launch."""
+    from ..megatron.layout import Layout
+    from ..megatron.run_config import RunConfig
+    from .run_args import worker_arg
+
+    world = Layout.parse(layout).min_world_size
+    got = {v: run_torchrun("moe_lora_rl.bench.lora_mem_worker", world,
+                           ["--model", model, "--layout", layout, "--variant", v, "--lora", json.dumps(cfg.to_dict()),
+                            *worker_arg(rc or RunConfig())])
+           for v in ("base", "lora")}
+    return {"base_peak_mb": round(got["base"]["peak_mb"], 1), "lora_peak_mb": round(got["lora"]["peak_mb"], 1),
+            "peak_ratio": got["lora"]["peak_mb"] / got["base"]["peak_mb"], "peak_ratio_target": PEAK_RATIO_TARGET,
+            "base_step_mb": round(got["base"]["step_mb"], 1), "lora_step_mb": round(got["lora"]["step_mb"], 1),
+            "memory_measured_by": "ru_maxrss high-water (reset after load: "
+                                  f"{got['base']['hwm_reset'] and got['lora']['hwm_reset']}) minus RSS before build"}
+
+
+def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfig, speed_layout: str,
+        memory: bool = True, rc=None) -> dict:
     from . import lora_layouts
 
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        rep = lora_layouts.run(models, layouts, cfg, work)
+        rep = lora_layouts.run(models, layouts, cfg, work, rc=rc)
         pdiff = {m: peft_diff(m, work / f"{lora_layouts.REFERENCE}-m{i}.pt", cfg, work / f"peft-m{i}")
                  for i, m in enumerate(models)}
     result = {"layout_max_diff": rep["layout_max_diff"], "peft_max_diff": max(pdiff.values())}
     if speed_model:
         from ..megatron.layout import Layout
 
+        from ..megatron.run_config import RunConfig
+        from .run_args import worker_arg
+
         sp = run_torchrun("moe_lora_rl.bench.lora_speed_worker", Layout.parse(speed_layout).min_world_size,
-                          ["--model", speed_model, "--layout", speed_layout, "--lora", json.dumps(cfg.to_dict())])
+                          ["--model", speed_model, "--layout", speed_layout, "--lora", json.dumps(cfg.to_dict()),
+                           *worker_arg(rc or RunConfig())])
         result.update({k: sp[k] for k in ("base_step_s", "lora_step_s", "step_time_ratio", "base_fwd_s",
                                           "lora_fwd_s", "fwd_time_ratio")})
         result["adapter_params"], result["base_params"] = sp["adapter_params_local"], sp["base_params_local"]
+        if memory:
+            result.update(measure_memory(speed_model, speed_layout, cfg, rc))
         result["speed_model"], result["speed_layout"] = speed_model, speed_layout
     result.update({"models": models, "layouts": layouts.split(","), "rank": cfg.rank,
                    "adapter_layout": cfg.adapter_layout, "per_model_peft_diff": pdiff,
@@ -64,19 +96,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", action="append", help="HF checkpoint(s) for the diffs; default: both tiny models")
     ap.add_argument("--speed-model", default=None, help="checkpoint for step times; default: the medium qwen3_moe")
-    ap.add_argument("--no-speed", action="store_true", help="skip the step-time measurement")
+    ap.add_argument("--no-speed", action="store_true", help="skip the step-time and memory measurements")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS)
     ap.add_argument("--speed-layout", default="tp1ep1pp1")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--adapter-layout", default="per_expert")
+    add_run_args(ap)
     a = ap.parse_args(argv)
+    rc = run_config_from_args(a, ap.prog)
     cfg = LoRAConfig(rank=a.rank, alpha=a.alpha, adapter_layout=a.adapter_layout)
     speed = None
     if not a.no_speed:
         from ..models import get_model
 
         speed = a.speed_model or str(get_model("qwen3_moe", "medium"))
-    result = run(resolve_models(a.model), speed, a.layouts, cfg, a.speed_layout)
+    result = run(resolve_models(a.model), speed, a.layouts, cfg, a.speed_layout, memory=not a.no_memory, rc=rc)
+    result["dtype"] = rc.dtype
     emit(result, a.json)
     return result

@@ -34,13 +34,17 @@ def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
 
 
 def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-4,
-        grouped: bool = False) -> dict:
-    """grouped: the non-reference layouts use the legacy GroupedMLP; the reference stays SequentialMLP."""
+        grouped: bool = False, rc=None) -> dict:
+    """grouped: the non-reference layouts use the legacy GroupedMLP; the reference stays SequentialMLP.
+    rc: the Megatron RunConfig of every layout (default fp32 on CPU)."""
+    from .run_args import worker_arg
+    from ..megatron.run_config import RunConfig
+
     workdir.mkdir(parents=True, exist_ok=True)
     load_info = make_data(models, workdir)
     names = [n for n in layouts.split(",") if n and n != REFERENCE]
     common = ["--models", ",".join(models), "--data", str(workdir / "data.pt"), "--lora", json.dumps(cfg.to_dict()),
-              "--steps", str(steps), "--lr", str(lr), "--out", str(workdir)]
+              "--steps", str(steps), "--lr", str(lr), "--out", str(workdir), *worker_arg(rc or RunConfig())]
     summary = run_torchrun("moe_lora_rl.bench.lora_worker", 1, common + ["--layouts", REFERENCE])
     for world, group in group_by_world(",".join(names)).items():
         summary.update(run_torchrun("moe_lora_rl.bench.lora_worker", world,

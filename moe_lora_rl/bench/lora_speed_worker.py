@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, apply_lora, sync_adapter_grads
-from ..megatron import cpu_support
 from ..megatron.build import build_model
 from ..megatron.forward import forward_logits
 from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
+from ..megatron.run_config import prepare_host
+from .run_args import from_worker_arg
 from ..megatron.train_step import lm_train_step
 
 
@@ -38,15 +39,17 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--run-config", default="", help="RunConfig as JSON; default fp32 on CPU")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
-    cpu_support.apply()
+    rc = from_worker_arg(a.run_config)
+    prepare_host(rc)
     layout = Layout.parse(a.layout)
-    init_distributed(layout)
+    init_distributed(layout, rc)
     arch = load_arch(a.model)
-    base = build_model(arch, layout)
+    base = build_model(arch, layout, rc)
     load_hf_weights(base, a.model, arch)
-    lora = build_model(arch, layout)
+    lora = build_model(arch, layout, rc)
     load_hf_weights(lora, a.model, arch)
     cfg = LoRAConfig.from_dict(json.loads(a.lora))
     apply_lora(lora, cfg)

@@ -12,19 +12,20 @@ import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters, load_sharded, save_sharded
 from ..lora import sync_adapter_grads
-from ..megatron import cpu_support
 from ..megatron.build import build_model
 from ..megatron.forward import forward_logits
 from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
+from ..megatron.run_config import RunConfig, prepare_host
 from ..megatron.train_step import lm_train_step
+from .run_args import from_worker_arg
 
 
-def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = False):
+def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = False, rc: RunConfig | None = None):
     arch = load_arch(path)
-    model = build_model(arch, layout, grouped_experts=grouped)
+    model = build_model(arch, layout, rc, grouped_experts=grouped)
     load_hf_weights(model, path, arch)
     if cfg is not None:
         apply_lora(model, cfg)
@@ -49,7 +50,7 @@ def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) ->
 
 
 def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
-    arch, model = build(path, layout, None, a.grouped)
+    arch, model = build(path, layout, None, a.grouped, a.rc)
     base_logits = forward_logits(model, data["eval"], arch.vocab_size)
     apply_lora(model, cfg)
     lora_logits = forward_logits(model, data["eval"], arch.vocab_size)
@@ -65,9 +66,9 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
     rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
            "n_adapter_tensors": len(adapters), "adapter_params": sum(t.numel() for t in adapters.values()),
            "step_s": times}
-    blob = {"adapters": adapters, "eval_logits": eval_logits, "losses": losses}
+    blob = {"adapters": adapters, "eval_logits": eval_logits, "base_logits": base_logits, "losses": losses}
     if a.load_from:
-        _, fresh = build(path, layout, cfg, a.grouped)
+        _, fresh = build(path, layout, cfg, a.grouped, a.rc)
         load_sharded(fresh, out / f"ckpt-{a.load_from}-m{mi}")
         blob["loaded_logits"] = forward_logits(fresh, data["eval"], arch.vocab_size)
         del fresh
@@ -89,16 +90,18 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
     ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
+    ap.add_argument("--run-config", default="", help="RunConfig as JSON; default fp32 on CPU")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
-    cpu_support.apply()
+    a.rc = from_worker_arg(a.run_config)
+    prepare_host(a.rc)
     cfg = LoRAConfig.from_dict(json.loads(a.lora))
     data = torch.load(a.data)
     out = Path(a.out)
     summary: dict = {}
     for key in a.layouts.split(","):
         layout = Layout.parse(key)
-        init_distributed(layout)
+        init_distributed(layout, a.rc)
         for mi, path in enumerate(a.models.split(",")):
             summary.setdefault(key, {})[path] = run_one(a, cfg, layout, key, mi, path, data[path], out)
         teardown()

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["HF_HUB_OFFLINE"] = "1"
+from .vllm_env import set_engine_env
 
 EXT = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
 
@@ -42,6 +39,7 @@ def megatron_logprobs(eval_tokens, eval_logits):
 
 
 def main(argv=None) -> dict:
+    set_engine_env()
     import torch
 
     from ..lora.export import to_peft_tensors
@@ -121,7 +119,7 @@ def main(argv=None) -> dict:
 
 def bench(argv=None) -> dict:
     """Side by side on one engine: LoRA-only push vs full merged-weight reload."""
-
+    set_engine_env()
     import torch
 
     from ..lora.export import to_peft_tensors

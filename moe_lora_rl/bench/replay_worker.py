@@ -8,18 +8,19 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from ..megatron import cpu_support
 from ..megatron.build import build_model
 from ..megatron.forward import forward_logits, packed_inputs
 from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
 from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
+from ..megatron.run_config import prepare_host
 from ..testing.launch import finish_worker
 from ..router_replay.align import align_microbatch
 from ..router_replay.metrics import router_disagreement
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
+from .run_args import from_worker_arg
 
 
 def _pass(model, replayer, mode, tokens, inputs, aligned, vocab):
@@ -60,19 +61,21 @@ def main(argv=None):
     ap.add_argument("--layouts", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
+    ap.add_argument("--run-config", default="", help="RunConfig as JSON (run_args.worker_arg); default fp32 on CPU")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
-    cpu_support.apply()
+    rc = from_worker_arg(a.run_config)
+    prepare_host(rc)
     data = torch.load(a.data)
     out: dict = {}
     for key in a.layouts.split(","):
         layout = Layout.parse(key)
-        init_distributed(layout)
+        init_distributed(layout, rc)
         for path in a.models.split(","):
             d = data[path]
             routes = RoutesBatch.from_field(d["routes"], d["num_experts"])
             arch = load_arch(path)
-            model = build_model(arch, layout)
+            model = build_model(arch, layout, rc)
             load_hf_weights(model, path, arch)
             replayer = RouterReplayer(model)
             dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -4,15 +4,14 @@ of tokens 1.. from the engine (prompt logprobs + sampled logprobs), and the meas
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["HF_HUB_OFFLINE"] = "1"
+from .vllm_env import set_engine_env
+
 
 
 def main(argv=None):
+    set_engine_env()
     import numpy as np
     import torch
     from vllm import LLM, SamplingParams

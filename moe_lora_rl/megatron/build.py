@@ -1,7 +1,10 @@
 """Build a megatron-core GPTModel with MoE from an HF config, for the current rank of a layout.
 
     arch = arch_from_hf_config(hf_config)          # pure: family reader, ValueError on what cannot be reproduced
-    model = build_model(arch, layout)              # local spec (SequentialMLP), SP-tolerant RMSNorm, fp32 on CPU
+    model = build_model(arch, layout, rc)          # rc: RunConfig (device, dtype, layer spec); default fp32 on CPU
+
+The local spec (SequentialMLP experts) gets SP-tolerant RMSNorms; the Transformer Engine spec (TEGroupedMLP) is taken
+as megatron-core builds it.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 
 from ..models.arch import MoEArch
 from .layout import Layout
+from .run_config import RunConfig, spec_kwargs, transformer_kwargs
 
 
 class SPRMSNorm(torch.nn.RMSNorm):
@@ -20,7 +24,8 @@ class SPRMSNorm(torch.nn.RMSNorm):
     WrappedTorchNorm asserts it away; MoE with TP needs SP in training)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__(hidden_size, eps=eps)
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
@@ -37,9 +42,8 @@ def padded_vocab(arch: MoEArch, layout: Layout) -> int:
     return math.ceil(arch.vocab_size / layout.tp) * layout.tp
 
 
-def transformer_config(arch: MoEArch, layout: Layout, **overrides):
-    from megatron.core.transformer import TransformerConfig
-
+def transformer_config_kwargs(arch: MoEArch, layout: Layout, rc: RunConfig, **overrides) -> dict:
+    """Every TransformerConfig argument for this model, layout and run config (pure)."""
     kw = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
         num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
@@ -50,22 +54,28 @@ def transformer_config(arch: MoEArch, layout: Layout, **overrides):
         moe_router_num_groups=arch.num_groups, moe_router_group_topk=arch.group_topk,
         moe_router_topk_scaling_factor=arch.scaling_factor,
         moe_shared_expert_intermediate_size=arch.shared_expert_ffn or None,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=layout.tp > 1, use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        sequence_parallel=layout.tp > 1,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, apply_rope_fusion=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, moe_permute_fusion=False,
+        masked_softmax_fusion=False, moe_permute_fusion=False,
         moe_router_fusion=False,                     # the fused router bypasses router replay
         variable_seq_lengths=True,
         calculate_per_token_loss=True,              # loss functions here return sums already normalised globally
+        **transformer_kwargs(rc),
     )
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return kw
+
+
+def transformer_config(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**transformer_config_kwargs(arch, layout, rc or RunConfig(), **overrides))
 
 
 def _swap_norms(obj, memo=None):
@@ -87,8 +97,10 @@ def _swap_norms(obj, memo=None):
     return new
 
 
-def build_model(arch: MoEArch, layout: Layout, *, grouped_experts: bool = False, **config_overrides):
-    """The GPTModel stage of this rank (parallel state must be initialised for `layout`).
+def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, grouped_experts: bool = False,
+                **config_overrides):
+    """The GPTModel stage of this rank (parallel state must be initialised for `layout`), in rc's dtype on rc's
+    device; rc (default: fp32 on CPU) is kept as model.run_config for the forward.
 
     grouped_experts: the legacy GroupedMLP (one weight1/weight2 for all local experts, grouped GEMM; megatron-core
     0.16 only; on CPU its gmm is cpu_support.torch_gmm) instead of SequentialMLP."""
@@ -96,6 +108,7 @@ def build_model(arch: MoEArch, layout: Layout, *, grouped_experts: bool = False,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    rc = rc or RunConfig()
     check_layout(arch, layout)
     if arch.tie_embeddings and layout.pp > 1:
         raise ValueError(f"layout {layout.name}: tied input/output embeddings with pp={layout.pp} are not supported; "
@@ -106,16 +119,27 @@ def build_model(arch: MoEArch, layout: Layout, *, grouped_experts: bool = False,
         if not mcore_version().startswith("0.16."):
             raise ValueError(f"grouped_experts=True: the legacy GroupedMLP was removed in megatron-core "
                              f"{mcore_version()}; use SequentialMLP (or TEGroupedMLP on GPU)")
+        if rc.device == "cuda" and rc.dtype != "bf16":
+            raise ValueError(f"grouped_experts=True with dtype={rc.dtype!r} on cuda: the grouped_gemm kernel is "
+                             "bf16-only; use dtype='bf16'")
+        if rc.layer_spec == "te":
+            raise ValueError("grouped_experts=True with layer_spec='te': the TE spec has its own grouped experts "
+                             "(TEGroupedMLP)")
         config_overrides = {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True, **config_overrides}
-    cfg = transformer_config(arch, layout, **config_overrides)
-    spec = _swap_norms(get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"))
+    cfg = transformer_config(arch, layout, rc, **config_overrides)
+    spec = get_gpt_decoder_block_spec(cfg, **spec_kwargs(rc))
+    if rc.layer_spec == "local":
+        spec = _swap_norms(spec)
     model = GPTModel(
         config=cfg, transformer_layer_spec=spec, vocab_size=padded_vocab(arch, layout),
         max_sequence_length=4096, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",
         rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta, parallel_output=True)
-    if grouped_experts:
+    if grouped_experts and rc.device == "cpu":
         _allow_fp32_grouped_mlp(model)
+    if rc.device == "cuda" and rc.cpu_init:
+        model.cuda(torch.cuda.current_device())
+    model.run_config = rc
     return model
 
 

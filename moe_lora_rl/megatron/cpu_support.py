@@ -1,6 +1,7 @@
 """CPU/gloo runtime support for megatron-core: the CUDA-only calls that break on a CPU machine, and their fixes.
 
-Applied by an explicit call, never at import time:
+Applied by an explicit call of the caller for CPU runs (run_config.prepare_host), never at import time and never
+inside a forward:
 
     handle = cpu_support.apply()      # idempotent; returns the active handle
     ...
@@ -169,11 +170,20 @@ class CpuSupport:
         self.patched.clear()
         _ACTIVE = None
 
-    @contextlib.contextmanager
     def cuda_device_kwargs_to_cpu(self):
-        """Scope for code that allocates with device='cuda' (PP schedules): rewrite those allocations to CPU."""
-        with _CudaDeviceToCpu():
-            yield
+        return cuda_device_kwargs_to_cpu()
+
+
+@contextlib.contextmanager
+def cuda_device_kwargs_to_cpu():
+    """Scope for code that allocates with device='cuda' (PP schedules): rewrite those allocations to CPU."""
+    with _CudaDeviceToCpu():
+        yield
+
+
+def active() -> "CpuSupport | None":
+    """The applied CPU support, or None."""
+    return _ACTIVE
 
 
 _MISSING = object()

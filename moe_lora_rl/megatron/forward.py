@@ -1,15 +1,38 @@
-"""Run a megatron-core model through its pipeline schedule on CPU and collect outputs on the last stage.
+"""Run a megatron-core model through its pipeline schedule and collect outputs on the last stage.
 
-The same entry point serves PP=1 and PP>1: megatron's forward_backward_func does the stage hand-offs.
+The same entry point serves PP=1 and PP>1: megatron's forward_backward_func does the stage hand-offs. The model's
+RunConfig (set by build_model) says where inputs go; on CPU the caller has applied megatron-core's CPU support once
+(run_config.prepare_host) and the schedule runs inside its scoped device='cuda' -> cpu rewrite.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Callable
 
 import torch
 
-from . import cpu_support
+from .run_config import RunConfig
+
+
+def model_run_config(model) -> RunConfig:
+    rc = getattr(model, "run_config", None)
+    if rc is None:
+        raise ValueError(f"{type(model).__name__} has no run_config: build it with megatron.build.build_model")
+    return rc
+
+
+def schedule_scope(rc: RunConfig):
+    """CPU: the PP schedule allocates with device='cuda'; rewrite those allocations (needs the CPU support applied
+    by the caller, checked here rather than applied). CUDA: nothing."""
+    if rc.device != "cpu":
+        return contextlib.nullcontext()
+    from . import cpu_support
+
+    if cpu_support.active() is None:
+        raise RuntimeError("megatron-core's CPU support is not applied: call run_config.prepare_host(rc) once before "
+                           "the first forward")
+    return cpu_support.cuda_device_kwargs_to_cpu()
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,18 +73,20 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    rc = model_run_config(model)
+    dev = rc.torch_device
     it = iter(microbatches)
 
     def step(data_iterator, m):
         batch = next(data_iterator)
         pos, mask = causal_inputs(batch["tokens"])
         pos, mask = batch.get("position_ids", pos), batch.get("attention_mask", mask)
-        out = m(input_ids=batch["tokens"], position_ids=pos, attention_mask=mask)
+        out = m(input_ids=batch["tokens"].to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev))
         if forward_only:
             return out, lambda t, non_loss_data=False: on_output(t, batch)
         return out, partial(on_output, batch=batch)
 
-    with cpu_support.apply().cuda_device_kwargs_to_cpu():
+    with schedule_scope(rc):
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=it, model=[model], num_microbatches=len(microbatches),
             seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
@@ -70,13 +95,13 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
 
 @torch.no_grad()
 def forward_logits(model, tokens: torch.Tensor, vocab_size: int, **inputs) -> torch.Tensor | None:
-    """Full-vocabulary fp32 logits [b, s, V] on last-stage ranks, None on the others. inputs: optional
-    position_ids / attention_mask (e.g. packed_inputs)."""
+    """Full-vocabulary logits [b, s, V] as fp32 on the CPU (whatever the model's dtype and device) on last-stage
+    ranks, None on the others. inputs: optional position_ids / attention_mask (e.g. packed_inputs)."""
     from megatron.core import parallel_state as ps
 
     model.eval()
     b, s = tokens.shape
     outs = run_schedule(model, [{"tokens": tokens, **inputs}], forward_only=True,
-                        on_output=lambda t, batch: gather_vocab(t, vocab_size).float(),
+                        on_output=lambda t, batch: gather_vocab(t, vocab_size).float().cpu(),
                         seq_length=s, micro_batch_size=b)
     return outs[0] if ps.is_pipeline_last_stage() else None

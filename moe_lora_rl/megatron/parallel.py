@@ -1,33 +1,43 @@
-"""Process groups for a layout on gloo: the world-size check runs before any group is created, so a bad layout is
-a ValueError instead of a hang."""
+"""Process groups for a layout: the world-size and host checks run before any group is created, so a bad layout or
+a device the machine lacks is a ValueError instead of a hang."""
 from __future__ import annotations
 
-import datetime
 import os
+import socket
 
 import torch.distributed as dist
 
 from .layout import Layout
+from .run_config import RunConfig, parallel_state_kwargs, process_group_kwargs
 
 
-def init_distributed(layout: Layout) -> None:
-    """init_process_group("gloo") (from torchrun's env) and megatron-core's parallel state for `layout`."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
+    """init_process_group (rc's backend, from torchrun's env) and megatron-core's parallel state for `layout`."""
+    rc = rc or RunConfig()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout.check_world_size(world)
+    rc.check_host()
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:          # a single process without torchrun
-            from ..testing.launch import free_port
-
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        if rc.device == "cuda":
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(**process_group_kwargs(rc))
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
-        create_gloo_process_groups=False)
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, **parallel_state_kwargs(rc))
 
 
 def teardown() -> None:

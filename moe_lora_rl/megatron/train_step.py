@@ -1,4 +1,4 @@
-"""One training step of a megatron-core model on CPU: data split over data-parallel ranks, microbatches through the
+"""One training step of a megatron-core model (on its RunConfig's device): data split over data-parallel ranks, microbatches through the
 pipeline schedule, token-sum loss normalised by the global token count (so gradients, summed over data-parallel
 replicas, do not depend on the layout)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .forward import run_schedule
+from .forward import model_run_config, run_schedule
 
 
 def masked_vocab_logits(logits_local: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -18,7 +18,7 @@ def masked_vocab_logits(logits_local: torch.Tensor, vocab_size: int) -> torch.Te
     start = ps.get_tensor_model_parallel_rank() * part
     if start + part <= vocab_size:
         return logits_local
-    keep = torch.arange(start, start + part) < vocab_size
+    keep = torch.arange(start, start + part, device=logits_local.device) < vocab_size
     return logits_local.masked_fill(~keep, float("-inf"))
 
 
@@ -52,21 +52,22 @@ def lm_train_step(model, tokens: torch.Tensor, vocab_size: int, *, micro_batch_s
     model.train()
     n, s = tokens.shape
     global_tokens = n * (s - 1)
-    local = dp_slice(tokens)
+    local = dp_slice(tokens)          # token ids stay on the CPU; run_schedule moves each microbatch
     mbs = [{"tokens": local[i:i + micro_batch_size]} for i in range(0, local.shape[0], micro_batch_size)]
 
     def loss_fn(logits_local, batch):
         toks = batch["tokens"]
-        labels = torch.roll(toks, -1, dims=1)
+        labels = torch.roll(toks, -1, dims=1).to(logits_local.device)
         lp = token_log_probs(logits_local, labels, vocab_size)[:, :-1]
         loss = -lp.sum() / global_tokens
-        return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach()}
+        return loss, torch.tensor(1, dtype=torch.int, device=loss.device), {"loss": loss.detach()}
 
     outs = run_schedule(model, mbs, forward_only=False, on_output=loss_fn, seq_length=s,
                         micro_batch_size=micro_batch_size)
-    total = torch.zeros(())
+    dev = model_run_config(model).torch_device
+    total = torch.zeros((), device=dev)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        total = sum((o["loss"] for o in outs), torch.zeros(()))
+        total = sum((o["loss"].float() for o in outs), total)
     dist.all_reduce(total)
     if after_backward:
         after_backward()

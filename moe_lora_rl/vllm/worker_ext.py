@@ -1,12 +1,40 @@
 """vLLM worker extension (worker_extension_cls="moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"): adapter
-pushes reach the worker through collective_rpc, in process or over the server's /collective_rpc endpoint."""
+pushes reach the worker through collective_rpc, in process or over the server's /collective_rpc endpoint.
+
+vLLM 0.32 mixes the extension into its worker class as an extra base and never calls its __init__, so the first
+moe_lora_* call is the hook: every entry point checks the vLLM version first (ValueError, nothing changed) and then
+applies our fixes to vLLM once per worker process (reload_fix).
+"""
 from __future__ import annotations
 
 import base64
+import functools
 
 import torch
 
 from .adapter_set import build_adapter_set
+from .compat import check_vllm_version
+
+_FIXES_APPLIED = False
+
+
+def _ensure_ready() -> None:
+    global _FIXES_APPLIED
+    check_vllm_version()
+    if not _FIXES_APPLIED:
+        from . import reload_fix
+
+        reload_fix.apply()
+        _FIXES_APPLIED = True
+
+
+def entry(method):
+    """An extension method callable through collective_rpc: version check and fixes before its body."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        _ensure_ready()
+        return method(self, *args, **kwargs)
+    return wrapper
 
 
 def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
@@ -30,6 +58,7 @@ class MoELoRAWorkerExtension:
             rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model)
         return rt
 
+    @entry
     def moe_lora_push(self, version: int, checksum: str, tensors: dict, rank: int, alpha: float) -> dict:
         """Validate a complete adapter and make it the served version; on any error the previous one stays."""
         rt = self._moe_lora_runtime()
@@ -40,6 +69,7 @@ class MoELoRAWorkerExtension:
         return rt.status()
 
     # staged push: begin -> bucket* -> commit; serving is untouched until commit validates the whole adapter
+    @entry
     def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int) -> dict:
         served = self._moe_lora_runtime().status()["version"]
         if served is not None and version <= served:
@@ -48,6 +78,7 @@ class MoELoRAWorkerExtension:
                                 "num_buckets": num_buckets, "buckets": {}, "tensors": {}}
         return {"staging": version}
 
+    @entry
     def moe_lora_bucket(self, version: int, index: int, tensors: dict) -> dict:
         st = getattr(self, "_moe_lora_stage", None)
         if st is None or st["version"] != version:
@@ -63,9 +94,11 @@ class MoELoRAWorkerExtension:
         st["tensors"].update(tensors)
         return {"received": len(st["buckets"])}
 
+    @entry
     def moe_lora_bucket_blob(self, version: int, index: int, blob_b64: str) -> dict:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
+    @entry
     def moe_lora_commit(self, version: int) -> dict:
         st = getattr(self, "_moe_lora_stage", None)
         self._moe_lora_stage = None
@@ -76,18 +109,22 @@ class MoELoRAWorkerExtension:
             raise ValueError(f"version {version}: buckets {missing} never arrived")
         return self.moe_lora_push(version, st["checksum"], st["tensors"], st["rank"], st["alpha"])
 
+    @entry
     def moe_lora_push_blob(self, version: int, checksum: str, blob_b64: str, rank: int, alpha: float) -> dict:
         return self.moe_lora_push(version, checksum, decode_blob(blob_b64), rank, alpha)
 
+    @entry
     def moe_lora_status(self) -> dict:
         return self._moe_lora_runtime().status()
 
+    @entry
     def moe_lora_clear(self) -> dict:
         rt = self._moe_lora_runtime()
         rt.deactivate()
         return rt.status()
 
     # routing capture for router replay
+    @entry
     def moe_lora_capture_start(self) -> dict:
         from .capture import RouteCapture
 
@@ -97,12 +134,14 @@ class MoELoRAWorkerExtension:
             cap.start()
         return cap.meta()
 
+    @entry
     def moe_lora_capture_pop(self, request_ids: list) -> dict:
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is None:
             raise ValueError("routing capture was not started (moe_lora_capture_start)")
         return cap.pop(request_ids)
 
+    @entry
     def moe_lora_capture_stop(self) -> dict:
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is not None:

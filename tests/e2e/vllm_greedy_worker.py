@@ -4,14 +4,13 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["HF_HUB_OFFLINE"] = "1"
-
 PROMPTS = [[5, 17, 33, 99, 120, 7, 8, 9], [300, 2, 41, 41, 41, 200, 11]]
 
 
 def main(path: str) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     import transformers
     from vllm import LLM, SamplingParams
