@@ -29,7 +29,7 @@ from .run_args import add_run_args, run_config_from_args
 def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
     """Export a trained adapter blob (canonical tensors + Megatron eval logits) to PEFT and compare in HF."""
     from ..lora.peft_hf import peft_logits
-    from ..lora.export import save_peft
+    from ..refit.export import save_peft
     from ..megatron.hf_reference import load_arch
 
     blob = torch.load(blob_path)

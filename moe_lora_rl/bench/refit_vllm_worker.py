@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
     set_engine_env()
     import torch
 
-    from ..lora.export import to_peft_tensors
+    from ..refit.rename import to_peft_tensors
     from ..models.arch import arch_from_hf_config
     from ..refit.transports import InprocTransport
 
@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
         except ValueError as e:
             errors[what] = str(e)[:200]
     try:                                               # checksum mismatch: the payload changed after hashing
-        from ..vllm.adapter_set import checksum
+        from ..refit.wire import checksum
 
         digest = checksum(tensors)
         tr._call("moe_lora_begin", version + 1, digest, a.rank, a.alpha, 1)
@@ -122,7 +122,7 @@ def bench(argv=None) -> dict:
     set_engine_env()
     import torch
 
-    from ..lora.export import to_peft_tensors
+    from ..refit.rename import to_peft_tensors
     from ..models.arch import arch_from_hf_config
     from ..refit.transports import InprocTransport, MergedInprocTransport
     import transformers

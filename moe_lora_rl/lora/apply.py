@@ -4,27 +4,20 @@ A failing check raises before anything is attached, so a model never carries a p
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .config import GROUPS, TARGETS, LoRAConfig
+from ..megatron.load import offsets
+from ..models.naming import MEGATRON, AdapterName
+from .config import GROUPS, LoRAConfig
 from .grouped import (attach_grouped, attach_te_grouped, detach_grouped, te_virtual_expert_linears,
                       virtual_expert_linears)
 from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
 from .sharding import LinearRule, rule_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-
-
-def _target_regex(suffix: str) -> re.Pattern:
-    return re.compile(r"^decoder\.layers\.\d+\." + re.escape(suffix).replace(r"\*", r"(\d+)") + "$")
-
-
-_TARGET_RES = {t: [_target_regex(s) for s in sufs] for t, sufs in TARGETS.items()}
 
 
 @dataclass(frozen=True)
@@ -49,26 +42,6 @@ def _parallel_kind(linear: nn.Module) -> str:
     raise ValueError(f"LoRA supports megatron ColumnParallelLinear/RowParallelLinear bases, got {type(linear).__name__}")
 
 
-def _global_name(module_name: str, layer_offset: int, expert_offset: int) -> tuple[str, bool]:
-    """decoder.layers.{l}.X -> layers.{L}.X with global layer, and global expert ids for routed experts.
-    Returns (name, is_expert)."""
-    m = _LAYER.match(module_name)
-    assert m, f"not a decoder layer module: {module_name}"
-    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
-    e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$", rest)
-    if not e:
-        return f"layers.{layer}.{rest}", False
-    return f"layers.{layer}.mlp.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}", True
-
-
-def _shared_flags(layout: str, fc: str) -> tuple[bool, bool]:
-    if layout == "shared":
-        return True, True
-    if layout == "shared_outer":
-        return (True, False) if fc == "linear_fc1" else (False, True)
-    return False, False
-
-
 def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     from megatron.core import parallel_state as ps
 
@@ -76,12 +49,7 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     if "router" in cfg.resolved_targets():
         raise ValueError("LoRA target 'router': adapting the router is not supported (the router stays frozen; "
                          "router replay relies on its logits); remove 'router' from targets")
-    ep = ps.get_expert_model_parallel_world_size()
-    if mcfg.num_moe_experts and mcfg.num_moe_experts % ep:
-        raise ValueError(f"num_moe_experts={mcfg.num_moe_experts} is not divisible by expert parallel size {ep}")
-    layers = getattr(model.decoder, "layers", [])
-    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
-    expert_offset = ps.get_expert_model_parallel_rank() * (mcfg.num_moe_experts // ep if mcfg.num_moe_experts else 0)
+    off = offsets(model)                      # ValueError if the experts do not divide over EP
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size()}
     modules = dict(model.named_modules())
     for name, mod in list(modules.items()):
@@ -93,33 +61,34 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     wanted = cfg.resolved_targets()
     plans: list[AdapterPlan] = []
     for name, mod in modules.items():
-        for target in wanted:
-            if not any(r.match(name) for r in _TARGET_RES[target]):
-                continue
-            kind = _parallel_kind(mod)
-            gname, is_expert = _global_name(name, layer_offset, expert_offset)
-            fc = name.rsplit(".", 1)[-1]
-            shared = _shared_flags(cfg.adapter_layout, fc) if is_expert else (False, False)
-            group = "etp" if is_expert else "tp"
-            t = sizes[group]
-            rule = rule_for(kind, expert=is_expert, sequence_parallel=bool(mcfg.sequence_parallel), tp_size=t,
-                            shared_across_experts=shared)
-            w = mod.weight
-            out_local, in_local = w.shape
-            out_full = out_local * (t if kind == "column" else 1)
-            in_full = in_local * (t if kind == "row" else 1)
-            glu = fc == "linear_fc1" and bool(mcfg.gated_linear_unit) and "mlp" in name
-            r = cfg.rank
+        aname = MEGATRON.find_megatron(name, off)
+        if aname is None or aname.linear.target not in wanted:
+            continue
+        target = aname.linear.target
+        kind = _parallel_kind(mod)
+        gname, is_expert = aname.canonical, aname.linear.part == "expert"
+        fc = name.rsplit(".", 1)[-1]
+        shared = cfg.expert_factors_shared(target) if is_expert else (False, False)
+        group = "etp" if is_expert else "tp"
+        t = sizes[group]
+        rule = rule_for(kind, expert=is_expert, sequence_parallel=bool(mcfg.sequence_parallel), tp_size=t,
+                        shared_across_experts=shared)
+        w = mod.weight
+        out_local, in_local = w.shape
+        out_full = out_local * (t if kind == "column" else 1)
+        in_full = in_local * (t if kind == "row" else 1)
+        glu = fc == "linear_fc1" and bool(mcfg.gated_linear_unit) and "mlp" in name
+        r = cfg.rank
 
-            def fname(factor: str, is_shared: bool) -> str:
-                base = re.sub(r"\.experts\.\d+\.", ".experts.", gname) if is_shared else gname
-                return f"{base}.lora_{factor}"
+        def fname(factor: str, is_shared: bool) -> str:
+            base = AdapterName(aname.linear, aname.layer, None).canonical if is_shared else gname
+            return f"{base}.lora_{factor}"
 
-            A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce)
-            b_shape = (2, out_full // 2, r) if glu else (out_full, r)
-            b_dim = None if rule.B.shard_dim is None else (1 if glu else 0)
-            B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu)
-            plans.append(AdapterPlan(name, target, rule, A, B, shared))
+        A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce)
+        b_shape = (2, out_full // 2, r) if glu else (out_full, r)
+        b_dim = None if rule.B.shard_dim is None else (1 if glu else 0)
+        B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu)
+        plans.append(AdapterPlan(name, target, rule, A, B, shared))
     _check_explicit_targets(cfg, plans)
     if not plans:
         raise ValueError(f"LoRA targets {list(cfg.targets)} match no layer of this model")

@@ -3,18 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# target name -> the Megatron linear(s) it covers (module-name suffixes), grouped by role
-TARGETS: dict[str, tuple[str, ...]] = {
-    "expert_fc1": ("mlp.experts.local_experts.*.linear_fc1",),
-    "expert_fc2": ("mlp.experts.local_experts.*.linear_fc2",),
-    "qkv": ("self_attention.linear_qkv",),
-    "proj": ("self_attention.linear_proj",),
-    "dense_fc1": ("mlp.linear_fc1",),
-    "dense_fc2": ("mlp.linear_fc2",),
-    "shared_fc1": ("mlp.shared_experts.linear_fc1",),
-    "shared_fc2": ("mlp.shared_experts.linear_fc2",),
-    "router": ("mlp.router",),
-}
+from ..models.naming import MEGATRON
+from ..models.naming.base import ROUTER_TARGET
+
+# target names (the linears of models/naming, plus "router" so that naming it gives a clear error)
+TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0],)
 GROUPS: dict[str, tuple[str, ...]] = {
     "experts": ("expert_fc1", "expert_fc2"),
     "attention": ("qkv", "proj"),
@@ -80,6 +73,14 @@ class LoRAConfig:
             names = [n for g in ALL for n in GROUPS[g]] if t == "all" else GROUPS.get(t, (t,))
             out += [n for n in names if n not in out]
         return tuple(out)
+
+    def expert_factors_shared(self, target: str) -> tuple[bool, bool]:
+        """(A, B) of a routed-expert target shared by all experts of a layer, by adapter layout."""
+        if self.adapter_layout == "shared":
+            return True, True
+        if self.adapter_layout == "shared_outer":
+            return (True, False) if target == "expert_fc1" else (False, True)
+        return False, False
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),

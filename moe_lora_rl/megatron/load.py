@@ -12,7 +12,7 @@ import torch
 
 from ..models.arch import MoEArch
 from ..models.checkpoint import HFCheckpoint
-from ..models.name_map import Resolved, resolve
+from ..models.naming import Offsets, Resolved, naming_for
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,14 @@ def assemble(kind: str, parts: list[torch.Tensor], arch: MoEArch, shard: ShardSp
     raise AssertionError(f"unknown shard kind {kind!r}")
 
 
-def _offsets(model) -> tuple[int, int]:
+def offsets(model) -> Offsets:
+    """This rank's local -> global layer and expert numbering (the one place that reads it from a model)."""
     from megatron.core import parallel_state as ps
 
-    layers = model.decoder.layers
-    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
-    num_local = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-    return layer_offset, ps.get_expert_model_parallel_rank() * num_local
+    layers = getattr(model.decoder, "layers", [])
+    first = layers[0].layer_number - 1 if len(layers) else 0
+    return Offsets.for_rank(first, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                            model.config.num_moe_experts or 0)
 
 
 def local_tensors(model) -> dict[str, torch.Tensor]:
@@ -63,9 +64,9 @@ def local_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def plan(model) -> dict[str, Resolved]:
-    layer_offset, expert_offset = _offsets(model)
-    return {name: resolve(name, layer_offset, expert_offset) for name in local_tensors(model)}
+def plan(model, arch: MoEArch) -> dict[str, Resolved]:
+    names, off = naming_for(arch), offsets(model)
+    return {name: names.resolve(name, off) for name in local_tensors(model)}
 
 
 def load_hf_weights(model, ckpt_dir: str | Path, arch: MoEArch) -> int:
@@ -77,10 +78,10 @@ def load_hf_weights(model, ckpt_dir: str | Path, arch: MoEArch) -> int:
     etp = ShardSpec(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     vocab = model.vocab_size
     tensors = local_tensors(model)
-    _, expert_offset = _offsets(model)
+    expert_offset = offsets(model).expert
     num_local = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size() \
         if model.config.num_moe_experts else 0
-    for name, res in plan(model).items():
+    for name, res in plan(model, arch).items():
         grouped = res.row.kind.startswith("grouped_")
         experts = range(expert_offset, expert_offset + num_local) if grouped else [None]
         shards = []

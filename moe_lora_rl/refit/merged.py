@@ -2,7 +2,7 @@
 For comparison with the LoRA-only refit, and for engines that cannot serve LoRA."""
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 
 import torch
@@ -10,14 +10,17 @@ import torch
 
 def merged_state(model_dir: str | Path, peft: dict[str, torch.Tensor], scale: float) -> list[tuple[str, torch.Tensor]]:
     from ..models.checkpoint import HFCheckpoint
+    from ..models.arch import arch_from_hf_config
+    from ..models.naming import naming_for
 
     ck = HFCheckpoint(model_dir)
+    naming = naming_for(arch_from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())))
     delta = {}
     for k, A in peft.items():
-        m = re.match(r"^base_model\.model\.(.+)\.lora_A\.weight$", k)
-        if m:
-            B = peft[k.replace("lora_A", "lora_B")]
-            delta[m.group(1) + ".weight"] = (B.double() @ A.double()) * scale
+        name, part, ab = naming.parse_peft(k)
+        if ab == "A":
+            B = peft[k.replace(".lora_A.", ".lora_B.")]
+            delta[naming.hf_modules(name)[part] + ".weight"] = (B.double() @ A.double()) * scale
     out = []
     for name in ck.weight_map:
         t = ck.get(name).float()

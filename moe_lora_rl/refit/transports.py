@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..vllm.adapter_set import checksum
 from .plan import plan_buckets
+from .wire import checksum, encode_blob
 
 
 class RefitError(RuntimeError):
@@ -48,6 +48,39 @@ class _Base:
 
     def status(self) -> dict:
         return self._call("moe_lora_status")
+
+
+def push_stream(model, arch, transport: "_Base | None", version: int, rank: int, alpha: float,
+                bucket_bytes: int = 64 << 20, collect_to: int | None = 0) -> PushResult | None:
+    """Collective: a streaming push from a sharded Megatron model (refit/gather.py). collect_to=R: rank R holds
+    the transport (e.g. an in-process engine) and receives every bucket; collect_to=None: every rank holds a
+    transport to the same engine (e.g. HttpTransport) and sends its own buckets. The checksum travels with the
+    commit, after the last bucket. Returns the result on the committing rank."""
+    import torch.distributed as dist
+
+    from .gather import build_plan, stream
+    from .wire import unpack
+
+    lead = 0 if collect_to is None else collect_to
+    me = dist.get_rank()
+    plan = build_plan(model, arch, bucket_bytes)
+    t0 = time.perf_counter()
+    began: list = [None]
+    if me == lead:
+        try:
+            transport._call("moe_lora_begin", version, None, rank, alpha, len(plan.buckets))
+        except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait in the stream
+            began[0] = e
+    dist.broadcast_object_list(began, src=lead)
+    if began[0] is not None:
+        raise began[0]
+    digest = stream(model, arch, plan, lambda b, buf: transport._send_bucket(version, b.index,
+                                                                           unpack(buf, b.entries())), collect_to)
+    dist.barrier()
+    if me != lead:
+        return None
+    served = transport._call("moe_lora_commit", version, digest)
+    return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
 
 class InprocTransport(_Base):
@@ -96,8 +129,6 @@ class HttpTransport(_Base):
         return results[0] if isinstance(results, list) else results
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
-        from ..vllm.worker_ext import encode_blob
-
         self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))
 
 

@@ -6,50 +6,26 @@ and grouped per layer. A failed check raises ValueError naming the tensor, layer
 """
 from __future__ import annotations
 
-import re
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from ..models.arch import MoEArch
-
-_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
-
-
-def checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """CRC-32 chained over names, dtypes, shapes and bytes in name order (the same on trainer and engine): detects
-    corrupted, truncated or reordered payloads at memory speed (sha256 would cost more than the transfer)."""
-    crc = 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        crc = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode(), crc)
-        if t.numel():
-            crc = zlib.crc32(t.view(torch.uint8).numpy().data, crc)
-    return f"crc32:{crc:08x}:{len(tensors)}"
+from ..models.naming import naming_for
+from ..refit.wire import checksum
 
 
 def module_shapes(arch: MoEArch, layer: int, module: str) -> tuple[int, int] | None:
-    """(in, out) of an adaptable HF module of this architecture, None if the module does not exist."""
-    h, hd = arch.hidden_size, arch.head_dim
-    moe = arch.moe_layers[layer]
-    table = {
-        "self_attn.q_proj": (h, arch.num_heads * hd), "self_attn.k_proj": (h, arch.num_kv_heads * hd),
-        "self_attn.v_proj": (h, arch.num_kv_heads * hd), "self_attn.o_proj": (arch.num_heads * hd, h),
-    }
-    if not moe:
-        table.update({"mlp.gate_proj": (h, arch.ffn_hidden_size), "mlp.up_proj": (h, arch.ffn_hidden_size),
-                      "mlp.down_proj": (arch.ffn_hidden_size, h)})
-    elif arch.shared_expert_ffn:
-        s = arch.shared_expert_ffn
-        table.update({"mlp.shared_experts.gate_proj": (h, s), "mlp.shared_experts.up_proj": (h, s),
-                      "mlp.shared_experts.down_proj": (s, h)})
-    e = _EXPERT.match(module)
-    if e and moe and int(e.group(1)) < arch.num_experts:
-        f = arch.moe_ffn_hidden_size
-        return {"gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}[e.group(2)]
-    return table.get(module)
+    """(in, out) of an adaptable HF module (under model.layers.L.) of this architecture, None if it does not exist."""
+    naming = naming_for(arch)
+    try:
+        name, part = naming.parse_hf_module(f"model.layers.{layer}.{module}")
+    except ValueError:
+        return None
+    if name.expert is not None and not name.expert < arch.num_experts:
+        return None
+    template = name.linear.hf[part]
+    return naming.hf_shapes(arch, layer).get(template)
 
 
 @dataclass
@@ -76,13 +52,13 @@ def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: 
     if expected_checksum is not None and got != expected_checksum:
         raise ValueError(f"adapter version {version}: checksum mismatch (sent {expected_checksum}, "
                          f"received {got})")
+    naming = naming_for(arch)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    experts: dict[tuple[int, str], set[int]] = {}          # (layer, HF projection template) -> experts present
     for name, t in tensors.items():
-        m = _NAME.match(name)
-        if not m:
-            raise ValueError(f"adapter tensor {name!r} is not a PEFT LoRA name "
-                             "(base_model.model.model.layers.L.<module>.lora_A|B.weight)")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        aname, part, ab = naming.parse_peft(name)
+        layer = aname.layer
+        module = aname.hf_module(part)
         if layer >= arch.num_layers:
             raise ValueError(f"adapter tensor {name!r}: layer {layer} but the model has {arch.num_layers} layers")
         shape = module_shapes(arch, layer, module)
@@ -94,18 +70,18 @@ def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: 
             raise ValueError(f"adapter tensor {name!r} has shape {tuple(t.shape)}, the model needs {want} "
                              f"(rank {rank})")
         pairs.setdefault((layer, module), {})[ab] = t
+        if aname.expert is not None:
+            experts.setdefault((layer, aname.linear.hf[part]), set()).add(aname.expert)
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"layer {layer} {module}: lora_{'B' if 'A' in ab else 'A'} missing")
         layers.setdefault(layer, {})[module] = (ab["A"].to(dtype).contiguous(), ab["B"].to(dtype).contiguous())
-    for layer, mods in layers.items():
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            have = {int(_EXPERT.match(m).group(1)) for m in mods if _EXPERT.match(m) and m.endswith(proj)}
-            if have and len(have) != arch.num_experts:
-                missing = sorted(set(range(arch.num_experts)) - have)
-                raise ValueError(f"layer {layer}: {proj} adapters missing for experts {missing} "
-                                 f"(an adapted expert projection needs all {arch.num_experts} experts)")
+    for (layer, proj), have in sorted(experts.items()):
+        if len(have) != arch.num_experts:
+            missing = sorted(set(range(arch.num_experts)) - have)
+            raise ValueError(f"layer {layer}: {proj.rsplit('.', 1)[-1]} adapters missing for experts {missing} "
+                             f"(an adapted expert projection needs all {arch.num_experts} experts)")
     if not layers:
         raise ValueError("adapter has no tensors")
     return AdapterSet(version=version, checksum=got, rank=rank, scale=alpha / rank, layers=layers)

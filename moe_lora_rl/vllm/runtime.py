@@ -18,19 +18,9 @@ import torch
 
 from ..models.arch import MoEArch, arch_from_hf_config
 from ..models.checkpoint import HFCheckpoint
+from ..models.naming import naming_for
 from .adapter_set import AdapterSet
 from .moe_torch import MoEWeights, load_moe_weights, routed_experts
-
-# vLLM module (under model.layers.L.) -> the HF modules whose adapters make up its output, in output order
-MERGED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-    "mlp.shared_experts.gate_up_proj": ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
-    "mlp.shared_experts.down_proj": ("mlp.shared_experts.down_proj",),
-}
-
 
 def _resolve(root, dotted: str):
     for part in dotted.split("."):
@@ -69,7 +59,7 @@ class LoRARuntime:
     # -- hooks -------------------------------------------------------------------------------------------
     def _install_linear_hooks(self) -> None:
         for li, layer in enumerate(self.layers):
-            for vname, parts in MERGED.items():
+            for vname, parts in naming_for(self.arch).vllm_linears().items():
                 mod = _resolve(layer, vname)
                 if mod is None:
                     continue
@@ -84,7 +74,8 @@ class LoRARuntime:
             x = args[0]
             out, bias = output if isinstance(output, tuple) else (output, None)
             deltas, offset = [], 0
-            sizes = _part_sizes(self.arch, parts, out.shape[-1])
+            shapes = naming_for(self.arch).hf_shapes(self.arch, layer)
+            sizes = [shapes[p][1] for p in parts]
             for p, n in zip(parts, sizes):
                 if p in mods:
                     A, B = mods[p]
@@ -144,10 +135,3 @@ class LoRARuntime:
         a = self.active
         return {"version": a.version if a else None, "checksum": a.checksum if a else None,
                 "num_tensors": a.num_tensors if a else 0}
-
-
-def _part_sizes(arch: MoEArch, parts: tuple[str, ...], total: int) -> list[int]:
-    hd = arch.head_dim
-    if parts[0] == "self_attn.q_proj":
-        return [arch.num_heads * hd, arch.num_kv_heads * hd, arch.num_kv_heads * hd]
-    return [total // len(parts)] * len(parts)

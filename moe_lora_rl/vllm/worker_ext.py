@@ -7,11 +7,11 @@ applies our fixes to vLLM once per worker process (reload_fix).
 """
 from __future__ import annotations
 
-import base64
 import functools
 
 import torch
 
+from ..refit.wire import decode_blob
 from .adapter_set import build_adapter_set
 from .compat import check_vllm_version
 
@@ -35,18 +35,6 @@ def entry(method):
         _ensure_ready()
         return method(self, *args, **kwargs)
     return wrapper
-
-
-def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(base64.b64decode(blob_b64))
-
-
-def encode_blob(tensors: dict[str, torch.Tensor]) -> str:
-    from safetensors.torch import save
-
-    return base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode()
 
 
 class MoELoRAWorkerExtension:
@@ -99,11 +87,16 @@ class MoELoRAWorkerExtension:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
     @entry
-    def moe_lora_commit(self, version: int) -> dict:
+    def moe_lora_commit(self, version: int, checksum: str | None = None) -> dict:
+        """checksum: when the senders could only compute it after streaming (begin was given None)."""
         st = getattr(self, "_moe_lora_stage", None)
         self._moe_lora_stage = None
         if st is None or st["version"] != version:
             raise ValueError(f"commit of version {version} without a matching begin")
+        if checksum is not None:
+            st["checksum"] = checksum
+        if st["checksum"] is None:
+            raise ValueError(f"version {version}: no checksum given at begin or commit")
         if len(st["buckets"]) != st["num_buckets"]:
             missing = sorted(set(range(st["num_buckets"])) - set(st["buckets"]))
             raise ValueError(f"version {version}: buckets {missing} never arrived")

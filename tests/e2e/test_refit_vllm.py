@@ -66,7 +66,7 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
 
 
 def test_server_process_push_over_http(trained, tmp_path):
-    from moe_lora_rl.lora.export import to_peft_tensors
+    from moe_lora_rl.refit.rename import to_peft_tensors
     from moe_lora_rl.megatron.hf_reference import load_arch
     from moe_lora_rl.refit.server import prompt_logprobs_http, start_server
     from moe_lora_rl.refit.transports import HttpTransport, RefitError

@@ -1,10 +1,9 @@
-"""Shard assembly (HF -> Megatron layout) against hand-built expectations, and name resolution."""
+"""Shard assembly (HF -> Megatron layout) against hand-built expectations (names: test_naming.py)."""
 import pytest
 import torch
 
 from moe_lora_rl.megatron.load import ShardSpec, assemble
 from moe_lora_rl.models.arch import arch_from_hf_config
-from moe_lora_rl.models.name_map import resolve
 from moe_lora_rl.models.tiny import build_hf_config
 
 ARCH = arch_from_hf_config(build_hf_config("qwen3_moe", "tiny"))   # 4 heads, 2 kv groups, head_dim 32
@@ -33,16 +32,3 @@ def test_glu_row_vocab():
     emb = torch.ones(5, 3)
     shard = assemble("vocab", [emb], ARCH, ShardSpec(1, 2), 6)       # padded 5 -> 6 rows
     assert shard.shape == (3, 3) and shard[-1].abs().sum() == 0 and shard[:2].sum() == 6
-
-
-def test_resolve_global_layer_and_expert():
-    r = resolve("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", layer_offset=2, expert_offset=8)
-    assert r.hf_names == ("model.layers.3.mlp.experts.11.gate_proj.weight", "model.layers.3.mlp.experts.11.up_proj.weight")
-    assert r.row.expert and r.row.kind == "glu"
-    r = resolve("decoder.layers.0.mlp.router.expert_bias", 1, 0)
-    assert r.hf_names == ("model.layers.1.mlp.gate.e_score_correction_bias",)
-
-
-def test_resolve_unknown_is_loud():
-    with pytest.raises(ValueError, match="no HF source known for Megatron parameter 'decoder.layers.0.foo.weight'"):
-        resolve("decoder.layers.0.foo.weight", 0, 0)

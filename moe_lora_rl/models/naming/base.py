@@ -1,0 +1,347 @@
+"""Names of one model family's tensors in every system that touches them, and the offsets between local and global
+layer / expert numbers (pure: no torch, megatron or vLLM import).
+
+    HF          model.layers.{L}.mlp.experts.{E}.gate_proj.weight          (checkpoint, transformers)
+    Megatron    decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1 (this rank's stage and experts)
+    canonical   layers.{L}.mlp.experts.{E}.linear_fc1.lora_A                 (global adapter factor)
+    PEFT        base_model.model.model.layers.{L}.mlp.experts.{E}.gate_proj.lora_A.weight
+    vLLM        model.layers.{L}.mlp.experts.w13_weight, expert E, slice 0   (fused modules: slice = output part)
+
+{L} / {E}: global layer and expert; {l} / {e}: local to a pipeline stage / expert-parallel rank. A family module
+builds one `Naming` from the tables below (adding a family = one module + one registry row). Every lookup that
+fails raises ValueError naming the tensor.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PEFT_PREFIX = "base_model.model.model."
+HF_LAYER = "model.layers.{L}."
+MEGATRON_LAYER = "decoder.layers.{l}."
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """A Megatron parameter (local name, {l}/{e}) and the HF tensors it is assembled from ({L}/{E}), with the shard
+    kind that says how (see megatron/load.py): replicated, vocab, column, row, glu, qkv, grouped_glu, grouped_row."""
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+    expert: bool = False
+
+
+@dataclass(frozen=True)
+class Linear:
+    """An adaptable linear. Module names are under the layer prefix of their system."""
+    target: str                   # LoRA target name (lora/config.py groups them)
+    part: str                     # "attention" | "dense" | "shared" | "expert"
+    megatron: str                 # local Megatron module, {e} = local expert
+    hf: tuple[str, ...]           # HF modules in output order ({E} = global expert); fused Megatron outputs split
+    vllm: str                     # vLLM module holding all of `hf` as output slices (experts: the fused parameter)
+    parallel: str                 # base linear kind in Megatron: "column" | "row"
+    io: tuple[str, str]           # (in, out) dimension names per HF module, resolved by `dims`
+
+    @property
+    def canonical(self) -> str:
+        return self.megatron.replace("local_experts.{e}", "{E}")
+
+
+def _hf(p: str) -> str:
+    return HF_LAYER + p
+
+
+_ATT = MEGATRON_LAYER + "self_attention."
+COMMON_PARAMS: tuple[ParamRow, ...] = (
+    ParamRow("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    ParamRow("output_layer.weight", ("lm_head.weight",), "vocab"),
+    ParamRow("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ParamRow(MEGATRON_LAYER + "input_layernorm.weight", (_hf("input_layernorm.weight"),), "replicated"),
+    ParamRow(MEGATRON_LAYER + "pre_mlp_layernorm.weight", (_hf("post_attention_layernorm.weight"),), "replicated"),
+    ParamRow(_ATT + "linear_qkv.weight", tuple(_hf(f"self_attn.{p}_proj.weight") for p in "qkv"), "qkv"),
+    ParamRow(_ATT + "linear_qkv.bias", tuple(_hf(f"self_attn.{p}_proj.bias") for p in "qkv"), "qkv"),
+    ParamRow(_ATT + "linear_proj.weight", (_hf("self_attn.o_proj.weight"),), "row"),
+    ParamRow(MEGATRON_LAYER + "mlp.linear_fc1.weight", (_hf("mlp.gate_proj.weight"), _hf("mlp.up_proj.weight")), "glu"),
+    ParamRow(MEGATRON_LAYER + "mlp.linear_fc2.weight", (_hf("mlp.down_proj.weight"),), "row"),
+    ParamRow(MEGATRON_LAYER + "mlp.router.weight", (_hf("mlp.gate.weight"),), "replicated"),
+    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "glu", expert=True),
+    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc2.weight",
+             (_hf("mlp.experts.{E}.down_proj.weight"),), "row", expert=True),
+    # legacy GroupedMLP: all local experts in one tensor, per expert [hidden, 2*ffn/etp] and [ffn/etp, hidden]
+    ParamRow(MEGATRON_LAYER + "mlp.experts.weight1",
+             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "grouped_glu",
+             expert=True),
+    ParamRow(MEGATRON_LAYER + "mlp.experts.weight2", (_hf("mlp.experts.{E}.down_proj.weight"),), "grouped_row",
+             expert=True),
+)
+QK_NORM_PARAMS = (ParamRow(_ATT + "q_layernorm.weight", (_hf("self_attn.q_norm.weight"),), "replicated"),
+                  ParamRow(_ATT + "k_layernorm.weight", (_hf("self_attn.k_norm.weight"),), "replicated"))
+EXPERT_BIAS_PARAMS = (ParamRow(MEGATRON_LAYER + "mlp.router.expert_bias",
+                               (_hf("mlp.gate.e_score_correction_bias"),), "replicated"),)
+SHARED_EXPERT_PARAMS = (
+    ParamRow(MEGATRON_LAYER + "mlp.shared_experts.linear_fc1.weight",
+             (_hf("mlp.shared_experts.gate_proj.weight"), _hf("mlp.shared_experts.up_proj.weight")), "glu"),
+    ParamRow(MEGATRON_LAYER + "mlp.shared_experts.linear_fc2.weight", (_hf("mlp.shared_experts.down_proj.weight"),),
+             "row"),
+)
+
+_X = "mlp.experts.{E}."
+ATTENTION_LINEARS = (
+    Linear("qkv", "attention", "self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj",
+           "self_attn.v_proj"), "self_attn.qkv_proj", "column", ("hidden", "q|kv|kv")),
+    Linear("proj", "attention", "self_attention.linear_proj", ("self_attn.o_proj",), "self_attn.o_proj", "row",
+           ("q", "hidden")),
+)
+DENSE_LINEARS = (
+    Linear("dense_fc1", "dense", "mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj", "column",
+           ("hidden", "ffn")),
+    Linear("dense_fc2", "dense", "mlp.linear_fc2", ("mlp.down_proj",), "mlp.down_proj", "row", ("ffn", "hidden")),
+)
+SHARED_EXPERT_LINEARS = (
+    Linear("shared_fc1", "shared", "mlp.shared_experts.linear_fc1",
+           ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), "mlp.shared_experts.gate_up_proj",
+           "column", ("hidden", "shared_ffn")),
+    Linear("shared_fc2", "shared", "mlp.shared_experts.linear_fc2", ("mlp.shared_experts.down_proj",),
+           "mlp.shared_experts.down_proj", "row", ("shared_ffn", "hidden")),
+)
+EXPERT_LINEARS = (
+    Linear("expert_fc1", "expert", "mlp.experts.local_experts.{e}.linear_fc1", (_X + "gate_proj", _X + "up_proj"),
+           "mlp.experts.w13_weight", "column", ("hidden", "moe_ffn")),
+    Linear("expert_fc2", "expert", "mlp.experts.local_experts.{e}.linear_fc2", (_X + "down_proj",),
+           "mlp.experts.w2_weight", "row", ("moe_ffn", "hidden")),
+)
+# the router is a target name only so that asking for it gives a clear error (lora/apply.py)
+ROUTER_TARGET = ("router", "mlp.router")
+
+
+def dims(arch) -> dict[str, int]:
+    """Dimension names used by Linear.io, for an architecture (models.arch.MoEArch)."""
+    return {"hidden": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
+            "ffn": arch.ffn_hidden_size, "moe_ffn": arch.moe_ffn_hidden_size, "shared_ffn": arch.shared_expert_ffn}
+
+
+@dataclass(frozen=True)
+class Offsets:
+    """Local -> global numbering on one rank: global layer = local + layer, global expert = local + expert."""
+    layer: int = 0
+    expert: int = 0
+
+    @staticmethod
+    def for_rank(first_layer: int, ep_rank: int, ep_size: int, num_experts: int) -> "Offsets":
+        """first_layer: the stage's first global layer (0-based); experts are split evenly over EP ranks."""
+        if num_experts and num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by expert parallel size {ep_size}")
+        return Offsets(first_layer, ep_rank * (num_experts // ep_size if num_experts else 0))
+
+
+def owner(global_layer: int, global_expert: int | None, *, num_layers: int, pp: int, num_experts: int,
+          ep: int) -> tuple[int, int, Offsets]:
+    """(pipeline stage, EP rank, that rank's offsets) holding a global layer / expert under an even split."""
+    if num_layers % pp:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline parallel size {pp}")
+    per_stage = num_layers // pp
+    stage = global_layer // per_stage
+    ep_rank = 0 if global_expert is None else global_expert // (num_experts // ep)
+    return stage, ep_rank, Offsets.for_rank(stage * per_stage, ep_rank, ep, num_experts)
+
+
+def _template_regex(template: str) -> re.Pattern:
+    pat = re.escape(template)
+    for key in "lLeE":
+        pat = pat.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
+    return re.compile("^" + pat + "$")
+
+
+def _fill(template: str, layer: int | None = None, expert: int | None = None, *, local: bool = False) -> str:
+    lk, ek = ("{l}", "{e}") if local else ("{L}", "{E}")
+    out = template if layer is None else template.replace(lk, str(layer))
+    return out if expert is None else out.replace(ek, str(expert))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    row: ParamRow
+    hf_names: tuple[str, ...]
+    global_layer: int | None
+    global_expert: int | None
+
+
+@dataclass(frozen=True)
+class AdapterName:
+    """One adaptable linear at a global layer (and expert); expert None on an expert linear = shared by all."""
+    linear: Linear
+    layer: int
+    expert: int | None
+
+    @property
+    def canonical(self) -> str:
+        if self.linear.part != "expert":
+            return f"layers.{self.layer}.{self.linear.canonical}"
+        if self.expert is None:
+            return f"layers.{self.layer}.{self.linear.canonical.replace('{E}.', '')}"
+        return f"layers.{self.layer}.{_fill(self.linear.canonical, expert=self.expert)}"
+
+    def hf_module(self, part: int) -> str:
+        """The HF module of an output part, under model.layers.L."""
+        return _fill(self.linear.hf[part], expert=self.expert)
+
+
+@dataclass(frozen=True)
+class VllmName:
+    module: str                   # model.layers.L.<vllm module>
+    expert: int | None            # row of a fused expert parameter
+    slice: int                    # output part of a fused module (q/k/v, gate/up)
+
+
+class Naming:
+    def __init__(self, family: str, params: tuple[ParamRow, ...], linears: tuple[Linear, ...]):
+        self.family, self.params, self.linears = family, params, linears
+        self._params = [(r, _template_regex(r.megatron)) for r in params]
+        self._by_target = {li.target: li for li in linears}
+        self._megatron = [(li, _template_regex(MEGATRON_LAYER + li.megatron)) for li in linears]
+        self._canonical = [(li, _template_regex("layers.{L}." + li.canonical)) for li in linears]
+        self._canonical_shared = [(li, _template_regex("layers.{L}." + li.canonical.replace("{E}.", "")))
+                                  for li in linears if li.part == "expert"]
+        self._hf = [(li, i, _template_regex(HF_LAYER + h)) for li in linears for i, h in enumerate(li.hf)]
+        self._vllm = {li.vllm: li for li in linears}
+        self._hf_params = [(r, i, _template_regex(h)) for r in params for i, h in enumerate(r.hf)
+                           if not r.kind.startswith("grouped_")]
+
+    # -- weights: HF <-> Megatron ------------------------------------------------------------------------------
+    def resolve(self, megatron_name: str, offsets: Offsets) -> Resolved:
+        """HF sources of a local Megatron parameter."""
+        for row, pat in self._params:
+            m = pat.match(megatron_name)
+            if not m:
+                continue
+            gl = int(m["l"]) + offsets.layer if "l" in m.groupdict() else None
+            ge = int(m["e"]) + offsets.expert if "e" in m.groupdict() else None
+            names = tuple(h.replace("{L}", str(gl)).replace("{E}", str(ge) if ge is not None else "{E}")
+                          for h in row.hf)
+            return Resolved(row, names, gl, ge)
+        raise ValueError(f"{self.family}: no HF name known for Megatron parameter {megatron_name!r}")
+
+    def megatron_param(self, hf_name: str, offsets: Offsets) -> tuple[str, int]:
+        """(local Megatron parameter, index of this tensor among its HF sources) on the rank with `offsets`."""
+        for row, i, pat in self._hf_params:
+            m = pat.match(hf_name)
+            if m:
+                d = m.groupdict()
+                name = _fill(row.megatron, int(d["L"]) - offsets.layer if "L" in d else None,
+                             int(d["E"]) - offsets.expert if "E" in d else None, local=True)
+                return name, i
+        raise ValueError(f"{self.family}: no Megatron parameter known for HF tensor {hf_name!r}")
+
+    # -- adapters: Megatron modules <-> canonical <-> PEFT <-> vLLM ----------------------------------------------
+    def linear(self, target: str) -> Linear:
+        if target not in self._by_target:
+            raise ValueError(f"{self.family}: unknown LoRA target {target!r}; known {sorted(self._by_target)}")
+        return self._by_target[target]
+
+    def find_megatron(self, module: str, offsets: Offsets) -> AdapterName | None:
+        """A local Megatron module (decoder.layers.l....) -> its global adapter name; None if not adaptable."""
+        for li, pat in self._megatron:
+            m = pat.match(module)
+            if m:
+                e = int(m["e"]) + offsets.expert if li.part == "expert" else None
+                return AdapterName(li, int(m["l"]) + offsets.layer, e)
+        return None
+
+    def from_megatron(self, module: str, offsets: Offsets) -> AdapterName:
+        found = self.find_megatron(module, offsets)
+        if found is not None:
+            return found
+        raise ValueError(f"{self.family}: Megatron module {module!r} is not an adaptable linear")
+
+    def to_megatron(self, name: AdapterName, offsets: Offsets) -> str:
+        if name.expert is None and name.linear.part == "expert":
+            raise ValueError(f"{name.canonical}: a factor shared by all experts has no single Megatron module")
+        return _fill(MEGATRON_LAYER + name.linear.megatron, name.layer - offsets.layer,
+                     None if name.expert is None else name.expert - offsets.expert, local=True)
+
+    def parse_canonical(self, factor: str) -> tuple[AdapterName, str]:
+        """layers.L.<module>.lora_A|B -> (adapter name, "A" | "B")."""
+        module, sep, ab = factor.rpartition(".lora_")
+        if sep and ab in ("A", "B"):
+            for li, pat in self._canonical:
+                m = pat.match(module)
+                if m:
+                    return AdapterName(li, int(m["L"]), int(m["E"]) if "E" in m.groupdict() else None), ab
+            for li, pat in self._canonical_shared:
+                m = pat.match(module)
+                if m:
+                    return AdapterName(li, int(m["L"]), None), ab
+        raise ValueError(f"{self.family}: adapter tensor {factor!r} is not a canonical factor "
+                         "layers.L.<module>.lora_A|B of a known linear")
+
+    def hf_modules(self, name: AdapterName) -> tuple[str, ...]:
+        """HF modules (model.layers.L. ...) of an adapter, in output order; per expert ids for a shared factor are
+        the caller's (see peft_names)."""
+        return tuple(HF_LAYER.replace("{L}", str(name.layer)) + name.hf_module(i) for i in range(len(name.linear.hf)))
+
+    def peft_names(self, name: AdapterName, ab: str, num_experts: int) -> list[tuple[str, int]]:
+        """PEFT tensor names a canonical factor becomes, each with its output part (a B factor of a fused module
+        is split; A is shared by the parts; a factor shared by all experts is given to every expert)."""
+        experts = range(num_experts) if name.linear.part == "expert" and name.expert is None else [name.expert]
+        out = []
+        for e in experts:
+            for i, h in enumerate(self.hf_modules(AdapterName(name.linear, name.layer, e))):
+                out.append(("base_model.model." + h + f".lora_{ab}.weight", i))
+        return out
+
+    def parse_peft(self, peft_name: str) -> tuple[AdapterName, int, str]:
+        """PEFT tensor name -> (adapter name, output part, "A" | "B")."""
+        if peft_name.startswith("base_model.model.") and peft_name.endswith(".weight"):
+            module, sep, ab = peft_name[len("base_model.model."):-len(".weight")].rpartition(".lora_")
+            if sep and ab in ("A", "B"):
+                try:
+                    name, part = self.parse_hf_module(module)
+                except ValueError:
+                    raise ValueError(f"{self.family}: adapter tensor {peft_name!r}: no module "
+                                     f"{module.split('.', 3)[-1]!r} is adaptable in this family") from None
+                return name, part, ab
+        raise ValueError(f"{self.family}: adapter tensor {peft_name!r} is not a PEFT LoRA name "
+                         f"({PEFT_PREFIX}layers.L.<module>.lora_A|B.weight)")
+
+    def parse_hf_module(self, module: str) -> tuple[AdapterName, int]:
+        """model.layers.L.<hf module> -> (adapter name, output part)."""
+        for li, i, pat in self._hf:
+            m = pat.match(module)
+            if m:
+                return AdapterName(li, int(m["L"]), int(m["E"]) if "E" in m.groupdict() else None), i
+        raise ValueError(f"{self.family}: {module!r} is not an adaptable HF module of this family")
+
+    def to_vllm(self, name: AdapterName, part: int) -> VllmName:
+        if name.linear.part == "expert" and name.expert is None:
+            raise ValueError(f"{name.canonical}: a factor shared by all experts has no single vLLM slot")
+        return VllmName(f"model.layers.{name.layer}.{name.linear.vllm}", name.expert, part)
+
+    def from_vllm(self, v: VllmName) -> tuple[AdapterName, int]:
+        m = re.match(r"^model\.layers\.(\d+)\.(.+)$", v.module)
+        li = self._vllm.get(m.group(2)) if m else None
+        if li is None or (li.part == "expert") != (v.expert is not None) or not 0 <= v.slice < len(li.hf):
+            raise ValueError(f"{self.family}: vLLM module {v} is not an adaptable module of this family")
+        return AdapterName(li, int(m.group(1)), v.expert), v.slice
+
+    def vllm_linears(self) -> dict[str, tuple[str, ...]]:
+        """vLLM module (under model.layers.L.) -> its HF modules in output order, for the non-expert linears."""
+        return {li.vllm: li.hf for li in self.linears if li.part != "expert"}
+
+    # -- shapes ------------------------------------------------------------------------------------------------
+    def hf_shapes(self, arch, layer: int) -> dict[str, tuple[int, int]]:
+        """(in, out) of every adaptable HF module (under model.layers.L.) of a layer; experts with {E}."""
+        d, out = dims(arch), {}
+        for li in self.layer_linears(arch, layer):
+            ins, outs = li.io
+            out_parts = outs.split("|")
+            for i, h in enumerate(li.hf):
+                out[h] = (d[ins], d[out_parts[i] if len(out_parts) > 1 else outs])
+        return out
+
+    def layer_linears(self, arch, layer: int) -> list[Linear]:
+        """The linears a layer of this architecture has."""
+        moe = arch.moe_layers[layer]
+        return [li for li in self.linears
+                if not ((li.part == "dense" and moe) or (li.part in ("expert", "shared") and not moe)
+                        or (li.part == "shared" and not arch.shared_expert_ffn))]

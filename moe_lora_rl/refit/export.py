@@ -1,0 +1,103 @@
+"""Canonical adapters -> an HF PEFT adapter directory (adapter_model.safetensors + adapter_config.json), with
+global expert ids: base_model.model.model.layers.L.<module>.lora_{A,B}.weight, lora_A [r, in], lora_B [out, r],
+scale lora_alpha / r. Whole adapters (save_peft) or bucket by bucket (refit/gather.py: stream_to_peft) through
+`SafetensorsWriter`, which writes the header first and then the data in plan order."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from ..lora.config import LoRAConfig
+from ..models.arch import MoEArch
+from ..models.naming import naming_for
+from .rename import to_peft_tensors
+from .wire import nbytes
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _mlp_params(arch: MoEArch) -> tuple[str, ...]:
+    # Dense-MLP and shared-expert projections share their names with the routed experts' projections; peft moves
+    # every gate/up/down_proj target onto the fused expert parameters of transformers 5 MoE models, so these 2D
+    # weights must be named in target_parameters to keep their adapters (vLLM reads tensor names, ignores both).
+    return tuple(h + ".weight" for li in naming_for(arch).linears if li.part in ("dense", "shared") for h in li.hf)
+
+
+def peft_config(cfg: LoRAConfig, names, base_model: str | None, arch: MoEArch) -> dict:
+    modules = {k.removeprefix("base_model.model.model.").rsplit(".lora_", 1)[0] for k in names}
+    targets = sorted({m.split(".")[-1] for m in modules})
+    params = sorted({p for m in modules if ".experts." not in m or ".shared_experts." in m
+                     for p in _mlp_params(arch) if f"{m}.weight".endswith("." + p)})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "lora_dropout": 0.0, "bias": "none", "target_modules": targets, "target_parameters": params or None,
+            "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+            "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True,
+            "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def write_config(out_dir: str | Path, cfg: LoRAConfig, names, arch: MoEArch, base_model: str | None) -> None:
+    (Path(out_dir) / "adapter_config.json").write_text(json.dumps(peft_config(cfg, names, base_model, arch),
+                                                                  indent=1))
+
+
+def save_peft(adapters: dict[str, torch.Tensor], arch: MoEArch, cfg: LoRAConfig, out_dir: str | Path,
+              base_model: str | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_peft_tensors(adapters, arch)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    write_config(out, cfg, tensors, arch, base_model)
+    return out
+
+
+def stream_to_peft(model, arch: MoEArch, out_dir: str | Path, bucket_bytes: int = 64 << 20, writer_rank: int = 0,
+                   base_model: str | None = None) -> str:
+    """Collective: the PEFT adapter of a sharded model written by `writer_rank` bucket by bucket (no rank holds
+    more than one bucket of it). Returns the adapter checksum."""
+    import torch.distributed as dist
+
+    from .gather import build_plan, stream
+
+    plan = build_plan(model, arch, bucket_bytes)
+    out = Path(out_dir)
+    writer = None
+    if dist.get_rank() == writer_rank:
+        out.mkdir(parents=True, exist_ok=True)
+        writer = SafetensorsWriter(out / "adapter_model.safetensors", plan.entries())
+    digest = stream(model, arch, plan, lambda bucket, buf: writer.write(buf), collect_to=writer_rank)
+    if writer is not None:
+        writer.close()
+        write_config(out, model.lora_config, [name for name, _, _ in plan.entries()], arch, base_model)
+    return digest
+
+
+class SafetensorsWriter:
+    """A safetensors file written in order: the header (every name, dtype and shape, known from the plan) first,
+    then each tensor's bytes as they arrive, so no more than the caller's buffer is ever held."""
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        header, offset = {}, 0
+        for name, dtype, shape in entries:
+            n = nbytes(shape, dtype)
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._left, self.total = offset, offset
+
+    def write(self, data: torch.Tensor) -> None:
+        """The next bytes of the data section (a flat uint8 tensor, e.g. one bucket buffer)."""
+        self._f.write(memoryview(data.contiguous().numpy()))
+        self._left -= data.numel()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._left:
+            raise ValueError(f"safetensors file incomplete: {self._left} of {self.total} data bytes never written")

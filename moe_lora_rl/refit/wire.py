@@ -1,0 +1,69 @@
+"""The refit wire format, shared by the trainer side (refit/) and the vLLM plugin (vllm/) so that neither imports
+the other (pure: torch, zlib, safetensors).
+
+    checksum    CRC-32 per tensor over name, dtype, shape and bytes; the adapter's digest chains the per-tensor
+                values in name order, so senders that each hold part of the adapter can compute it together
+    blob        a bucket as base64 safetensors, for JSON transports (/collective_rpc)
+    buffer      a bucket as one flat uint8 tensor, tensors back to back in plan order (point-to-point sends);
+                `unpack` returns views into it, no copy
+"""
+from __future__ import annotations
+
+import base64
+import zlib
+
+import torch
+
+
+def tensor_crc(name: str, t: torch.Tensor) -> int:
+    t = t.detach().contiguous().cpu()
+    crc = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        crc = zlib.crc32(t.view(torch.uint8).numpy().data, crc)
+    return crc
+
+
+def combine(crcs: dict[str, int]) -> str:
+    """The adapter digest from per-tensor CRCs (any split of the tensors over senders gives the same digest)."""
+    crc = 0
+    for name in sorted(crcs):
+        crc = zlib.crc32(f"{name}:{crcs[name]:08x};".encode(), crc)
+    return f"crc32:{crc:08x}:{len(crcs)}"
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """Detects corrupted, truncated or renamed payloads at memory speed (sha256 would cost more than the move)."""
+    return combine({n: tensor_crc(n, t) for n, t in tensors.items()})
+
+
+def encode_blob(tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save
+
+    return base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode()
+
+
+def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(base64.b64decode(blob_b64))
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def unpack(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Views of a flat uint8 buffer as the named tensors, back to back in `entries` order."""
+    out, offset = {}, 0
+    for name, dtype, shape in entries:
+        n = nbytes(shape, dtype)
+        if offset + n > buffer.numel():
+            raise ValueError(f"buffer of {buffer.numel()} bytes too short for {name} at offset {offset}")
+        out[name] = buffer[offset:offset + n].view(dtype).view(shape)
+        offset += n
+    if offset != buffer.numel():
+        raise ValueError(f"buffer of {buffer.numel()} bytes holds {offset} bytes of tensors")
+    return out
