@@ -44,10 +44,14 @@ class _Base:
         for b in plan.buckets:
             self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
         served = self._call("moe_lora_commit", version)
+        self._reset_prefix_cache()
         return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
     def status(self) -> dict:
         return self._call("moe_lora_status")
+
+    def _reset_prefix_cache(self) -> None:
+        """KV blocks cached under the previous weights must not be reused after a commit."""
 
 
 def push_stream(model, arch, transport: "_Base | None", version: int, rank: int, alpha: float,
@@ -80,6 +84,7 @@ def push_stream(model, arch, transport: "_Base | None", version: int, rank: int,
     if me != lead:
         return None
     served = transport._call("moe_lora_commit", version, digest)
+    transport._reset_prefix_cache()
     return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
 
@@ -99,6 +104,9 @@ class InprocTransport(_Base):
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
         self._call("moe_lora_bucket", version, index, tensors)
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 class HttpTransport(_Base):
@@ -130,6 +138,13 @@ class HttpTransport(_Base):
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
         self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))
+
+    def _reset_prefix_cache(self) -> None:
+        req = urllib.request.Request(f"{self.base_url}/reset_prefix_cache", data=b"", method="POST")
+        try:
+            urllib.request.urlopen(req, timeout=self.timeout).close()
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise RefitError(f"version committed, but the prefix cache reset failed: {e}") from e
 
 
 class MergedInprocTransport:

@@ -43,7 +43,10 @@ class MoELoRAWorkerExtension:
         if rt is None:
             from .runtime import LoRARuntime
 
-            rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model)
+            extra = getattr(self.vllm_config, "additional_config", None) or {}
+            rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model,
+                                                 mode=extra.get("moe_lora_serving", "unmerged"),
+                                                 dtype=self.model_config.dtype)
         return rt
 
     @entry
@@ -53,7 +56,17 @@ class MoELoRAWorkerExtension:
         dtype = torch.float32
         adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
                                     expected_checksum=checksum, dtype=dtype)
-        rt.activate(adapter)
+        timing = rt.activate(adapter)
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            cap.new_weights()
+        return {**rt.status(), **timing}
+
+    @entry
+    def moe_lora_set_mode(self, mode: str) -> dict:
+        """Serving mode of expert adapters ("merged" / "unmerged"); only while no adapter is served."""
+        rt = self._moe_lora_runtime()
+        rt.set_mode(mode)
         return rt.status()
 
     # staged push: begin -> bucket* -> commit; serving is untouched until commit validates the whole adapter
@@ -114,6 +127,9 @@ class MoELoRAWorkerExtension:
     def moe_lora_clear(self) -> dict:
         rt = self._moe_lora_runtime()
         rt.deactivate()
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            cap.new_weights()
         return rt.status()
 
     # routing capture for router replay
