@@ -71,6 +71,57 @@ def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version:
             "rows": int(sum(r.shape[0] for r in routes)), "dtype": str(routes[0].dtype)}
 
 
+def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: int, *, n=4, length=48,
+               seed=0) -> dict:
+    """fp32 engine, one serving mode: prompt logprobs and routes of random sequences vs HF transformers with the
+    adapter merged (fp32), and vs the same adapter perturbed (negative control)."""
+    import torch
+    from vllm import SamplingParams
+
+    from ..refit.transports import InprocTransport
+    from .route_reference import agreement, hf_routes, merged_hf_model
+
+    moe = [l for l, m in enumerate(arch.moe_layers) if m]
+    seqs = torch.randint(0, arch.vocab_size, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+    served = InprocTransport(llm).push(version, peft, rank, alpha).served
+    llm.collective_rpc("moe_lora_capture_start")
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    caps = llm.collective_rpc("moe_lora_capture_pop", args=([o.request_id for o in outs],))[0]
+    llm.collective_rpc("moe_lora_capture_stop")
+    got = torch.tensor([[o.prompt_logprobs[t][s[t]].logprob for t in range(1, len(s))] for s, o in zip(seqs, outs)],
+                       dtype=torch.float64)
+    toks = torch.tensor(seqs)
+
+    def ref_logprobs(p):
+        m = merged_hf_model(model, p, alpha / rank, torch.float32)
+        with torch.no_grad():
+            lp = torch.log_softmax(m(input_ids=toks).logits.double(), -1)
+        return m, lp[:, :-1].gather(-1, toks[:, 1:, None])[..., 0]
+    ref_model, want = ref_logprobs(peft)
+    perturbed = {k: v * 1.1 if ".lora_B." in k else v for k, v in peft.items()}
+    _, want_perturbed = ref_logprobs(perturbed)
+    routes = [caps[o.request_id] for o in outs]
+    return {"logprob_max_diff": (got - want).abs().max().item(),
+            "logprob_diff_perturbed": (got - want_perturbed).abs().max().item(),
+            "agree_routes": agreement(routes, hf_routes(ref_model, moe, seqs)),
+            "commit_s": served.get("commit_s"), "served": {k: served[k] for k in ("version", "mode")}}
+
+
+def overflow_check(llm, arch, peft, rank: int, alpha: float, version: int) -> dict:
+    """A merge that overflows the serving dtype is refused; the previous version keeps serving."""
+    from ..refit.transports import InprocTransport
+
+    huge = {k: v * 1e36 for k, v in peft.items()}
+    tr = InprocTransport(llm)
+    try:
+        tr.push(version, huge, rank, alpha)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "served_after": tr.status()}
+
+
 def main(argv=None) -> dict:
     set_engine_env()
     from ..megatron.hf_reference import load_arch
@@ -82,8 +133,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--rank", type=int, default=8)
     a = ap.parse_args(argv)
     res = {}
+    import gc
     for model in a.models.split(","):
         arch = load_arch(model)
+        llm = make_engine(model, dtype="float32", prefix_caching=False)
+        exact = {}
+        for version, mode in enumerate(a.modes.split(","), 1):
+            llm.collective_rpc("moe_lora_clear")
+            llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+            peft = random_expert_adapter(arch, a.rank, seed=10 + version)
+            exact[mode] = fp32_check(llm, model, arch, peft, a.rank, 2.0 * a.rank, version, seed=version)
+            if mode == "merged":
+                exact["overflow"] = overflow_check(llm, arch, peft, a.rank, 2.0 * a.rank, version + 100)
+        del llm
+        gc.collect()
         llm = make_engine(model)
         per = {"base": capture_check(llm, model, arch, None, a.rank, 2.0 * a.rank, 0)}
         version = 0
@@ -94,9 +157,8 @@ def main(argv=None) -> dict:
             llm.reset_prefix_cache()
             peft = random_expert_adapter(arch, a.rank, seed=version)
             per[mode] = capture_check(llm, model, arch, peft, a.rank, 2.0 * a.rank, version, seed=version)
-        res[model] = per
+        res[model] = {"bf16": per, "fp32": exact}
         del llm
-        import gc
         gc.collect()
     print("RESULT " + json.dumps(res), flush=True)
     return res
