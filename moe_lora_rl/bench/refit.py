@@ -5,7 +5,9 @@
 
 Measured mode: Megatron trains LoRA one step at the given layout (default the medium qwen3_moe), the adapters go
 to an in-process vLLM CPU engine (fp32) through InprocTransport; then the same engine reloads all weights with the
-adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA.
+adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA. Then the
+cross-process pushes to a vLLM server on this host (bench/refit_transports.py: memcpy_s, shm_push_s, http_push_s);
+--transports-only measures just those.
 """
 from __future__ import annotations
 
@@ -50,7 +52,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranks", default="8,32,128")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="link bandwidth, GB/s")
     ap.add_argument("--bytes-per-param", type=int, default=2)
+    ap.add_argument("--transports-only", action="store_true",
+                    help="only the cross-process push timings (no Megatron training)")
     a = ap.parse_args(argv)
+    if a.calc and a.transports_only:
+        ap.error("--calc and --transports-only exclude each other")
     if a.calc:
         from ..refit.calc import SPECS, refit_report
 
@@ -62,8 +68,11 @@ def main(argv=None) -> dict:
     else:
         from ..models import get_model
 
-        layout = a.layouts.split(",")[0]
-        result = measured(a.model or str(get_model("qwen3_moe", "medium")), layout,
-                          LoRAConfig(rank=a.rank, alpha=a.alpha))
+        from .refit_transports import transport_timings
+
+        model = a.model or str(get_model("qwen3_moe", "medium"))
+        result = {} if a.transports_only else measured(model, a.layouts.split(",")[0],
+                                                       LoRAConfig(rank=a.rank, alpha=a.alpha))
+        result.update(transport_timings(model, a.rank))
     emit(result, a.json)
     return result

@@ -4,6 +4,9 @@ failed push leaves the previous complete version serving.
 
     InprocTransport         colocated vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors by reference
     HttpTransport           a separate vLLM OpenAI server started with our worker extension: /collective_rpc
+    ShmTransport            the same server on this host: buckets in shared-memory segments, the RPC carries
+                            handle, version and checksum only
+    CudaIpcTransport        GPU engines: vLLM's weight-transfer engines (NCCL / CUDA IPC); not available on CPU
     MergedInprocTransport   full-weight refit (adapters merged into every weight) through reload_weights
 """
 from __future__ import annotations
@@ -145,6 +148,76 @@ class HttpTransport(_Base):
             urllib.request.urlopen(req, timeout=self.timeout).close()
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise RefitError(f"version committed, but the prefix cache reset failed: {e}") from e
+
+
+class ShmTransport(HttpTransport):
+    """A vLLM server process on this host: each bucket is written to a private shared-memory segment
+    (refit/shm.py) and /collective_rpc carries its handle, entries and CRC. Segments are removed after the commit
+    (or the failure) of the push; segments of dead processes are removed when a transport starts."""
+
+    def __init__(self, base_url: str, timeout: float = 120.0):
+        from . import shm
+
+        super().__init__(base_url, timeout)
+        shm.remove_stale()
+        self._segments: list[str] = []
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        from . import shm
+
+        try:
+            return super().push(version, tensors, rank, alpha)
+        finally:
+            for h in self._segments:
+                shm.remove(h)
+            self._segments = []
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        from . import shm
+
+        handle = shm.write_segment(tensors, version, index)
+        self._segments.append(handle)
+        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), checksum(tensors))
+
+
+class CudaIpcTransport(_Base):
+    """GPU engines on this host: the same staged, versioned push with buckets as CUDA IPC handles, in the update
+    format of vLLM's IPC weight-transfer engine (vllm.distributed.weight_transfer.ipc_engine, unpacked mode:
+    names, dtype_names, shapes, one {gpu uuid: reduce_tensor args} per tensor). vLLM's engine would load_weights
+    them into the base model; our worker rebuilds them into the adapter staging instead
+    (moe_lora_bucket_ipc) and the commit validates the whole adapter. The sender keeps the tensors alive until the
+    commit. CUDA only: on a CPU host it refuses up front (use ShmTransport)."""
+
+    def __init__(self, llm):
+        if not torch.cuda.is_available():
+            raise RefitError("CudaIpcTransport needs CUDA (CUDA IPC handles); use ShmTransport on a CPU host")
+        self.llm, self._alive = llm, []
+
+    def _call(self, method: str, *args):
+        return InprocTransport._call(self, method, *args)
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        try:
+            return super().push(version, tensors, rank, alpha)
+        finally:
+            self._alive = []
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        info = {"names": [], "dtype_names": [], "shapes": [], "ipc_handles": []}
+        for name, t in tensors.items():
+            w = t.detach().cuda().contiguous()
+            self._alive.append(w)                  # reduce_tensor's args do not keep the storage alive
+            info["names"].append(name)
+            info["dtype_names"].append(str(w.dtype).split(".")[-1])
+            info["shapes"].append(list(w.shape))
+            info["ipc_handles"].append({uuid: reduce_tensor(w)[1]})
+        self._call("moe_lora_bucket_ipc", version, index, info, checksum(tensors))
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 class MergedInprocTransport:

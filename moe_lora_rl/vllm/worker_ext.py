@@ -100,6 +100,39 @@ class MoELoRAWorkerExtension:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
     @entry
+    def moe_lora_bucket_shm(self, version: int, index: int, handle: str, entries: list, crc: str) -> dict:
+        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): read, CRC-checked, staged.
+        The sender removes the segment after the commit."""
+        from ..refit import shm
+
+        if not getattr(self, "_moe_lora_shm_cleaned", False):
+            shm.remove_stale()
+            self._moe_lora_shm_cleaned = True
+        return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc))
+
+    @entry
+    def moe_lora_bucket_ipc(self, version: int, index: int, info: dict, crc: str) -> dict:
+        """A bucket as CUDA IPC handles in the unpacked update format of vLLM's IPC weight-transfer engine; copied
+        to this worker's device before staging (the sender frees its tensors after the commit)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        from ..refit.wire import checksum as crc_of
+
+        dev = torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(dev).uuid)
+        tensors = {}
+        for name, handles in zip(info["names"], info["ipc_handles"]):
+            if uuid not in handles:
+                raise ValueError(f"bucket {index}: no IPC handle for GPU {uuid} (have {sorted(handles)})")
+            args = list(handles[uuid])
+            args[6] = dev
+            tensors[name] = rebuild_cuda_tensor(*args).clone()
+        got = crc_of(tensors)
+        if got != crc:
+            raise ValueError(f"version {version} bucket {index}: checksum mismatch (sent {crc}, received {got})")
+        return self.moe_lora_bucket(version, index, tensors)
+
+    @entry
     def moe_lora_commit(self, version: int, checksum: str | None = None) -> dict:
         """checksum: when the senders could only compute it after streaming (begin was given None)."""
         st = getattr(self, "_moe_lora_stage", None)
