@@ -5,7 +5,8 @@ projections, fp32) pushed to a vLLM server process on this host, side by side:
     shm_push_s    ShmTransport.push: segments written, /collective_rpc with handles, read + CRC-checked + staged in
                   the server's worker, commit (adapter validated and served), segments removed
     http_push_s   HttpTransport.push: the same, with the bytes as base64 safetensors inside the JSON RPCs
-Medians of 3; every push is a new version and ends with the commit and the prefix-cache reset."""
+commit_s: the server's part of the commit (validate, stack, swap), included in both push times. Medians of 3;
+every push is a new version and ends with the commit and the prefix-cache reset."""
 from __future__ import annotations
 
 import statistics
@@ -35,15 +36,17 @@ def transport_timings(model: str, rank: int, repeats: int = 3) -> dict:
         server = start_server(model, free_port(), log_dir=d)
         try:
             shm, http = ShmTransport(server.url), HttpTransport(server.url)
-            version, times = 0, {"shm": [], "http": []}
+            version, times, commits = 0, {"shm": [], "http": []}, []
             for _ in range(repeats):
                 for name, tr in (("shm", shm), ("http", http)):
                     version += 1
-                    times[name].append(tr.push(version, peft, rank, 2.0 * rank).seconds)
+                    res = tr.push(version, peft, rank, 2.0 * rank)
+                    times[name].append(res.seconds)
+                    commits.append(res.served["commit_s"])
             served = shm.status()
         finally:
             server.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"transport_adapter_bytes": nbytes, "memcpy_s": statistics.median(memcpy), "shm_push_s": med["shm"],
             "http_push_s": med["http"], "shm_speedup_vs_http": med["http"] / med["shm"],
-            "shm_served_version": served["version"], "transport_rank": rank}
+            "commit_s": statistics.median(commits), "shm_served_version": served["version"], "transport_rank": rank}

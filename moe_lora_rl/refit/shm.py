@@ -66,18 +66,20 @@ def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, ro
     name = f"{PREFIX}{os.getpid()}-{version}-{index}-{secrets.token_hex(4)}"
     path = root / name
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, total)
-    finally:
-        os.close(fd)
-    if total:
-        buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
         offset = 0
-        for t in tensors.values():
-            n = t.numel() * t.element_size()
-            buf[offset:offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-            offset += n
+        for t in tensors.values():              # one copy, straight into the tmpfs pages (no mmap page faults)
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            offset += os.pwrite(fd, memoryview(data), offset)
+        if offset != total:
+            raise OSError(f"short write to shared-memory segment {name}: {offset} of {total} bytes")
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     return name
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .plan import plan_buckets
-from .wire import checksum, encode_blob
+from .wire import checksum, combine, encode_blob, tensor_crc
 
 
 class RefitError(RuntimeError):
@@ -41,8 +41,9 @@ class _Base:
     def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
         plan = plan_buckets(version, {k: v.numel() * v.element_size() for k, v in tensors.items()},
                             self.bucket_bytes)
-        digest = checksum(tensors)
         t0 = time.perf_counter()
+        self._crcs = {n: tensor_crc(n, t) for n, t in tensors.items()}      # once: digest and bucket CRCs
+        digest = combine(self._crcs)
         self._call("moe_lora_begin", version, digest, rank, alpha, len(plan.buckets))
         for b in plan.buckets:
             self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
@@ -177,7 +178,9 @@ class ShmTransport(HttpTransport):
 
         handle = shm.write_segment(tensors, version, index)
         self._segments.append(handle)
-        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), checksum(tensors))
+        crcs = getattr(self, "_crcs", None) or {}          # push() computed them; push_stream() did not
+        crc = combine({n: crcs[n] if n in crcs else tensor_crc(n, t) for n, t in tensors.items()})
+        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), crc)
 
 
 class CudaIpcTransport(_Base):
