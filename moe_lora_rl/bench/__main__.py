@@ -10,6 +10,7 @@ BENCHES = {
     "refit": "moe_lora_rl.bench.refit",
     "replay": "moe_lora_rl.bench.replay",
     "plan": "moe_lora_rl.bench.plan",
+    "serve": "moe_lora_rl.bench.serve",
 }
 
 

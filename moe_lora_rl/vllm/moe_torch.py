@@ -105,16 +105,17 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arc
     tok = order // k
     xp = x.new_zeros(E, cap, x.shape[1])
     xp[expert, slot] = x[tok]
-    h13 = torch.bmm(xp, base.w13.transpose(1, 2))                           # [E, C, 2I]
+    # matmuls in the serving dtype (fp32 accumulation inside), activations combined in fp32 and rounded once
+    h13 = torch.bmm(xp, base.w13.transpose(1, 2)).float()                   # [E, C, 2I]
     if lora is not None:
         r = lora.b1.shape[2]
         t = torch.bmm(xp, lora.a13.transpose(1, 2))                          # [E, C, 2r]
         h13 = h13 + torch.cat([torch.bmm(t[..., :r], lora.b1.transpose(1, 2)),
-                               torch.bmm(t[..., r:], lora.b3.transpose(1, 2))], -1)
-    h = F.silu(h13[..., :I]) * h13[..., I:]
-    y = torch.bmm(h, base.w2.transpose(1, 2))                                # [E, C, H]
+                               torch.bmm(t[..., r:], lora.b3.transpose(1, 2))], -1).float()
+    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(x.dtype)
+    y = torch.bmm(h, base.w2.transpose(1, 2)).float()                        # [E, C, H]
     if lora is not None:
-        y = y + torch.bmm(torch.bmm(h, lora.a2.transpose(1, 2)), lora.b2.transpose(1, 2))
+        y = y + torch.bmm(torch.bmm(h, lora.a2.transpose(1, 2)), lora.b2.transpose(1, 2)).float()
     out = torch.zeros(T, x.shape[1], dtype=torch.float32)
-    out.index_add_(0, tok, y[expert, slot].float() * w.reshape(-1)[order, None])
+    out.index_add_(0, tok, y[expert, slot] * w.reshape(-1)[order, None])
     return out.to(x.dtype)
