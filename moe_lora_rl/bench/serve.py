@@ -4,7 +4,7 @@
 
 tps_*: generated tokens/s of one batch (bf16, prefix caching and routing capture available), base model vs the
 adapter merged into vLLM's MoE kernel vs applied unmerged by our batched experts; commit_s_*: the engine's part of
-a commit; kl_bf16_*: KL(engine || HF fp32 with the adapter merged) per generated token (Monte Carlo over sampled
+a commit (first_commit_s_*: the first, which also reads the base expert weights from the checkpoint); kl_bf16_*: KL(engine || HF fp32 with the adapter merged) per generated token (Monte Carlo over sampled
 tokens: the train-inference mismatch of bf16 serving); logprob_diff_fp32_*: max |logprob| difference of an fp32
 engine vs that reference; delta_lost_to_rounding: the part of the update the merged bf16 weights lose;
 expert_bytes_memcpy_s: one copy of all expert weights (the floor of a merged commit); capture_ok: groups of 4

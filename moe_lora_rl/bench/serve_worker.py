@@ -123,8 +123,9 @@ def main(argv=None) -> dict:
     for version, mode in enumerate(("merged", "unmerged"), 1):
         llm.collective_rpc("moe_lora_clear")
         llm.collective_rpc("moe_lora_set_mode", args=(mode,))
-        served = InprocTransport(llm).push(version, peft, a.rank, alpha).served
-        res[f"commit_s_{mode}"] = served["commit_s"]
+        tr = InprocTransport(llm)
+        res[f"first_commit_s_{mode}"] = tr.push(10 * version, peft, a.rank, alpha).served["commit_s"]
+        res[f"commit_s_{mode}"] = tr.push(10 * version + 1, peft, a.rank, alpha).served["commit_s"]
         res[f"tps_{mode}"] = _tps(llm, prompts, a.gen_len, a.repeats)
         res[f"kl_bf16_{mode}"] = _kl_to_reference(llm, a.model, arch, peft, alpha / a.rank, prompts[:4], a.gen_len)
         llm.collective_rpc("moe_lora_capture_start")
