@@ -148,6 +148,16 @@ def main(argv=None) -> dict:
         del llm
         gc.collect()
         llm = make_engine(model)
+        from pathlib import Path
+
+        from .vllm_peft_check import vllm_load_check, write_peft_dir
+
+        peft = random_expert_adapter(arch, a.rank, seed=0)
+        peft_dir = write_peft_dir(peft, arch, a.rank, 2.0 * a.rank, Path(f"peft-{arch.family}"), model)
+        try:
+            peft_load = vllm_load_check(llm, peft_dir, peft, arch, a.rank)
+        except Exception as e:  # noqa: BLE001 - reported, the test asserts on it
+            peft_load = {"error": f"{type(e).__name__}: {e}"}
         per = {"base": capture_check(llm, model, arch, None, a.rank, 2.0 * a.rank, 0)}
         version = 0
         for mode in a.modes.split(","):
@@ -157,7 +167,7 @@ def main(argv=None) -> dict:
             llm.reset_prefix_cache()
             peft = random_expert_adapter(arch, a.rank, seed=version)
             per[mode] = capture_check(llm, model, arch, peft, a.rank, 2.0 * a.rank, version, seed=version)
-        res[model] = {"bf16": per, "fp32": exact}
+        res[model] = {"bf16": per, "fp32": exact, "vllm_peft_load": peft_load}
         del llm
         gc.collect()
     print("RESULT " + json.dumps(res), flush=True)

@@ -65,3 +65,14 @@ def test_bf16_capture_complete_with_prefix_cache_in_each_mode(results):
             assert x["agree_ref_fp32"] >= min(0.97, x["agree_hf_bf16_fp32"] - 0.02), (m, mode, x)
             if mode != "base":
                 assert x["agree_base"] < x["agree_ref_fp32"] - 0.1, (m, mode, x)
+
+
+def test_peft_export_accepted_by_vllm_lora_loader(results):
+    """vLLM's own loader (PEFTHelper + LoRAModel.from_local_checkpoint, expected modules derived from the served
+    model as vLLM's worker LoRA manager does) reads every expert adapter with the adapted module's shapes and our
+    values; the same loader refuses a module the model does not have (negative control)."""
+    for m, r in results.items():
+        x = r["vllm_peft_load"]
+        assert "error" not in x, (m, x)
+        assert x["modules"] == x["expected_modules"] and not x["bad_shapes"] and x["values_equal"], (m, x)
+        assert x["refused_unknown_module"] and "expected target modules" in x["refused_unknown_module"], (m, x)
