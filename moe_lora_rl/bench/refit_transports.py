@@ -15,8 +15,6 @@ import time
 
 
 def transport_timings(model: str, rank: int, repeats: int = 3) -> dict:
-    import torch
-
     from ..megatron.hf_reference import load_arch
     from ..refit.server import start_server
     from ..refit.transports import HttpTransport, ShmTransport
