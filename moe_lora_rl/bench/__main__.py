@@ -11,6 +11,7 @@ BENCHES = {
     "replay": "moe_lora_rl.bench.replay",
     "plan": "moe_lora_rl.bench.plan",
     "grpo_hf": "moe_lora_rl.bench.grpo_hf",
+    "serve": "moe_lora_rl.bench.serve",
 }
 
 

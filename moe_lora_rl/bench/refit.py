@@ -6,7 +6,9 @@
 
 Measured mode: Megatron trains LoRA one step at each given layout (default the medium qwen3_moe), the adapters go
 to an in-process vLLM CPU engine (fp32) through InprocTransport; then the same engine reloads all weights with the
-adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA.
+adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA. Then the
+cross-process pushes to a vLLM server on this host (bench/refit_transports.py: memcpy_s, shm_push_s, http_push_s);
+--transports-only measures just those.
 
 Calc mode adds "streaming": the busiest rank of the streaming gather (refit/gather.py) for per_expert adapters at
 the largest --ranks value, at --layouts (default: Kimi-K2's public training layout, Miles' TP8 PP8 CP4 EP32) with
@@ -64,7 +66,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranks", default="8,32,128")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="link bandwidth, GB/s")
     ap.add_argument("--bytes-per-param", type=int, default=2)
+    ap.add_argument("--transports-only", action="store_true",
+                    help="only the cross-process push timings (no Megatron training)")
     a = ap.parse_args(argv)
+    if a.calc and a.transports_only:
+        raise ValueError("--calc and --transports-only exclude each other")
     if a.calc:
         from ..refit.calc import KIMI_K2_BUCKET, KIMI_K2_LAYOUT, SPECS, refit_report, streaming_report
 
@@ -79,11 +85,14 @@ def main(argv=None) -> dict:
         from ..models import get_model
         from .common import check_layouts
 
+        from .refit_transports import transport_timings
+
         if a.bucket_bytes is not None:
             raise ValueError("--bucket-bytes applies to --calc only")
         model = a.model or str(get_model("qwen3_moe", "medium"))
         layouts = [l.strip() for l in (a.layouts or "tp1ep1pp1").split(",") if l.strip()]
         check_layouts([model], ",".join(layouts))           # every layout is run: refuse bad ones up front
-        result = measured(model, layouts, LoRAConfig(rank=a.rank, alpha=a.alpha))
+        result = {} if a.transports_only else measured(model, layouts, LoRAConfig(rank=a.rank, alpha=a.alpha))
+        result.update(transport_timings(model, a.rank))
     emit(result, a.json)
     return result

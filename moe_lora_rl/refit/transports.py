@@ -4,6 +4,9 @@ failed push leaves the previous complete version serving.
 
     InprocTransport         colocated vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors by reference
     HttpTransport           a separate vLLM OpenAI server started with our worker extension: /collective_rpc
+    ShmTransport            the same server on this host: buckets in shared-memory segments, the RPC carries
+                            handle, version and checksum only
+    CudaIpcTransport        GPU engines: vLLM's weight-transfer engines (NCCL / CUDA IPC); not available on CPU
     MergedInprocTransport   full-weight refit (adapters merged into every weight) through reload_weights
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .plan import plan_buckets
-from .wire import checksum, encode_blob
+from .wire import checksum, combine, encode_blob, tensor_crc
 
 
 class RefitError(RuntimeError):
@@ -38,16 +41,21 @@ class _Base:
     def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
         plan = plan_buckets(version, {k: v.numel() * v.element_size() for k, v in tensors.items()},
                             self.bucket_bytes)
-        digest = checksum(tensors)
         t0 = time.perf_counter()
+        self._crcs = {n: tensor_crc(n, t) for n, t in tensors.items()}      # once: digest and bucket CRCs
+        digest = combine(self._crcs)
         self._call("moe_lora_begin", version, digest, rank, alpha, len(plan.buckets))
         for b in plan.buckets:
             self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
         served = self._call("moe_lora_commit", version)
+        self._reset_prefix_cache()
         return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
     def status(self) -> dict:
         return self._call("moe_lora_status")
+
+    def _reset_prefix_cache(self) -> None:
+        """KV blocks cached under the previous weights must not be reused after a commit."""
 
 
 def push_stream(model, arch, transport: "_Base | None", version: int, rank: int, alpha: float,
@@ -80,6 +88,7 @@ def push_stream(model, arch, transport: "_Base | None", version: int, rank: int,
     if me != lead:
         return None
     served = transport._call("moe_lora_commit", version, digest)
+    transport._reset_prefix_cache()
     return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
 
@@ -99,6 +108,9 @@ class InprocTransport(_Base):
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
         self._call("moe_lora_bucket", version, index, tensors)
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 class HttpTransport(_Base):
@@ -130,6 +142,85 @@ class HttpTransport(_Base):
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
         self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))
+
+    def _reset_prefix_cache(self) -> None:
+        req = urllib.request.Request(f"{self.base_url}/reset_prefix_cache", data=b"", method="POST")
+        try:
+            urllib.request.urlopen(req, timeout=self.timeout).close()
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise RefitError(f"version committed, but the prefix cache reset failed: {e}") from e
+
+
+class ShmTransport(HttpTransport):
+    """A vLLM server process on this host: each bucket is written to a private shared-memory segment
+    (refit/shm.py) and /collective_rpc carries its handle, entries and CRC. Segments are removed after the commit
+    (or the failure) of the push; segments of dead processes are removed when a transport starts."""
+
+    def __init__(self, base_url: str, timeout: float = 120.0):
+        from . import shm
+
+        super().__init__(base_url, timeout)
+        shm.remove_stale()
+        self._segments: list[str] = []
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        from . import shm
+
+        try:
+            return super().push(version, tensors, rank, alpha)
+        finally:
+            for h in self._segments:
+                shm.remove(h)
+            self._segments = []
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        from . import shm
+
+        handle = shm.write_segment(tensors, version, index)
+        self._segments.append(handle)
+        crcs = getattr(self, "_crcs", None) or {}          # push() computed them; push_stream() did not
+        crc = combine({n: crcs[n] if n in crcs else tensor_crc(n, t) for n, t in tensors.items()})
+        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), crc)
+
+
+class CudaIpcTransport(_Base):
+    """GPU engines on this host: the same staged, versioned push with buckets as CUDA IPC handles, in the update
+    format of vLLM's IPC weight-transfer engine (vllm.distributed.weight_transfer.ipc_engine, unpacked mode:
+    names, dtype_names, shapes, one {gpu uuid: reduce_tensor args} per tensor). vLLM's engine would load_weights
+    them into the base model; our worker rebuilds them into the adapter staging instead
+    (moe_lora_bucket_ipc) and the commit validates the whole adapter. The sender keeps the tensors alive until the
+    commit. CUDA only: on a CPU host it refuses up front (use ShmTransport)."""
+
+    def __init__(self, llm):
+        if not torch.cuda.is_available():
+            raise RefitError("CudaIpcTransport needs CUDA (CUDA IPC handles); use ShmTransport on a CPU host")
+        self.llm, self._alive = llm, []
+
+    def _call(self, method: str, *args):
+        return InprocTransport._call(self, method, *args)
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        try:
+            return super().push(version, tensors, rank, alpha)
+        finally:
+            self._alive = []
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        info = {"names": [], "dtype_names": [], "shapes": [], "ipc_handles": []}
+        for name, t in tensors.items():
+            w = t.detach().cuda().contiguous()
+            self._alive.append(w)                  # reduce_tensor's args do not keep the storage alive
+            info["names"].append(name)
+            info["dtype_names"].append(str(w.dtype).split(".")[-1])
+            info["shapes"].append(list(w.shape))
+            info["ipc_handles"].append({uuid: reduce_tensor(w)[1]})
+        self._call("moe_lora_bucket_ipc", version, index, info, checksum(tensors))
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 class MergedInprocTransport:

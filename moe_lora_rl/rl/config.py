@@ -1,7 +1,7 @@
 """The training run's configuration: one dataclass per concern, validated in __post_init__ (ValueError naming the
 value), composed by hydra from recipes/train.yaml with strict keys (see ``load``).
 
-    load(["layout.tp=2", "lora.rank=16", "replay=r2"]) -> RunConfig
+    load(["layout.tp=2", "lora.rank=16", "replay=r2"]) -> TrainConfig
 
 Checks that need the model or the world size (does the layout divide the experts, does the model have MoE layers
 for replay) belong to the driver, before any process group starts; everything checkable from the config alone is
@@ -185,7 +185,7 @@ class AlgoSettings:
 
 
 @dataclass
-class RunConfig:
+class TrainConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     layout: LayoutSettings = field(default_factory=LayoutSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
@@ -225,7 +225,7 @@ SCHEMA_NAME = "moe_lora_rl_train_schema"
 def _register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
 
 
 def _unknown_key(msg: str) -> str | None:
@@ -237,34 +237,33 @@ def _unknown_key(msg: str) -> str | None:
 
 
 def load(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train",
-         config_dir: str | Path = RECIPES) -> RunConfig:
-    """Compose recipes/<config_name>.yaml over the RunConfig schema with command-line style overrides.
+         config_dir: str | Path = RECIPES) -> TrainConfig:
+    """Compose recipes/<config_name>.yaml over the TrainConfig schema with command-line style overrides.
     Unknown keys, a bad override or a bad value -> ValueError with one line naming it."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     _register_schema()
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
             cfg = compose(config_name=config_name, overrides=list(overrides))
-        return to_run_config(cfg)
+        return to_train_config(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(_one_line(e)) from None
 
 
-def to_run_config(cfg) -> RunConfig:
-    """A composed DictConfig (e.g. from @hydra.main) -> validated RunConfig."""
+def to_train_config(cfg) -> TrainConfig:
+    """A composed DictConfig (e.g. from @hydra.main) -> validated TrainConfig."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    _check_keys(OmegaConf.to_container(cfg, resolve=False), RunConfig, "")
+    _check_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig, "")
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ValueError(_one_line(e)) from None
-    if not isinstance(obj, RunConfig):
+    if not isinstance(obj, TrainConfig):
         raise ValueError(f"config does not use the {SCHEMA_NAME} schema (got {type(obj).__name__})")
     return obj
 

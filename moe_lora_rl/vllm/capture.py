@@ -3,9 +3,16 @@ engine forwards (prompt and generated; the last sampled token is never forwarded
 
 vLLM's own routed-experts output needs Model Runner V2 (Triton), so on CPU we bind BaseRouter.set_capture_fn
 (ids are logical: captured before the EPLB mapping) and wrap the runner's _model_forward (instance attribute) to
-split each step's ids by request (query_start_loc). Stored compactly (uint8 for <= 256 experts, else uint16) and
-freed when popped. Needs eager mode (a compiled graph would have traced the capture branch away) and no prefix
-caching (cached prompt tokens are not forwarded, so their routes would be missing).
+split each step's ids by request (query_start_loc). Whatever computes the routing reports through the router's
+capture_fn: vLLM's router when vLLM's MoE kernel runs (base model, merged adapters), our plain-torch router when
+the adapter runs unmerged (runtime.py). Stored compactly (uint8 for <= 256 experts, else uint16) and freed when
+popped.
+
+Completeness is checked per step: every MoE layer must report, and each request's rows must continue at the
+position the step starts from. A request with a gap (a layer that did not report, token rows never forwarded, e.g.
+prompt tokens served from the prefix cache without their routes) is an error when popped, naming the request,
+the missing layers and the missing rows. With prefix caching on, routes of full prompt blocks are kept per block
+hash (prefix_routes.py) and fill the rows of cached tokens.
 """
 from __future__ import annotations
 
@@ -17,35 +24,48 @@ from ..models.naming import layer_of
 from ..router_replay.routes import compact_dtype
 
 
+def find_routers(model) -> list[tuple[int, object]]:
+    """(global layer, router) for every MoE router with a capture hook, in layer order."""
+    routers = []
+    for name, mod in model.named_modules():
+        router = getattr(mod, "router", None)
+        layer = layer_of(name)
+        if router is not None and hasattr(router, "set_capture_fn") and layer is not None:
+            routers.append((layer, router))
+    return sorted(routers, key=lambda x: x[0])
+
+
 class RouteCapture:
     def __init__(self, runner):
         cfg = runner.vllm_config
-        if cfg.cache_config.enable_prefix_caching:
-            raise ValueError("routing capture needs enable_prefix_caching=False: cached prompt tokens are not "
-                             "forwarded, so their routes would be missing")
         if cfg.compilation_config.mode not in (0, None) and not cfg.model_config.enforce_eager:
             raise ValueError("routing capture needs enforce_eager=True (compiled graphs drop the capture hook)")
         self.runner = runner
-        self.routers: list[tuple[int, object]] = []
-        for name, mod in runner.model.named_modules():
-            router = getattr(mod, "router", None)
-            layer = layer_of(name)
-            if router is not None and hasattr(router, "set_capture_fn") and layer is not None:
-                self.routers.append((layer, router))
-        self.routers.sort(key=lambda x: x[0])
+        self.routers = find_routers(runner.model)
         if not self.routers:
             raise ValueError("no MoE router with a capture hook found in the served model")
         self.layer_ids = [l for l, _ in self.routers]
         r0 = self.routers[0][1]
         self.num_experts, self.topk = int(r0.global_num_experts), int(r0.top_k)
         self.dtype = compact_dtype(self.num_experts)
+        self.prefix = None
+        if cfg.cache_config.enable_prefix_caching:
+            from .prefix_routes import PrefixRoutes
+
+            self.prefix = PrefixRoutes(runner)
         self.step: dict[int, torch.Tensor] = {}
         self.per_request: dict[str, list[np.ndarray]] = {}
+        self.rows: dict[str, int] = {}                        # rows captured so far per request
+        self.missing_layers: dict[str, set[int]] = {}
+        self.missing_rows: dict[str, list[tuple[int, int]]] = {}
         self._orig_forward = None
+
+    def _record(self, layer: int, ids: torch.Tensor) -> None:
+        self.step[layer] = ids.detach().to("cpu")
 
     def start(self) -> None:
         for layer, router in self.routers:
-            router.set_capture_fn(lambda ids, layer=layer: self.step.__setitem__(layer, ids.detach().to("cpu")))
+            router.set_capture_fn(lambda ids, layer=layer: self._record(layer, ids))
         runner, orig = self.runner, self.runner._model_forward
         self._orig_forward = orig
 
@@ -53,15 +73,51 @@ class RouteCapture:
             num = runner.input_batch.num_reqs
             req_ids = list(runner.input_batch.req_ids[:num])
             qsl = runner.query_start_loc.np[: num + 1].copy()
+            starts = runner.input_batch.num_computed_tokens_cpu[:num].copy()
             self.step.clear()
             out = orig(*args, **kwargs)
-            if len(self.step) == len(self.routers):
-                ids = np.stack([self.step[l].numpy() for l in self.layer_ids], axis=1).astype(self.dtype)
-                for i, rid in enumerate(req_ids):
-                    self.per_request.setdefault(rid, []).append(ids[qsl[i]:qsl[i + 1]])
+            self._split(req_ids, qsl, starts)
             self.step.clear()
             return out
         runner._model_forward = forward
+
+    def _split(self, req_ids, qsl, starts) -> None:
+        n_tok = int(qsl[-1])
+        got = [l for l in self.layer_ids if l in self.step and self.step[l].shape[0] >= n_tok]
+        missing = sorted(set(self.layer_ids) - set(got))
+        ids = None
+        if not missing:
+            ids = np.stack([self.step[l][:n_tok].numpy() for l in self.layer_ids], axis=1).astype(self.dtype)
+        # requests continuing where they stopped first: a prompt computed in this step can serve, from the store,
+        # the requests of the same step that hit its blocks in the prefix cache
+        order = sorted(range(len(req_ids)), key=lambda i: int(starts[i]) != self.rows.get(req_ids[i], 0))
+        for i in order:
+            rid = req_ids[i]
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            if hi == lo:
+                continue
+            have, start = self.rows.get(rid, 0), int(starts[i])
+            if start > have and self.prefix is not None:
+                have = self._fill_from_prefix(rid, have, start)
+            if start != have:
+                self.missing_rows.setdefault(rid, []).append((have, start))
+            if missing:
+                self.missing_layers.setdefault(rid, set()).update(missing)
+                rows = np.zeros((hi - lo, len(self.layer_ids), self.topk), dtype=self.dtype)
+            else:
+                rows = ids[lo:hi]
+            self.per_request.setdefault(rid, []).append(rows)
+            self.rows[rid] = start + hi - lo
+            if self.prefix is not None and not missing and rid not in self.missing_rows:
+                self.prefix.store(rid, self.per_request[rid], self.rows[rid])
+
+    def _fill_from_prefix(self, rid: str, have: int, start: int) -> int:
+        rows = self.prefix.lookup(rid, have, start)
+        if rows is not None:
+            self.per_request.setdefault(rid, []).append(rows)
+            self.rows[rid] = start
+            return start
+        return have
 
     def stop(self) -> None:
         for _, router in self.routers:
@@ -71,17 +127,36 @@ class RouteCapture:
             self._orig_forward = None
 
     def pop(self, request_ids: list[str]) -> dict[str, np.ndarray]:
-        """Routes [tokens, moe_layers, topk] per request, removed from the engine."""
-        out = {}
+        """Routes [tokens, moe_layers, topk] per request, removed from the engine. ValueError for a request that was
+        never captured or whose routes are incomplete (nothing is removed then)."""
+        keys = {}
         for rid in request_ids:
             # the engine core suffixes the caller's request id ("0" -> "0-1a2b3c4d")
-            keys = [k for k in self.per_request if k == rid or k.startswith(f"{rid}-")]
-            if len(keys) != 1:
-                raise ValueError(f"no unique captured routes for request {rid!r} (matches {keys}; pending: "
+            match = [k for k in self.per_request if k == rid or k.startswith(f"{rid}-")]
+            if len(match) != 1:
+                raise ValueError(f"no unique captured routes for request {rid!r} (matches {match}; pending: "
                                  f"{sorted(self.per_request)[:5]})")
-            out[rid] = np.concatenate(self.per_request.pop(keys[0]), axis=0)
+            key = keys[rid] = match[0]
+            layers, gaps = self.missing_layers.get(key), self.missing_rows.get(key)
+            if layers or gaps:
+                raise ValueError(f"incomplete routes for request {rid!r}: "
+                                 + (f"MoE layers {sorted(layers)} did not report routes; " if layers else "")
+                                 + (f"token rows {', '.join(f'{a}..{b - 1}' for a, b in gaps)} were never "
+                                    "captured (served from the prefix cache without stored routes?)" if gaps else ""))
+        out = {}
+        for rid, key in keys.items():
+            out[rid] = np.concatenate(self.per_request.pop(key), axis=0)
+            self.rows.pop(key, None)
+            if self.prefix is not None:
+                self.prefix.forget(key)
         return out
 
     def meta(self) -> dict:
         return {"layer_ids": self.layer_ids, "num_experts": self.num_experts, "topk": self.topk,
-                "pending_requests": len(self.per_request)}
+                "pending_requests": len(self.per_request), "prefix_caching": self.prefix is not None,
+                "prefix_route_hits": self.prefix.hits if self.prefix is not None else 0}
+
+    def new_weights(self) -> None:
+        """A new adapter version is served: stored prompt routes are stale."""
+        if self.prefix is not None:
+            self.prefix.clear()

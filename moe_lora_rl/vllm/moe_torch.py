@@ -1,7 +1,9 @@
-"""Routed experts with per-expert LoRA in plain torch (the path for engines whose MoE kernels have no expert LoRA:
-vLLM's CPU MoE backend, and expert parallelism on GPU). Base expert weights are a copy read once from the
-checkpoint; routing reproduces the HF/Megatron math of the family (softmax top-k, or sigmoid + expert bias +
-group-limited top-k + routed scaling)."""
+"""Routed experts with per-expert LoRA in plain torch, batched (the unmerged serving mode: for engines whose MoE
+kernels have no expert LoRA, vLLM's CPU MoE backend and expert parallelism on GPU; several adapter versions can
+be held at once). Tokens are sorted by expert into an [experts, capacity, hidden] batch and every projection is one
+bmm over all experts, base and LoRA factors alike, in the serving dtype. Routing reproduces the HF/Megatron math of
+the family (softmax top-k, or sigmoid + expert bias + group-limited top-k + routed scaling) on vLLM's router
+logits. Base expert weights are a copy read once from the checkpoint (vLLM's kernel holds them prepacked)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,24 +14,54 @@ import torch.nn.functional as F
 from ..models.arch import MoEArch
 from ..models.naming import naming_for
 
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
 
 @dataclass
-class MoEWeights:
-    gate: torch.Tensor                 # [E, H] router
-    bias: torch.Tensor | None          # [E] expert score correction bias
-    w_gate: torch.Tensor               # [E, I, H]
-    w_up: torch.Tensor                 # [E, I, H]
-    w_down: torch.Tensor               # [E, H, I]
+class BaseExperts:
+    w13: torch.Tensor                  # [E, 2I, H] gate rows then up rows (vLLM's w13 layout), serving dtype
+    w2: torch.Tensor                   # [E, H, I]
+    bias: torch.Tensor | None          # [E] expert score correction bias (fp32)
 
 
-def load_moe_weights(ckpt, arch: MoEArch, layer: int) -> MoEWeights:
+def load_base_experts(ckpt, arch: MoEArch, layer: int, dtype: torch.dtype) -> BaseExperts:
     """ckpt: anything with .get(name) -> tensor (safetensors reader)."""
     naming = naming_for(arch)
     names = [naming.expert_weights(layer, e) for e in range(arch.num_experts)]
-    stack = lambda i: torch.stack([ckpt.get(n[i]).float() for n in names])  # noqa: E731
-    router, bias = naming.router_weights(layer)
-    bias = ckpt.get(bias).float() if arch.expert_bias else None
-    return MoEWeights(ckpt.get(router).float(), bias, stack(0), stack(1), stack(2))
+    stack = lambda i: torch.stack([ckpt.get(n[i]) for n in names]).to(dtype)  # noqa: E731
+    bias = ckpt.get(naming.router_weights(layer)[1]).float() if arch.expert_bias else None
+    return BaseExperts(torch.cat([stack(0), stack(1)], 1).contiguous(), stack(2).contiguous(), bias)
+
+
+@dataclass
+class ExpertLoRA:
+    """One layer's expert adapters stacked over experts, in the serving dtype; missing projections are zeros."""
+    a13: torch.Tensor                  # [E, 2r, H]  gate A rows then up A rows
+    b1: torch.Tensor                   # [E, I, r]
+    b3: torch.Tensor                   # [E, I, r]
+    a2: torch.Tensor                   # [E, r, I]
+    b2: torch.Tensor                   # [E, H, r]  (scale folded into the B factors)
+
+
+def stack_expert_lora(mods: dict, arch: MoEArch, rank: int, scale: float, dtype: torch.dtype) -> ExpertLoRA | None:
+    """mods: {HF expert module: (A, B)} of one layer -> ExpertLoRA, or None if it has no expert factors."""
+    naming = naming_for(arch)
+    modules = [naming.expert_modules(e) for e in range(arch.num_experts)]       # (gate, up, down) per expert
+    if not any(m in mods for ms in modules for m in ms):
+        return None
+    E, H, I = arch.num_experts, arch.hidden_size, arch.moe_ffn_hidden_size
+    din, dout = (H, H, I), (I, I, H)                                            # gate, up, down
+
+    def stack(i):
+        As, Bs = [], []
+        for e in range(E):
+            ab = mods.get(modules[e][i])
+            As.append(ab[0].float() if ab else torch.zeros(rank, din[i]))
+            Bs.append(ab[1].float() * scale if ab else torch.zeros(dout[i], rank))
+        return torch.stack(As), torch.stack(Bs)
+    (ag, bg), (au, bu), (ad, bd) = stack(0), stack(1), stack(2)
+    to = lambda t: t.to(dtype).contiguous()  # noqa: E731
+    return ExpertLoRA(to(torch.cat([ag, au], 1)), to(bg), to(bu), to(ad), to(bd))
 
 
 def route(logits: torch.Tensor, arch: MoEArch, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,29 +89,34 @@ def route(logits: torch.Tensor, arch: MoEArch, bias: torch.Tensor | None) -> tup
     return w, ids
 
 
-def _lin(x, W, lora):
-    y = x @ W.t()
-    if lora is not None:
-        A, B, s = lora
-        y = y + (x @ A.t()) @ B.t() * s
-    return y
-
-
-def routed_experts(x: torch.Tensor, mw: MoEWeights, arch: MoEArch, adapters: dict | None, scale: float,
-                   on_route=None) -> torch.Tensor:
-    """x [T, H] -> routed expert output [T, H] (fp32). adapters: {HF expert module: (A, B)} or None."""
-    naming = naming_for(arch)
-    xf = x.float()
-    w, ids = route(xf @ mw.gate.t(), arch, mw.bias)
+def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arch: MoEArch,
+                   lora: ExpertLoRA | None, on_route=None) -> torch.Tensor:
+    """x [T, H] (serving dtype), router logits [T, E] -> routed expert output [T, H] in x's dtype."""
+    w, ids = route(logits.float(), arch, base.bias)
     if on_route is not None:
         on_route(ids)
-    out = torch.zeros_like(xf)
-    for e in torch.unique(ids).tolist():
-        tok, pos = torch.where(ids == e)
-        xe = xf[tok]
-        gate, up, down = naming.expert_modules(e)
-        get = (lambda m: (*adapters[m], scale) if adapters and m in adapters else None)  # noqa: E731
-        h = F.silu(_lin(xe, mw.w_gate[e], get(gate))) * _lin(xe, mw.w_up[e], get(up))
-        y = _lin(h, mw.w_down[e], get(down))
-        out.index_add_(0, tok, y * w[tok, pos, None])
-    return out
+    T, k = ids.shape
+    E, I = base.w13.shape[0], base.w2.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = torch.bincount(flat, minlength=E)
+    cap = int(counts.max())
+    slot = torch.arange(T * k) - (torch.cumsum(counts, 0) - counts)[expert]
+    tok = order // k
+    xp = x.new_zeros(E, cap, x.shape[1])
+    xp[expert, slot] = x[tok]
+    # matmuls in the serving dtype (fp32 accumulation inside), activations combined in fp32 and rounded once
+    h13 = torch.bmm(xp, base.w13.transpose(1, 2)).float()                   # [E, C, 2I]
+    if lora is not None:
+        r = lora.b1.shape[2]
+        t = torch.bmm(xp, lora.a13.transpose(1, 2))                          # [E, C, 2r]
+        h13 = h13 + torch.cat([torch.bmm(t[..., :r], lora.b1.transpose(1, 2)),
+                               torch.bmm(t[..., r:], lora.b3.transpose(1, 2))], -1).float()
+    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(x.dtype)
+    y = torch.bmm(h, base.w2.transpose(1, 2)).float()                        # [E, C, H]
+    if lora is not None:
+        y = y + torch.bmm(torch.bmm(h, lora.a2.transpose(1, 2)), lora.b2.transpose(1, 2)).float()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32)
+    out.index_add_(0, tok, y[expert, slot] * w.reshape(-1)[order, None])
+    return out.to(x.dtype)

@@ -43,7 +43,10 @@ class MoELoRAWorkerExtension:
         if rt is None:
             from .runtime import LoRARuntime
 
-            rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model)
+            extra = getattr(self.vllm_config, "additional_config", None) or {}
+            rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model,
+                                                 mode=extra.get("moe_lora_serving", "unmerged"),
+                                                 dtype=self.model_config.dtype)
         return rt
 
     @entry
@@ -53,7 +56,17 @@ class MoELoRAWorkerExtension:
         dtype = torch.float32
         adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
                                     expected_checksum=checksum, dtype=dtype)
-        rt.activate(adapter)
+        timing = rt.activate(adapter)
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            cap.new_weights()
+        return {**rt.status(), **timing}
+
+    @entry
+    def moe_lora_set_mode(self, mode: str) -> dict:
+        """Serving mode of expert adapters ("merged" / "unmerged"); only while no adapter is served."""
+        rt = self._moe_lora_runtime()
+        rt.set_mode(mode)
         return rt.status()
 
     # staged push: begin -> bucket* -> commit; serving is untouched until commit validates the whole adapter
@@ -87,6 +100,39 @@ class MoELoRAWorkerExtension:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
     @entry
+    def moe_lora_bucket_shm(self, version: int, index: int, handle: str, entries: list, crc: str) -> dict:
+        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): read, CRC-checked, staged.
+        The sender removes the segment after the commit."""
+        from ..refit import shm
+
+        if not getattr(self, "_moe_lora_shm_cleaned", False):
+            shm.remove_stale()
+            self._moe_lora_shm_cleaned = True
+        return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc))
+
+    @entry
+    def moe_lora_bucket_ipc(self, version: int, index: int, info: dict, crc: str) -> dict:
+        """A bucket as CUDA IPC handles in the unpacked update format of vLLM's IPC weight-transfer engine; copied
+        to this worker's device before staging (the sender frees its tensors after the commit)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        from ..refit.wire import checksum as crc_of
+
+        dev = torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(dev).uuid)
+        tensors = {}
+        for name, handles in zip(info["names"], info["ipc_handles"]):
+            if uuid not in handles:
+                raise ValueError(f"bucket {index}: no IPC handle for GPU {uuid} (have {sorted(handles)})")
+            args = list(handles[uuid])
+            args[6] = dev
+            tensors[name] = rebuild_cuda_tensor(*args).clone()
+        got = crc_of(tensors)
+        if got != crc:
+            raise ValueError(f"version {version} bucket {index}: checksum mismatch (sent {crc}, received {got})")
+        return self.moe_lora_bucket(version, index, tensors)
+
+    @entry
     def moe_lora_commit(self, version: int, checksum: str | None = None) -> dict:
         """checksum: when the senders could only compute it after streaming (begin was given None)."""
         st = getattr(self, "_moe_lora_stage", None)
@@ -114,6 +160,9 @@ class MoELoRAWorkerExtension:
     def moe_lora_clear(self) -> dict:
         rt = self._moe_lora_runtime()
         rt.deactivate()
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            cap.new_weights()
         return rt.status()
 
     # routing capture for router replay

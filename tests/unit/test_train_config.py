@@ -1,4 +1,4 @@
-"""The run config: recipes/train.yaml composed by hydra over the RunConfig schema, overrides from a command-line
+"""The run config: recipes/train.yaml composed by hydra over the TrainConfig schema, overrides from a command-line
 list, strict keys and one-line errors naming the bad key or value."""
 import pytest
 
@@ -9,7 +9,7 @@ from moe_lora_rl.rl import config as C  # noqa: E402
 
 def test_recipe_defaults_match_schema_defaults():
     cfg = C.load([])
-    assert cfg == C.RunConfig()      # the recipe restates the schema's defaults; a drift shows here
+    assert cfg == C.TrainConfig()      # the recipe restates the schema's defaults; a drift shows here
     assert cfg.lora.lora_config().resolved_targets() == ("expert_fc1", "expert_fc2", "qkv", "proj")
 
 

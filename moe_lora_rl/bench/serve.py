@@ -1,0 +1,54 @@
+"""serve: an expert adapter served by vLLM's CPU engine in both serving modes, side by side in one run.
+
+    python -m moe_lora_rl.bench serve --json [--model DIR] [--rank 16] [--batch 16] [--prompt-len 32] [--gen-len 32]
+
+tps_*: generated tokens/s of one batch (bf16, prefix caching and routing capture available), base model vs the
+adapter merged into vLLM's MoE kernel vs applied unmerged by our batched experts; commit_s_*: the engine's part of
+a commit (first_commit_s_*: the first, which also reads the base expert weights from the checkpoint); kl_bf16_*: KL(engine || HF fp32 with the adapter merged) per generated token (Monte Carlo over sampled
+tokens: the train-inference mismatch of bf16 serving); logprob_diff_fp32_*: max |logprob| difference of an fp32
+engine vs that reference; delta_lost_to_rounding: the part of the update the merged bf16 weights lose;
+expert_bytes_memcpy_s: one copy of all expert weights (the floor of a merged commit); capture_ok: groups of 4
+samples per prompt got complete routes with prefix caching on; prefix_cache_hits: vLLM's counter (tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..testing.launch import worker_env
+from .common import emit
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench serve", description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the medium qwen3_moe)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=32)
+    a = ap.parse_args(argv)
+    for name in ("rank", "batch", "prompt_len", "gen_len"):
+        if getattr(a, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    if a.model is None:
+        from ..models import get_model
+
+        a.model = str(get_model("qwen3_moe", "medium"))
+    if not (Path(a.model) / "config.json").exists():
+        ap.error(f"--model {a.model}: not an HF checkpoint directory (no config.json)")
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench.serve_worker", "--model", a.model,
+                               "--rank", str(a.rank), "--batch", str(a.batch), "--prompt-len", str(a.prompt_len),
+                               "--gen-len", str(a.gen_len)], env=worker_env(), cwd=d, capture_output=True,
+                              text=True, timeout=3600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"serve bench worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    emit(result, a.json)
+    return result

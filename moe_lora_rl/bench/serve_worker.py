@@ -1,0 +1,155 @@
+"""Run in its own process (bench serve): serving an expert adapter in vLLM's CPU engine, base vs merged vs
+unmerged side by side. Prints one line "RESULT <json>"."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from .vllm_env import set_engine_env
+
+
+def _tps(llm, prompts, gen_len: int, repeats: int) -> float:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], sp, use_tqdm=False)        # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return repeats * len(prompts) * gen_len / (time.perf_counter() - t0)
+
+
+def _kl_to_reference(llm, model, arch, peft, scale, prompts, gen_len: int) -> float:
+    """Monte-Carlo KL(engine || reference) per generated token: mean of log p_engine - log p_ref over tokens
+    sampled by the engine; reference = HF transformers fp32 with the adapter merged."""
+    import torch
+    from vllm import SamplingParams
+
+    from .route_reference import merged_hf_model
+
+    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=1, logprobs=0,
+                        ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ref = merged_hf_model(model, peft, scale, torch.float32)
+    diffs = []
+    for p, o in zip(prompts, outs):
+        gen = list(o.outputs[0].token_ids)
+        seq = torch.tensor([p + gen])
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(input_ids=seq).logits.double()[0], -1)
+        for j, (tok, d) in enumerate(zip(gen, o.outputs[0].logprobs)):
+            diffs.append(d[tok].logprob - lp[len(p) - 1 + j, tok].item())
+    return float(sum(diffs) / len(diffs))
+
+
+def _rounding_loss(model: str, arch, peft, rank: int, scale: float) -> float:
+    """||(bf16(W + delta) - W) - delta|| / ||delta|| over every adapted expert weight: how much of the update the
+    bf16 grid of the merged weights drops (W_base read in bf16, the merge in fp32)."""
+    import torch
+
+    from ..models.checkpoint import HFCheckpoint
+    from ..vllm.adapter_set import build_adapter_set
+    from ..vllm.merge import merge_fp32
+    from ..vllm.moe_torch import load_base_experts, stack_expert_lora
+
+    ck = HFCheckpoint(model)
+    ad = build_adapter_set(peft, arch, rank=rank, alpha=scale * rank, version=1)
+    lost = total = 0.0
+    for layer, mods in ad.layers.items():
+        base = load_base_experts(ck, arch, layer, torch.bfloat16)
+        lora = stack_expert_lora(mods, arch, rank, ad.scale, torch.float32)
+        w13, w2 = merge_fp32(base, lora, torch.bfloat16, layer)
+        exact13, exact2 = merge_fp32(base, lora, torch.float32, layer)
+        for got, want, b in ((w13, exact13, base.w13), (w2, exact2, base.w2)):
+            lost += (got.float() - want).pow(2).sum().item()
+            total += (want - b.float()).pow(2).sum().item()
+    return (lost / total) ** 0.5
+
+
+def _expert_memcpy_s(model: str, arch) -> float:
+    import torch
+
+    from ..models.checkpoint import HFCheckpoint
+    from ..vllm.moe_torch import load_base_experts
+
+    ck = HFCheckpoint(model)
+    ws = [t for l, m in enumerate(arch.moe_layers) if m
+          for t in (lambda b: (b.w13, b.w2))(load_base_experts(ck, arch, l, torch.bfloat16))]
+    t0 = time.perf_counter()
+    for w in ws:
+        w.clone()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    set_engine_env()
+    import torch
+
+    from ..megatron.hf_reference import load_arch
+    from ..refit.transports import InprocTransport
+    from .route_reference import random_expert_adapter
+    from .serve_capture_worker import fp32_check, generate_groups, make_engine
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args(argv)
+    arch = load_arch(a.model)
+    alpha = 2.0 * a.rank
+    peft = random_expert_adapter(arch, a.rank, seed=0, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, arch.vocab_size, (a.batch, a.prompt_len), generator=g).tolist()
+    res: dict = {"model": a.model, "rank": a.rank, "batch": a.batch, "prompt_len": a.prompt_len,
+                 "gen_len": a.gen_len}
+    # fp32 engine: logprobs in each mode vs HF transformers with the adapter merged (fp32)
+    llm = make_engine(a.model, dtype="float32", prefix_caching=False)
+    for version, mode in enumerate(("merged", "unmerged"), 1):
+        llm.collective_rpc("moe_lora_clear")
+        llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+        res[f"logprob_diff_fp32_{mode}"] = fp32_check(llm, a.model, arch, peft, a.rank, alpha, version,
+                                                      n=2, length=32)["logprob_max_diff"]
+    del llm
+    import gc
+    gc.collect()
+    # bf16 engine, prefix caching and capture on: throughput, commit, KL, complete routes for groups of 4
+    llm = make_engine(a.model, disable_log_stats=False)
+    res["tps_base"] = _tps(llm, prompts, a.gen_len, a.repeats)
+    capture_ok, hits = {}, 0
+    for version, mode in enumerate(("merged", "unmerged"), 1):
+        llm.collective_rpc("moe_lora_clear")
+        llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+        tr = InprocTransport(llm)
+        res[f"first_commit_s_{mode}"] = tr.push(10 * version, peft, a.rank, alpha).served["commit_s"]
+        res[f"commit_s_{mode}"] = tr.push(10 * version + 1, peft, a.rank, alpha).served["commit_s"]
+        res[f"tps_{mode}"] = _tps(llm, prompts, a.gen_len, a.repeats)
+        res[f"kl_bf16_{mode}"] = _kl_to_reference(llm, a.model, arch, peft, alpha / a.rank, prompts[:4], a.gen_len)
+        llm.collective_rpc("moe_lora_capture_start")
+        group_prompts = torch.randint(0, arch.vocab_size, (2, 72), generator=g).tolist()
+        seqs, ids = generate_groups(llm, group_prompts, 4, 8, seed=version)
+        try:
+            caps = llm.collective_rpc("moe_lora_capture_pop", args=(ids,))[0]
+            capture_ok[mode] = all(caps[i].shape[0] == len(s) - 1 for i, s in zip(ids, seqs))
+        except ValueError as e:
+            capture_ok[mode] = False
+            res[f"capture_error_{mode}"] = str(e)
+        hits += llm.collective_rpc("moe_lora_capture_start")[0]["prefix_route_hits"]
+        llm.collective_rpc("moe_lora_capture_stop")
+    vllm_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    del llm
+    gc.collect()
+    for mode in ("merged", "unmerged"):
+        res[f"overhead_{mode}"] = 1 - res[f"tps_{mode}"] / res["tps_base"]
+    res.update({"capture_ok": capture_ok, "prefix_cache_hits": int(vllm_hits), "prefix_route_fills": hits,
+                "expert_bytes_memcpy_s": _expert_memcpy_s(a.model, arch),
+                "delta_lost_to_rounding": _rounding_loss(a.model, arch, peft, a.rank, alpha / a.rank)})
+    print("RESULT " + json.dumps(res), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
