@@ -154,7 +154,7 @@ def test_peft_split_by_shards_equals_whole(family):
 def test_engine_side_names():
     from moe_lora_rl.models import get_model
     from moe_lora_rl.models.naming import layer_of
-    from moe_lora_rl.vllm.moe_torch import load_moe_weights
+    from moe_lora_rl.vllm.moe_torch import load_base_experts
 
     g, q = naming_for("glm4_moe"), naming_for("qwen3_moe")
     assert g.expert_weights(2, 7) == tuple(f"model.layers.2.mlp.experts.7.{p}_proj.weight" for p in
@@ -167,6 +167,12 @@ def test_engine_side_names():
     for family, arch in ARCHS.items():                           # the engine's expert weights read by these names
         from moe_lora_rl.models.checkpoint import HFCheckpoint
 
-        mw = load_moe_weights(HFCheckpoint(get_model(family, "tiny")), arch, arch.moe_layer_ids[0])
-        assert mw.w_gate.shape == (arch.num_experts, arch.moe_ffn_hidden_size, arch.hidden_size)
-        assert (mw.bias is not None) == arch.expert_bias
+        ckpt = HFCheckpoint(get_model(family, "tiny"))
+        layer = arch.moe_layer_ids[0]
+        base = load_base_experts(ckpt, arch, layer, torch.float32)
+        E, H, I = arch.num_experts, arch.hidden_size, arch.moe_ffn_hidden_size
+        assert base.w13.shape == (E, 2 * I, H) and base.w2.shape == (E, H, I)
+        assert (base.bias is not None) == arch.expert_bias
+        last = E - 1                                             # gate rows then up rows, in expert order
+        assert torch.equal(base.w13[last, :I], ckpt.get(f"model.layers.{layer}.mlp.experts.{last}.gate_proj.weight"))
+        assert torch.equal(base.w13[last, I:], ckpt.get(f"model.layers.{layer}.mlp.experts.{last}.up_proj.weight"))
