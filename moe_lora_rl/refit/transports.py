@@ -45,14 +45,26 @@ class _Base:
         self._crcs = {n: tensor_crc(n, t) for n, t in tensors.items()}      # once: digest and bucket CRCs
         digest = combine(self._crcs)
         self._call("moe_lora_begin", version, digest, rank, alpha, len(plan.buckets))
-        for b in plan.buckets:
-            self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
-        served = self._call("moe_lora_commit", version)
+        try:
+            for b in plan.buckets:
+                self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
+        except BaseException:
+            self._abort(version)
+            raise
+        served = self._call("moe_lora_commit", version)      # closes the stage, whether it succeeds or not
         self._reset_prefix_cache()
         return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
     def status(self) -> dict:
         return self._call("moe_lora_status")
+
+    def _abort(self, version: int) -> None:
+        """Best effort after a failed bucket: drop our stage so the engine accepts the next push; the bucket's
+        error is the one raised."""
+        try:
+            self._call("moe_lora_abort", version)
+        except Exception:  # noqa: BLE001 - the engine may be gone; the stage then goes with it
+            pass
 
     def _reset_prefix_cache(self) -> None:
         """KV blocks cached under the previous weights must not be reused after a commit."""

@@ -97,3 +97,39 @@ def test_commit_checks():
         st.bucket(4, 1, {"a": 1})
     with pytest.raises(ValueError, match="stale adapter version 4: version 4 is served"):
         _stage(st, 4, served=4)
+
+
+def test_transport_aborts_its_stage_after_a_failed_bucket():
+    """_Base.push against a fake engine made of a Staging: a bucket that fails drops the sender's stage, so the next
+    push is accepted (without the abort it would be refused: version 1 still staged)."""
+    import torch
+
+    from moe_lora_rl.refit.transports import _Base
+
+    class Fake(_Base):
+        bucket_bytes = 16
+
+        def __init__(self):
+            self.st, self.fail = Staging(), True
+
+        def _call(self, method, *args):
+            if method == "moe_lora_begin":
+                return self.st.begin(*args)
+            if method == "moe_lora_abort":
+                return self.st.abort(*args)
+            if method == "moe_lora_commit":
+                return {"version": self.st.commit(*args).version}
+            raise AssertionError(method)
+
+        def _send_bucket(self, version, index, tensors):
+            if self.fail and index == 1:
+                raise ValueError("bucket lost")
+            self.st.bucket(version, index, tensors)
+
+    tensors = {"a": torch.zeros(4), "b": torch.zeros(4)}            # 16 bytes each: two buckets
+    tr = Fake()
+    with pytest.raises(ValueError, match="bucket lost"):
+        tr.push(1, tensors, 4, 8.0)
+    assert tr.st.version is None
+    tr.fail = False
+    assert tr.push(2, tensors, 4, 8.0).served == {"version": 2}
