@@ -2,9 +2,10 @@
 side and the vLLM plugin, like wire.py).
 
 A segment is a file in /dev/shm created 0600 (private to the user) named `moe_lora_rl-<pid>-<version>-<index>-<rand>`
-with the bucket's tensors back to back in plan order (wire.unpack layout). The RPC carries only the handle (the
-name), the entries and a CRC. The sender removes its segments after the commit, whatever happened; segments of a
-process that died are removed by `remove_stale` on the next start of either side (the pid is in the name).
+with a whole adapter's (or one bucket's) tensors back to back (wire.unpack layout). The RPC carries only the handle
+(the name), the entries and the digest. The sender computes the CRCs while writing and removes the segment once the
+server's call returned, whatever happened (the server keeps a private mapping); segments of a process that died
+are removed by `remove_stale` on the next start of either side (the pid is in the name).
 """
 from __future__ import annotations
 
