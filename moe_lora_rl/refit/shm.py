@@ -2,9 +2,10 @@
 side and the vLLM plugin, like wire.py).
 
 A segment is a file in /dev/shm created 0600 (private to the user) named `moe_lora_rl-<pid>-<version>-<index>-<rand>`
-with the bucket's tensors back to back in plan order (wire.unpack layout). The RPC carries only the handle (the
-name), the entries and a CRC. The sender removes its segments after the commit, whatever happened; segments of a
-process that died are removed by `remove_stale` on the next start of either side (the pid is in the name).
+with a whole adapter's (or one bucket's) tensors back to back (wire.unpack layout). The RPC carries only the handle
+(the name), the entries and the digest. The sender computes the CRCs while writing and removes the segment once the
+server's call returned, whatever happened (the server keeps a private mapping); segments of a process that died
+are removed by `remove_stale` on the next start of either side (the pid is in the name).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .wire import checksum, nbytes, unpack
+from .wire import combine, nbytes, tensor_crc, unpack
 
 ROOT = Path("/dev/shm")
 PREFIX = "moe_lora_rl-"
@@ -61,8 +62,10 @@ def _parse(entries) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     return out
 
 
-def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, root: Path = ROOT) -> str:
-    """Create a private segment holding the tensors; returns its name (the handle)."""
+def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, root: Path = ROOT,
+                  crcs: dict[str, int] | None = None) -> str:
+    """Create a private segment holding the tensors; returns its name (the handle). crcs: a dict filled with each
+    tensor's wire CRC, computed while the tensor is in cache for the write (one pass over the source bytes)."""
     name = f"{PREFIX}{os.getpid()}-{version}-{index}-{secrets.token_hex(4)}"
     path = root / name
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -70,8 +73,11 @@ def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, ro
     try:
         os.ftruncate(fd, total)
         offset = 0
-        for t in tensors.values():              # one copy, straight into the tmpfs pages (no mmap page faults)
-            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        for n, t in tensors.items():            # one copy, straight into the tmpfs pages (no mmap page faults)
+            t = t.detach().contiguous()
+            if crcs is not None:
+                crcs[n] = tensor_crc(n, t)
+            data = t.reshape(-1).view(torch.uint8).numpy()
             offset += os.pwrite(fd, memoryview(data), offset)
         if offset != total:
             raise OSError(f"short write to shared-memory segment {name}: {offset} of {total} bytes")
@@ -84,8 +90,9 @@ def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, ro
 
 
 def read_segment(handle: str, entries, crc: str, root: Path = ROOT) -> dict[str, torch.Tensor]:
-    """The tensors of a segment (mapped, private: later writes by the sender do not reach them). ValueError for a
-    handle that is not ours, no longer exists, has the wrong size, or whose contents fail the CRC."""
+    """The tensors of a segment (a private copy-on-write mapping: the server never writes to the sender's pages).
+    ValueError for a handle that is not ours, no longer exists, has the wrong size, or whose contents fail the CRC
+    (`crc`: the wire digest of exactly these tensors, so a one-segment push checks the adapter's digest here)."""
     if not _NAME.match(str(handle)):
         raise ValueError(f"shared-memory handle {handle!r} is not a moe_lora_rl segment name")
     parsed = _parse(entries)
@@ -101,7 +108,7 @@ def read_segment(handle: str, entries, crc: str, root: Path = ROOT) -> dict[str,
     buf = torch.from_file(str(path), shared=False, size=total, dtype=torch.uint8) if total else \
         torch.empty(0, dtype=torch.uint8)
     tensors = unpack(buf, parsed)
-    got = checksum(tensors)
+    got = combine({n: tensor_crc(n, t) for n, t in tensors.items()})
     if got != crc:
         raise ValueError(f"shared-memory segment {handle!r}: checksum mismatch (sent {crc}, read {got})")
     return tensors

@@ -45,14 +45,26 @@ class _Base:
         self._crcs = {n: tensor_crc(n, t) for n, t in tensors.items()}      # once: digest and bucket CRCs
         digest = combine(self._crcs)
         self._call("moe_lora_begin", version, digest, rank, alpha, len(plan.buckets))
-        for b in plan.buckets:
-            self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
-        served = self._call("moe_lora_commit", version)
+        try:
+            for b in plan.buckets:
+                self._send_bucket(version, b.index, {n: tensors[n] for n in b.names})
+        except BaseException:
+            self._abort(version)
+            raise
+        served = self._call("moe_lora_commit", version)      # closes the stage, whether it succeeds or not
         self._reset_prefix_cache()
         return PushResult(version, plan.total_bytes, time.perf_counter() - t0, served)
 
     def status(self) -> dict:
         return self._call("moe_lora_status")
+
+    def _abort(self, version: int) -> None:
+        """Best effort after a failed bucket: drop our stage so the engine accepts the next push; the bucket's
+        error is the one raised."""
+        try:
+            self._call("moe_lora_abort", version)
+        except Exception:  # noqa: BLE001 - the engine may be gone; the stage then goes with it
+            pass
 
     def _reset_prefix_cache(self) -> None:
         """KV blocks cached under the previous weights must not be reused after a commit."""
@@ -152,35 +164,50 @@ class HttpTransport(_Base):
 
 
 class ShmTransport(HttpTransport):
-    """A vLLM server process on this host: each bucket is written to a private shared-memory segment
-    (refit/shm.py) and /collective_rpc carries its handle, entries and CRC. Segments are removed after the commit
-    (or the failure) of the push; segments of dead processes are removed when a transport starts."""
+    """A vLLM server process on this host: the adapter is written to a private shared-memory segment (refit/shm.py)
+    and /collective_rpc carries its handle, entries and digest. push: one segment and one RPC; push_stream: one
+    segment per bucket. Segments are removed once the server has taken them (or the call failed); segments of dead
+    processes are removed when a transport starts."""
 
     def __init__(self, base_url: str, timeout: float = 120.0):
         from . import shm
 
         super().__init__(base_url, timeout)
         shm.remove_stale()
-        self._segments: list[str] = []
 
     def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        """The whole adapter in one segment and one RPC (moe_lora_push_shm): the CRCs are computed while writing,
+        the server checks the digest while reading; the segment is removed whatever happened."""
+        import os
+
         from . import shm
 
+        t0 = time.perf_counter()
+        crcs: dict[str, int] = {}
+        handle = shm.write_segment(tensors, version, 0, crcs=crcs)
+        t1 = time.perf_counter()
         try:
-            return super().push(version, tensors, rank, alpha)
+            served = self._call("moe_lora_push_shm", version, combine(crcs), rank, alpha, handle,
+                                shm.entries_of(tensors), os.getpid())
         finally:
-            for h in self._segments:
-                shm.remove(h)
-            self._segments = []
+            shm.remove(handle)
+        t2 = time.perf_counter()
+        self._reset_prefix_cache()
+        self.last_timing = {"write_s": t1 - t0, "rpc_s": t2 - t1, "reset_s": time.perf_counter() - t2}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return PushResult(version, nbytes, time.perf_counter() - t0, served)
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
+        """Buckets of push_stream (several senders): one segment per bucket, removed once the server has taken it
+        (it holds a private mapping)."""
         from . import shm
 
-        handle = shm.write_segment(tensors, version, index)
-        self._segments.append(handle)
-        crcs = getattr(self, "_crcs", None) or {}          # push() computed them; push_stream() did not
-        crc = combine({n: crcs[n] if n in crcs else tensor_crc(n, t) for n, t in tensors.items()})
-        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), crc)
+        crcs: dict[str, int] = {}
+        handle = shm.write_segment(tensors, version, index, crcs=crcs)
+        try:
+            self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), combine(crcs))
+        finally:
+            shm.remove(handle)
 
 
 class CudaIpcTransport(_Base):

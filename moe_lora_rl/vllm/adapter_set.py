@@ -43,12 +43,17 @@ class AdapterSet:
 
 
 def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: int, alpha: float, version: int,
-                      expected_checksum: str | None = None, dtype: torch.dtype = torch.float32) -> AdapterSet:
+                      expected_checksum: str | None = None, dtype: torch.dtype = torch.float32,
+                      checksum_verified: bool = False) -> AdapterSet:
+    """checksum_verified: the caller already checked these exact tensors against expected_checksum (a
+    shared-memory push CRC-checks while reading), so the bytes are not hashed a second time."""
     if not isinstance(version, int) or version < 0:
         raise ValueError(f"adapter version must be a non-negative integer, got {version!r}")
     if rank <= 0 or alpha <= 0:
         raise ValueError(f"adapter rank={rank} / alpha={alpha} must be positive")
-    got = checksum(tensors)
+    if checksum_verified and expected_checksum is None:
+        raise ValueError("checksum_verified needs the expected_checksum that was verified")
+    got = expected_checksum if checksum_verified else checksum(tensors)
     if expected_checksum is not None and got != expected_checksum:
         raise ValueError(f"adapter version {version}: checksum mismatch (sent {expected_checksum}, "
                          f"received {got})")

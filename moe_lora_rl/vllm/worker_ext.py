@@ -51,11 +51,27 @@ class MoELoRAWorkerExtension:
 
     @entry
     def moe_lora_push(self, version: int, checksum: str, tensors: dict, rank: int, alpha: float) -> dict:
+        """A complete adapter in one call: the staging rules hold (refused while another version is staged), then
+        it is validated and served; on any error the previous version stays."""
+        return self._moe_lora_one_shot(version, checksum, rank, alpha, lambda: tensors)
+
+    def _moe_lora_one_shot(self, version, checksum, rank, alpha, read, sender_pid=None, verified=False) -> dict:
+        staging = self._moe_lora_staging()
+        staging.begin(version, checksum, rank, alpha, 1, served=self._moe_lora_runtime().status()["version"],
+                      sender_pid=sender_pid)
+        try:
+            staging.bucket(version, 0, read())
+        except BaseException:
+            staging.abort(version)
+            raise
+        st = staging.commit(version)
+        return self._moe_lora_activate(version, st.checksum, st.tensors, st.rank, st.alpha, verified)
+
+    def _moe_lora_activate(self, version, checksum, tensors, rank, alpha, verified=False) -> dict:
         """Validate a complete adapter and make it the served version; on any error the previous one stays."""
         rt = self._moe_lora_runtime()
-        dtype = torch.float32
         adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
-                                    expected_checksum=checksum, dtype=dtype)
+                                    expected_checksum=checksum, dtype=torch.float32, checksum_verified=verified)
         timing = rt.activate(adapter)
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is not None:
@@ -70,30 +86,31 @@ class MoELoRAWorkerExtension:
         return rt.status()
 
     # staged push: begin -> bucket* -> commit; serving is untouched until commit validates the whole adapter
+    def _moe_lora_staging(self):
+        st = getattr(self, "_moe_lora_stage", None)
+        if st is None:
+            from .staging import Staging
+
+            st = self._moe_lora_stage = Staging()
+        return st
+
     @entry
-    def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int) -> dict:
+    def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int,
+                       sender_pid: int | None = None) -> dict:
+        """Open the stage of `version`; refused while another version's push is in flight (vllm/staging.py).
+        sender_pid: a sender on this host, whose stage may be replaced once that process is gone."""
         served = self._moe_lora_runtime().status()["version"]
-        if served is not None and version <= served:
-            raise ValueError(f"stale adapter version {version}: version {served} is served")
-        self._moe_lora_stage = {"version": version, "checksum": checksum, "rank": rank, "alpha": alpha,
-                                "num_buckets": num_buckets, "buckets": {}, "tensors": {}}
-        return {"staging": version}
+        return self._moe_lora_staging().begin(version, checksum, rank, alpha, num_buckets, served=served,
+                                              sender_pid=sender_pid)
 
     @entry
     def moe_lora_bucket(self, version: int, index: int, tensors: dict) -> dict:
-        st = getattr(self, "_moe_lora_stage", None)
-        if st is None or st["version"] != version:
-            raise ValueError(f"bucket {index} of version {version} without a matching begin "
-                             f"(staging {st['version'] if st else None})")
-        if index in st["buckets"] or not 0 <= index < st["num_buckets"]:
-            raise ValueError(f"version {version}: bucket index {index} repeated or out of range "
-                             f"0..{st['num_buckets'] - 1}")
-        dup = set(tensors) & set(st["tensors"])
-        if dup:
-            raise ValueError(f"version {version}: tensors sent twice: {sorted(dup)[:4]}")
-        st["buckets"][index] = len(tensors)
-        st["tensors"].update(tensors)
-        return {"received": len(st["buckets"])}
+        return self._moe_lora_staging().bucket(version, index, tensors)
+
+    @entry
+    def moe_lora_abort(self, version: int) -> dict:
+        """Drop the staged `version` (its sender gave up); the served version is untouched."""
+        return self._moe_lora_staging().abort(version)
 
     @entry
     def moe_lora_bucket_blob(self, version: int, index: int, blob_b64: str) -> dict:
@@ -109,6 +126,30 @@ class MoELoRAWorkerExtension:
             shm.remove_stale()
             self._moe_lora_shm_cleaned = True
         return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc))
+
+    @entry
+    def moe_lora_push_shm(self, version: int, checksum: str, rank: int, alpha: float, handle: str, entries: list,
+                          sender_pid: int | None = None) -> dict:
+        """A whole adapter in one shared-memory segment, in one RPC: begin, the segment read and checked against
+        the adapter digest while reading (the bytes are hashed once), commit. Same staging rules as a bucketed
+        push: refused while another version is staged; on any error the stage is closed and the previous version
+        stays served. The sender removes the segment after this call."""
+        import time
+
+        from ..refit import shm
+
+        if not getattr(self, "_moe_lora_shm_cleaned", False):
+            shm.remove_stale()
+            self._moe_lora_shm_cleaned = True
+        t = {}
+
+        def read():
+            t0 = time.perf_counter()
+            tensors = shm.read_segment(handle, entries, checksum)
+            t["shm_read_s"] = time.perf_counter() - t0
+            return tensors
+
+        return {**self._moe_lora_one_shot(version, checksum, rank, alpha, read, sender_pid, verified=True), **t}
 
     @entry
     def moe_lora_bucket_ipc(self, version: int, index: int, info: dict, crc: str) -> dict:
@@ -135,18 +176,8 @@ class MoELoRAWorkerExtension:
     @entry
     def moe_lora_commit(self, version: int, checksum: str | None = None) -> dict:
         """checksum: when the senders could only compute it after streaming (begin was given None)."""
-        st = getattr(self, "_moe_lora_stage", None)
-        self._moe_lora_stage = None
-        if st is None or st["version"] != version:
-            raise ValueError(f"commit of version {version} without a matching begin")
-        if checksum is not None:
-            st["checksum"] = checksum
-        if st["checksum"] is None:
-            raise ValueError(f"version {version}: no checksum given at begin or commit")
-        if len(st["buckets"]) != st["num_buckets"]:
-            missing = sorted(set(range(st["num_buckets"])) - set(st["buckets"]))
-            raise ValueError(f"version {version}: buckets {missing} never arrived")
-        return self.moe_lora_push(version, st["checksum"], st["tensors"], st["rank"], st["alpha"])
+        st = self._moe_lora_staging().commit(version, checksum)
+        return self._moe_lora_activate(version, st.checksum, st.tensors, st.rank, st.alpha)
 
     @entry
     def moe_lora_push_blob(self, version: int, checksum: str, blob_b64: str, rank: int, alpha: float) -> dict:

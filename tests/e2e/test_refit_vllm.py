@@ -7,8 +7,12 @@ pushes (an expert's adapter left out, a stale version, a wrong shape, an unknown
 refused with ValueError and the engine keeps serving the previous complete version; the next good push recovers.
 
 Separate server process: the same adapters pushed over /collective_rpc in buckets give the same logprobs through
-/v1/completions; a push to an engine that is gone raises RefitError.
+/v1/completions, and so do they through a shared-memory segment; a second push while another version is staged is
+refused naming both versions (the served version unchanged) until that version is aborted; a push to an engine that
+is gone raises RefitError.
 """
+import os
+
 import pytest
 import torch
 
@@ -68,7 +72,9 @@ def test_server_process_push_over_http(trained, tmp_path):
     from moe_lora_rl.refit.rename import to_peft_tensors
     from moe_lora_rl.megatron.hf_reference import load_arch
     from moe_lora_rl.refit.server import prompt_logprobs_http, start_server
-    from moe_lora_rl.refit.transports import HttpTransport, RefitError
+    from moe_lora_rl.refit import shm
+    from moe_lora_rl.refit.transports import HttpTransport, RefitError, ShmTransport
+    from moe_lora_rl.refit.wire import encode_blob
     from moe_lora_rl.testing.launch import free_port
 
     models, work = trained
@@ -88,6 +94,21 @@ def test_server_process_push_over_http(trained, tmp_path):
         with pytest.raises(ValueError, match="stale adapter version 1"):
             tr.push(1, peft, CFG.rank, CFG.alpha)
         assert tr.status()["version"] == 1
+        # shared memory: one segment, one RPC; same logprobs; no segment of ours left behind
+        mine = lambda: sorted(shm.ROOT.glob(f"{shm.PREFIX}{os.getpid()}-*"))  # noqa: E731
+        st = ShmTransport(server.url)
+        assert st.push(2, peft, CFG.rank, CFG.alpha).served["version"] == 2 and not mine()
+        got2 = torch.tensor(prompt_logprobs_http(server.url, data["eval"].tolist()), dtype=torch.float64)
+        assert (got2 - want).abs().max().item() <= 1e-3
+        # a second push while version 3 is in flight: refused naming both versions, version 2 keeps serving
+        tr._call("moe_lora_begin", 3, None, CFG.rank, CFG.alpha, 1)
+        with pytest.raises(ValueError, match="cannot begin version 4: version 3 is staged"):
+            st.push(4, peft, CFG.rank, CFG.alpha)
+        with pytest.raises(ValueError, match="bucket 0 of version 4: version 3 is staged"):
+            tr._call("moe_lora_bucket_blob", 4, 0, encode_blob({}))
+        assert tr.status()["version"] == 2 and not mine()
+        tr._call("moe_lora_abort", 3)                   # the sender of version 3 gives up: the next push goes in
+        assert st.push(4, peft, CFG.rank, CFG.alpha).served["version"] == 4
     finally:
         server.stop()
     with pytest.raises(RefitError, match="unreachable"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_lora_rl.refit import shm
-from moe_lora_rl.refit.wire import checksum
+from moe_lora_rl.refit.wire import checksum, combine
 
 
 @pytest.fixture
@@ -51,3 +51,14 @@ def test_stale_segments_of_dead_pids_removed(tmp_path, tensors):
     mine = shm.write_segment(tensors, 1, 0, root=tmp_path)
     assert shm.remove_stale(root=tmp_path) == [f"moe_lora_rl-{dead}-1-0-abcd"]
     assert [p.name for p in tmp_path.iterdir()] == [mine]
+
+
+def test_crcs_while_writing_give_the_digest(tmp_path, tensors):
+    crcs = {}
+    h = shm.write_segment(tensors, 2, 0, root=tmp_path, crcs=crcs)
+    assert sorted(crcs) == sorted(tensors) and combine(crcs) == checksum(tensors)
+    got = shm.read_segment(h, shm.entries_of(tensors), combine(crcs), root=tmp_path)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    (tmp_path / h).write_bytes((tmp_path / h).read_bytes()[:-1] + b"\x01")   # one byte changed after the CRC
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        shm.read_segment(h, shm.entries_of(tensors), combine(crcs), root=tmp_path)

@@ -1,0 +1,135 @@
+"""The staged-push state machine (vllm/staging.py) without an engine: one version staged at a time; a second begin
+is refused naming both versions unless it restarts the same version, the open stage's sender is gone, or the stage
+was aborted; buckets, commits and aborts of another version name the staged one and leave it intact."""
+import pytest
+
+from moe_lora_rl.vllm.staging import Staging
+
+
+def _stage(st, version, n=2, pid=None, served=None):
+    return st.begin(version, f"crc-{version}", 4, 8.0, n, served=served, sender_pid=pid)
+
+
+def test_happy_path_and_commit_closes_stage():
+    st = Staging()
+    _stage(st, 1)
+    st.bucket(1, 0, {"a": 1})
+    st.bucket(1, 1, {"b": 2})
+    got = st.commit(1)
+    assert (got.version, got.checksum, got.tensors) == (1, "crc-1", {"a": 1, "b": 2})
+    assert st.version is None
+    _stage(st, 2, served=1)                                  # the next push opens freely
+
+
+def test_second_begin_refused_naming_both_versions():
+    st = Staging()
+    _stage(st, 5)
+    st.bucket(5, 0, {"a": 1})
+    with pytest.raises(ValueError, match=r"cannot begin version 6: version 5 is staged.*version 4 stays served"):
+        _stage(st, 6, served=4)
+    # the refused begin changed nothing: version 5 completes and commits
+    st.bucket(5, 1, {"b": 2})
+    assert st.commit(5).tensors == {"a": 1, "b": 2}
+
+
+def test_other_versions_buckets_commit_abort_name_the_staged_one():
+    st = Staging()
+    _stage(st, 5)
+    for call, what in ((lambda: st.bucket(6, 0, {"x": 0}), "bucket 0"), (lambda: st.commit(6), "commit"),
+                       (lambda: st.abort(6), "abort")):
+        with pytest.raises(ValueError, match=f"{what} of version 6: version 5 is staged"):
+            call()
+    assert st.version == 5 and st.stage.tensors == {}
+    with pytest.raises(ValueError, match="no version is staged"):
+        Staging().commit(1)
+
+
+def test_abort_then_new_version():
+    st = Staging()
+    _stage(st, 5)
+    st.bucket(5, 0, {"a": 1})
+    assert st.abort(5) == {"aborted": 5}
+    assert _stage(st, 6)["replaced"] is None
+    with pytest.raises(ValueError, match="bucket 0 of version 5: version 6 is staged"):
+        st.bucket(5, 0, {"a": 1})                           # a late bucket of the aborted push
+
+
+def test_same_version_restarts():
+    st = Staging()
+    _stage(st, 5)
+    st.bucket(5, 0, {"a": 1})
+    assert _stage(st, 5)["replaced"] == 5
+    st.bucket(5, 0, {"a": 1})                                # not "repeated": the stage started over
+    assert st.stage.buckets == {0: 1}
+
+
+def test_gone_sender_is_replaced_live_sender_is_not():
+    alive = {100: True, 200: False}
+    st = Staging(alive=lambda pid: alive[pid])
+    _stage(st, 5, pid=100)
+    with pytest.raises(ValueError, match="version 5 is staged"):
+        _stage(st, 6, pid=300)
+    alive[100] = False                                        # the sender of version 5 died mid-push
+    assert _stage(st, 6, pid=300)["replaced"] == 5
+    st2 = Staging(alive=lambda pid: False)
+    _stage(st2, 5)                                           # no pid given: never assumed gone
+    with pytest.raises(ValueError, match="version 5 is staged"):
+        _stage(st2, 6)
+
+
+def test_commit_checks():
+    st = Staging()
+    _stage(st, 1, n=3)
+    st.bucket(1, 2, {"c": 3})
+    with pytest.raises(ValueError, match=r"buckets \[0, 1\] never arrived"):
+        st.commit(1)
+    assert st.version is None                                # a failed commit closes the stage
+    st.begin(2, None, 4, 8.0, 0)
+    with pytest.raises(ValueError, match="no checksum given"):
+        st.commit(2)
+    st.begin(3, None, 4, 8.0, 0)
+    assert st.commit(3, "crc-late").checksum == "crc-late"
+    _stage(st, 4)
+    with pytest.raises(ValueError, match="repeated or out of range"):
+        st.bucket(4, 2, {})
+    st.bucket(4, 0, {"a": 1})
+    with pytest.raises(ValueError, match="tensors sent twice"):
+        st.bucket(4, 1, {"a": 1})
+    with pytest.raises(ValueError, match="stale adapter version 4: version 4 is served"):
+        _stage(st, 4, served=4)
+
+
+def test_transport_aborts_its_stage_after_a_failed_bucket():
+    """_Base.push against a fake engine made of a Staging: a bucket that fails drops the sender's stage, so the next
+    push is accepted (without the abort it would be refused: version 1 still staged)."""
+    import torch
+
+    from moe_lora_rl.refit.transports import _Base
+
+    class Fake(_Base):
+        bucket_bytes = 16
+
+        def __init__(self):
+            self.st, self.fail = Staging(), True
+
+        def _call(self, method, *args):
+            if method == "moe_lora_begin":
+                return self.st.begin(*args)
+            if method == "moe_lora_abort":
+                return self.st.abort(*args)
+            if method == "moe_lora_commit":
+                return {"version": self.st.commit(*args).version}
+            raise AssertionError(method)
+
+        def _send_bucket(self, version, index, tensors):
+            if self.fail and index == 1:
+                raise ValueError("bucket lost")
+            self.st.bucket(version, index, tensors)
+
+    tensors = {"a": torch.zeros(4), "b": torch.zeros(4)}            # 16 bytes each: two buckets
+    tr = Fake()
+    with pytest.raises(ValueError, match="bucket lost"):
+        tr.push(1, tensors, 4, 8.0)
+    assert tr.st.version is None
+    tr.fail = False
+    assert tr.push(2, tensors, 4, 8.0).served == {"version": 2}
