@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..procs import pid_alive
 from .wire import combine, nbytes, tensor_crc, unpack
 
 ROOT = Path("/dev/shm")
@@ -23,22 +24,12 @@ PREFIX = "moe_lora_rl-"
 _NAME = re.compile(r"^moe_lora_rl-(\d+)-\d+-\d+-[0-9a-f]+$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale(root: Path = ROOT) -> list[str]:
     """Remove segments left by processes that no longer exist; returns their names."""
     removed = []
     for p in root.glob(PREFIX + "*"):
         m = _NAME.match(p.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             try:
                 p.unlink()
                 removed.append(p.name)

@@ -12,19 +12,10 @@ name the staged one. A commit closes the stage whether or not the activation tha
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from ..procs import pid_alive
 
 
 @dataclass
