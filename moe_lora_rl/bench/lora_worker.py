@@ -12,11 +12,9 @@ import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters, load_sharded, save_sharded
 from ..lora import sync_adapter_grads
-from ..megatron.build import build_model
 from ..megatron.forward import forward_logits
-from ..megatron.hf_reference import load_arch
+from ..megatron.from_hf import build_from_hf
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import RunConfig, prepare_host
 from ..megatron.train_step import lm_train_step
@@ -24,12 +22,7 @@ from .run_args import from_worker_arg
 
 
 def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = False, rc: RunConfig | None = None):
-    arch = load_arch(path)
-    model = build_model(arch, layout, rc, grouped_experts=grouped)
-    load_hf_weights(model, path, arch)
-    if cfg is not None:
-        apply_lora(model, cfg)
-    return arch, model
+    return build_from_hf(path, layout, rc, lora=cfg, grouped_experts=grouped)
 
 
 def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) -> tuple[list[float], list[float]]:
