@@ -59,7 +59,12 @@ def check_routes(routes: RoutesBatch | None, lengths: list[int], view: StageView
     if missing:
         raise ValueError(f"routes have no MoE layers {missing} (routes layers {list(routes.layer_ids)}, model MoE "
                          f"layers {list(view.moe_layers)})")
-    routes.check_tokens([n - 1 for n in lengths])
+    if len(routes.samples) != len(lengths):
+        raise ValueError(f"routes for {len(routes.samples)} samples, batch has {len(lengths)}")
+    for i, (n, r) in enumerate(zip(lengths, routes.samples)):
+        if r.shape[0] != n - 1:
+            raise ValueError(f"sample {i}: routes cover {r.shape[0]} tokens; a sample of {n} tokens needs {n - 1} "
+                             "(every token but the last)")
     return routes
 
 

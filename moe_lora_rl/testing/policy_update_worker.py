@@ -48,7 +48,7 @@ def make_batch(vocab: int, layers: tuple[int, ...], num_experts: int, topk: int)
 
 
 @torch.no_grad()
-def perturb(model, seed: int = 7, b_scale: float = 0.2) -> None:
+def perturb(model, seed: int = 7, b_scale: float = 0.05) -> None:
     """Every factor set from a seeded global tensor (kaiming-uniform on fan-in), B scaled: layout independent."""
     for _, p in adapter_factors(model):
         meta = p.lora_meta
@@ -63,14 +63,23 @@ def rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
 
 
-def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float) -> dict:
+def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_errors: bool) -> dict:
     import torch.distributed as dist
+
+    import time
+
+    t0 = time.perf_counter()
+    times = {}
+
+    def lap(name):
+        times[name] = round(time.perf_counter() - t0, 2)
 
     layout = Layout.parse(key)
     init_distributed(layout, rc)
     pol = Policy(path, layout, rc, LoRAConfig(rank=4, alpha=8.0), lr=1e-3, weight_decay=0.01, grad_clip=grad_clip,
                  loss=PolicyLossSettings(), micro_batch_size=1, temperature=0.9)
     perturb(pol.model)
+    lap("build")
     arch = pol.arch
     batch, shuffled = make_batch(arch.vocab_size, tuple(arch.moe_layer_ids), arch.num_experts, arch.topk)
     out: dict = {}
@@ -79,6 +88,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float) -> dict:
     own = pol.logprobs(dataclasses.replace(batch, routes=rec.recorded), replay="r3")
     rnd = pol.logprobs(batch, replay="r3")
     ref = pol.logprobs(batch, replay="r3", adapter=False)
+    lap("logprobs")
     out["recorded"] = rec.recorded.samples
     out["own_disagreement"] = own.disagreement
     out["own_vs_off"] = float((own.logprobs - off.logprobs).abs().max())
@@ -98,6 +108,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float) -> dict:
     ctrl = pol.update(batch, old, routes=shuffled, **kw)
     out["ctrl_grads"] = gather_adapters(pol.model, grads=True)
     out["ctrl_stats"] = ctrl
+    lap("ctrl_update")
     with torch.no_grad():
         for p, s in zip(pol.params, saved):
             p.copy_(s)
@@ -113,11 +124,54 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float) -> dict:
     after = gather_adapters(pol.model)
     out["step_moved"] = max(float((after[k] - before[k]).abs().max()) for k in after)
     out["version"] = pol.version
+    lap("update")
+    if check_errors:
+        out["errors"] = bad_inputs(pol, batch, old)
+    out["times"] = times
     out["zero_grad_factors"] = [k for k, v in out["grads"].items() if float(v.abs().max()) == 0.0]
     pol.replayer.detach()
     del pol
     dist.barrier()
     teardown()
+    return out
+
+
+def bad_inputs(pol: Policy, batch: PolicyBatch, old: torch.Tensor) -> dict[str, str]:
+    """The ValueError message of each bad input (every rank raises the same one before any collective)."""
+    r = batch.routes
+
+    def routes_like(samples, num_experts=r.num_experts, topk=r.topk):
+        return dataclasses.replace(batch, routes=RoutesBatch(samples, r.layer_ids, num_experts, topk))
+
+    cases = {
+        "replay_mode": lambda: pol.logprobs(batch, replay="r2"),
+        "update_replay_mode": lambda: pol.update(batch, old, replay="record"),
+        "routes_tokens": lambda: pol.logprobs(routes_like([r.samples[0][:-1]] + r.samples[1:])),
+        "routes_samples": lambda: pol.logprobs(routes_like(r.samples[:-1])),
+        "routes_topk": lambda: pol.logprobs(routes_like([x[..., :2] for x in r.samples], topk=2)),
+        "routes_layers": lambda: pol.logprobs(dataclasses.replace(batch, routes=RoutesBatch(
+            [x[:, 1:] for x in r.samples], r.layer_ids[1:], r.num_experts, r.topk))),
+        "routes_missing": lambda: pol.logprobs(dataclasses.replace(batch, routes=None)),
+        "dp_split": lambda: pol.logprobs(PolicyBatch(batch.tokens[:6], batch.lengths[:6], batch.loss_mask[:6],
+                                                     batch.advantages[:6], None, None, batch.group_ids[:6]),
+                                         replay="off"),
+        "old_shape": lambda: pol.update(batch, old[:, :-1]),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    mbs, pol.micro_batch_size = pol.micro_batch_size, 3
+    try:
+        pol.logprobs(batch, replay="off")
+        out["microbatch_split"] = "no error"
+    except ValueError as e:
+        out["microbatch_split"] = str(e)
+    finally:
+        pol.micro_batch_size = mbs
     return out
 
 
@@ -145,6 +199,8 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "stats_same_on_every_rank": r["stats_same_on_every_rank"],
             "logprob_max_diff": {k: float((r["logprobs"][k] - ref["logprobs"][k]).abs().max())
                                  for k in r["logprobs"]},
+            "logprob_rel_diff": {k: float((r["logprobs"][k] - ref["logprobs"][k]).abs().max()
+                                          / ref["logprobs"][k].abs().max()) for k in r["logprobs"]},
             "recorded_mismatch": [rec_bad, rec_tot],
             "stats": r["stats"], "ctrl_stats": r["ctrl_stats"],
             "grad_norm_rel_diff": abs(r["stats"]["grad_norm"] - ref["stats"]["grad_norm"]) / ref["stats"]["grad_norm"],
@@ -154,7 +210,7 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "n_factors": len(r["grads"]), "zero_grad_factors": r["zero_grad_factors"],
             "nonzero_grad_A_and_B": [any(k.endswith(f) and float(v.abs().max()) > 0 for k, v in r["grads"].items())
                                      for f in ("lora_A", "lora_B")],
-            "step_moved": r["step_moved"], "version": r["version"],
+            "errors": r.get("errors"), "step_moved": r["step_moved"], "version": r["version"], "times": r["times"],
         }
     return rep
 
@@ -173,7 +229,7 @@ def main(argv=None):
     layouts = a.layouts.split(",")
     res = {}
     for key in layouts:
-        out = run_layout(path, key, rc, a.grad_clip)
+        out = run_layout(path, key, rc, a.grad_clip, check_errors=key == layouts[0])
         if dist.get_rank() == 0:
             res[key] = out
     finish_worker(compare(res, layouts) if dist.get_rank() == 0 else {}, a.result)
