@@ -160,7 +160,8 @@ class Engine:
 
 def make_handler(engine: Engine):
     class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+        # HTTP/1.0: one request per connection, so no client can hold this single-threaded server with keep-alive
+        protocol_version = "HTTP/1.0"
 
         def log_message(self, fmt, *args):          # one line per request on stderr is noise at RL step rates
             pass
@@ -225,6 +226,7 @@ def make_handler(engine: Engine):
 
 class Server(HTTPServer):
     allow_reuse_address = True
+    request_queue_size = 64                # senders of a streamed push wait their turn instead of being refused
 
     def __init__(self, addr, handler, parent_pid: int):
         super().__init__(addr, handler)

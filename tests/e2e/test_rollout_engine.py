@@ -160,6 +160,9 @@ def test_pushed_adapter_matches_merged_hf(engine, prompts, model, arch):
     res = engine.transport.push(1, peft, RANK, ALPHA)
     assert res.served["version"] == 1 and engine.status()["version"] == 1
     assert engine.push_s > push_before
+    with pytest.raises(ValueError, match="stale adapter version 1"):      # refused by the engine, over HTTP
+        engine.transport.push(1, peft, RANK, ALPHA)
+    assert engine.status()["version"] == 1
     out = engine.generate(prompts, seeds=SEEDS, max_tokens=12, temperature=T)
     hf = merged_hf_model(model, peft, ALPHA / RANK, torch.float32)
     d = max_diff(out, hf_logprobs(hf, out, T))
