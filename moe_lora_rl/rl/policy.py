@@ -113,8 +113,8 @@ class Policy:
             raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a positive integer")
         if not temperature > 0:
             raise ValueError(f"temperature={temperature!r} must be > 0")
-        if not lr > 0 or weight_decay < 0:
-            raise ValueError(f"lr={lr!r} must be > 0 and weight_decay={weight_decay!r} >= 0")
+        if not lr >= 0 or weight_decay < 0:           # lr=0: the control run (everything but the step)
+            raise ValueError(f"lr={lr!r} and weight_decay={weight_decay!r} must be >= 0")
         if not isinstance(loss, PolicyLossSettings):
             raise ValueError(f"loss must be a PolicyLossSettings, got {type(loss).__name__}")
         self.lora = dataclasses.replace(lora, dtype=_ADAPTER_DTYPE[rc.adapter_dtype])

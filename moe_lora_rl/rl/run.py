@@ -139,9 +139,10 @@ class GRPORun:
         old = {"r3": replayed, "r2": unreplayed, "off": unreplayed}[cfg.replay]
         ref = self.policy.logprobs(batch, replay="r3" if cfg.replay == "r3" else "off", adapter=False).logprobs \
             if a.kl_coef > 0 else None
-        upd = self.policy.update(batch, old.logprobs, replay=cfg.replay,
+        upd = self.policy.update(batch, old.logprobs, replay="off" if cfg.replay == "off" else "r3",
                                  routes=unreplayed.recorded if cfg.replay == "r2" else None, ref_logprobs=ref,
-                                 kl_coef=a.kl_coef, rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_threshold)
+                                 kl_coef=a.kl_coef, rollout_is=None if a.rollout_is == "off" else a.rollout_is,
+                                 rollout_is_threshold=a.rollout_is_threshold)
         self.busy["train"] += time.perf_counter() - t0
         pushed = self.push()
         diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
