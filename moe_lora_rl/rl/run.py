@@ -156,7 +156,7 @@ class GRPORun:
         res = self.policy.push(self.engine.transport if self.rank == 0 else None, self.policy.version)
         if self.rank == 0:
             self.busy["rollout"] += time.perf_counter() - t0
-        return _broadcast(res.nbytes if self.rank == 0 else None)
+        return _broadcast(res.bytes if self.rank == 0 else None)
 
     def evaluate(self) -> float:
         """Held-out success rate: one response per problem, sampled at the training temperature with seeds fixed for
