@@ -333,8 +333,8 @@ def _stage(ckpt: Path, m: dict, model, optimizer, run_meta: dict) -> tuple[list,
                 continue
             for p in g:
                 name = p.lora_meta.global_name
-                if name not in o["steps"]:
-                    raise ValueError(f"{ckpt / OPTIMIZER_FILE}: no optimizer state for {name}")
+                if name not in o["steps"]:                 # never stepped when saved (no gradient): none now
+                    continue
                 st = o["steps"][name]
                 s = {"step": torch.tensor(st["value"], dtype=getattr(torch, st["dtype"])) if st["dtype"]
                      else st["value"]}
@@ -342,7 +342,8 @@ def _stage(ckpt: Path, m: dict, model, optimizer, run_meta: dict) -> tuple[list,
                     if (kind, name) in pieces:
                         s[kind] = _assemble(ckpt, kind, pieces[(kind, name)], p, cache)
                 opt_states.append((p, s))
-    state = torch.load(ckpt / mine, weights_only=False)
+    cache.clear()
+    state = torch.load(ckpt / mine, weights_only=False)   # our own pickle, its sha256 checked above
     return params, opt_states, hyper, state
 
 

@@ -101,6 +101,21 @@ def test_adapters_only_diverges(saved):
     assert (m.B - fresh.B).abs().max() > 1e-3
 
 
+def test_param_without_optimizer_state(tmp_path, model_dir):
+    """A factor the optimizer never stepped (no gradient yet) has no state after loading either."""
+    m, opt = make()
+    opt.zero_grad()
+    (m.A.sum() * 0 + m.B.sum()).backward()
+    m.A.grad = None
+    opt.step()
+    assert m.A not in opt.state and m.B in opt.state
+    meta = ck.describe_run(model_dir, m.lora_config)
+    ck.save_checkpoint(tmp_path / "c", 1, m, opt, run_meta=meta, state={})
+    fresh, fopt = make()
+    ck.load_checkpoint(tmp_path / "c", fresh, fopt, run_meta=meta)
+    assert fresh.A not in fopt.state and torch.equal(fopt.state[fresh.B]["exp_avg"], opt.state[m.B]["exp_avg"])
+
+
 def test_rng_state_round_trip(saved):
     import random
 
@@ -267,3 +282,15 @@ def test_plan_refusals():
         plan_reads("x", pieces(2), (3, 9), 1, 0, 4)
     with pytest.raises(ValueError, match="sharded on dim 1 in the checkpoint, the model shards dim 0"):
         plan_reads("x", pieces(2), (3, 8), 0, 0, 1)
+
+
+def test_refuses_other_run_settings(tmp_path, model_dir):
+    """Keys the caller adds to run_meta (seed, algorithm settings) must match exactly; a missing key too."""
+    m, opt = trained()
+    meta = ck.describe_run(model_dir, m.lora_config, "tp2ep2", seed=1, algo={"lr": 1e-3})
+    ck.save_checkpoint(tmp_path / "c", 1, m, opt, run_meta=meta, state={})
+    refused(tmp_path / "c", m, opt, {**meta, "seed": 2}, r"run_meta 'seed' mismatch: checkpoint 1, this run 2")
+    refused(tmp_path / "c", m, opt, {**meta, "algo": {"lr": 1e-4}}, "run_meta 'algo' mismatch")
+    refused(tmp_path / "c", m, opt, {k: v for k, v in meta.items() if k != "seed"}, "'seed' is only in the checkpoint")
+    with pytest.raises(ValueError, match="has no config.json"):
+        ck.describe_run(tmp_path, m.lora_config)
