@@ -2,7 +2,7 @@
 (torch.utils.tensorboard), a tqdm bar with live reward, KL and router disagreement, and `plot` drawing the run.
 
     log = MetricsLogger(out_dir, total_steps=cfg.steps, enabled=rank == 0, resumed_at=ckpt_step_or_None)
-    log.log(step, {REWARD: 0.4, KL_R3: 1e-4, DISAGREEMENT: 0.02, "loss": 0.1, "router": {"per_layer": {1: 0.03}}})
+    log.log(step, {REWARD: 0.4, KL_R3: 1e-4, DISAGREEMENT: 0.02, "loss": 0.1, "per_layer": {1: 0.03}})
     log.close(); plot(out_dir / "metrics.jsonl", out_dir / "metrics.png")
 
 A record's step is the number of training steps done when it is taken (0: before the first, e.g. the initial
@@ -20,15 +20,16 @@ import os
 import sys
 from pathlib import Path
 
-REWARD = "reward/mean"
+# the keys plot and the bar read: those of the driver's per-step records
+REWARD = "reward"
 """Mean task reward of the step's rollouts."""
-EVAL_SUCCESS = "eval/success"
+EVAL_SUCCESS = "eval"
 """Held-out success rate (logged at evaluation steps only)."""
-KL_R3 = "mismatch/kl_r3"
+KL_R3 = "r3_kl"
 """Train-inference KL (k3, rollout tokens) with the rollout's routes replayed in training."""
-KL_NO_R3 = "mismatch/kl_no_r3"
+KL_NO_R3 = "no_r3_kl"
 """The same KL with the training router choosing its own experts."""
-DISAGREEMENT = "router/disagreement"
+DISAGREEMENT = "disagreement"
 """Fraction of the training router's top-k choices not among the rollout's, mean over MoE layers."""
 
 JSONL = "metrics.jsonl"
@@ -116,8 +117,8 @@ class MetricsLogger:
         import time
 
         flat = flatten(metrics)
-        if "step" in flat:
-            raise ValueError("metrics must not contain a 'step' key (it is the record's own)")
+        if flat.pop("step", step) != step:
+            raise ValueError(f"metrics carry step={metrics['step']!r}, logged as step {step}")
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **flat}) + "\n")
         self._jsonl.flush()
         for k, v in flat.items():

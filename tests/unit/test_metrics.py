@@ -104,8 +104,11 @@ def test_disabled_writes_nothing(tmp_path):
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="total_steps=0"):
         M.MetricsLogger(tmp_path, total_steps=0)
-    with M.MetricsLogger(tmp_path, total_steps=2, bar=False) as log, pytest.raises(ValueError, match="'step'"):
-        log.log(0, {"step": 3})
+    with M.MetricsLogger(tmp_path, total_steps=3, bar=False) as log:
+        log.log(2, {"step": 2, M.REWARD: 1.0})                   # the driver's records carry their step
+        with pytest.raises(ValueError, match="step=3, logged as step 1"):
+            log.log(1, {"step": 3})
+    assert M.read_jsonl(tmp_path / M.JSONL)[0]["step"] == 2
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no metrics records"):
         M.plot(tmp_path / "empty.jsonl", tmp_path / "x.png")
