@@ -11,6 +11,14 @@ A crash mid-save leaves at most a .tmp- directory that `latest` never names; a r
 naming the file and the mismatch, the same on every rank) changes neither the model, the optimizer nor any file.
 Adam's moments have their parameter's shape and sharding, so they are stored as slices of the global canonical
 tensor exactly like the adapters (lora/state.py's format: the step directory also loads with lora.load_sharded).
+
+Exact resume, in this order:
+    meta = describe_run(model_path, lora, layout, seed=cfg.seed, algo=...)   # what must not change across a resume
+    after step k (update, push, metrics logged): save_checkpoint(root, k, model, optimizer, run_meta=meta,
+        state={"step": k, "version": policy.version, "rng": rng_state(), ...})
+    on resume, after building the model and optimizer, before the first push:
+        state = load_checkpoint(root, model, optimizer, run_meta=meta); set_rng_state(state["rng"])
+        policy.version = state["version"]; (re)start the engine; push that version; continue with step k + 1
 """
 from __future__ import annotations
 
