@@ -26,17 +26,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .rl.run import GRPORun
 
-    summary = GRPORun(cfg, world).run(on_step=_print_step if os.environ.get("RANK", "0") == "0" else None)
+    try:
+        summary = GRPORun(cfg, world).run()
+    except ValueError as e:           # a refused checkpoint or input found once the run started: every rank has it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps({k: v for k, v in summary.items() if k != "evals"}), flush=True)
     return 0
-
-
-def _print_step(m: dict) -> None:
-    ev = f" eval={m['eval']:.3f}" if "eval" in m else ""
-    print(f"step {m['step']:3d} reward={m['reward']:.3f} kl_r3={m.get('r3_kl', float('nan')):.2e} "
-          f"kl_no_r3={m.get('no_r3_kl', float('nan')):.2e} disagree={m.get('disagreement', float('nan')):.3f}"
-          f" grad_norm={m['grad_norm']:.3f}{ev} t={m['wall_s']:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Checkpoint every N steps; 0: none."""
     resume: bool = False
+    """Continue from the latest checkpoint in out_dir/checkpoints (the engine restarts and gets that version)."""
+    engine_restarts: int = 2
+    """If the rollout engine process dies, restart it (and repeat the interrupted rollout) up to this many times."""
     out_dir: str = "outputs/train"
 
     def __post_init__(self):
@@ -211,7 +214,7 @@ class TrainConfig:
         _choice("serving", self.serving, SERVING_MODES)
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps={self.steps!r} must be an integer >= 1")
-        for k in ("eval_every", "checkpoint_every", "seed"):
+        for k in ("eval_every", "checkpoint_every", "seed", "engine_restarts"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{k}={v!r} must be an integer >= 0")

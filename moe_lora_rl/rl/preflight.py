@@ -44,5 +44,11 @@ def check(cfg: TrainConfig, world_size: int):
     if n % (dp * cfg.algo.micro_batch_size):
         raise ValueError(f"algo.micro_batch_size={cfg.algo.micro_batch_size}: the batch of {n} responses does not "
                          f"split into microbatches over data-parallel size {dp}")
+    if cfg.resume:
+        from .checkpoint import latest_step
+
+        root = Path(cfg.out_dir) / "checkpoints"
+        if latest_step(root) is None:
+            raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first)")
     run_config(cfg).check_host()
     return arch

@@ -61,6 +61,7 @@ class GRPORun:
         self.out = Path(cfg.out_dir)
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.engine = None
+        self.engine_restarts = 0
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -102,23 +103,53 @@ class GRPORun:
 
         return prompt_ids(self.tok, [problem])[0]
 
+    def _on_engine(self, what: str, fn):
+        """fn() on rank 0's engine, its result on every rank. If the engine process died, it is restarted, the
+        current adapter version pushed again (every rank takes part) and fn repeated, up to engine_restarts times."""
+        from .rollout import EngineDied
+
+        for attempt in range(self.cfg.engine_restarts + 1):
+            result = None
+            if self.rank == 0:
+                try:
+                    result = ("ok", fn())
+                except EngineDied as e:
+                    result = ("died", " ".join(str(e).split())[:300])
+                except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
+                    result = ("error", e)
+            kind, value = _broadcast(result)
+            if kind == "ok":
+                return value
+            if kind == "error":
+                raise value if self.rank == 0 else RuntimeError(f"rank 0 failed during {what}: {value}")
+            if attempt == self.cfg.engine_restarts:
+                raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
+                                   f"(engine_restarts={self.cfg.engine_restarts}); giving up: {value}")
+            self.log.note(f"rollout engine died during {what}: {value}; restarting it "
+                          f"({attempt + 1}/{self.cfg.engine_restarts}), pushing adapter version "
+                          f"{self.policy.version}, repeating {what}")
+            self.engine_restarts += 1
+            if self.rank == 0:
+                self.engine.restart()
+            if self.policy.version > 0:
+                self.push()
+
     def rollout(self, step: int):
-        """Every rank gets the step's samples, their prompt ids and problems (generated on rank 0)."""
+        """Every rank gets the step's samples and problems (generated on rank 0)."""
         a = self.cfg.algo
         idx = prompt_indices(len(self.train_problems), a.prompts_per_step, step, self.cfg.seed)
         problems = [self.train_problems[i] for i in idx for _ in range(a.group_size)]
-        result = None
-        if self.rank == 0:
-            try:
-                t0 = time.perf_counter()
-                prompts = [self._prompt(p) for p in problems]
-                seeds = [sample_seed(self.cfg.seed, step, i, j) for i in idx for j in range(a.group_size)]
-                result = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
-                                              temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
-                self.busy["rollout"] += time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
-                result = e
-        samples = _broadcast(result)
+
+        def generate():
+            t0 = time.perf_counter()
+            prompts = [self._prompt(p) for p in problems]
+            seeds = [sample_seed(self.cfg.seed, step, i, j) for i in idx for j in range(a.group_size)]
+            out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
+                                       temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
+            self.busy["rollout"] += time.perf_counter() - t0
+            return out
+
+        samples = self._on_engine(f"the rollout of step {step + 1}", generate)
         group_ids = [k for k in range(len(idx)) for _ in range(a.group_size)]
         return samples, problems, group_ids
 
@@ -148,10 +179,11 @@ class GRPORun:
         diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
                                 unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement)
         resp_len = sum(len(s.response) for s in samples) / len(samples)
-        return {"step": step + 1, "reward": sum(rewards) / len(rewards), "response_len": resp_len, **upd, **diag,
-                "refit_bytes": pushed, "version": self.policy.version}
+        return {"reward": sum(rewards) / len(rewards), "response_len": resp_len, **upd, **diag,
+                "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples)}
 
     def push(self) -> int:
+        """LoRA-only refit of the current version (collective); the bytes sent, on every rank."""
         t0 = time.perf_counter()
         res = self.policy.push(self.engine.transport if self.rank == 0 else None, self.policy.version)
         if self.rank == 0:
@@ -162,45 +194,82 @@ class GRPORun:
         """Held-out success rate: one response per problem, sampled at the training temperature with seeds fixed for
         the run (rank 0's engine; the result on every rank)."""
         a = self.cfg.algo
-        result = None
-        if self.rank == 0:
-            try:
-                t0 = time.perf_counter()
-                prompts = [self._prompt(p) for p in self.eval_problems]
-                seeds = [eval_seed(self.cfg.seed, i) for i in range(len(prompts))]
-                out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
-                                           temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
-                result = sum(self.rewards(out, self.eval_problems)) / len(out)
-                self.busy["rollout"] += time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001
-                result = e
-        return _broadcast(result)
+
+        def run_eval():
+            t0 = time.perf_counter()
+            prompts = [self._prompt(p) for p in self.eval_problems]
+            seeds = [eval_seed(self.cfg.seed, i) for i in range(len(prompts))]
+            out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
+                                       temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
+            self.busy["rollout"] += time.perf_counter() - t0
+            return sum(self.rewards(out, self.eval_problems)) / len(out)
+
+        return self._on_engine("the held-out evaluation", run_eval)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def run_meta(self) -> dict:
+        """What must not change across a resume (the layout may: adapters and optimizer state reshard)."""
+        from dataclasses import asdict
+
+        from .checkpoint import describe_run
+
+        return describe_run(self.path, self.policy.lora, seed=self.cfg.seed, algo=asdict(self.cfg.algo),
+                            data=asdict(self.cfg.data), replay=self.cfg.replay)
+
+    def save(self, step: int, history: list, evals: dict) -> None:
+        from .checkpoint import rng_state, save_checkpoint
+
+        save_checkpoint(self.out / "checkpoints", step, self.policy.model, self.policy.optimizer,
+                        run_meta=self.run_meta(), state={"step": step, "version": self.policy.version,
+                                                         "rng": rng_state(), "history": history, "evals": evals})
+
+    def resume(self) -> tuple[int, list, dict]:
+        """Load the latest checkpoint; the new engine then gets that adapter version."""
+        from .checkpoint import load_checkpoint, set_rng_state
+
+        state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
+                                run_meta=self.run_meta())
+        set_rng_state(state["rng"])
+        self.policy.version = state["version"]
+        if self.policy.version > 0:
+            self.push()
+        return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}
 
     # -- the loop -----------------------------------------------------------------------------------------------
-    def run(self, on_step=None) -> dict:
+    def run(self) -> dict:
+        from .metrics import MetricsLogger, plot
+
         cfg = self.cfg
         self.setup()
-        log = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
+        start, history, evals = self.resume() if cfg.resume else (0, [], {})
+        self.log = MetricsLogger(self.out, total_steps=cfg.steps, enabled=self.rank == 0,
+                                 resumed_at=start if cfg.resume else None)
+        if cfg.resume:
+            self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version})")
         t_rl = time.perf_counter()
         self.busy = {"rollout": 0.0, "train": 0.0}
-        evals = {0: self.evaluate()}
-        history = []
-        for step in range(cfg.steps):
+        if 0 not in evals:
+            evals[0] = self.evaluate()
+            self.log.log(0, {"eval": evals[0]})
+        for step in range(start, cfg.steps):
             m = self.train_step(step)
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
                 evals[step + 1] = m["eval"] = self.evaluate()
             m["wall_s"] = time.perf_counter() - t_rl
             history.append(m)
-            if log:
-                log.write(json.dumps(m) + "\n")
-                log.flush()
-            if on_step:
-                on_step(m)
+            self.log.log(step + 1, m)
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                self.save(step + 1, history, evals)
         wall = time.perf_counter() - t_rl
+        from ..refit.export import stream_to_peft
+
+        stream_to_peft(self.policy.model, self.policy.arch, self.out / "adapter", base_model=str(self.path))
         summary = self.summary(history, evals, wall)
+        self.log.close()
         if self.rank == 0:
-            log.close()
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            plot(self.out / "metrics.jsonl", self.out / "metrics.png",
+                 title=f"GRPO, {summary['layout']}, replay={cfg.replay}, serving={cfg.serving}")
             self.engine.stop()
         return summary
 
@@ -219,7 +288,7 @@ class GRPORun:
                 "disagreement_mean": mean("disagreement", history),
                 "refit_bytes_per_step": mean("refit_bytes", history), "full_bytes": self.full_bytes(),
                 "rollout_busy_frac": self.busy["rollout"] / wall, "train_busy_frac": self.busy["train"] / wall,
-                "steps": len(history), "replay": self.cfg.replay, "serving": self.cfg.serving,
+                "steps": len(history), "engine_restarts": self.engine_restarts, "replay": self.cfg.replay, "serving": self.cfg.serving,
                 "layout": self.cfg.layout.layout().name, "model": str(self.path)}
 
     def full_bytes(self) -> int:
@@ -239,3 +308,13 @@ def _numel(shape) -> int:
     for d in shape:
         out *= int(d)
     return out
+
+
+def samples_digest(samples) -> str:
+    """sha256 of the step's prompts and sampled tokens, in order (equal runs draw equal samples)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for smp in samples:
+        h.update(json.dumps([list(smp.prompt), list(smp.response)]).encode())
+    return h.hexdigest()
