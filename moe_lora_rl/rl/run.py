@@ -88,14 +88,21 @@ class GRPORun:
                              temperature=a.temperature)
         arch = self.policy.arch
         self.moe_layers = tuple(i for i, m in enumerate(arch.moe_layers) if m)
+        self.setup_s = time.perf_counter() - t0
+
+    def start_engine(self) -> None:
+        """The rollout engine (rank 0 starts its process), serving the policy's current adapter version."""
+        t0 = time.perf_counter()
         if self.rank == 0:
             from .rollout import RolloutEngine
 
             self.out.mkdir(parents=True, exist_ok=True)
-            self.engine = RolloutEngine.start(str(self.path), dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
-                                              log_dir=self.out, seed=cfg.seed)
+            self.engine = RolloutEngine.start(str(self.path), dtype=self.cfg.runtime.rollout_dtype,
+                                              serving=self.cfg.serving, log_dir=self.out, seed=self.cfg.seed)
         dist.barrier()
-        self.setup_s = time.perf_counter() - t0
+        if self.policy.version > 0:
+            self.push()
+        self.setup_s += time.perf_counter() - t0
 
     # -- the two sides ------------------------------------------------------------------------------------------
     def _prompt(self, problem) -> list[int]:
@@ -224,15 +231,14 @@ class GRPORun:
                                                          "rng": rng_state(), "history": history, "evals": evals})
 
     def resume(self) -> tuple[int, list, dict]:
-        """Load the latest checkpoint; the new engine then gets that adapter version."""
+        """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
+        that adapter version."""
         from .checkpoint import load_checkpoint, set_rng_state
 
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())
         set_rng_state(state["rng"])
         self.policy.version = state["version"]
-        if self.policy.version > 0:
-            self.push()
         return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -242,6 +248,7 @@ class GRPORun:
         cfg = self.cfg
         self.setup()
         start, history, evals = self.resume() if cfg.resume else (0, [], {})
+        self.start_engine()
         self.log = MetricsLogger(self.out, total_steps=cfg.steps, enabled=self.rank == 0,
                                  resumed_at=start if cfg.resume else None)
         if cfg.resume:
