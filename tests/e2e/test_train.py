@@ -147,4 +147,3 @@ def test_resume_refusals(runs, tmp_path):
     p = train(runs["root"] / "b", "resume=true", "steps=5", "lora.rank=4")
     err = [l for l in p.stderr.splitlines() if l.startswith("train: error")]
     assert p.returncode == 2 and err and "rank" in err[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert not list((runs["root"] / "b").glob("rollout-engine-*.log"))[2:]   # no engine was started for it
