@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the small glm4_moe)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=23)
@@ -78,6 +78,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
+    if a.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype {a.dtype!r}: choose one of float32, bfloat16")
     for name in ("requests", "group", "prompt_len", "max_tokens", "rank", "repeats"):
         if getattr(a, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")

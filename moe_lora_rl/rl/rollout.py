@@ -88,7 +88,7 @@ class _EngineTransport(ShmTransport):
 class RolloutEngine:
     def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
                  log_dir=".", max_model_len=512, seed=0, startup_timeout=300.0, block_size=32,
-                 threads: int | None = None, request_timeout=600.0):
+                 threads: int | None = None, port: int | None = None, request_timeout=600.0):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -107,7 +107,7 @@ class RolloutEngine:
         self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
         self.generate_s = self.push_s = 0.0
         self.started_at = None
-        self.port = None
+        self.port = port                     # None: a free port, chosen at the first start and kept on restarts
         self.proc: subprocess.Popen | None = None
         self.transport: ShmTransport | None = None
         self.log_path: Path | None = None

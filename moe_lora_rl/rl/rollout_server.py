@@ -93,7 +93,10 @@ class Engine:
         self.args = a
         self.llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True, seed=a.seed,
                        block_size=a.block_size, enable_prefix_caching=a.prefix_caching, worker_extension_cls=EXT,
-                       logprobs_mode="processed_logprobs", additional_config={"moe_lora_serving": a.serving})
+                       logprobs_mode="processed_logprobs", additional_config={"moe_lora_serving": a.serving},
+                       # a prompt is never split over engine steps: vLLM's sampler rewinds a seeded request's
+                       # generator after a partial prefill (Generator.set_offset), which CPU generators refuse
+                       enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.meta = self.rpc("moe_lora_capture_start")[0] if a.capture else None
         self.mode = self.rpc("moe_lora_status")[0]["mode"]
@@ -158,7 +161,7 @@ class Engine:
         return {"samples": samples, "generate_s": gen_s}
 
 
-def make_handler(engine: Engine):
+def make_handler():
     class Handler(BaseHTTPRequestHandler):
         # HTTP/1.0: one request per connection, so no client can hold this single-threaded server with keep-alive
         protocol_version = "HTTP/1.0"
@@ -188,7 +191,7 @@ def make_handler(engine: Engine):
             if self.path == "/health":
                 self._send(200, {"ok": True})
             elif self.path == "/status":
-                self._send(200, engine.status())
+                self._send(200, self.server.engine.status())
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
@@ -200,7 +203,7 @@ def make_handler(engine: Engine):
                 return self._error(400, f"JSON decode error: {e}")
             if path == "/generate":
                 try:
-                    self._send(200, engine.generate(body))
+                    self._send(200, self.server.engine.generate(body))
                 except ValueError as e:
                     self._error(400, str(e))
                 except Exception as e:  # noqa: BLE001 - reported to the client, the engine keeps serving
@@ -210,14 +213,14 @@ def make_handler(engine: Engine):
                 if not isinstance(body, dict) or body.get("method") is None:
                     return self._error(400, "Missing 'method' in request body")
                 try:
-                    results = engine.rpc(body["method"], body.get("args", []), body.get("kwargs"))
+                    results = self.server.engine.rpc(body["method"], body.get("args", []), body.get("kwargs"))
                 except Exception as e:  # noqa: BLE001 - the message vLLM's engine core gives a failed utility call
                     traceback.print_exc()
                     return self._error(500, f"Call to collective_rpc method failed: {type(e).__name__}: {e}")
                 self._send(200, {"results": [r if r is None or isinstance(r, (dict, list)) else str(r)
                                              for r in results]})
             elif path == "/reset_prefix_cache":
-                self._send(200, {"success": bool(engine.llm.reset_prefix_cache())})
+                self._send(200, {"success": bool(self.server.engine.llm.reset_prefix_cache())})
             else:
                 self._error(404, f"no such endpoint: POST {path}")
 
@@ -231,6 +234,7 @@ class Server(HTTPServer):
     def __init__(self, addr, handler, parent_pid: int):
         super().__init__(addr, handler)
         self.parent_pid = parent_pid
+        self.engine: Engine | None = None
 
     def service_actions(self):
         # every poll interval while idle: exit with the process that started us
@@ -268,8 +272,10 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     a = parse_args(argv)
     os.environ.update(engine_env(a.threads))
-    engine = Engine(a)
-    server = Server(("127.0.0.1", a.port), make_handler(engine), a.parent_pid)
+    # the port first: a port in use fails in a second, not after the engine was built; health checks wait in the
+    # listen queue until the engine is up
+    server = Server(("127.0.0.1", a.port), make_handler(), a.parent_pid)
+    server.engine = Engine(a)
     print(f"rollout engine serving {a.model} on 127.0.0.1:{a.port} (pid {os.getpid()})", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)

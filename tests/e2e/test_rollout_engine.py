@@ -190,3 +190,4 @@ def test_killed_engine_is_reported_and_restart_serves_again(engine, prompts, bas
     again = engine.generate(prompts, seeds=SEEDS, max_tokens=12, temperature=T)
     assert [s.response for s in again] == [s.response for s in base_run]
     assert np.allclose([x for s in again for x in s.logprobs], [x for s in base_run for x in s.logprobs], atol=0)
+
