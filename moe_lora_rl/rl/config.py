@@ -185,6 +185,20 @@ class AlgoSettings:
 
 
 @dataclass
+class RolloutSettings:
+    node: Optional[str] = None
+    """Host of the rollout engine (a node of the slurm allocation, started there with srun --overlap and reached
+    over HTTP); null: rank 0's host (shared-memory refit)."""
+    gpus: list = field(default_factory=list)
+    """Device ids the engine may use (CUDA_VISIBLE_DEVICES); empty: the engine's default."""
+
+    def __post_init__(self):
+        from .placement import plan_placement
+
+        plan_placement(node=self.node, gpus=self.gpus, this_host="")
+
+
+@dataclass
 class TrainConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     layout: LayoutSettings = field(default_factory=LayoutSettings)
@@ -192,6 +206,7 @@ class TrainConfig:
     lora: LoRASettings = field(default_factory=LoRASettings)
     data: DataSettings = field(default_factory=DataSettings)
     algo: AlgoSettings = field(default_factory=AlgoSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
     replay: str = "r3"
     """Router replay: r3 (rollout routes replayed in training), r2 (training's first pass recorded and replayed),
     off."""

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..refit.transports import RefitError, ShmTransport
+from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
+from .placement import Placement
 from .rollout_server import check_request, decode_routes, engine_env
 
 
@@ -85,10 +86,21 @@ class _EngineTransport(ShmTransport):
         self._timed(super()._reset_prefix_cache)
 
 
+class _EngineHttpTransport(_EngineTransport):
+    """An engine on another host: the adapter travels inside the RPC (no shared memory across hosts)."""
+
+    def push(self, version, tensors, rank, alpha):
+        return _Base.push(self, version, tensors, rank, alpha)
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        HttpTransport._send_bucket(self, version, index, tensors)
+
+
 class RolloutEngine:
     def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
                  log_dir=".", max_model_len=512, seed=0, startup_timeout=300.0, block_size=32,
-                 threads: int | None = None, port: int | None = None, request_timeout=600.0):
+                 threads: int | None = None, port: int | None = None, request_timeout=600.0,
+                 placement: "Placement | None" = None):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -112,6 +124,7 @@ class RolloutEngine:
         self.transport: ShmTransport | None = None
         self.log_path: Path | None = None
         self.restarts = 0
+        self.placement = placement or Placement()
 
     # -- process ---------------------------------------------------------------------------------------------
     @classmethod
@@ -128,15 +141,16 @@ class RolloutEngine:
         if self.port is None:
             self.port = free_port()
         self.log_path = self.log_dir / f"rollout-engine-{self.port}.log"
-        cmd = [sys.executable, "-m", "moe_lora_rl.rl.rollout_server", "--model", self.model_dir,
-               "--port", str(self.port), "--dtype", s["dtype"], "--serving", s["serving"],
+        pl = self.placement
+        cmd = [*pl.launcher, sys.executable, "-m", "moe_lora_rl.rl.rollout_server", "--model", self.model_dir,
+               "--port", str(self.port), "--host", pl.bind_host, "--dtype", s["dtype"], "--serving", s["serving"],
                "--max-model-len", str(s["max_model_len"]), "--block-size", str(s["block_size"]),
-               "--seed", str(s["seed"]), "--parent-pid", str(os.getpid()),
+               "--seed", str(s["seed"]), "--parent-pid", str(os.getpid() if pl.watch_parent else 0),
                "--prefix-caching" if s["prefix_caching"] else "--no-prefix-caching",
                "--capture" if s["capture"] else "--no-capture"]
         if s["threads"] is not None:
             cmd += ["--threads", str(s["threads"])]
-        env = dict(os.environ, **engine_env(s["threads"]))
+        env = dict(os.environ, **engine_env(s["threads"]), **pl.env)
         if s["threads"] is None:
             env.pop("OMP_NUM_THREADS", None)            # e.g. torchrun's 1: the engine uses the cores while it runs
         with open(self.log_path, "ab") as log:
@@ -144,9 +158,9 @@ class RolloutEngine:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_dir,
                                          stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
-        url = f"http://127.0.0.1:{self.port}"
+        url = f"http://{pl.connect_host}:{self.port}"
         if self.transport is None:
-            self.transport = _EngineTransport(self, url)
+            self.transport = (_EngineTransport if pl.transport == "shm" else _EngineHttpTransport)(self, url)
         self.transport.base_url = url
         t0 = time.time()
         while True:
@@ -209,7 +223,8 @@ class RolloutEngine:
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         self._check_alive()
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+        url = f"http://{self.placement.connect_host}:{self.port}{path}"
+        req = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.request_timeout) as r:

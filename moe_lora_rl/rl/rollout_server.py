@@ -248,6 +248,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1", help="listening address (another node's driver: 0.0.0.0)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--serving", default="unmerged", choices=("unmerged", "merged"))
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -274,9 +275,9 @@ def main(argv=None) -> None:
     os.environ.update(engine_env(a.threads))
     # the port first: a port in use fails in a second, not after the engine was built; health checks wait in the
     # listen queue until the engine is up
-    server = Server(("127.0.0.1", a.port), make_handler(), a.parent_pid)
+    server = Server((a.host, a.port), make_handler(), a.parent_pid)
     server.engine = Engine(a)
-    print(f"rollout engine serving {a.model} on 127.0.0.1:{a.port} (pid {os.getpid()})", flush=True)
+    print(f"rollout engine serving {a.model} on {a.host}:{a.port} (pid {os.getpid()})", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)
     finally:

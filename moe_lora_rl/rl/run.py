@@ -94,11 +94,17 @@ class GRPORun:
         """The rollout engine (rank 0 starts its process), serving the policy's current adapter version."""
         t0 = time.perf_counter()
         if self.rank == 0:
+            import socket
+
+            from .placement import plan_placement
             from .rollout import RolloutEngine
 
             self.out.mkdir(parents=True, exist_ok=True)
+            where = plan_placement(node=self.cfg.rollout.node, gpus=self.cfg.rollout.gpus,
+                                   this_host=socket.gethostname())
             self.engine = RolloutEngine.start(str(self.path), dtype=self.cfg.runtime.rollout_dtype,
-                                              serving=self.cfg.serving, log_dir=self.out, seed=self.cfg.seed)
+                                              serving=self.cfg.serving, log_dir=self.out, seed=self.cfg.seed,
+                                              placement=where)
         dist.barrier()
         if self.policy.version > 0:
             self.push()
