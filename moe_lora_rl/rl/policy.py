@@ -34,7 +34,7 @@ from ..router_replay.routes import RoutesBatch
 from .policy_routes import check_routes, disagreement, gather_recorded, queue_routes, stage_view
 
 LOGPROB_REPLAY = ("r3", "record", "off")
-UPDATE_REPLAY = ("r3", "off")            # r3: replay `routes` if given (e.g. R2's recorded), else batch.routes
+UPDATE_REPLAY = ("r3", "r2", "off")      # r3: `routes` if given, else batch.routes; r2: `routes` (recorded) required
 ROLLOUT_IS = ("token", "sequence", None)
 _ADAPTER_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -162,7 +162,7 @@ class Policy:
         return token_log_probs(logits_local.float() / self.temperature, labels, self.arch.vocab_size)[:, :s - 1]
 
     def _arm(self, replay: str, routes: RoutesBatch | None, batch: PolicyBatch, plan: _Plan, measure: bool) -> None:
-        if replay == "r3":
+        if replay in ("r3", "r2"):
             self.replayer.set_mode(Mode.REPLAY)
             queue_routes(self.replayer, routes, plan.microbatches, batch.lengths, plan.padded_len, self.view, measure)
         else:
@@ -196,7 +196,7 @@ class Policy:
             for ids, lp in zip(plan.microbatches, outs):
                 full[ids] = lp.float()
         dist.all_reduce(full)                   # one contributor per row: the last stage's TP rank 0 of its DP rank
-        full *= batch.label_mask()
+        full = torch.where(batch.label_mask(), full, torch.zeros(()))
         dis = disagreement(self.replayer, self.arch.num_layers) if replay == "r3" else None
         rec = gather_recorded(self.replayer, plan.microbatches, batch.lengths, plan.padded_len, self.view) \
             if replay == "record" else None
@@ -207,9 +207,10 @@ class Policy:
     def update(self, batch: PolicyBatch, old_logprobs: torch.Tensor, *, replay: str = "r3",
                routes: RoutesBatch | None = None, ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                rollout_is: str | None = "token", rollout_is_threshold: float = 2.0) -> dict:
-        """One AdamW step of the adapters over the global batch. Returns {"loss", "grad_norm" (before clipping),
-        "clipped", "pg_clipfrac", "kl", "lr"}, the same on every rank. rollout_is None: no rollout correction
-        (also when batch.rollout_logprobs is None)."""
+        """One AdamW step of the adapters over the global batch. replay: "r3" replays `routes` if given, else
+        batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
+        Returns {"loss", "grad_norm" (before clipping), "clipped", "pg_clipfrac", "kl", "lr"}, the same on every
+        rank. rollout_is None: no rollout correction (also when batch.rollout_logprobs is None)."""
         from megatron.core import parallel_state as ps
 
         if replay not in UPDATE_REPLAY:
@@ -227,8 +228,10 @@ class Policy:
             raise ValueError("old_logprobs is None")
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+        if replay == "r2" and routes is None:
+            raise ValueError("replay='r2' needs routes= (the RoutesBatch recorded by logprobs(replay='record'))")
         routes = check_routes(routes if routes is not None else batch.routes, batch.lengths, self.view) \
-            if replay == "r3" else None
+            if replay != "off" else None
         mask = batch.loss_mask
         n_tokens = int(mask.sum())
         if n_tokens == 0:

@@ -105,7 +105,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
                                 * batch.loss_mask)
     kw = dict(ref_logprobs=ref.logprobs, kl_coef=0.05, rollout_is="token", rollout_is_threshold=2.0)
     saved = [p.detach().clone() for p in pol.params]
-    ctrl = pol.update(batch, old, routes=shuffled, **kw)
+    ctrl = pol.update(batch, old, replay="r2", routes=shuffled, **kw)     # the R2 path, wrong routes
     out["ctrl_grads"] = gather_adapters(pol.model, grads=True)
     out["ctrl_stats"] = ctrl
     lap("ctrl_update")
@@ -146,6 +146,7 @@ def bad_inputs(pol: Policy, batch: PolicyBatch, old: torch.Tensor) -> dict[str, 
     cases = {
         "replay_mode": lambda: pol.logprobs(batch, replay="r2"),
         "update_replay_mode": lambda: pol.update(batch, old, replay="record"),
+        "r2_without_routes": lambda: pol.update(batch, old, replay="r2"),
         "routes_tokens": lambda: pol.logprobs(routes_like([r.samples[0][:-1]] + r.samples[1:])),
         "routes_samples": lambda: pol.logprobs(routes_like(r.samples[:-1])),
         "routes_topk": lambda: pol.logprobs(routes_like([x[..., :2] for x in r.samples], topk=2)),
