@@ -111,6 +111,9 @@ class DataSettings:
     """Digits per list of the sorting task (moe_lora_rl.rl.task)."""
     n_eval: int = 256
     """Held-out problems."""
+    eval_samples: int = 4
+    """Responses per held-out problem at each evaluation (sampled at the training temperature, seeds fixed for the
+    run); success is their mean."""
     train_file: Optional[str] = None
     """A parquet file in verl's row format to train on instead of the generated task."""
     eval_file: Optional[str] = None
@@ -119,6 +122,8 @@ class DataSettings:
         from .task import TaskSpec
 
         TaskSpec(length=self.length, n_eval=self.n_eval)
+        if not isinstance(self.eval_samples, int) or isinstance(self.eval_samples, bool) or self.eval_samples < 1:
+            raise ValueError(f"data.eval_samples={self.eval_samples!r} must be an integer >= 1")
         from .dataset import read_rows
 
         for key in ("train_file", "eval_file"):
@@ -138,6 +143,8 @@ class AlgoSettings:
     micro_batch_size: int = 16
     """Responses per microbatch of the update."""
     lr: float = 1e-3
+    betas: list = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     temperature: float = 1.0
@@ -167,6 +174,8 @@ class AlgoSettings:
         _positive("algo.lr", self.lr, zero_ok=True)           # lr=0 is the control run
         _positive("algo.weight_decay", self.weight_decay, zero_ok=True)
         _positive("algo.grad_clip", self.grad_clip)
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"algo.betas={list(self.betas)!r}: need two values in [0, 1)")
         _positive("algo.temperature", self.temperature)
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
         _choice("algo.loss_mode", self.loss_mode, LOSS_MODES)

@@ -106,7 +106,8 @@ class _Plan:
 class Policy:
     def __init__(self, model_path, layout: Layout, rc: RunConfig, lora: LoRAConfig, *, lr: float,
                  weight_decay: float, grad_clip: float, loss: PolicyLossSettings, micro_batch_size: int,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0,
+                 betas: tuple[float, float] = (0.9, 0.999)):
         """Parallel state must be initialised for `layout` (megatron.parallel.init_distributed) and the host
         prepared (run_config.prepare_host). The adapters take rc.adapter_dtype."""
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
@@ -123,7 +124,9 @@ class Policy:
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
         self.arch, self.model = build_from_hf(model_path, layout, rc, lora=self.lora)
         self.params = [p for _, p in adapter_factors(self.model)]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"betas={tuple(betas)!r}: need two values in [0, 1)")
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
         self.replayer = RouterReplayer(self.model)
         self.view = stage_view(self.model, self.arch)
         self.version = 0

@@ -85,7 +85,7 @@ class GRPORun:
         self.policy = Policy(str(self.path), cfg.layout.layout(), rc, cfg.lora.lora_config(init_seed=cfg.seed),
                              lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                              loss=a.policy_loss_settings(), micro_batch_size=a.micro_batch_size,
-                             temperature=a.temperature)
+                             temperature=a.temperature, betas=tuple(a.betas))
         arch = self.policy.arch
         self.moe_layers = tuple(i for i, m in enumerate(arch.moe_layers) if m)
         self.setup_s = time.perf_counter() - t0
@@ -204,18 +204,19 @@ class GRPORun:
         return _broadcast(res.bytes if self.rank == 0 else None)
 
     def evaluate(self) -> float:
-        """Held-out success rate: one response per problem, sampled at the training temperature with seeds fixed for
-        the run (rank 0's engine; the result on every rank)."""
-        a = self.cfg.algo
+        """Held-out success rate: data.eval_samples responses per problem, sampled at the training temperature with
+        seeds fixed for the run (rank 0's engine; the result on every rank)."""
+        a, k = self.cfg.algo, self.cfg.data.eval_samples
 
         def run_eval():
             t0 = time.perf_counter()
-            prompts = [self._prompt(p) for p in self.eval_problems]
-            seeds = [eval_seed(self.cfg.seed, i) for i in range(len(prompts))]
+            problems = [p for p in self.eval_problems for _ in range(k)]
+            prompts = [self._prompt(p) for p in problems]
+            seeds = [eval_seed(self.cfg.seed, i, j) for i in range(len(self.eval_problems)) for j in range(k)]
             out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
                                        temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
             self.busy["rollout"] += time.perf_counter() - t0
-            return sum(self.rewards(out, self.eval_problems)) / len(out)
+            return sum(self.rewards(out, problems)) / len(out)
 
         return self._on_engine("the held-out evaluation", run_eval)
 
