@@ -221,7 +221,7 @@ class TrainConfig:
     off."""
     serving: str = "unmerged"
     """unmerged: vLLM serves base + LoRA, refit sends adapters only; merged: refit sends merged weights."""
-    steps: int = 60
+    steps: int = 80
     seed: int = 0
     eval_every: int = 10
     """Held-out evaluation every N steps (and at the start and the end); 0: only start and end."""
