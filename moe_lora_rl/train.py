@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = config.load(sys.argv[1:] if argv is None else argv)
+        if cfg.runtime.device == "cpu":
+            # megatron-core's fused kernels go through torch.compile, which costs tens of seconds per first call on
+            # CPU for nothing; set before torch's compiler is first imported (a caller's explicit value wins)
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
         preflight.check(cfg, world)
     except ValueError as e:
         print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)
