@@ -12,6 +12,8 @@ BENCHES = {
     "plan": "moe_lora_rl.bench.plan",
     "grpo_hf": "moe_lora_rl.bench.grpo_hf",
     "serve": "moe_lora_rl.bench.serve",
+    "e2e": "moe_lora_rl.bench.e2e",
+    "rollout": "moe_lora_rl.bench.rollout",
 }
 
 

@@ -21,11 +21,9 @@ import resource
 import torch
 import torch.distributed as dist
 
-from ..lora import LoRAConfig, adapter_factors, apply_lora, sync_adapter_grads
-from ..megatron.build import build_model
-from ..megatron.hf_reference import load_arch
+from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
+from ..megatron.from_hf import build_from_hf
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import prepare_host
 from ..megatron.train_step import lm_train_step
@@ -67,13 +65,11 @@ def main(argv=None):
     prepare_host(rc)
     layout = Layout.parse(a.layout)
     init_distributed(layout, rc)
-    arch = load_arch(a.model)
     gc.collect()
     baseline = rss_kb()
-    model = build_model(arch, layout, rc)
-    load_hf_weights(model, a.model, arch)
-    if a.variant == "lora":
-        apply_lora(model, LoRAConfig.from_dict(json.loads(a.lora)))
+    lora = LoRAConfig.from_dict(json.loads(a.lora)) if a.variant == "lora" else None
+    arch, model = build_from_hf(a.model, layout, rc, lora=lora)
+    if lora is not None:
         params, sync = [p for _, p in adapter_factors(model)], functools.partial(sync_adapter_grads, model)
     else:
         params, sync = [p for p in model.parameters() if p.requires_grad], None

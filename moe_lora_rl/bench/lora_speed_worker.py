@@ -10,12 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..lora import LoRAConfig, adapter_factors, apply_lora, sync_adapter_grads
-from ..megatron.build import build_model
+from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
+from ..megatron.from_hf import build_from_hf
 from ..megatron.forward import forward_logits
-from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import prepare_host
 from .run_args import from_worker_arg
@@ -46,13 +44,9 @@ def main(argv=None):
     prepare_host(rc)
     layout = Layout.parse(a.layout)
     init_distributed(layout, rc)
-    arch = load_arch(a.model)
-    base = build_model(arch, layout, rc)
-    load_hf_weights(base, a.model, arch)
-    lora = build_model(arch, layout, rc)
-    load_hf_weights(lora, a.model, arch)
+    arch, base = build_from_hf(a.model, layout, rc)
     cfg = LoRAConfig.from_dict(json.loads(a.lora))
-    apply_lora(lora, cfg)
+    _, lora = build_from_hf(a.model, layout, rc, lora=cfg)
     base_params = [p for p in base.parameters() if p.requires_grad]
     lora_params = [p for _, p in adapter_factors(lora)]
     opt_b = torch.optim.AdamW(base_params, lr=1e-5)

@@ -6,11 +6,10 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from ..megatron.build import build_model
+from ..megatron.from_hf import build_from_hf
 from ..megatron.forward import forward_logits
-from ..megatron.hf_reference import hf_logits, load_arch
+from ..megatron.hf_reference import hf_logits
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import prepare_host
 from ..testing.launch import finish_worker
@@ -46,9 +45,7 @@ def main(argv=None):
         layout = Layout.parse(key)
         init_distributed(layout, rc)
         for path in a.models.split(","):
-            arch = load_arch(path)
-            model = build_model(arch, layout, rc, grouped_experts=a.grouped)
-            load_hf_weights(model, path, arch)
+            arch, model = build_from_hf(path, layout, rc, grouped_experts=a.grouped)
             tokens = sample_tokens(arch.vocab_size)
             logits = forward_logits(model, tokens, arch.vocab_size)
             rec = {"max_abs": -1.0, "rel_median_token": -1.0, "ref_max_abs": -1.0, "control": -1.0}

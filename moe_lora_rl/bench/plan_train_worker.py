@@ -10,12 +10,10 @@ import time
 
 import torch
 
-from ..lora import LoRAConfig, adapter_factors, apply_lora, sync_adapter_grads
+from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
 from ..megatron.run_config import RunConfig, prepare_host
-from ..megatron.build import build_model
-from ..megatron.hf_reference import load_arch
+from ..megatron.from_hf import build_from_hf
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.train_step import lm_train_step
 from ..testing.launch import finish_worker
@@ -33,10 +31,7 @@ def main(argv=None):
     prepare_host(RunConfig())                                # fp32 on CPU: the caller applies the CPU support
     layout = Layout()
     init_distributed(layout)
-    arch = load_arch(a.model)
-    model = build_model(arch, layout)
-    load_hf_weights(model, a.model, arch)
-    apply_lora(model, LoRAConfig.from_dict(json.loads(a.lora)))
+    arch, model = build_from_hf(a.model, layout, lora=LoRAConfig.from_dict(json.loads(a.lora)))
     params = [p for _, p in adapter_factors(model)]
     opt = torch.optim.AdamW(params, lr=1e-4)
     batches = [int(b) for b in a.batches.split(",")]

@@ -16,14 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters
+from ..lora import LoRAConfig, adapter_factors, gather_adapters
 from ..lora.layers import make_factor
 from ..lora.state import group_rank_size
 from ..megatron.run_config import RunConfig, prepare_host
-from ..megatron.build import build_model
-from ..megatron.hf_reference import load_arch
+from ..megatron.from_hf import build_from_hf
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..refit.export import stream_to_peft
 from ..refit.gather import build_plan, local_reports, stream
@@ -92,10 +90,7 @@ def randomize(model, seed: int) -> None:
 
 def run_one(path: str, key: str, cfg: LoRAConfig, buckets: list[int], work: Path) -> dict:
     me = dist.get_rank()
-    arch = load_arch(path)
-    model = build_model(arch, Layout.parse(key))
-    load_hf_weights(model, path, arch)
-    apply_lora(model, cfg)
+    arch, model = build_from_hf(path, Layout.parse(key), lora=cfg)
     randomize(model, seed=1)
     shard = sum(p.numel() * 4 for _, p in adapter_factors(model))
     rec: dict = {"shard_bytes": shard}

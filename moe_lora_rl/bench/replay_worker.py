@@ -19,11 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..megatron.build import build_model
+from ..megatron.from_hf import build_from_hf
 from ..megatron.forward import forward_logits, packed_inputs
-from ..megatron.hf_reference import load_arch
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import prepare_host
 from ..router_replay.align import align_microbatch
@@ -213,9 +211,7 @@ def main(argv=None):
         init_distributed(layout, rc)
         for path in a.models.split(","):
             d = data[path]
-            arch = load_arch(path)
-            model = build_model(arch, layout, rc)
-            load_hf_weights(model, path, arch)
+            arch, model = build_from_hf(path, layout, rc)
             dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             n = d["tokens"].shape[0]
             if n % dp:

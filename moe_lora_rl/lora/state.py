@@ -39,8 +39,9 @@ def is_owner(meta) -> bool:
 
 
 @torch.no_grad()
-def gather_adapters(model, check_replicas: bool = True) -> dict[str, torch.Tensor]:
-    """Full canonical tensors of every adapter factor in the model, on every rank (collective over the world).
+def gather_adapters(model, check_replicas: bool = True, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full canonical tensors of every adapter factor in the model, on every rank (collective over the world);
+    grads=True: of their gradients instead (zeros where a factor has none).
 
     Every rank ends up holding the whole adapter (plus pickled copies): a reference for tests at small scale. The
     refit and PEFT export paths stream instead (refit/gather.py), holding one bucket at a time.
@@ -50,7 +51,8 @@ def gather_adapters(model, check_replicas: bool = True) -> dict[str, torch.Tenso
     local: dict[str, torch.Tensor] = {}
     for _, p in adapter_factors(model):
         meta = p.lora_meta
-        t = meta.canonical(p.detach()).float()
+        src = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+        t = meta.canonical(src.detach()).float()
         if meta.shard_dim is not None:
             g = process_group(meta.group)
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size(g))]

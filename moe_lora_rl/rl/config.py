@@ -111,6 +111,9 @@ class DataSettings:
     """Digits per list of the sorting task (moe_lora_rl.rl.task)."""
     n_eval: int = 256
     """Held-out problems."""
+    eval_samples: int = 4
+    """Responses per held-out problem at each evaluation (sampled at the training temperature, seeds fixed for the
+    run); success is their mean."""
     train_file: Optional[str] = None
     """A parquet file in verl's row format to train on instead of the generated task."""
     eval_file: Optional[str] = None
@@ -119,6 +122,8 @@ class DataSettings:
         from .task import TaskSpec
 
         TaskSpec(length=self.length, n_eval=self.n_eval)
+        if not isinstance(self.eval_samples, int) or isinstance(self.eval_samples, bool) or self.eval_samples < 1:
+            raise ValueError(f"data.eval_samples={self.eval_samples!r} must be an integer >= 1")
         from .dataset import read_rows
 
         for key in ("train_file", "eval_file"):
@@ -138,6 +143,8 @@ class AlgoSettings:
     micro_batch_size: int = 16
     """Responses per microbatch of the update."""
     lr: float = 1e-3
+    betas: list = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     temperature: float = 1.0
@@ -167,6 +174,8 @@ class AlgoSettings:
         _positive("algo.lr", self.lr, zero_ok=True)           # lr=0 is the control run
         _positive("algo.weight_decay", self.weight_decay, zero_ok=True)
         _positive("algo.grad_clip", self.grad_clip)
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"algo.betas={list(self.betas)!r}: need two values in [0, 1)")
         _positive("algo.temperature", self.temperature)
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
         _choice("algo.loss_mode", self.loss_mode, LOSS_MODES)
@@ -185,6 +194,20 @@ class AlgoSettings:
 
 
 @dataclass
+class RolloutSettings:
+    node: Optional[str] = None
+    """Host of the rollout engine (a node of the slurm allocation, started there with srun --overlap and reached
+    over HTTP); null: rank 0's host (shared-memory refit)."""
+    gpus: list = field(default_factory=list)
+    """Device ids the engine may use (CUDA_VISIBLE_DEVICES); empty: the engine's default."""
+
+    def __post_init__(self):
+        from .placement import plan_placement
+
+        plan_placement(node=self.node, gpus=self.gpus, this_host="")
+
+
+@dataclass
 class TrainConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     layout: LayoutSettings = field(default_factory=LayoutSettings)
@@ -192,18 +215,22 @@ class TrainConfig:
     lora: LoRASettings = field(default_factory=LoRASettings)
     data: DataSettings = field(default_factory=DataSettings)
     algo: AlgoSettings = field(default_factory=AlgoSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
     replay: str = "r3"
     """Router replay: r3 (rollout routes replayed in training), r2 (training's first pass recorded and replayed),
     off."""
     serving: str = "unmerged"
     """unmerged: vLLM serves base + LoRA, refit sends adapters only; merged: refit sends merged weights."""
-    steps: int = 60
+    steps: int = 80
     seed: int = 0
     eval_every: int = 10
     """Held-out evaluation every N steps (and at the start and the end); 0: only start and end."""
     checkpoint_every: int = 0
     """Checkpoint every N steps; 0: none."""
     resume: bool = False
+    """Continue from the latest checkpoint in out_dir/checkpoints (the engine restarts and gets that version)."""
+    engine_restarts: int = 2
+    """If the rollout engine process dies, restart it (and repeat the interrupted rollout) up to this many times."""
     out_dir: str = "outputs/train"
 
     def __post_init__(self):
@@ -211,7 +238,7 @@ class TrainConfig:
         _choice("serving", self.serving, SERVING_MODES)
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps={self.steps!r} must be an integer >= 1")
-        for k in ("eval_every", "checkpoint_every", "seed"):
+        for k in ("eval_every", "checkpoint_every", "seed", "engine_restarts"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{k}={v!r} must be an integer >= 0")

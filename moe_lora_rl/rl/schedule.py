@@ -38,3 +38,10 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample: int) -> int:
     """A 63-bit sampling seed from (run seed, step, prompt, sample): independent of batch composition and order."""
     digest = hashlib.sha256(f"sample:{seed}:{step}:{prompt_index}:{sample}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def eval_seed(seed: int, problem_index: int, sample: int = 0) -> int:
+    """The sampling seed of one held-out response: the same at every evaluation of a run, so the change between two
+    evaluations is the policy's, not the sampler's."""
+    digest = hashlib.sha256(f"eval:{seed}:{problem_index}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

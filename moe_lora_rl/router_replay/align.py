@@ -55,10 +55,36 @@ def align_microbatch(routes: RoutesBatch, sample_ids: list[int], *, padded_len: 
             seq_major.append(grid)
     out = []
     for g in seq_major:
-        if sequence_parallel and tp_size > 1:
-            if g.shape[0] % tp_size:
-                raise ValueError(f"sequence length {g.shape[0]} does not split over {tp_size} sequence-parallel ranks")
-            n = g.shape[0] // tp_size
-            g = g[tp_rank * n:(tp_rank + 1) * n]
-        out.append(torch.from_numpy(np.ascontiguousarray(g).reshape(-1, k)))
+        lo, hi = sequence_slice(g.shape[0], tp_rank, tp_size, sequence_parallel)
+        out.append(torch.from_numpy(np.ascontiguousarray(g[lo:hi]).reshape(-1, k)))
     return out
+
+
+def sequence_slice(seq_len: int, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False
+                   ) -> tuple[int, int]:
+    """[lo, hi) of the sequence positions this TP rank's router sees."""
+    if not (sequence_parallel and tp_size > 1):
+        return 0, seq_len
+    if seq_len % tp_size:
+        raise ValueError(f"sequence length {seq_len} does not split over {tp_size} sequence-parallel ranks")
+    n = seq_len // tp_size
+    return tp_rank * n, (tp_rank + 1) * n
+
+
+def real_token_mask(counts: list[int], *, padded_len: int, tp_rank: int = 0, tp_size: int = 1,
+                    sequence_parallel: bool = False) -> torch.Tensor:
+    """bool [local_tokens] in align_microbatch's BSHD order: True where the sample has a real route (position <
+    counts[b]), False on padding."""
+    grid = torch.arange(padded_len)[:, None] < torch.tensor(counts, dtype=torch.long)[None, :]      # [s, b]
+    lo, hi = sequence_slice(padded_len, tp_rank, tp_size, sequence_parallel)
+    return grid[lo:hi].reshape(-1)
+
+
+def unalign_microbatch(idx: torch.Tensor, num_samples: int, *, padded_len: int, tp_rank: int = 0, tp_size: int = 1,
+                       sequence_parallel: bool = False) -> tuple[int, torch.Tensor]:
+    """The inverse of align_microbatch (BSHD) for one layer's router output [local_tokens, topk]: (first sequence
+    position held, [positions, num_samples, topk])."""
+    lo, hi = sequence_slice(padded_len, tp_rank, tp_size, sequence_parallel)
+    if idx.shape[0] != (hi - lo) * num_samples:
+        raise ValueError(f"router output of {idx.shape[0]} tokens for {num_samples} samples x {hi - lo} positions")
+    return lo, idx.reshape(hi - lo, num_samples, idx.shape[-1])

@@ -7,6 +7,10 @@ reuses one target for every microbatch, (3) checks neither the token count nor t
 whether every route was used. Here every router gets a RouteReplay that knows its global layer number and holds a
 queue with one entry per microbatch, consumed exactly once per forward (and once more by activation recompute).
 
+A queued microbatch may carry a mask of its real (routed) tokens: the replay then also computes the router's own
+top-k for those tokens and counts the decisions (token x top-k slot) whose replayed expert the router would not
+have chosen -- the router disagreement of R3, per global layer.
+
 The gating weights still come from the training router's scores at the replayed experts (scores.gather), so the
 router keeps its gradient.
 """
@@ -36,6 +40,8 @@ class RouteReplay:
         self.queue: deque[torch.Tensor] = deque()
         self.recompute_queue: deque[torch.Tensor] = deque()
         self.recorded: list[torch.Tensor] = []
+        self.measure_queue: deque[torch.Tensor | None] = deque()   # per queued microbatch: real-token mask or None
+        self.disagree = [0, 0]             # [decisions the router would have made differently, decisions measured]
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if self.mode is Mode.DISABLED:
@@ -54,15 +60,30 @@ class RouteReplay:
                 raise ValueError(f"layer {self.layer}: no recorded route left for a forward of {scores.shape[0]} "
                                  "tokens (more microbatches than routes were queued)")
             idx = self.queue.popleft()
+            real = self.measure_queue.popleft() if self.measure_queue else None
             if tuple(idx.shape) != (scores.shape[0], topk):
                 raise ValueError(f"layer {self.layer}: routes of shape {tuple(idx.shape)} for a router input of "
                                  f"{scores.shape[0]} tokens with top-k {topk}")
+            if real is not None:
+                self._measure(scores, topk, idx, real, num_groups, group_topk, default_compute_topk)
             if self.recompute:
                 self.recompute_queue.append(idx)
         idx = idx.to(scores.device)
         if self.keep_replayed and not _in_backward():
             self.recorded.append(idx)
         return scores.gather(1, idx), idx
+
+    @torch.no_grad()
+    def _measure(self, scores, topk, idx, real, num_groups, group_topk, default_compute_topk) -> None:
+        if real.shape != (scores.shape[0],):
+            raise ValueError(f"layer {self.layer}: real-token mask of shape {tuple(real.shape)} for a router input "
+                             f"of {scores.shape[0]} tokens")
+        _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+        real = real.to(scores.device)
+        got, want = idx.to(scores.device)[real], own[real]
+        chosen = (got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1)
+        self.disagree[0] += int((~chosen).sum())
+        self.disagree[1] += chosen.numel()
 
 
 class RouterReplayer:
@@ -93,7 +114,10 @@ class RouterReplayer:
         for r in self.replays:
             r.mode, r.keep_replayed = mode, bool(keep_replayed)
 
-    def queue_microbatch(self, per_layer: list[torch.Tensor]) -> None:
+    def queue_microbatch(self, per_layer: list[torch.Tensor], real: torch.Tensor | None = None) -> None:
+        """One microbatch's routes, one [tokens, topk] tensor per MoE layer of this stage. real: optional bool
+        [tokens] mask of the tokens whose routes are real (not padding); given, the replay measures router
+        disagreement on them (pop_disagreement)."""
         if len(per_layer) != len(self.replays):
             raise ValueError(f"routes for {len(per_layer)} MoE layers, this stage has {len(self.replays)} "
                              f"(global layers {self.layer_ids})")
@@ -101,7 +125,20 @@ class RouterReplayer:
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= r.num_experts):
                 raise ValueError(f"layer {r.layer}: expert id out of range 0..{r.num_experts - 1} "
                                  f"(min {int(idx.min())}, max {int(idx.max())})")
+            if real is not None and tuple(real.shape) != (idx.shape[0],):
+                raise ValueError(f"layer {r.layer}: real-token mask of shape {tuple(real.shape)} for routes of "
+                                 f"{idx.shape[0]} tokens")
+        for r, idx in zip(self.replays, per_layer):
             r.queue.append(idx.long())
+            r.measure_queue.append(None if real is None else real.bool())     # in step with the queue
+
+    def pop_disagreement(self) -> dict[int, tuple[int, int]]:
+        """{global layer: (decisions the router would have made differently, decisions measured)} since the last
+        pop, for this stage's layers (this rank's tokens only)."""
+        out = {r.layer: tuple(r.disagree) for r in self.replays}
+        for r in self.replays:
+            r.disagree = [0, 0]
+        return out
 
     def check_consumed(self) -> None:
         """Every queued route used exactly once (and every recompute copy too)."""
@@ -115,6 +152,12 @@ class RouterReplayer:
         for r in self.replays:
             r.recorded = []
         return out
+
+    def clear(self) -> None:
+        """Drop every queued, recorded and measured route (after a failed pass), back to DISABLED."""
+        for r in self.replays:
+            r.queue.clear(), r.recompute_queue.clear(), r.measure_queue.clear()
+            r.recorded, r.disagree, r.mode, r.keep_replayed = [], [0, 0], Mode.DISABLED, False
 
     def detach(self) -> None:
         for router in self.routers:

@@ -16,6 +16,10 @@ from moe_lora_rl.megatron.layout import Layout
     (["refit", "--layouts", "tp1ep1pp1,ep5"], "ep=5 does not divide num_experts="),
     (["replay", "--engine", "hf", "--model", "/nonexistent"], "--model '/nonexistent': not an HF checkpoint"),
     (["replay", "--engine", "hf", "--dtype", "fp16"], "dtype='fp16': choose one of"),
+    (["e2e", "--layouts", "tp2ep2,pp2"], "e2e runs one layout"),
+    (["e2e", "--layouts", "tp2ep2", "--nproc", "1"], "world size"),
+    (["e2e", "--", "algo.lr=-1"], "algo.lr=-1"),
+    (["e2e", "--", "lora.rnk=4"], "unknown config key"),
 ])
 def test_user_errors_are_one_line(argv, needle):
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", *argv], capture_output=True, text=True,

@@ -172,3 +172,49 @@ def test_replay_keeps_routes_only_when_asked():
             rp.queue.append(torch.tensor([[0, 1]] * 4))
             rp.get_replay_topk(torch.randn(4, 8), 2, default_compute_topk=_default_topk)
         assert len(rp.recorded) == kept
+
+
+def test_replay_measures_disagreement_on_real_tokens_only():
+    from moe_lora_rl.router_replay.replay import RouterReplayer
+
+    rp = RouteReplay(layer=2, num_experts=8, topk=2, recompute=False)
+    rp.mode = Mode.REPLAY
+    rr = RouterReplayer.__new__(RouterReplayer)          # the queueing logic only, without a model
+    rr.replays, rr.routers = [rp], []
+    scores = torch.tensor([[9., 8, 0, 0, 0, 0, 0, 0]] * 3)                         # own top-2: {0, 1}
+    routes = torch.tensor([[1, 0], [0, 5], [6, 7]])                                # 0, 1 and 2 decisions differ
+    rr.queue_microbatch([routes], real=torch.tensor([True, True, False]))          # the last token is padding
+    probs, idx = rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
+    assert torch.equal(idx, routes) and torch.equal(probs, scores.gather(1, routes))
+    assert rr.pop_disagreement() == {2: (1, 4)} and rr.pop_disagreement() == {2: (0, 0)}
+    rr.queue_microbatch([routes])                                                  # not measured
+    rp.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
+    assert rr.pop_disagreement() == {2: (0, 0)}
+    with pytest.raises(ValueError, match=r"layer 2: real-token mask of shape \(2,\) for routes of 3 tokens"):
+        rr.queue_microbatch([routes], real=torch.tensor([True, False]))
+    assert not rp.queue                                                            # nothing queued on error
+    rr.queue_microbatch([routes], real=torch.ones(3, dtype=torch.bool))
+    rr.clear()
+    assert not rp.queue and not rp.measure_queue and rp.mode is Mode.DISABLED
+
+
+def test_real_token_mask_and_unalign_invert_align():
+    from moe_lora_rl.router_replay.align import real_token_mask, unalign_microbatch
+
+    r = _routes([5, 3], layers=(1, 2))
+    for tp_rank in (0, 1):
+        sp = dict(tp_rank=tp_rank, tp_size=2, sequence_parallel=True)
+        out = align_microbatch(r, [0, 1], padded_len=6, stage_layers=[2], **sp)[0]
+        real = real_token_mask([5, 3], padded_len=6, **sp)
+        lo, grid = unalign_microbatch(out, 2, padded_len=6, **sp)
+        assert lo == 3 * tp_rank and grid.shape == (3, 2, 2)
+        for b, n in enumerate((5, 3)):
+            for pos in range(3):
+                p = lo + pos
+                assert bool(real.view(3, 2)[pos, b]) == (p < n)
+                if p < n:
+                    assert grid[pos, b].tolist() == r.samples[b][p, 1].tolist()
+    with pytest.raises(ValueError, match="router output of 5 tokens for 2 samples x 6 positions"):
+        unalign_microbatch(torch.zeros(5, 2), 2, padded_len=6)
+    with pytest.raises(ValueError, match="sequence length 5 does not split over 2 sequence-parallel ranks"):
+        real_token_mask([5], padded_len=5, tp_rank=0, tp_size=2, sequence_parallel=True)

@@ -1,0 +1,93 @@
+"""e2e: the main job (GRPO with expert LoRA, R3, LoRA-only refit) and, in the same run, the same job with lr=0 as
+a control; each under torchrun on this machine.
+
+    python -m moe_lora_rl.bench e2e --json [--model DIR] [--layouts tp1ep1pp1] [--nproc 2] [--steps N] [-- k=v ...]
+
+--model: an HF checkpoint to train instead of the built-in warm-started model (model.path=DIR, no warm start).
+--layouts: the one layout both runs use. Anything after `--` is passed to both runs as hydra overrides.
+Targets on 2 cores: wall_s <= 600 (warmup_s <= 300, reported separately), eval_start in [0.10, 0.40],
+eval_end - eval_start >= 0.15, |eval_end_lr0 - eval_start| <= 0.03, kl_mean_r3 <= 0.5 * kl_mean_no_r3.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..megatron.layout import parse_layouts
+from ..testing.launch import free_port, worker_env
+from .common import emit
+
+KEYS = ("wall_s", "warmup_s", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3", "kl_mean_no_r3",
+        "ratio_gt2", "ratio_gt5", "disagreement_mean", "refit_bytes_per_step", "full_bytes", "rollout_busy_frac",
+        "train_busy_frac", "steps")
+
+
+def train_command(nproc: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "moe_lora_rl.train", *overrides]
+
+
+def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "driver.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(train_command(nproc, [*overrides, f"out_dir={out_dir}"]), env=worker_env(),
+                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    summary = out_dir / "summary.json"
+    if proc.returncode != 0 or not summary.exists():
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        raise RuntimeError(f"moe_lora_rl.train exited with {proc.returncode}; log {log}:\n{tail}")
+    return json.loads(summary.read_text())
+
+
+def main(argv=None) -> dict:
+    argv = list(argv or [])
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in warm-started model)")
+    ap.add_argument("--layouts", default="tp1ep1pp1", help="one layout for both runs")
+    ap.add_argument("--nproc", type=int, default=2, help="torchrun processes per run")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
+    ap.add_argument("--out", default=None, help="keep both runs' outputs here (default: a temporary folder)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    a = ap.parse_args(argv)
+    layouts = parse_layouts(a.layouts)
+    if len(layouts) != 1:
+        raise ValueError(f"--layouts={a.layouts!r}: e2e runs one layout, got {len(layouts)}")
+    if a.nproc < 1 or a.timeout <= 0 or (a.steps is not None and a.steps < 1):
+        raise ValueError(f"--nproc={a.nproc}, --steps={a.steps}, --timeout={a.timeout}: must be positive")
+    if a.model is not None and not (Path(a.model) / "config.json").is_file():
+        raise ValueError(f"--model={a.model!r} is not an HF checkpoint directory")
+    lay = layouts[0]
+    overrides = [f"layout.tp={lay.tp}", f"layout.ep={lay.ep}", f"layout.etp={lay.etp}", f"layout.pp={lay.pp}", *extra]
+    if a.model:
+        overrides.append(f"model.path={a.model}")
+    if a.steps:
+        overrides.append(f"steps={a.steps}")
+    _preflight(overrides, a.nproc)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(a.out or tmp)
+        main_run = run_job(a.nproc, overrides, root / "main", a.timeout)
+        control = run_job(a.nproc, [*overrides, "algo.lr=0"], root / "lr0", a.timeout)
+    out = {k: main_run[k] for k in KEYS}
+    out["eval_end_lr0"] = control["eval_end"]
+    out["eval_start_lr0"] = control["eval_start"]
+    out["layout"], out["bench_wall_s"] = lay.name, round(time.time() - t0, 1)
+    emit(out, a.json)
+    return out
+
+
+def _preflight(overrides: list[str], nproc: int) -> None:
+    """The job's own checks, here, so a bad value is refused before anything starts."""
+    from ..rl import config, preflight
+
+    preflight.check(config.load(overrides), nproc)

@@ -1,0 +1,34 @@
+"""Where the rollout engine runs (pure): on rank 0's host (the default; shared-memory refit) or on another node of
+a slurm allocation (started with `srun --overlap` on that node, reached over HTTP), optionally on given GPUs.
+
+    placement = plan_placement(node=cfg.rollout.node, gpus=cfg.rollout.gpus, this_host=socket.gethostname())
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Placement:
+    launcher: tuple[str, ...] = ()          # prefix of the engine's command line
+    bind_host: str = "127.0.0.1"            # the engine server's listening address
+    connect_host: str = "127.0.0.1"         # where the driver reaches it
+    env: dict = field(default_factory=dict)
+    transport: str = "shm"                  # shm: same host; http: across hosts
+    watch_parent: bool = True               # the engine exits when the driver's process is gone (same host only)
+
+
+def plan_placement(*, node: str | None, gpus: list | tuple, this_host: str) -> Placement:
+    devices = [int(g) for g in gpus]
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise ValueError(f"rollout.gpus={list(gpus)}: device ids must be distinct and >= 0")
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
+    if node is None or node in ("", this_host, "localhost"):
+        return Placement(env=env)
+    if not all(c.isalnum() or c in "-._" for c in node):
+        raise ValueError(f"rollout.node={node!r} is not a host name")
+    launcher = ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}")
+    if devices:
+        launcher += (f"--gpus={len(devices)}",)
+    return Placement(launcher=launcher, bind_host="0.0.0.0", connect_host=node, env=env, transport="http",
+                     watch_parent=False)

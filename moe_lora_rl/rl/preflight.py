@@ -1,0 +1,54 @@
+"""Everything the run can refuse before a process group or an engine starts (ValueError naming the value):
+the layout against the world size and the model, the replay mode against the model, the data (parsed by the
+config), the model directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..megatron.build import check_layout
+from ..megatron.hf_reference import load_arch
+from ..megatron.run_config import RunConfig
+from .config import TrainConfig
+
+TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def base_model_dir(cfg: TrainConfig) -> Path:
+    """The checkpoint whose architecture the run trains (the warm start keeps the base's config)."""
+    if cfg.model.path is not None:
+        p = Path(cfg.model.path)
+        if not (p / "config.json").is_file():
+            raise ValueError(f"model.path={cfg.model.path!r} has no config.json (not an HF checkpoint directory)")
+        return p
+    from ..models import get_model
+
+    return get_model(cfg.model.family, cfg.model.size)
+
+
+def run_config(cfg: TrainConfig) -> RunConfig:
+    return RunConfig(device=cfg.runtime.device, dtype=TORCH_DTYPES[cfg.runtime.train_dtype])
+
+
+def check(cfg: TrainConfig, world_size: int):
+    """The run's architecture, once every check passed."""
+    layout = cfg.layout.layout()
+    layout.check_world_size(world_size)
+    arch = load_arch(base_model_dir(cfg))
+    check_layout(arch, layout)
+    if arch.tie_embeddings and layout.pp > 1:
+        raise ValueError(f"layout.pp={layout.pp}: the model ties its input and output embeddings; use pp=1")
+    if cfg.replay != "off" and not any(arch.moe_layers):
+        raise ValueError(f"replay={cfg.replay!r}: the model has no MoE layer to replay routes in; use replay=off")
+    n = cfg.algo.group_size * cfg.algo.prompts_per_step
+    dp = world_size // (layout.tp * layout.pp)
+    if n % (dp * cfg.algo.micro_batch_size):
+        raise ValueError(f"algo.micro_batch_size={cfg.algo.micro_batch_size}: the batch of {n} responses does not "
+                         f"split into microbatches over data-parallel size {dp}")
+    if cfg.resume:
+        from .checkpoint import latest_step
+
+        root = Path(cfg.out_dir) / "checkpoints"
+        if latest_step(root) is None:
+            raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first)")
+    run_config(cfg).check_host()
+    return arch

@@ -1,0 +1,290 @@
+"""The rollout engine client: starts the engine process (rl/rollout_server.py) on a free loopback port with its own
+log file, generates samples with per-token logprobs and captured routes, exposes a ShmTransport for adapter pushes,
+and knows when the process died.
+
+    engine = RolloutEngine.start(model_dir, dtype="float32", log_dir=run_dir)
+    samples = engine.generate(prompts, seeds=seeds, max_tokens=64, temperature=1.0, stop_token_ids=[eos])
+    push_stream(model, arch, engine.transport, version, rank, alpha)      # or engine.transport.push(...)
+    engine.busy_s                                                        # generate + push seconds so far
+
+Every call first checks the process: a dead engine is EngineDied (exit code and log tail), never a hang or a
+connection error. restart() starts a fresh process on the same port with the same settings: it serves the base
+model (push the current adapter again). Bad arguments are a ValueError before anything is sent.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
+from .placement import Placement
+from .rollout_server import check_request, decode_routes, engine_env
+
+
+@dataclass
+class Sample:
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]          # one per response token: log_softmax(logits / temperature) of the sampled token
+    routes: np.ndarray | None      # [len(prompt)+len(response)-1, n_moe_layers, topk] logical expert ids
+    finish_reason: str             # "stop" (a stop id or the model's EOS, included in response) or "length"
+
+
+class EngineDied(RuntimeError):
+    """The engine process is gone (exit code and log tail in the message)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
+class _EngineTransport(ShmTransport):
+    """ShmTransport to the engine process: push time counts as engine busy time, and a dead engine is EngineDied."""
+
+    def __init__(self, engine: "RolloutEngine", base_url: str):
+        super().__init__(base_url, timeout=engine.request_timeout)
+        self._engine = engine
+
+    def _timed(self, fn, *args):
+        self._engine._check_alive()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except RefitError:
+            self._engine._check_alive()
+            raise
+        finally:
+            self._engine.push_s += time.perf_counter() - t0
+
+    def _call(self, method: str, *args):
+        return self._timed(super()._call, method, *args)
+
+    def _reset_prefix_cache(self) -> None:
+        self._timed(super()._reset_prefix_cache)
+
+
+class _EngineHttpTransport(_EngineTransport):
+    """An engine on another host: the adapter travels inside the RPC (no shared memory across hosts)."""
+
+    def push(self, version, tensors, rank, alpha):
+        return _Base.push(self, version, tensors, rank, alpha)
+
+    def _send_bucket(self, version: int, index: int, tensors: dict):
+        HttpTransport._send_bucket(self, version, index, tensors)
+
+
+class RolloutEngine:
+    def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
+                 log_dir=".", max_model_len=512, seed=0, startup_timeout=300.0, block_size=32,
+                 threads: int | None = None, port: int | None = None, request_timeout=600.0,
+                 placement: "Placement | None" = None):
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
+        if dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype={dtype!r}: expected bfloat16, float32 or float16")
+        if serving not in ("unmerged", "merged"):
+            raise ValueError(f"serving={serving!r}: expected 'unmerged' or 'merged'")
+        for name, v in (("max_model_len", max_model_len), ("block_size", block_size),
+                        ("startup_timeout", startup_timeout)):
+            if v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.model_dir, self.log_dir = str(model_dir), Path(log_dir)
+        self.settings = dict(dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
+                             max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads)
+        self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
+        self.generate_s = self.push_s = 0.0
+        self.started_at = None
+        self.port = port                     # None: a free port, chosen at the first start and kept on restarts
+        self.proc: subprocess.Popen | None = None
+        self.transport: ShmTransport | None = None
+        self.log_path: Path | None = None
+        self.restarts = 0
+        self.placement = placement or Placement()
+
+    # -- process ---------------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
+              log_dir=".", max_model_len=512, seed=0, startup_timeout=300, **kw) -> "RolloutEngine":
+        engine = cls(model_dir, dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
+                     log_dir=log_dir, max_model_len=max_model_len, seed=seed, startup_timeout=startup_timeout, **kw)
+        engine._launch()
+        return engine
+
+    def _launch(self) -> None:
+        s = self.settings
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.port is None:
+            self.port = free_port()
+        self.log_path = self.log_dir / f"rollout-engine-{self.port}.log"
+        pl = self.placement
+        cmd = [*pl.launcher, sys.executable, "-m", "moe_lora_rl.rl.rollout_server", "--model", self.model_dir,
+               "--port", str(self.port), "--host", pl.bind_host, "--dtype", s["dtype"], "--serving", s["serving"],
+               "--max-model-len", str(s["max_model_len"]), "--block-size", str(s["block_size"]),
+               "--seed", str(s["seed"]), "--parent-pid", str(os.getpid() if pl.watch_parent else 0),
+               "--prefix-caching" if s["prefix_caching"] else "--no-prefix-caching",
+               "--capture" if s["capture"] else "--no-capture"]
+        if s["threads"] is not None:
+            cmd += ["--threads", str(s["threads"])]
+        env = dict(os.environ, **engine_env(s["threads"]), **pl.env)
+        if s["threads"] is None:
+            env.pop("OMP_NUM_THREADS", None)            # e.g. torchrun's 1: the engine uses the cores while it runs
+        with open(self.log_path, "ab") as log:
+            # cwd: the log folder, where no folder shadows our package (the vLLM plugin would not load)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_dir,
+                                         stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        url = f"http://{pl.connect_host}:{self.port}"
+        if self.transport is None:
+            self.transport = (_EngineTransport if pl.transport == "shm" else _EngineHttpTransport)(self, url)
+        self.transport.base_url = url
+        t0 = time.time()
+        while True:
+            self._check_alive()
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.time() - t0 > self.startup_timeout:
+                self.stop()
+                raise EngineDied(f"rollout engine did not become healthy within {self.startup_timeout} s "
+                                 f"(stopped); log {self.log_path}:\n{self._log_tail()}")
+            time.sleep(0.5)
+        self.started_at = time.time()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def _check_alive(self) -> None:
+        if self.proc is None:
+            raise EngineDied("rollout engine is stopped (start() or restart() it)")
+        code = self.proc.poll()
+        if code is not None:
+            raise EngineDied(f"rollout engine (pid {self.proc.pid}) exited with code {_signal_name(code)}; "
+                             f"log {self.log_path}, last lines:\n{self._log_tail()}")
+
+    def stop(self) -> None:
+        """Stop the process (idempotent; also run at interpreter exit)."""
+        atexit.unregister(self.stop)
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def restart(self) -> None:
+        """A fresh engine process with the same settings and port; it serves the base model until the next push."""
+        self.stop()
+        self.restarts += 1
+        self._launch()
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        self._check_alive()
+        data = None if body is None else json.dumps(body).encode()
+        url = f"http://{self.placement.connect_host}:{self.port}{path}"
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raw = e.read().decode(errors="replace")
+            try:
+                msg = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = raw[:2000]
+            if e.code == 400:
+                raise ValueError(f"rollout engine refused {path}: {msg}") from e
+            raise RuntimeError(f"rollout engine {path} failed (HTTP {e.code}): {msg}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            self._check_alive()
+            raise RuntimeError(f"rollout engine {path}: no answer from pid {self.pid} on port {self.port}: {e}") \
+                from e
+
+    def generate(self, prompts: list[list[int]], *, seeds: list[int] | None, max_tokens: int, temperature: float,
+                 stop_token_ids: list[int] | None = None) -> list[Sample]:
+        """One request per entry (a GRPO group: the same prompt repeated with different seeds), results in order.
+        seeds=None: unseeded sampling. temperature 0: greedy. Stops at max_tokens, at a stop id or at the model's
+        EOS (both kept as the last response token)."""
+        prompts = [list(p) if isinstance(p, (list, tuple)) else p for p in prompts] \
+            if isinstance(prompts, (list, tuple)) else prompts
+        seeds = list(seeds) if isinstance(seeds, (list, tuple)) else seeds
+        stop = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
+        check_request(prompts, seeds, max_tokens, temperature, stop)
+        t0 = time.perf_counter()
+        try:
+            out = self._request("POST", "/generate", {"prompts": prompts, "seeds": seeds, "max_tokens": max_tokens,
+                                                      "temperature": float(temperature), "stop_token_ids": stop})
+        finally:
+            self.generate_s += time.perf_counter() - t0
+        return [Sample(p, s["response"], s["logprobs"], decode_routes(s["routes"]), s["finish_reason"])
+                for p, s in zip(prompts, out["samples"])]
+
+    def status(self) -> dict:
+        """Served adapter version and mode, engine settings, busy seconds and uptime."""
+        st = self._request("GET", "/status")
+        return {**st, "busy_s": self.busy_s, "generate_s": self.generate_s, "push_s": self.push_s,
+                "uptime_s": time.time() - self.started_at, "restarts": self.restarts}
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent in generate and in pushes since the engine object was made (all restarts)."""
+        return self.generate_s + self.push_s
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the engine process so far (Linux /proc)."""
+        self._check_alive()
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

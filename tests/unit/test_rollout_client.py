@@ -1,0 +1,88 @@
+"""The rollout engine's pure parts, no vLLM: request checks (ValueError naming the value), the routes encoding,
+the server's exit when its parent is gone, a server that cannot start reported as EngineDied (it binds its port
+before building the engine), and the rollout bench's one-line refusals."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moe_lora_rl.rl.rollout_server import Server, check_request, decode_routes, encode_routes
+
+OK = dict(prompts=[[1, 2, 3]], seeds=[7], max_tokens=4, temperature=1.0, stop_token_ids=None)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"prompts": []}, "prompts must be a non-empty list"),
+    ({"prompts": [[1], []]}, "prompts[1] is empty"),
+    ({"prompts": [[1, -1]]}, "prompts[0] has a token id"),
+    ({"prompts": [[1, 2.5]]}, "prompts[0] has a token id"),
+    ({"seeds": [1, 2]}, "seeds must be one int per prompt (1), got 2"),
+    ({"seeds": ["a"]}, "seeds must be ints"),
+    ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
+    ({"max_tokens": 2.0}, "max_tokens must be an int >= 1, got 2.0"),
+    ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
+    ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+    ({"stop_token_ids": [1, None]}, "stop_token_ids must be a list of token ids"),
+])
+def test_bad_requests_name_the_value(change, needle):
+    with pytest.raises(ValueError) as e:
+        check_request(**{**OK, **change})
+    assert needle in str(e.value)
+
+
+def test_good_requests_pass():
+    check_request(**OK)
+    check_request(**{**OK, "seeds": None, "temperature": 0, "stop_token_ids": [2]})
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_routes_round_trip(dtype):
+    r = np.random.default_rng(0).integers(0, 250, (37, 3, 4)).astype(dtype)
+    enc = encode_routes(r)
+    back = decode_routes(enc)
+    assert back.dtype == dtype and back.shape == r.shape and (back == r).all()
+    assert len(enc["b64"]) <= 4 * r.nbytes / 3 + 4                       # raw bytes, not a JSON list of ints
+    assert decode_routes(None) is None
+
+
+def test_server_exits_when_its_parent_is_gone():
+    from http.server import BaseHTTPRequestHandler
+
+    srv = Server(("127.0.0.1", 0), BaseHTTPRequestHandler, parent_pid=os.getppid() + 10 ** 7)
+    try:
+        with pytest.raises(SystemExit):
+            srv.serve_forever(poll_interval=0.05)
+    finally:
+        srv.server_close()
+    srv = Server(("127.0.0.1", 0), BaseHTTPRequestHandler, parent_pid=os.getppid())     # control: parent alive
+    srv.service_actions()
+    srv.server_close()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dtype", "fp8"], "--dtype 'fp8': choose one of"),
+    (["--requests", "10", "--group", "4"], "--requests 10 is not a multiple of --group 4"),
+    (["--threads", "1,x"], "--threads '1,x': expected comma-separated integers"),
+    (["--model", "/nonexistent"], "--model /nonexistent: not an HF checkpoint"),
+])
+def test_bench_refuses_in_one_line(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", "rollout", *argv], capture_output=True,
+                          text=True, timeout=120)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+
+
+def test_engine_that_cannot_start_is_engine_died(tmp_path):
+    import socket
+
+    from moe_lora_rl.rl.rollout import EngineDied, RolloutEngine
+
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(EngineDied, match=r"exited with code 1;[\s\S]*Address already in use"):
+            RolloutEngine.start(tmp_path, log_dir=tmp_path, port=port, startup_timeout=60)
