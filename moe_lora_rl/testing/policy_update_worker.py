@@ -16,6 +16,7 @@ import torch
 
 from ..integration.verl.algos import PolicyLossSettings
 from ..lora import LoRAConfig, adapter_factors, gather_adapters
+from ..lora.grad_norm import adapter_grad_norm
 from ..lora.layers import make_factor
 from ..lora.state import group_rank_size
 from ..megatron.layout import Layout
@@ -121,6 +122,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
                                                                      float(stats["clipped"]), stats["kl"],
                                                                      stats["pg_clipfrac"]], dtype=torch.float64))
     out["grads"] = gather_adapters(pol.model, grads=True)
+    out["norm_after_clip"], out["naive_norm_after_clip"] = adapter_grad_norm(pol.model), naive_norm(pol)
     after = gather_adapters(pol.model)
     out["step_moved"] = max(float((after[k] - before[k]).abs().max()) for k in after)
     out["version"] = pol.version
@@ -176,6 +178,15 @@ def bad_inputs(pol: Policy, batch: PolicyBatch, old: torch.Tensor) -> dict[str, 
     return out
 
 
+def naive_norm(pol: Policy) -> float:
+    """The control for the unique-shard norm: every rank's local adapter grads summed, replicas counted again."""
+    import torch.distributed as dist
+
+    sq = sum((p.grad.double().pow(2).sum() for p in pol.params), torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
 def _same_everywhere(t: torch.Tensor) -> bool:
     import torch.distributed as dist
 
@@ -211,6 +222,7 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "n_factors": len(r["grads"]), "zero_grad_factors": r["zero_grad_factors"],
             "nonzero_grad_A_and_B": [any(k.endswith(f) and float(v.abs().max()) > 0 for k, v in r["grads"].items())
                                      for f in ("lora_A", "lora_B")],
+            "norm_after_clip": r["norm_after_clip"], "naive_norm_after_clip": r["naive_norm_after_clip"],
             "errors": r.get("errors"), "step_moved": r["step_moved"], "version": r["version"], "times": r["times"],
         }
     return rep

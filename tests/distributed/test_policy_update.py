@@ -50,6 +50,16 @@ def test_update_is_layout_independent(rep):
         assert r["stats_same_on_every_rank"] and r["version"] == 1 and r["step_moved"] > 0, key
 
 
+def test_grad_norm_counts_each_shard_once(rep):
+    """After clipping the norm is grad_clip (0.5); summing every rank's local grads instead counts replicated
+    factors again (measured 2x at tp1ep1pp1 (dp4), 1.6x at tp2ep2, 1.4x at pp2ep2) -- the control for double
+    counting."""
+    for key, r in _each(rep):
+        assert abs(r["norm_after_clip"] - 0.5) <= 1e-5, (key, r["norm_after_clip"])
+        assert r["naive_norm_after_clip"] > 1.2 * r["norm_after_clip"], (key, r["naive_norm_after_clip"])
+    assert abs(rep["per_layout"]["tp1ep1pp1"]["naive_norm_after_clip"] - 1.0) <= 1e-5
+
+
 def test_negative_control_shuffled_routes(rep):
     for key, r in _each(rep):
         assert r["ctrl_grad_rel_diff"] > 0.1, (key, r["ctrl_grad_rel_diff"])
