@@ -83,6 +83,11 @@ def test_replay_of_own_routes_and_of_random_routes(rep):
         assert r["random_vs_off"] > 0.1, key
 
 
+def test_push_sends_the_adapters(rep):
+    p = rep["per_layout"][LAYOUTS[-1]]["push"]
+    assert p["exact"] and p["tensors"] >= 224 and p["version"] == 1 and p["served"]["version"] == 1, p
+
+
 def test_bad_inputs_name_the_value(rep):
     e = rep["per_layout"][LAYOUTS[0]]["errors"]
     expect = {
