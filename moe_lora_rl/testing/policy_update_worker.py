@@ -3,8 +3,9 @@ layout with the first and writes the numbers as JSON.
 
 Per layout: adapters perturbed deterministically (nonzero A and B, layout independent); logprobs without replay,
 recording (R2), replaying the recorded routes, replaying random routes, and without adapters; a negative-control
-update replaying shuffled routes (then parameters and optimizer state restored); one update replaying the random
-routes with rollout correction and a KL term; the gathered gradients and adapters after it.
+update replaying shuffled routes and the update in microbatches of 2 rows (each time parameters and optimizer state
+restored); one update replaying the random routes with rollout correction and a KL term; the gathered gradients and
+adapters after it; at the last layout a push to an in-memory engine, at the first the bad-input errors.
 """
 from __future__ import annotations
 
@@ -111,11 +112,20 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     out["ctrl_grads"] = gather_adapters(pol.model, grads=True)
     out["ctrl_stats"] = ctrl
     lap("ctrl_update")
-    with torch.no_grad():
-        for p, s in zip(pol.params, saved):
-            p.copy_(s)
-    pol.optimizer.state.clear()
-    pol.version = 0
+
+    def restore():
+        with torch.no_grad():
+            for p, s in zip(pol.params, saved):
+                p.copy_(s)
+        pol.optimizer.state.clear()
+        pol.version = 0
+
+    restore()
+    pol.micro_batch_size = 2                   # the same update in microbatches of 2 rows
+    pol.update(batch, old, **kw)
+    out["mbs2_grads"] = gather_adapters(pol.model, grads=True)
+    pol.micro_batch_size = 1
+    restore()
     before = gather_adapters(pol.model)
     stats = pol.update(batch, old, **kw)
     out["stats"] = stats
@@ -268,6 +278,7 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "loss_diff": abs(r["stats"]["loss"] - ref["stats"]["loss"]),
             "grad_rel_diff": rel_diff(r["grads"], ref["grads"]),
             "ctrl_grad_rel_diff": rel_diff(r["ctrl_grads"], ref["grads"]),
+            "mbs2_grad_rel_diff": rel_diff(r["mbs2_grads"], ref["grads"]),
             "n_factors": len(r["grads"]), "zero_grad_factors": r["zero_grad_factors"],
             "nonzero_grad_A_and_B": [any(k.endswith(f) and float(v.abs().max()) > 0 for k, v in r["grads"].items())
                                      for f in ("lora_A", "lora_B")],

@@ -5,7 +5,8 @@ two stages) on the tiny GLM4-MoE (dense first layer, MoE layers 1-3) with per-ex
 The batch: 8 rows of mixed lengths (6..23 tokens, right-padded), R3 routes of random experts, old logprobs away from
 the current ones (about a third of the tokens clipped), rollout logprobs for token-level TIS, a KL term to the
 adapters-off reference, adapters perturbed deterministically so A and B both get gradients, one row per microbatch
-(2 microbatches per rank at dp4, 4 at dp2), grad_clip below the norm (clipping applied).
+(2 microbatches per rank at dp4, 4 at dp2; and the same update again with two rows per microbatch), grad_clip
+below the norm (clipping applied).
 
 Tolerances (fp32; the only differences are reduction orders across TP/EP/PP splits and microbatch groupings):
 - gathered adapter gradients after the step: max |diff| <= 1e-5 x max |gradient| (measured ~4e-6);
@@ -45,6 +46,7 @@ def test_update_is_layout_independent(rep):
     for key, r in _each(rep):
         assert r["n_factors"] == 224 and r["zero_grad_factors"] == [] and r["nonzero_grad_A_and_B"] == [True, True]
         assert r["grad_rel_diff"] <= 1e-5, (key, r["grad_rel_diff"])
+        assert r["mbs2_grad_rel_diff"] <= 1e-5, (key, r["mbs2_grad_rel_diff"])       # another microbatch split
         assert r["grad_norm_rel_diff"] <= 1e-5, (key, r["stats"], ref)
         assert r["loss_diff"] <= 1e-5 * max(1.0, abs(ref["loss"])), (key, r["stats"], ref)
         assert r["stats"]["clipped"] == ref["clipped"], key
