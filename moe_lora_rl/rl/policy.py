@@ -212,8 +212,9 @@ class Policy:
                rollout_is: str | None = "token", rollout_is_threshold: float = 2.0) -> dict:
         """One AdamW step of the adapters over the global batch. replay: "r3" replays `routes` if given, else
         batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
-        Returns {"loss", "grad_norm" (before clipping), "clipped", "pg_clipfrac", "kl", "lr"}, the same on every
-        rank. rollout_is None: no rollout correction (also when batch.rollout_logprobs is None)."""
+        Returns {"loss", "grad_norm" (before clipping), "clipped", "pg_clipfrac", "kl" (verl's low-variance KL to
+        ref_logprobs aggregated like the loss; 0 without them), "lr"}, the same on every rank. rollout_is None: no
+        rollout correction (also when batch.rollout_logprobs is None)."""
         from megatron.core import parallel_state as ps
 
         if replay not in UPDATE_REPLAY:
@@ -258,9 +259,10 @@ class Policy:
             pg, metrics = policy_loss(old[ids].to(dev), lp, advantages[ids].to(dev), m, self.loss, gb,
                                       rollout_is_weights=None if weights is None else weights[ids].to(dev))
             total, kl_loss = pg, torch.zeros((), device=dev)
-            if kl_coef > 0:
+            if ref_logprobs is not None:            # reported whenever given; in the loss when kl_coef > 0
                 kl_loss = aggregate(kl_penalty(lp, ref_logprobs[ids].float().to(dev)), m, self.loss.loss_agg_mode, gb)
-                total = pg + kl_coef * kl_loss
+                if kl_coef > 0:
+                    total = pg + kl_coef * kl_loss
             logged = torch.tensor([float(total), float(kl_loss), metrics["actor/pg_clipfrac"] * float(m.sum())],
                                   dtype=torch.float64)
             return total, torch.tensor(1, dtype=torch.int, device=dev), {"stats": logged}

@@ -3,8 +3,9 @@ layout with the first and writes the numbers as JSON.
 
 Per layout: adapters perturbed deterministically (nonzero A and B, layout independent); logprobs without replay,
 recording (R2), replaying the recorded routes, replaying random routes, and without adapters; a negative-control
-update replaying shuffled routes (then parameters and optimizer state restored); one update replaying the random
-routes with rollout correction and a KL term; the gathered gradients and adapters after it.
+update replaying shuffled routes and the update in microbatches of 2 rows (each time parameters and optimizer state
+restored); one update replaying the random routes with rollout correction and a KL term; the gathered gradients and
+adapters after it; at the last layout a push to an in-memory engine, at the first the bad-input errors.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from ..integration.verl.algos import PolicyLossSettings
 from ..lora import LoRAConfig, adapter_factors, gather_adapters
+from ..lora.grad_norm import adapter_grad_norm
 from ..lora.layers import make_factor
 from ..lora.state import group_rank_size
 from ..megatron.layout import Layout
@@ -24,6 +26,7 @@ from ..megatron.run_config import RunConfig, prepare_host
 from ..models import get_model
 from ..rl.policy import Policy, PolicyBatch
 from ..router_replay.routes import RoutesBatch
+from ..refit.transports import _Base
 from .launch import finish_worker
 
 N, S, PROMPT = 8, 23, 5
@@ -63,7 +66,7 @@ def rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
 
 
-def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_errors: bool) -> dict:
+def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_errors: bool, push: bool) -> dict:
     import torch.distributed as dist
 
     import time
@@ -109,11 +112,20 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     out["ctrl_grads"] = gather_adapters(pol.model, grads=True)
     out["ctrl_stats"] = ctrl
     lap("ctrl_update")
-    with torch.no_grad():
-        for p, s in zip(pol.params, saved):
-            p.copy_(s)
-    pol.optimizer.state.clear()
-    pol.version = 0
+
+    def restore():
+        with torch.no_grad():
+            for p, s in zip(pol.params, saved):
+                p.copy_(s)
+        pol.optimizer.state.clear()
+        pol.version = 0
+
+    restore()
+    pol.micro_batch_size = 2                   # the same update in microbatches of 2 rows
+    pol.update(batch, old, **kw)
+    out["mbs2_grads"] = gather_adapters(pol.model, grads=True)
+    pol.micro_batch_size = 1
+    restore()
     before = gather_adapters(pol.model)
     stats = pol.update(batch, old, **kw)
     out["stats"] = stats
@@ -121,12 +133,15 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
                                                                      float(stats["clipped"]), stats["kl"],
                                                                      stats["pg_clipfrac"]], dtype=torch.float64))
     out["grads"] = gather_adapters(pol.model, grads=True)
+    out["norm_after_clip"], out["naive_norm_after_clip"] = adapter_grad_norm(pol.model), naive_norm(pol)
     after = gather_adapters(pol.model)
     out["step_moved"] = max(float((after[k] - before[k]).abs().max()) for k in after)
     out["version"] = pol.version
     lap("update")
     if check_errors:
         out["errors"] = bad_inputs(pol, batch, old)
+    if push:
+        out["push"] = push_check(pol)
     out["times"] = times
     out["zero_grad_factors"] = [k for k, v in out["grads"].items() if float(v.abs().max()) == 0.0]
     pol.replayer.detach()
@@ -176,6 +191,61 @@ def bad_inputs(pol: Policy, batch: PolicyBatch, old: torch.Tensor) -> dict[str, 
     return out
 
 
+class MemoryEngine(_Base):
+    """Rank 0's stand-in for the engine: keeps the pushed buckets and validates the commit with the engine's own
+    check (vllm.adapter_set.build_adapter_set, checksum included)."""
+
+    def __init__(self, arch):
+        self.arch, self.begin, self.buckets = arch, None, {}
+
+    def _call(self, method, *args):
+        from ..vllm.adapter_set import build_adapter_set
+
+        if method == "moe_lora_begin":
+            self.begin = args
+            return {"staging": args[0]}
+        version, digest = args
+        _, _, rank, alpha, _ = self.begin
+        a = build_adapter_set(self.received, self.arch, rank=rank, alpha=alpha, version=version,
+                              expected_checksum=digest)
+        return {"version": a.version, "num_tensors": a.num_tensors}
+
+    @property
+    def received(self) -> dict:
+        return {k: v for b in sorted(self.buckets) for k, v in self.buckets[b].items()}
+
+    def _send_bucket(self, version, index, tensors):
+        self.buckets[index] = {k: v.clone() for k, v in tensors.items()}
+
+    def _reset_prefix_cache(self) -> None:
+        pass
+
+
+def push_check(pol: Policy) -> dict:
+    """Policy.push with the transport on rank 0 only: what arrives equals the gathered adapters in PEFT form."""
+    import torch.distributed as dist
+
+    from ..refit.rename import to_peft_tensors
+
+    ref = to_peft_tensors(gather_adapters(pol.model), pol.arch)
+    engine = MemoryEngine(pol.arch) if dist.get_rank() == 0 else None
+    res = pol.push(engine, pol.version)
+    if dist.get_rank() != 0:
+        return {}
+    got = engine.received
+    return {"exact": sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref),
+            "tensors": len(got), "served": res.served, "version": res.version}
+
+
+def naive_norm(pol: Policy) -> float:
+    """The control for the unique-shard norm: every rank's local adapter grads summed, replicas counted again."""
+    import torch.distributed as dist
+
+    sq = sum((p.grad.double().pow(2).sum() for p in pol.params), torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
 def _same_everywhere(t: torch.Tensor) -> bool:
     import torch.distributed as dist
 
@@ -208,10 +278,13 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "loss_diff": abs(r["stats"]["loss"] - ref["stats"]["loss"]),
             "grad_rel_diff": rel_diff(r["grads"], ref["grads"]),
             "ctrl_grad_rel_diff": rel_diff(r["ctrl_grads"], ref["grads"]),
+            "mbs2_grad_rel_diff": rel_diff(r["mbs2_grads"], ref["grads"]),
             "n_factors": len(r["grads"]), "zero_grad_factors": r["zero_grad_factors"],
             "nonzero_grad_A_and_B": [any(k.endswith(f) and float(v.abs().max()) > 0 for k, v in r["grads"].items())
                                      for f in ("lora_A", "lora_B")],
-            "errors": r.get("errors"), "step_moved": r["step_moved"], "version": r["version"], "times": r["times"],
+            "norm_after_clip": r["norm_after_clip"], "naive_norm_after_clip": r["naive_norm_after_clip"],
+            "errors": r.get("errors"), "push": r.get("push"), "step_moved": r["step_moved"], "version": r["version"],
+            "times": r["times"],
         }
     return rep
 
@@ -230,7 +303,7 @@ def main(argv=None):
     layouts = a.layouts.split(",")
     res = {}
     for key in layouts:
-        out = run_layout(path, key, rc, a.grad_clip, check_errors=key == layouts[0])
+        out = run_layout(path, key, rc, a.grad_clip, check_errors=key == layouts[0], push=key == layouts[-1])
         if dist.get_rank() == 0:
             res[key] = out
     finish_worker(compare(res, layouts) if dist.get_rank() == 0 else {}, a.result)

@@ -5,7 +5,8 @@ two stages) on the tiny GLM4-MoE (dense first layer, MoE layers 1-3) with per-ex
 The batch: 8 rows of mixed lengths (6..23 tokens, right-padded), R3 routes of random experts, old logprobs away from
 the current ones (about a third of the tokens clipped), rollout logprobs for token-level TIS, a KL term to the
 adapters-off reference, adapters perturbed deterministically so A and B both get gradients, one row per microbatch
-(2 microbatches per rank at dp4, 4 at dp2), grad_clip below the norm (clipping applied).
+(2 microbatches per rank at dp4, 4 at dp2; and the same update again with two rows per microbatch), grad_clip
+below the norm (clipping applied).
 
 Tolerances (fp32; the only differences are reduction orders across TP/EP/PP splits and microbatch groupings):
 - gathered adapter gradients after the step: max |diff| <= 1e-5 x max |gradient| (measured ~4e-6);
@@ -17,11 +18,14 @@ R3 with the model's own recorded routes: disagreement exactly 0 and the logprobs
 positions route differently and fp32 GEMMs over different token sets differ in the last bits); random routes:
 disagreement > 0.5 (expected 1 - 4/16 = 0.75).
 """
+import importlib.util
+
 import pytest
 
 from moe_lora_rl.testing.launch import run_torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("verl") is None,
+                                                    reason="verl is not installed (the policy loss is verl's)")]
 
 LAYOUTS = ("tp1ep1pp1", "tp2ep2", "pp2ep2")
 
@@ -42,12 +46,23 @@ def test_update_is_layout_independent(rep):
     for key, r in _each(rep):
         assert r["n_factors"] == 224 and r["zero_grad_factors"] == [] and r["nonzero_grad_A_and_B"] == [True, True]
         assert r["grad_rel_diff"] <= 1e-5, (key, r["grad_rel_diff"])
+        assert r["mbs2_grad_rel_diff"] <= 1e-5, (key, r["mbs2_grad_rel_diff"])       # another microbatch split
         assert r["grad_norm_rel_diff"] <= 1e-5, (key, r["stats"], ref)
         assert r["loss_diff"] <= 1e-5 * max(1.0, abs(ref["loss"])), (key, r["stats"], ref)
         assert r["stats"]["clipped"] == ref["clipped"], key
         assert abs(r["stats"]["kl"] - ref["kl"]) <= 1e-5 * ref["kl"], (key, r["stats"], ref)
         assert abs(r["stats"]["pg_clipfrac"] - ref["pg_clipfrac"]) <= 1e-6, key
         assert r["stats_same_on_every_rank"] and r["version"] == 1 and r["step_moved"] > 0, key
+
+
+def test_grad_norm_counts_each_shard_once(rep):
+    """After clipping the norm is grad_clip (0.5); summing every rank's local grads instead counts replicated
+    factors again (measured 2x at tp1ep1pp1 (dp4), 1.6x at tp2ep2, 1.4x at pp2ep2) -- the control for double
+    counting."""
+    for key, r in _each(rep):
+        assert abs(r["norm_after_clip"] - 0.5) <= 1e-5, (key, r["norm_after_clip"])
+        assert r["naive_norm_after_clip"] > 1.2 * r["norm_after_clip"], (key, r["naive_norm_after_clip"])
+    assert abs(rep["per_layout"]["tp1ep1pp1"]["naive_norm_after_clip"] - 1.0) <= 1e-5
 
 
 def test_negative_control_shuffled_routes(rep):
@@ -71,6 +86,11 @@ def test_replay_of_own_routes_and_of_random_routes(rep):
         assert r["own_vs_off"] <= 5e-5 and r["off_vs_record"] == 0.0, key
         assert min(r["random_disagreement"].values()) > 0.5, (key, r["random_disagreement"])
         assert r["random_vs_off"] > 0.1, key
+
+
+def test_push_sends_the_adapters(rep):
+    p = rep["per_layout"][LAYOUTS[-1]]["push"]
+    assert p["exact"] and p["tensors"] >= 224 and p["version"] == 1 and p["served"]["version"] == 1, p
 
 
 def test_bad_inputs_name_the_value(rep):
