@@ -113,7 +113,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     out["ctrl_stats"] = ctrl
     lap("ctrl_update")
 
-    def restore():
+    def restore(pol=pol):
         with torch.no_grad():
             for p, s in zip(pol.params, saved):
                 p.copy_(s)
