@@ -7,10 +7,10 @@ cd "$ROOT"
 export TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 [[ -x .venv/bin/python ]] || { echo "test.sh: .venv missing; run: bash scripts/setup.sh" >&2; exit 1; }
 echo "== .venv: $(.venv/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))')"
-.venv/bin/python -m pytest tests "$@"
+.venv/bin/python -m pytest tests --durations=30 "$@"
 if [[ -x .venv312/bin/python ]]; then
   echo "== .venv312: $(.venv312/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))')"
-  .venv312/bin/python -m pytest tests -m "not vllm and not verl" "$@"
+  .venv312/bin/python -m pytest tests -m "not vllm and not verl" --durations=30 "$@"
 elif [[ "${CI:-}" == "true" ]]; then
   echo "test.sh: CI requires .venv312 (bash scripts/setup.sh --compat)" >&2; exit 1
 else
