@@ -96,7 +96,6 @@ class Engine:
                        logprobs_mode="processed_logprobs", additional_config={"moe_lora_serving": a.serving})
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.meta = self.rpc("moe_lora_capture_start")[0] if a.capture else None
-        self.mode = self.rpc("moe_lora_status")[0]["mode"]
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
         self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
@@ -138,11 +137,11 @@ class Engine:
         if self.meta is not None:
             try:
                 routes = self.rpc("moe_lora_capture_pop", ([o.request_id for o in outs],))[0]
-            except BaseException:
-                # drop whatever this call left in the capture store before reporting the error
+            except Exception as e:
+                # an engine failure, not bad input: drop whatever this call left in the capture store, then report
                 self.rpc("moe_lora_capture_stop")
                 self.meta = self.rpc("moe_lora_capture_start")[0]
-                raise
+                raise RuntimeError(f"routing capture: {e}") from e
         samples = []
         for p, o in zip(prompts, outs):
             c = o.outputs[0]
