@@ -5,9 +5,10 @@
 
 Per thread count (one engine process each, routing capture and prefix caching on): tps: generated tokens/s of one
 generate call of `requests` requests (groups of `group` samples per prompt, temperature 1, median of `repeats`
-calls after a warm-up call, whose time is first_generate_s); push_s: a rank-`rank` expert adapter pushed through engine.transport (ShmTransport,
-median of `repeats` pushes); idle_cpu_frac: the engine process's CPU time (utime + stime) over 5 s of idling after
-that work, as a fraction of one core; startup_s: start() until the engine answers.
+calls after a first call, whose time is first_generate_s); push_s: a rank-`rank` expert adapter pushed through
+engine.transport (ShmTransport, median of `repeats` pushes); idle_cpu_frac: the engine process's CPU time
+(utime + stime) over 5 s of idling after that work, as a fraction of one core; startup_s: start() until the engine
+answers (it includes the server's own warm-up generate).
 """
 from __future__ import annotations
 

@@ -61,6 +61,19 @@ def _signal_name(code: int) -> str:
     return str(code)
 
 
+def _ints(xs):
+    """A list of ints from a list / tuple / array of integers (numpy or torch scalars too); anything else unchanged,
+    for check_request to name it."""
+    import operator
+
+    if xs is None or isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+        return xs
+    try:
+        return [operator.index(x) for x in xs]
+    except TypeError:
+        return list(xs)
+
+
 class _EngineTransport(ShmTransport):
     """ShmTransport to the engine process: push time counts as engine busy time, and a dead engine is EngineDied."""
 
@@ -252,10 +265,9 @@ class RolloutEngine:
         """One request per entry (a GRPO group: the same prompt repeated with different seeds), results in order.
         seeds=None: unseeded sampling. temperature 0: greedy. Stops at max_tokens, at a stop id or at the model's
         EOS (both kept as the last response token)."""
-        prompts = [list(p) if isinstance(p, (list, tuple)) else p for p in prompts] \
-            if isinstance(prompts, (list, tuple)) else prompts
-        seeds = list(seeds) if isinstance(seeds, (list, tuple)) else seeds
-        stop = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
+        prompts = [_ints(p) for p in prompts] if isinstance(prompts, (list, tuple)) else prompts
+        seeds, stop = _ints(seeds), _ints(stop_token_ids)
+        max_tokens = (_ints([max_tokens]) or [max_tokens])[0]
         check_request(prompts, seeds, max_tokens, temperature, stop)
         t0 = time.perf_counter()
         try:

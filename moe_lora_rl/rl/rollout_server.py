@@ -2,7 +2,7 @@
 worker extension, enforce_eager, routing capture on with prefix caching) behind a loopback HTTP server that serves
 one request at a time:
 
-    GET  /health                 200 once the engine is up
+    GET  /health                 200 once the engine is up (after a warm-up generate)
     POST /generate               {"prompts", "seeds", "max_tokens", "temperature", "stop_token_ids"} -> {"samples"}
     POST /collective_rpc         {"method", "args"} -> {"results": [...]}; as vLLM's dev endpoint, so the refit
                                  transports (HttpTransport, ShmTransport) push here unchanged
@@ -99,7 +99,10 @@ class Engine:
                        enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.meta = self.rpc("moe_lora_capture_start")[0] if a.capture else None
-        self.mode = self.rpc("moe_lora_status")[0]["mode"]
+        # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
+        t0 = time.perf_counter()
+        self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
+        print(f"warm-up generate: {time.perf_counter() - t0:.2f} s", flush=True)
 
     def rpc(self, method: str, args=(), kwargs=None):
         return self.llm.collective_rpc(method, args=tuple(args), kwargs=kwargs or {})
@@ -137,11 +140,11 @@ class Engine:
         if self.meta is not None:
             try:
                 routes = self.rpc("moe_lora_capture_pop", ([o.request_id for o in outs],))[0]
-            except BaseException:
-                # drop whatever this call left in the capture store before reporting the error
+            except Exception as e:
+                # an engine failure, not bad input: drop whatever this call left in the capture store, then report
                 self.rpc("moe_lora_capture_stop")
                 self.meta = self.rpc("moe_lora_capture_start")[0]
-                raise
+                raise RuntimeError(f"routing capture: {e}") from e
         samples = []
         for p, o in zip(prompts, outs):
             c = o.outputs[0]
@@ -235,6 +238,11 @@ class Server(HTTPServer):
         super().__init__(addr, handler)
         self.parent_pid = parent_pid
         self.engine: Engine | None = None
+
+    def handle_error(self, request, client_address):
+        # a client that gave up waiting (a health check while the engine was starting) is not an error
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
     def service_actions(self):
         # every poll interval while idle: exit with the process that started us

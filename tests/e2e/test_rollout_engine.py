@@ -11,7 +11,8 @@ routing capture on, one engine process (plus one restart):
 - same seeds, same tokens (also after a restart); other seeds give other tokens;
 - greedy (temperature 0) picks HF's argmax;
 - a killed engine is EngineDied naming the signal on the next call; restart() serves again;
-- bad input is a ValueError naming the value, raised before any request (shown on an engine never started).
+- bad input is a ValueError naming the value, raised before any request (shown on an engine never started);
+- routes that cannot be popped fail the call (RuntimeError), never samples without routes; the engine recovers.
 """
 import os
 import signal
@@ -150,6 +151,20 @@ def test_greedy_is_hf_argmax(engine, prompts, model):
             p = len(s.prompt)
             assert s.response == logits[p - 1:p - 1 + len(s.response)].argmax(-1).tolist()
     assert max_diff(out, hf_logprobs(hf, out, 1.0)) < TOL
+
+
+def test_capture_failure_fails_the_call_and_the_engine_recovers(engine, prompts, base_run):
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"{engine.transport.base_url}/collective_rpc", headers={"Content-Type":
+                                 "application/json"}, data=json.dumps({"method": "moe_lora_capture_stop"}).encode())
+    urllib.request.urlopen(req, timeout=60).close()                 # routes of the next call cannot be popped
+    with pytest.raises(RuntimeError, match="routing capture: routing capture was not started"):
+        engine.generate(prompts, seeds=SEEDS, max_tokens=12, temperature=T)
+    again = engine.generate(prompts, seeds=SEEDS, max_tokens=12, temperature=T)
+    assert [s.response for s in again] == [s.response for s in base_run]
+    assert all(s.routes.shape[0] == len(s.prompt) + len(s.response) - 1 for s in again)
 
 
 def test_pushed_adapter_matches_merged_hf(engine, prompts, model, arch):

@@ -86,3 +86,17 @@ def test_engine_that_cannot_start_is_engine_died(tmp_path):
         port = taken.getsockname()[1]
         with pytest.raises(EngineDied, match=r"exited with code 1;[\s\S]*Address already in use"):
             RolloutEngine.start(tmp_path, log_dir=tmp_path, port=port, startup_timeout=60)
+
+
+def test_client_takes_integer_arrays_and_refuses_floats_before_sending(tmp_path):
+    import torch
+
+    from moe_lora_rl.rl.rollout import EngineDied, RolloutEngine
+
+    (tmp_path / "config.json").write_text("{}")
+    never_started = RolloutEngine(tmp_path, log_dir=tmp_path)
+    with pytest.raises(EngineDied, match="stopped"):          # valid: numpy / torch integer ids reach the process
+        never_started.generate([np.array([1, 2]), torch.tensor([3, 4])], seeds=np.array([1, 2]), max_tokens=2,
+                               temperature=1.0)
+    with pytest.raises(ValueError, match="prompts\\[0\\] has a token id"):
+        never_started.generate([[1.0, 2.0]], seeds=None, max_tokens=2, temperature=1.0)
