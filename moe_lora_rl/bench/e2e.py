@@ -22,7 +22,7 @@ from ..megatron.layout import parse_layouts
 from ..testing.launch import free_port, worker_env
 from .common import emit
 
-KEYS = ("wall_s", "warmup_s", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3", "kl_mean_no_r3",
+KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3", "kl_mean_no_r3",
         "ratio_gt2", "ratio_gt5", "disagreement_mean", "refit_bytes_per_step", "full_bytes", "rollout_busy_frac",
         "train_busy_frac", "steps")
 

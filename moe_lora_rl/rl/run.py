@@ -26,15 +26,19 @@ from .schedule import eval_seed, prompt_indices, sample_seed
 from .task import DATA_SOURCE, TaskSpec, make_split
 
 
-def model_dir(cfg: TrainConfig) -> tuple[Path, float]:
-    """The checkpoint the run starts from, and the seconds a warm start took now (0 when cached or not used)."""
+def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
+    """The checkpoint the run starts from, and its warm start: the seconds it took (measured now, or recorded when
+    it was trained, if cached) and whether it was cached."""
     if cfg.model.path is not None or not cfg.model.warm_start:
-        return base_model_dir(cfg), 0.0
+        return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
     from .warm_start import warm_started
 
     t0 = time.perf_counter()
     path = warm_started(cfg.model.family, cfg.model.size)
-    return path, time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    recorded = json.loads((path / "moe_lora_rl_warm_start.json").read_text())["train_wall_s"]
+    cached = took < 0.5 * recorded
+    return path, {"warmup_s": recorded if cached else took, "warmup_cached": cached, "warm_start": True}
 
 
 def load_problems(cfg: TrainConfig):
@@ -72,13 +76,13 @@ class GRPORun:
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.rank == 0:
-            self.path, self.warmup_s = model_dir(cfg)
+            self.path, self.warmup = model_dir(cfg)
         rc = run_config(cfg)
         prepare_host(rc)
         if rc.device == "cpu":                    # the ranks of this host share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         init_distributed(cfg.layout.layout(), rc)
-        self.path, self.warmup_s = _broadcast((self.path, self.warmup_s) if self.rank == 0 else None)
+        self.path, self.warmup = _broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
         self.train_problems, self.eval_problems = load_problems(cfg)
         a = cfg.algo
@@ -293,7 +297,7 @@ class GRPORun:
             return sum(vals) / len(vals) if vals else None
 
         k = min(5, len(history))
-        return {"wall_s": wall, "warmup_s": self.warmup_s, "setup_s": self.setup_s,
+        return {"wall_s": wall, **self.warmup, "setup_s": self.setup_s,
                 "reward_start": mean("reward", history[:k]), "reward_end": mean("reward", history[-k:]),
                 "eval_start": evals[0], "eval_end": evals[max(evals)], "evals": evals,
                 "kl_mean_r3": mean("r3_kl", history), "kl_mean_no_r3": mean("no_r3_kl", history),
