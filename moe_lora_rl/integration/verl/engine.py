@@ -25,9 +25,6 @@ from ...megatron.train_step import token_log_probs
 from .config import MoELoRAEngineConfig, check_verl_version, lora_config
 from .routes import routes_from_verl
 
-_HOST = None
-
-
 class _Ctx(BaseEngineCtx):
     def __init__(self, engine, mode, **kwargs):
         super().__init__(engine, mode, **kwargs)
@@ -43,7 +40,6 @@ class _Ctx(BaseEngineCtx):
 class MoELoRAEngine(BaseEngine):
     def __init__(self, model_config, engine_config: MoELoRAEngineConfig, optimizer_config=None,
                  checkpoint_config=None, **_):
-        global _HOST
         check_verl_version()
         if not isinstance(engine_config, MoELoRAEngineConfig):
             raise ValueError(f"actor_rollout_ref.actor.megatron._target_ builds {type(engine_config).__name__}; "
@@ -55,8 +51,10 @@ class MoELoRAEngine(BaseEngine):
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.lora = lora_config(model_config.lora)
         self.layout, self.rc = engine_config.layout(), engine_config.run_config()
-        if _HOST is None and self.rc.device == "cpu":
-            _HOST = prepare_host(self.rc)
+        from ...megatron import cpu_support
+
+        if self.rc.device == "cpu" and cpu_support.active() is None:
+            prepare_host(self.rc)                      # once per process (megatron-core's CPU support)
         init_distributed(self.layout, self.rc)
         self.model = self.arch = self.optimizer = self.replayer = None
         self.mode = None
@@ -138,7 +136,8 @@ class MoELoRAEngine(BaseEngine):
             p.grad = None
 
     def optimizer_step(self):
-        """Adapter grads synced over the groups their sharding names; the global norm counts each unique shard once
+        """Adapter grads summed over the groups their sharding names, then divided by the data-parallel size (verl's
+        losses are scaled by it, as for megatron's DP-averaging DDP); the global norm counts each unique shard once
         (sum of squares over the owners, summed over the world); clipped to optim.clip_grad."""
         import torch.distributed as dist
 
@@ -148,6 +147,10 @@ class MoELoRAEngine(BaseEngine):
 
         sync_adapter_grads(self.model)
         params = [p for _, p in adapter_factors(self.model)]
+        dp = self.get_data_parallel_size()
+        if dp > 1:                  # verl scales each rank's loss by dp_size (for DP-averaging DDP); we sum
+            for p in params:
+                p.grad.div_(dp)
         sq = torch.zeros((), dtype=torch.float64)
         for p in params:
             if is_owner(p.lora_meta):

@@ -33,6 +33,7 @@ def _register() -> None:
     from .config import BACKEND, REPLICA, check_verl_version
 
     check_verl_version()
+    from . import platform_cpu  # noqa: F401  first: verl's engine modules read the platform at import
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -44,4 +45,3 @@ def _register() -> None:
         EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])(MoELoRAEngine)
     RolloutReplicaRegistry.register(REPLICA, _load_replica)
     rollout_base._ROLLOUT_REGISTRY[(REPLICA, "async")] = rollout_base._ROLLOUT_REGISTRY[("vllm", "async")]
-    from . import platform_cpu  # noqa: F401  (registers the opt-in CPU platform)
