@@ -4,6 +4,7 @@
     EngineRegistry              ("language_model", "moe_lora", cuda|cpu) -> engine.MoELoRAEngine
     RolloutReplicaRegistry      "moe_lora_vllm" -> replica.MoELoRAvLLMReplica (loaded lazily, imports vLLM)
     rollout ServerAdapter       ("moe_lora_vllm", "async") -> verl's vLLM ServerAdapter (the worker side)
+    CheckpointEngineRegistry    "moe_lora" -> checkpoint_engine.MoELoRACheckpointEngine
     PlatformRegistry            "moe_lora_cpu" (only when VERL_PLATFORM names it; never auto-detected)
 """
 from __future__ import annotations
@@ -44,4 +45,5 @@ def _register() -> None:
     if engines.get("cuda") is not MoELoRAEngine:
         EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])(MoELoRAEngine)
     RolloutReplicaRegistry.register(REPLICA, _load_replica)
+    from . import checkpoint_engine  # noqa: F401  (registers the "moe_lora" checkpoint-engine backend)
     rollout_base._ROLLOUT_REGISTRY[(REPLICA, "async")] = rollout_base._ROLLOUT_REGISTRY[("vllm", "async")]
