@@ -12,6 +12,7 @@ BENCHES = {
     "plan": "moe_lora_rl.bench.plan",
     "grpo_hf": "moe_lora_rl.bench.grpo_hf",
     "serve": "moe_lora_rl.bench.serve",
+    "verl": "moe_lora_rl.bench.verl",
 }
 
 

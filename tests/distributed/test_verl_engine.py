@@ -28,7 +28,7 @@ def res():
 @pytest.mark.parametrize("layout", ["tp2ep2", "pp2ep2"])
 def test_logprobs_and_losses_match_reference(res, layout):
     r = res[layout]
-    assert r["logprob_max_diff"] <= r["tol"], r
+    assert r["logprob_max_diff"] <= r["tol"] and r["entropy_max_diff"] <= r["tol"], r
     assert r["loss_vanilla_diff"] <= TOL and r["loss_gspo_diff"] <= TOL, r
     assert r["adapter_effect"] > 1e-2, r                  # the adapters change the log-probs (control)
     assert abs(r["loss_vanilla"] - r["loss_gspo"]) > 1e-3, r      # the two verl losses differ (control)

@@ -73,6 +73,17 @@ def response_logprobs(logits: torch.Tensor, seqs: list[torch.Tensor], b) -> torc
     return out
 
 
+def response_entropy(logits: torch.Tensor, b) -> torch.Tensor:
+    """[N, R] entropy of the distribution predicting each response token (temperature applied)."""
+    lg = logits.float() / TEMPERATURE
+    ent = torch.logsumexp(lg, -1) - (torch.softmax(lg, -1) * lg).sum(-1)
+    out = torch.zeros(N, b["R"])
+    for i in range(N):
+        p, r = int(b["plen"][i]), int(b["rlen"][i])
+        out[i, :r] = ent[i, p - 1: p + r - 1]
+    return out
+
+
 def settings(mode):
     from .algos import PolicyLossSettings
 
@@ -111,7 +122,9 @@ def reference(path, arch, b, adv) -> dict:
     del base_model
     _, model = build_from_hf(path, Layout(), rc, lora=lora_config(LORA))
     randomize(model)
-    out["logprobs"] = response_logprobs(forward_logits(model, tokens, arch.vocab_size), seqs, b)
+    logits = forward_logits(model, tokens, arch.vocab_size)
+    out["logprobs"] = response_logprobs(logits, seqs, b)
+    out["entropy"] = response_entropy(logits, b)
     out["old"] = old = _old(b, out)
     # fp32 floor: the same unsharded model on the same rows, run in microbatches of MICRO rows (own padding)
     chunks = []
@@ -239,7 +252,10 @@ def engine_run(path, layout_name, b, old, adv) -> dict:
 
     out = {}
     td = verl_batch(b, old, adv, rows, routes=False)
-    out["logprobs"] = assemble(gather(logprobs(w.infer_batch(td), td)))
+    tu.assign_non_tensor(td, calculate_entropy=True)          # as verl's compute_log_prob asks
+    res = w.infer_batch(td)
+    out["logprobs"] = assemble(gather(logprobs(res, td)))
+    out["entropy"] = assemble(gather(None if res is None else no_padding_2_padding(tu.get(res, "entropy"), td)))
     td = verl_batch(b, old, adv, rows, routes=False)
     tu.assign_non_tensor(td, no_lora_adapter=True)
     out["base"] = assemble(gather(logprobs(w.infer_batch(td), td)))
@@ -287,7 +303,7 @@ def main(argv=None):
         mask = b["resp_mask"].bool()
         d = lambda k: float((got[k] - ref[k]).abs()[mask].max())  # noqa: E731
         result["layouts"][name] = {
-            "logprob_max_diff": d("logprobs"), "base_max_diff": d("base"), "r3_max_diff": d("r3"),
+            "logprob_max_diff": d("logprobs"), "entropy_max_diff": d("entropy"), "base_max_diff": d("base"), "r3_max_diff": d("r3"),
             "r3_control_diff": float((got["r3"] - ref["logprobs"]).abs()[mask].max()),
             "adapter_effect": float((ref["logprobs"] - ref["base"]).abs()[mask].max()),
             "loss_vanilla_diff": abs(got["loss_vanilla"] - ref["loss_vanilla"]),

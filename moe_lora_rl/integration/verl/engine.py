@@ -20,7 +20,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from ...megatron.forward import run_schedule
+from ...megatron.forward import gather_vocab, run_schedule
 from ...megatron.train_step import token_log_probs
 from .config import MoELoRAEngineConfig, check_verl_version, lora_config
 from .routes import routes_from_verl
@@ -230,13 +230,17 @@ class MoELoRAEngine(BaseEngine):
             lp = token_log_probs(logits, labels, vocab)                      # [b, s]
             rows = [torch.cat([lp[i, : n - 1], lp.new_zeros(1)]) for i, n in enumerate(lens)]
             model_output = {"log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}
+            if tu.get_non_tensor_data(mb, "calculate_entropy", False):
+                full = gather_vocab(logits, vocab)                               # [b, s, V], autograd-aware
+                ent = torch.logsumexp(full, -1) - (torch.softmax(full, -1) * full).sum(-1)
+                model_output["entropy"] = torch.nested.as_nested_tensor(
+                    [torch.cat([ent[i, : n - 1], ent.new_zeros(1)]) for i, n in enumerate(lens)], layout=torch.jagged)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=dp_group)
             else:
                 loss, metrics = torch.zeros((), device=logits.device), {}
             out = {"loss": float(loss.detach()), "metrics": metrics,
-                   "model_output": {"log_probs": torch.nested.as_nested_tensor([r.detach() for r in rows],
-                                                                               layout=torch.jagged)}}
+                   "model_output": {k: v.detach() for k, v in model_output.items()}}
             if forward_only:
                 return out
             return loss * n_micro, out
