@@ -16,6 +16,8 @@ from moe_lora_rl.megatron.layout import Layout
     (["refit", "--layouts", "tp1ep1pp1,ep5"], "ep=5 does not divide num_experts="),
     (["replay", "--engine", "hf", "--model", "/nonexistent"], "--model '/nonexistent': not an HF checkpoint"),
     (["replay", "--engine", "hf", "--dtype", "fp16"], "dtype='fp16': choose one of"),
+    (["verl", "--layouts", "tp2ep3"], "ep=3 does not divide num_experts="),
+    (["verl", "--layouts", "pp2ep4"], "--layouts 'pp2ep4': runs on 8 ranks; this bench launches 4"),
 ])
 def test_user_errors_are_one_line(argv, needle):
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", *argv], capture_output=True, text=True,
