@@ -14,6 +14,7 @@ BENCHES = {
     "serve": "moe_lora_rl.bench.serve",
     "e2e": "moe_lora_rl.bench.e2e",
     "rollout": "moe_lora_rl.bench.rollout",
+    "verl": "moe_lora_rl.bench.verl",
 }
 
 

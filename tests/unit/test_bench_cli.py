@@ -20,6 +20,9 @@ from moe_lora_rl.megatron.layout import Layout
     (["e2e", "--layouts", "tp2ep2", "--nproc", "1"], "world size"),
     (["e2e", "--", "algo.lr=-1"], "algo.lr=-1"),
     (["e2e", "--", "lora.rnk=4"], "unknown config key"),
+
+    (["verl", "--layouts", "tp2ep3"], "ep=3 does not divide num_experts="),
+    (["verl", "--layouts", "pp2ep4"], "--layouts 'pp2ep4': runs on 8 ranks; this bench launches 4"),
 ])
 def test_user_errors_are_one_line(argv, needle):
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", *argv], capture_output=True, text=True,

@@ -1,0 +1,323 @@
+"""torchrun worker: our engine driven through verl's real TrainingWorker at each layout, against a tp1ep1pp1
+reference computed without our engine (build_from_hf + forward_logits + verl's policy losses via algos).
+
+Per layout, on one global batch (GRPO advantages, perturbed old log-probs, temperature 0.7):
+  logprobs            TrainingWorker.infer_batch vs the reference's label log-probs
+  base                infer_batch with no_lora_adapter (verl's reference-policy flag) vs the model without adapters
+  loss_vanilla        TrainingWorker.train_batch (verl's ppo_loss: vanilla, token-mean) vs verl's loss on the reference
+  grad_norm           the engine's global adapter grad norm vs the reference's
+  loss_gspo           infer_batch with compute_loss (gspo, seq-mean-token-sum) vs the reference
+  r3                  verl-format routed_experts (int16 [N, P+R, all layers, k], left-padding aligned) replayed by the
+                      engine vs our RoutesBatch replayed in the reference; and the reference without replay (control)
+Rank 0 writes the max abs differences as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("VERL_PLATFORM", "moe_lora_cpu")
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+N, GROUP, TEMPERATURE, MICRO = 8, 4, 0.7, 2
+LORA = {"rank": 4, "alpha": 8, "adapter_layout": "per_expert"}
+LOSSES = {"vanilla": ("vanilla", "token-mean"), "gspo": ("gspo", "seq-mean-token-sum")}
+
+
+def make_batch(arch, seed: int = 0) -> dict:
+    """Left-padded prompts, right-padded responses (verl's rollout layout), rewards, forced routes per real token."""
+    rng = np.random.default_rng(seed)
+    plen, rlen = rng.integers(3, 7, N), rng.integers(3, 8, N)
+    P, R = int(plen.max()), int(rlen.max())
+    prompts = torch.zeros(N, P, dtype=torch.long)
+    responses = torch.zeros(N, R, dtype=torch.long)
+    attn = torch.zeros(N, P + R, dtype=torch.long)
+    for i in range(N):
+        prompts[i, P - plen[i]:] = torch.from_numpy(rng.integers(1, arch.vocab_size, plen[i]))
+        responses[i, : rlen[i]] = torch.from_numpy(rng.integers(1, arch.vocab_size, rlen[i]))
+        attn[i, P - plen[i]: P + rlen[i]] = 1
+    resp_mask = attn[:, P:].clone()
+    routes = [np.argsort(rng.random((plen[i] + rlen[i], arch.num_layers, arch.num_experts)), -1)[..., : arch.topk]
+              for i in range(N)]                                 # distinct experts per token, every layer
+    rewards = torch.from_numpy(rng.random(N)).float()
+    return dict(prompts=prompts, responses=responses, attn=attn, resp_mask=resp_mask, plen=plen, rlen=rlen, P=P, R=R,
+                routes=routes, rewards=rewards, noise=torch.from_numpy(rng.normal(0, 0.05, (N, R))).float())
+
+
+def real_tokens(b) -> list[torch.Tensor]:
+    ids = torch.cat([b["prompts"], b["responses"]], 1)
+    return [ids[i][b["attn"][i].bool()] for i in range(N)]
+
+
+def randomize(model, seed: int = 1, scale: float = 0.3) -> None:
+    """Every factor from its global name (layout independent), scaled so log-probs stay in a realistic range."""
+    from ...lora.layers import adapter_factors, make_factor
+    from ...lora.state import group_rank_size
+
+    with torch.no_grad():
+        for _, p in adapter_factors(model):
+            r, n = group_rank_size(p.lora_meta.group)
+            p.copy_(make_factor(p.lora_meta, r, n, init="kaiming", seed=seed, dtype=p.dtype) * scale)
+
+
+def response_logprobs(logits: torch.Tensor, seqs: list[torch.Tensor], b) -> torch.Tensor:
+    """[N, R] log p(response token) from full logits [N, S, V] of right-padded real sequences."""
+    lp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
+    out = torch.zeros(N, b["R"])
+    for i, s in enumerate(seqs):
+        p, r = int(b["plen"][i]), int(b["rlen"][i])
+        out[i, :r] = lp[i, p - 1: p + r - 1].gather(-1, s[p: p + r, None]).squeeze(-1)
+    return out
+
+
+def response_entropy(logits: torch.Tensor, b) -> torch.Tensor:
+    """[N, R] entropy of the distribution predicting each response token (temperature applied)."""
+    lg = logits.float() / TEMPERATURE
+    ent = torch.logsumexp(lg, -1) - (torch.softmax(lg, -1) * lg).sum(-1)
+    out = torch.zeros(N, b["R"])
+    for i in range(N):
+        p, r = int(b["plen"][i]), int(b["rlen"][i])
+        out[i, :r] = ent[i, p - 1: p + r - 1]
+    return out
+
+
+def settings(mode):
+    from .algos import PolicyLossSettings
+
+    loss_mode, agg = LOSSES[mode]
+    return PolicyLossSettings(loss_mode=loss_mode, loss_agg_mode=agg)
+
+
+def reference(path, arch, b, adv) -> dict:
+    """tp1ep1pp1 on every rank (whole batch): logprobs with/without adapters, R3 from RoutesBatch, verl losses."""
+    from ...lora.layers import adapter_factors
+    from ...megatron.forward import forward_logits
+    from ...megatron.from_hf import build_from_hf
+    from ...megatron.layout import Layout
+    from ...megatron.parallel import init_distributed
+    from ...megatron.run_config import RunConfig
+    from ...router_replay.align import align_microbatch
+    from ...router_replay.replay import Mode, RouterReplayer
+    from .algos import GlobalBatch, policy_loss
+    from .config import lora_config
+    from .routes import routes_from_verl
+
+    from ...megatron import cpu_support
+    from ...megatron.run_config import prepare_host
+
+    rc = RunConfig(device="cpu", dtype="fp32")
+    if cpu_support.active() is None:
+        prepare_host(rc)
+    init_distributed(Layout(), rc)
+    seqs = real_tokens(b)
+    S = max(len(s) for s in seqs)
+    tokens = torch.zeros(N, S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    _, base_model = build_from_hf(path, Layout(), rc)
+    out = {"base": response_logprobs(forward_logits(base_model, tokens, arch.vocab_size), seqs, b)}
+    del base_model
+    _, model = build_from_hf(path, Layout(), rc, lora=lora_config(LORA))
+    randomize(model)
+    logits = forward_logits(model, tokens, arch.vocab_size)
+    out["logprobs"] = response_logprobs(logits, seqs, b)
+    out["entropy"] = response_entropy(logits, b)
+    out["old"] = old = _old(b, out)
+    # fp32 floor: the same unsharded model on the same rows, run in microbatches of MICRO rows (own padding)
+    chunks = []
+    for i in range(0, N, MICRO):
+        part = seqs[i:i + MICRO]
+        t = torch.zeros(len(part), max(len(x) for x in part), dtype=torch.long)
+        for j, x in enumerate(part):
+            t[j, : len(x)] = x
+        lg = forward_logits(model, t, arch.vocab_size)
+        chunks.append(torch.nn.functional.pad(lg, (0, 0, 0, S - lg.shape[1])))
+    floor = response_logprobs(torch.cat(chunks), seqs, b)
+    out["floor"] = float((floor - out["logprobs"]).abs()[b["resp_mask"].bool()].max())
+    mask = b["resp_mask"].bool()
+    gb = GlobalBatch(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=N)
+    for mode in LOSSES:
+        out[f"loss_{mode}"] = float(policy_loss(old, out["logprobs"], adv, mask, settings(mode), gb)[0])
+    # gradient of the vanilla loss (differentiable forward through the same schedule)
+    from ...megatron.forward import run_schedule
+
+    model.train()
+    grads = {}
+
+    def on_output(logits_local, batch):
+        lp = response_logprobs_autograd(logits_local, seqs, b, arch.vocab_size)
+        loss = policy_loss(old, lp, adv, mask, settings("vanilla"), gb)[0]
+        return loss, {"loss": loss.detach()}
+
+    run_schedule(model, [{"tokens": tokens}], forward_only=False, on_output=on_output, seq_length=S,
+                 micro_batch_size=N)
+    sq = sum(float(p.grad.double().pow(2).sum()) for _, p in adapter_factors(model))
+    grads["grad_norm"] = sq ** 0.5
+    for _, p in adapter_factors(model):
+        p.grad = None
+    model.eval()
+    out.update(grads)
+    # R3: our RoutesBatch (from the same verl-format routes) replayed in the reference
+    routes = routes_from_verl([torch.from_numpy(r.astype(np.int16)) for r in b["routes"]], [len(s) for s in seqs],
+                              num_layers=arch.num_layers, moe_layer_ids=arch.moe_layer_ids,
+                              num_experts=arch.num_experts, topk=arch.topk)
+    rp = RouterReplayer(model)
+    rp.set_mode(Mode.REPLAY)
+    rp.queue_microbatch(align_microbatch(routes, list(range(N)), padded_len=S, stage_layers=rp.layer_ids))
+    out["r3"] = response_logprobs(forward_logits(model, tokens, arch.vocab_size), seqs, b)
+    rp.check_consumed()
+    rp.detach()
+    return out
+
+
+def response_logprobs_autograd(logits_local, seqs, b, vocab):
+    from ...megatron.forward import gather_vocab
+
+    logits = gather_vocab(logits_local, vocab).float()
+    lp = torch.log_softmax(logits / TEMPERATURE, -1)
+    rows = []
+    for i, s in enumerate(seqs):
+        p, r = int(b["plen"][i]), int(b["rlen"][i])
+        row = lp[i, p - 1: p + r - 1].gather(-1, s[p: p + r, None].to(lp.device)).squeeze(-1)
+        rows.append(torch.nn.functional.pad(row, (0, b["R"] - r)))
+    return torch.stack(rows)
+
+
+def verl_batch(b, old, adv, rows, routes: bool):
+    """The DP rank's rows as verl's trainer hands them to the worker (left_right_2_no_padding)."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    attn = b["attn"][rows]
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    fields = dict(prompts=b["prompts"][rows], responses=b["responses"][rows],
+                  input_ids=torch.cat([b["prompts"], b["responses"]], 1)[rows], attention_mask=attn,
+                  position_ids=pos, response_mask=b["resp_mask"][rows], old_log_probs=old[rows], advantages=adv[rows])
+    if routes:
+        full = torch.zeros(len(rows), b["P"] + b["R"], *b["routes"][0].shape[1:], dtype=torch.int16)
+        for j, i in enumerate(rows):
+            full[j, b["P"] - b["plen"][i]: b["P"] + b["rlen"][i]] = torch.from_numpy(b["routes"][i].astype(np.int16))
+        fields["routed_experts"] = full
+    td = left_right_2_no_padding(TensorDict(fields, batch_size=len(rows)))
+    tu.assign_non_tensor(td, temperature=TEMPERATURE, global_batch_size=N, compute_loss=False)
+    return td
+
+
+def engine_run(path, layout_name, b, old, adv) -> dict:
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import EngineRouterReplayConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.config.optimizer import OptimizerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+    from functools import partial
+
+    from ...megatron.layout import Layout
+    from .algos import actor_config
+    from .config import MoELoRAEngineConfig
+
+    lay = Layout.parse(layout_name)
+    ec = MoELoRAEngineConfig(tensor_model_parallel_size=lay.tp, expert_model_parallel_size=lay.ep,
+                             expert_tensor_parallel_size=lay.etp, pipeline_model_parallel_size=lay.pp,
+                             dtype="float32", device="cpu", router_replay=EngineRouterReplayConfig(mode="R3"),
+                             use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO,
+                             infer_micro_batch_size_per_gpu=MICRO)
+    mc = HFModelConfig(path=path, lora=dict(LORA), external_lib="moe_lora_rl.integration.verl")
+    w = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=mc, engine_config=ec,
+                                            optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1e9)))
+    w.reset()
+    randomize(w.engine.model)
+    dp, dpr = w.engine.get_data_parallel_size(), w.engine.get_data_parallel_rank()
+    rows = list(range(dpr * N // dp, (dpr + 1) * N // dp))
+
+    def gather(value):
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, (dpr, value if w.engine.is_mp_src_rank_with_outputs() else None))
+        return got
+
+    def logprobs(td_out, td):
+        return no_padding_2_padding(tu.get(td_out, "log_probs"), td) if td_out is not None else None
+
+    def assemble(got):
+        full = torch.zeros(N, b["R"])
+        for r, v in got:
+            if v is not None:
+                full[r * N // dp:(r + 1) * N // dp] = v
+        return full
+
+    out = {}
+    td = verl_batch(b, old, adv, rows, routes=False)
+    tu.assign_non_tensor(td, calculate_entropy=True)          # as verl's compute_log_prob asks
+    res = w.infer_batch(td)
+    out["logprobs"] = assemble(gather(logprobs(res, td)))
+    out["entropy"] = assemble(gather(None if res is None else no_padding_2_padding(tu.get(res, "entropy"), td)))
+    td = verl_batch(b, old, adv, rows, routes=False)
+    tu.assign_non_tensor(td, no_lora_adapter=True)
+    out["base"] = assemble(gather(logprobs(w.infer_batch(td), td)))
+    td = verl_batch(b, old, adv, rows, routes=True)
+    tu.assign_non_tensor(td, enable_routing_replay=True)
+    out["r3"] = assemble(gather(logprobs(w.infer_batch(td), td)))
+    w.set_loss_fn(partial(ppo_loss, actor_config(settings("gspo"))))
+    td = verl_batch(b, old, adv, rows, routes=False)
+    tu.assign_non_tensor(td, compute_loss=True)
+    res = w.infer_batch(td)
+    got = gather(None if res is None else tu.get(res, "metrics")["loss"])
+    out["loss_gspo"] = next(v for _, v in got if v is not None)
+    w.set_loss_fn(partial(ppo_loss, actor_config(settings("vanilla"))))
+    td = verl_batch(b, old, adv, rows, routes=False)
+    tu.assign_non_tensor(td, global_token_num=None)
+    res = w.train_batch(td)
+    got = gather(None if res is None else (tu.get(res, "metrics")["loss"], tu.get(res, "metrics")["grad_norm"]))
+    out["loss_vanilla"], out["grad_norm"] = next(v for _, v in got if v is not None)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    import torch.distributed as dist
+
+    from ...megatron.hf_reference import load_arch
+    from ...megatron.parallel import teardown
+    from ...testing.launch import finish_worker
+    from . import config  # noqa: F401  (registers our engine, as verl's _target_ resolution does)
+    from .algos import grpo_advantages
+
+    torch.manual_seed(0)
+    arch = load_arch(a.model)
+    b = make_batch(arch)
+    adv = grpo_advantages(b["rewards"], b["resp_mask"], [i // GROUP for i in range(N)])
+    ref = reference(a.model, arch, b, adv)
+    result = {"layouts": {}, "fp32_batch_shape_floor": ref["floor"]}
+    for name in a.layouts.split(","):
+        teardown()
+        got = engine_run(a.model, name, b, ref["old"], adv)
+        mask = b["resp_mask"].bool()
+        d = lambda k: float((got[k] - ref[k]).abs()[mask].max())  # noqa: E731
+        result["layouts"][name] = {
+            "logprob_max_diff": d("logprobs"), "entropy_max_diff": d("entropy"), "base_max_diff": d("base"), "r3_max_diff": d("r3"),
+            "r3_control_diff": float((got["r3"] - ref["logprobs"]).abs()[mask].max()),
+            "adapter_effect": float((ref["logprobs"] - ref["base"]).abs()[mask].max()),
+            "loss_vanilla_diff": abs(got["loss_vanilla"] - ref["loss_vanilla"]),
+            "loss_gspo_diff": abs(got["loss_gspo"] - ref["loss_gspo"]),
+            "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
+            "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"]}
+    finish_worker(result, a.result)
+    del dist
+
+
+def _old(b, ref):
+    """Old log-probs: the reference's own, perturbed so ratios leave 1 and clipping engages."""
+    return (ref["logprobs"] + b["noise"]) * b["resp_mask"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""What our overrides read from verl's config, and the start-up checks that refuse conflicting options.
+
+    actor_rollout_ref.actor.megatron._target_=moe_lora_rl.integration.verl.config.MoELoRAEngineConfig
+    actor_rollout_ref.model.external_lib=moe_lora_rl.integration.verl
+    actor_rollout_ref.model.lora.{rank,alpha,dropout,targets,adapter_layout}
+    actor_rollout_ref.rollout.name=moe_lora_vllm
+
+`MoELoRAEngineConfig` is verl's McoreEngineConfig (the same parallel sizes, `router_replay.mode`, micro-batching)
+naming our backend; it accepts float32 as well as bfloat16 (verl's own asserts bf16/fp16). Every error here is a
+ValueError naming the config key and the offending value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from verl.workers.config import McoreEngineConfig
+from verl.workers.config.engine import EngineConfig
+
+from ...lora.config import LoRAConfig
+from ...megatron.layout import Layout
+from ...megatron.run_config import RunConfig
+
+BACKEND = "moe_lora"
+REPLICA = "moe_lora_vllm"
+PACKAGE = "moe_lora_rl.integration.verl"
+ENGINE_TARGET = f"{PACKAGE}.config.MoELoRAEngineConfig"
+SUPPORTED_VERL = ("0.9",)
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+LORA = "actor_rollout_ref.model.lora"
+# verl's own model.lora keys (hf_model.yaml) we accept, with the values we need (None: any value is fine)
+VERL_LORA_KEYS: dict[str, Any] = {
+    "type": "lora", "merge": False, "fully_sharded_loras": False, "adapter_path": None, "target_modules": None,
+    "exclude_modules": None, "dropout_position": None, "lora_A_init_method": None, "lora_B_init_method": None,
+    "a2a_experimental": None, "dtype": None, "freeze_vision_model": None, "freeze_vision_projection": None,
+    "freeze_language_model": None,
+}
+OUR_LORA_KEYS = ("rank", "alpha", "dropout", "targets", "adapter_layout", "init_seed")
+
+
+def check_verl_version(version: str | None = None) -> None:
+    import verl
+
+    v = version or verl.__version__
+    if not v.startswith(SUPPORTED_VERL):
+        raise ValueError(f"verl version {v!r} is not supported by {PACKAGE} (supported: {', '.join(SUPPORTED_VERL)}.x)")
+
+
+@dataclass
+class MoELoRAEngineConfig(McoreEngineConfig):
+    """verl's Megatron engine config, selecting our engine (strategy moe_lora) and allowing fp32 on CPU."""
+
+    strategy: str = BACKEND
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    """cuda, or cpu (gloo; for tests and small runs)."""
+
+    def __post_init__(self) -> None:
+        EngineConfig.__post_init__(self)         # McoreEngineConfig's own checks assert strategy megatron and bf16
+        if self.strategy != BACKEND:
+            raise ValueError(f"actor_rollout_ref.actor.megatron.strategy={self.strategy!r}: our engine config is "
+                             f"selected by _target_ and must keep strategy {BACKEND!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"actor_rollout_ref.actor.megatron.dtype={self.dtype!r}: choose one of {tuple(DTYPES)}")
+        for key in ("virtual_pipeline_model_parallel_size",):
+            if getattr(self, key) not in (None, 1):
+                raise ValueError(f"actor_rollout_ref.actor.megatron.{key}={getattr(self, key)!r} is not supported")
+        if self.context_parallel_size != 1:
+            raise ValueError(f"actor_rollout_ref.actor.megatron.context_parallel_size={self.context_parallel_size} "
+                             "is not supported (1 only)")
+        if self.router_replay.mode not in ("disabled", "R3"):
+            raise ValueError(f"actor_rollout_ref.actor.megatron.router_replay.mode={self.router_replay.mode!r}: "
+                             "choose disabled or R3")
+        if self.tensor_model_parallel_size == 1:
+            object.__setattr__(self, "sequence_parallel", False)
+        self.layout()
+        self.run_config()
+
+    def layout(self) -> Layout:
+        return Layout(tp=self.tensor_model_parallel_size, ep=self.expert_model_parallel_size,
+                      etp=self.expert_tensor_parallel_size or 1, pp=self.pipeline_model_parallel_size)
+
+    def run_config(self) -> RunConfig:
+        try:
+            return RunConfig(device=self.device, dtype=DTYPES[self.dtype])
+        except ValueError as e:
+            raise ValueError(f"actor_rollout_ref.actor.megatron.device={self.device!r}: {e}") from None
+
+
+def _get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping) or hasattr(cfg, "get"):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def lora_config(lora: Mapping | None) -> LoRAConfig:
+    """Our LoRAConfig from verl's model.lora section; unknown keys and options that conflict with ours are refused."""
+    lora = dict(lora or {})
+    for key, value in lora.items():
+        if key not in VERL_LORA_KEYS and key not in OUR_LORA_KEYS:
+            raise ValueError(f"{LORA}.{key}={value!r} is not a key we read (ours: {', '.join(OUR_LORA_KEYS)}; "
+                             f"verl's: {', '.join(VERL_LORA_KEYS)})")
+        need = VERL_LORA_KEYS.get(key)
+        if need is not None and value not in (need, None):
+            raise ValueError(f"{LORA}.{key}={value!r} conflicts with our expert LoRA (it needs {need!r})")
+    rank = lora.get("rank", 0)
+    if not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"{LORA}.rank={rank!r}: our engine trains LoRA adapters only, set a positive rank")
+    targets = lora.get("targets", ("all",))
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    try:
+        return LoRAConfig(rank=rank, alpha=float(lora.get("alpha", 2 * rank)), dropout=float(lora.get("dropout", 0.0)),
+                          targets=targets, adapter_layout=lora.get("adapter_layout", "per_expert"),
+                          init_seed=int(lora.get("init_seed", 0)))
+    except ValueError as e:
+        raise ValueError(f"{LORA}: {e}") from None
+
+
+def check_config(cfg) -> None:
+    """Start-up checks on the whole (composed) verl config: our engine, external_lib, LoRA, rollout, routes."""
+    check_verl_version()
+    arr = _get(cfg, "actor_rollout_ref")
+    model, actor, rollout = _get(arr, "model"), _get(arr, "actor"), _get(arr, "rollout")
+    target = _get(_get(actor, "megatron"), "_target_")
+    if target != ENGINE_TARGET:
+        raise ValueError(f"actor_rollout_ref.actor.megatron._target_={target!r}: set it to {ENGINE_TARGET}")
+    ext = _get(model, "external_lib")
+    libs = [ext] if isinstance(ext, str) else list(ext or [])
+    if PACKAGE not in libs:
+        raise ValueError(f"actor_rollout_ref.model.external_lib={ext!r}: set it to {PACKAGE} (it registers our "
+                         "engine and rollout in verl's workers)")
+    lora_config(_get(model, "lora"))
+    if _get(model, "lora_rank", 0):
+        raise ValueError(f"actor_rollout_ref.model.lora_rank={_get(model, 'lora_rank')!r} is verl's FSDP LoRA; "
+                         f"use {LORA}.rank")
+    name = _get(rollout, "name")
+    if name != REPLICA:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: set it to {REPLICA} (our vLLM replica: expert "
+                         "LoRA refit and route capture)")
+    check_rollout(rollout, _get(_get(actor, "megatron"), "router_replay"))
+
+
+def check_rollout(rollout, router_replay=None) -> None:
+    """vLLM's own LoRA must stay off (our worker extension serves the adapters); R3 needs the rollout's routes."""
+    vkw = _get(_get(rollout, "engine_kwargs"), "vllm") or {}
+    for key in ("enable_lora", "fully_sharded_loras", "max_loras", "max_lora_rank"):
+        if _get(vkw, key) not in (None, False):
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={_get(vkw, key)!r} turns on vLLM's "
+                             "own LoRA, which our worker extension replaces: remove it")
+    ext = _get(vkw, "worker_extension_cls")
+    if ext not in (None, "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"):
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={ext!r}: our replica "
+                         "sets its own worker extension, remove it")
+    mode = _get(router_replay, "mode", "disabled")
+    replay = bool(_get(rollout, "enable_rollout_routing_replay", False))
+    if mode == "R3" and not replay:
+        raise ValueError("actor_rollout_ref.actor.megatron.router_replay.mode='R3' needs "
+                         "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (got False)")
+
+
+# Resolving this module (verl instantiates our engine config by its _target_) registers our names with verl, so a
+# process that imported this package before verl (when external_lib's import is a no-op) still has them.
+from .plugin import register as _register  # noqa: E402
+
+_register()

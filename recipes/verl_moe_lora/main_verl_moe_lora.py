@@ -1,0 +1,24 @@
+"""verl's main_ppo with our overrides checked up front: python recipes/verl_moe_lora/main_verl_moe_lora.py [k=v ...]"""
+import hydra
+
+
+@hydra.main(config_path="config", config_name="verl_moe_lora", version_base=None)
+def main(cfg):
+    from moe_lora_rl.integration.verl.config import check_config
+
+    check_config(cfg)                     # one-line ValueError naming the key and value on a conflicting option
+    from verl.trainer import main_ppo     # the body of verl's main_ppo.main, after our check
+
+    main_ppo.auto_set_device(cfg)
+    main_ppo.validate_config(config=cfg, use_reference_policy=main_ppo.need_reference_policy(cfg),
+                             use_critic=main_ppo.need_critic(cfg))
+    if cfg.trainer.use_v1:
+        main_ppo.run_ppo(cfg, task_runner_class=main_ppo.TaskRunnerV1)
+    else:                                 # verl's deprecated V0 trainer (needs no transfer_queue)
+        from verl.trainer.main_ppo_v0 import TaskRunner
+
+        main_ppo.run_ppo(cfg, task_runner_class=TaskRunner)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""verl's real config (ppo_megatron_trainer, hydra compose) with our overrides: it resolves to our engine and replica,
+the vLLM arguments built by verl's own launch_server through our replica's hooks are ours, and conflicting or
+misspelt options are one-line errors naming the key and the value. The plugin registers nothing unless imported."""
+import asyncio
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytestmark = pytest.mark.verl
+
+ENGINE = "moe_lora_rl.integration.verl.config.MoELoRAEngineConfig"
+
+
+def overrides(path, **extra):
+    ov = {"actor_rollout_ref.actor.megatron._target_": ENGINE,
+          "actor_rollout_ref.model.external_lib": "moe_lora_rl.integration.verl",
+          "actor_rollout_ref.model.path": path,
+          "actor_rollout_ref.model.lora.rank": 4,
+          "+actor_rollout_ref.model.lora.adapter_layout": "per_expert",
+          "actor_rollout_ref.rollout.name": "moe_lora_vllm",
+          "actor_rollout_ref.actor.megatron.dtype": "float32",
+          "+actor_rollout_ref.actor.megatron.device": "cpu",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}
+    ov.update(extra)
+    return [f"{k}={v}" for k, v in ov.items() if v is not None]
+
+
+@pytest.fixture(scope="module")
+def compose():
+    import verl
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from moe_lora_rl.models import get_model
+
+    path = str(get_model("glm4_moe", "tiny"))
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+    def make(**extra):
+        with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+            return hydra_compose("ppo_megatron_trainer", overrides=overrides(path, **extra))
+
+    return make
+
+
+def test_overrides_resolve_to_our_engine_and_replica(compose):
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, check_config
+    from moe_lora_rl.megatron.layout import Layout
+
+    cfg = compose(**{"actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
+                     "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 2})
+    check_config(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.engine, MoELoRAEngineConfig) and actor.engine.strategy == "moe_lora"
+    assert actor.engine.layout() == Layout(tp=2, ep=2) and actor.engine.run_config().dtype == "fp32"
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.model)          # HFModelConfig imports external_lib: registers
+    from moe_lora_rl.integration.verl.engine import MoELoRAEngine
+    from moe_lora_rl.integration.verl.replica import MoELoRAvLLMReplica
+
+    assert EngineRegistry.get_engine_cls("language_model", actor.engine.strategy) is MoELoRAEngine
+    assert RolloutReplicaRegistry.get(cfg.actor_rollout_ref.rollout.name) is MoELoRAvLLMReplica
+    # verl's stock Megatron engine is still what the stock strategy selects (registration adds, never replaces)
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is not MoELoRAEngine
+
+
+def _launch_args(server_cls, cfg) -> dict:
+    """The vLLM CLI arguments verl's own launch_server builds (run_server captured instead of started)."""
+
+    class Capture(server_cls):
+        async def run_server(self, args):
+            self.captured = args
+
+    s = object.__new__(Capture)
+    s.config = s._init_config(cfg.actor_rollout_ref.rollout)
+    s.model_config = s._init_model_config(cfg.actor_rollout_ref.model)
+    s._disaggregation_role, s.replica_rank, s.node_rank, s.nnodes, s.gpus_per_node = "null", 0, 0, 1, 1
+    s.workers, s._master_address, s._master_port, s._dp_rpc_port = [None], None, None, None
+    s.profiler_controller = types.SimpleNamespace(check_enable=lambda: False)
+    asyncio.run(s.launch_server())
+    return vars(s.captured) | {"_sleep_level": s._resolve_sleep_level()}
+
+
+@pytest.mark.vllm
+def test_vllm_engine_args_through_replica_hooks(compose):
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    from moe_lora_rl.integration.verl.replica import MoELoRAvLLMHttpServer
+
+    for prefix_caching in (True, False):
+        cfg = compose(**{"actor_rollout_ref.rollout.enable_prefix_caching": prefix_caching,
+                         "actor_rollout_ref.rollout.enforce_eager": False})
+        ours = _launch_args(MoELoRAvLLMHttpServer, cfg)
+        assert ours["worker_extension_cls"] == "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
+        assert not ours.get("enable_lora") and not ours.get("fully_sharded_loras")
+        assert ours["enforce_eager"] is True and ours["enable_prefix_caching"] is prefix_caching
+        assert ours["_sleep_level"] == 1                       # base weights stay resident between adapter refits
+    # negative control: verl's own server with the same config turns vLLM's LoRA on and compiles
+    stock = _launch_args(vLLMHttpServer, cfg)
+    assert stock["enable_lora"] is True and stock["enforce_eager"] is False
+    assert stock["worker_extension_cls"] != ours["worker_extension_cls"]
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"+actor_rollout_ref.model.lora.adapter_layuot": "shared"},
+     r"actor_rollout_ref.model.lora.adapter_layuot='shared' is not a key we read"),
+    ({"actor_rollout_ref.model.external_lib": None},
+     r"actor_rollout_ref.model.external_lib=None: set it to moe_lora_rl.integration.verl"),
+    ({"+actor_rollout_ref.model.lora.fully_sharded_loras": True},
+     r"actor_rollout_ref.model.lora.fully_sharded_loras=True conflicts"),
+    ({"actor_rollout_ref.model.lora.merge": True}, r"actor_rollout_ref.model.lora.merge=True conflicts"),
+    ({"+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_lora": True},
+     r"actor_rollout_ref.rollout.engine_kwargs.vllm.enable_lora=True turns on vLLM's own LoRA"),
+    ({"+actor_rollout_ref.model.lora.adapter_layout": "per_rank"}, r"adapter_layout='per_rank'"),
+    ({"actor_rollout_ref.model.lora.rank": 0}, r"actor_rollout_ref.model.lora.rank=0"),
+    ({"actor_rollout_ref.rollout.name": "vllm"}, r"actor_rollout_ref.rollout.name='vllm'"),
+    ({"actor_rollout_ref.actor.megatron._target_": "verl.workers.config.McoreEngineConfig"},
+     r"actor_rollout_ref.actor.megatron._target_='verl.workers.config.McoreEngineConfig'"),
+    ({"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"},
+     r"router_replay.mode='R3' needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+])
+def test_bad_config_is_a_one_line_error(compose, extra, match):
+    from moe_lora_rl.integration.verl.config import check_config
+
+    with pytest.raises(ValueError, match=match) as e:
+        check_config(compose(**extra))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_engine_values_and_versions():
+    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, check_verl_version
+    from moe_lora_rl.integration.verl.routes import routes_from_verl
+    import torch
+
+    with pytest.raises(ValueError, match=r"megatron.dtype='float16'"):
+        MoELoRAEngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match=r"megatron.device='tpu'"):
+        MoELoRAEngineConfig(device="tpu")
+    with pytest.raises(ValueError, match=r"verl version '0.7.0' is not supported"):
+        check_verl_version("0.7.0")
+    r = torch.zeros(5, 3, 2, dtype=torch.int16)        # 3 layers: neither 4 layers nor 3 MoE layers... of 2 MoE
+    with pytest.raises(ValueError, match="layer axis of 3 matches neither the model's 4 layers nor its 2 MoE"):
+        routes_from_verl([r], [5], num_layers=4, moe_layer_ids=[2, 3], num_experts=8, topk=2)
+    with pytest.raises(ValueError, match="covers 5 tokens, the sample has 7"):
+        routes_from_verl([torch.zeros(5, 4, 2, dtype=torch.int16)], [7], num_layers=4, moe_layer_ids=[2, 3],
+                         num_experts=8, topk=2)
+
+
+def test_routes_from_verl_layer_indexing():
+    """verl indexes its layer axis by global layer number when it spans every layer, else by MoE ordinal."""
+    import torch
+
+    from moe_lora_rl.integration.verl.routes import routes_from_verl
+
+    full = torch.arange(6 * 4 * 2, dtype=torch.int16).reshape(6, 4, 2) % 8       # [tokens, all 4 layers, k]
+    a = routes_from_verl([full], [6], num_layers=4, moe_layer_ids=[1, 3], num_experts=8, topk=2)
+    b = routes_from_verl([full[:, [1, 3]]], [6], num_layers=4, moe_layer_ids=[1, 3], num_experts=8, topk=2)
+    assert a.layer_ids == (1, 3) and a.samples[0].shape == (5, 2, 2)
+    assert (a.samples[0] == full[:5, [1, 3]].numpy()).all() and (a.samples[0] == b.samples[0]).all()
+    assert not (a.samples[0] == full[:5, [0, 1]].numpy()).all()               # the dense layer's rows are not used
+
+
+def _run(code):
+    out = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True, timeout=300,
+                         env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
+              "from verl.plugin.platform.platform_manager import PlatformRegistry\n"
+              "def ours(): return 'moe_lora' in EngineRegistry._engines['language_model']\n")
+
+
+def test_plugin_is_inert_unless_imported():
+    # our other modules (algos, the vLLM plugin) import no verl and register nothing
+    _run("import sys, moe_lora_rl, moe_lora_rl.integration.verl.algos, moe_lora_rl.vllm\n"
+         "assert 'verl' not in sys.modules, 'importing algos must not import verl'\n"
+         "import verl\n" + REGISTRIES +
+         "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"
+         "import moe_lora_rl.integration.verl.config\n"          # what the engine _target_ resolves
+         "assert ours()\n")
+    # verl imports the package as external_lib: registered; the CPU platform is never auto-detected
+    _run("import verl\n" + REGISTRIES +
+         "assert not ours()\n"
+         "from verl.utils.import_utils import import_external_libs\n"
+         "import_external_libs('moe_lora_rl.integration.verl')\n"
+         "assert ours()\n"
+         "assert not PlatformRegistry.get('moe_lora_cpu')().is_platform_available(use_smi_check=True)\n"
+         "from verl.plugin.platform.platform_manager import _detect_platform_name\n"
+         "assert _detect_platform_name() != 'moe_lora_cpu'\n")
