@@ -15,12 +15,15 @@ import zlib
 import torch
 
 
+def bytes_crc(name: str, dtype: torch.dtype, shape: tuple[int, ...], data) -> int:
+    """A tensor's wire CRC from its raw bytes (any buffer: a numpy array, a memoryview of a mapping)."""
+    crc = zlib.crc32(f"{name}|{dtype}|{tuple(shape)}|".encode())
+    return zlib.crc32(data, crc) if len(data) else crc
+
+
 def tensor_crc(name: str, t: torch.Tensor) -> int:
     t = t.detach().contiguous().cpu()
-    crc = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    if t.numel():
-        crc = zlib.crc32(t.view(torch.uint8).numpy().data, crc)
-    return crc
+    return bytes_crc(name, t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
 
 
 def combine(crcs: dict[str, int]) -> str:
@@ -49,7 +52,7 @@ def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for d in shape:
         n *= d
     return n
