@@ -6,12 +6,13 @@ with a whole adapter's (or one bucket's) tensors back to back (wire.unpack layou
 (the name), the entries and the digest.
 
     sender   SegmentPool: one segment per size, created once and mapped; each push renames it (a fresh handle, so
-             the previous push's handle is stale) and copies every tensor straight into the mapping, computing its
-             wire CRC on the bytes just written (in cache). Removed by close(), at exit, and, after a crash, by
-             `remove_stale` on the next start of either side (the pid is in the name).
+             the previous push's handle is stale), copies every tensor straight into the mapping and computes the
+             segment digest (wire.segment_digest: entries + all bytes, one pass) over what was written. Removed by
+             close(), at exit, and, after a crash, by `remove_stale` on the next start of either side (the pid is
+             in the name).
     server   read_segment: copies the segment once into a private buffer (RecvBuffers: reused once no tensor
-             views it), CRC-checking each tensor's bytes right after they were read; the returned tensors are
-             views of that buffer (the sender may reuse the segment as soon as the call returned).
+             views it) and checks the digest over that copy; the returned tensors are views of that buffer (the
+             sender may reuse the segment as soon as the call returned).
 """
 from __future__ import annotations
 
@@ -26,12 +27,11 @@ from pathlib import Path
 import torch
 
 from ..procs import pid_alive
-from .wire import bytes_crc, combine, nbytes
+from .wire import nbytes, segment_algo, segment_digest
 
 ROOT = Path("/dev/shm")
 PREFIX = "moe_lora_rl-"
 _NAME = re.compile(r"^moe_lora_rl-(\d+)-\d+-\d+-[0-9a-f]+$")
-_CHUNK = 1 << 20                 # server reads: bytes per read() before their CRCs (stays in cache)
 
 
 def remove_stale(root: Path = ROOT) -> list[str]:
@@ -67,19 +67,17 @@ def _name(version: int, index: int) -> str:
     return f"{PREFIX}{os.getpid()}-{version}-{index}-{secrets.token_hex(4)}"
 
 
-def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor], crcs: dict[str, int] | None) -> None:
-    """Copy the tensors back to back into the uint8 tensor dst (a mapping of the segment), each tensor's wire CRC
-    computed on its bytes right after the copy."""
+def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
+    """Copy the tensors back to back into the uint8 tensor dst (a mapping of the segment); returns the segment digest
+    of what was written (wire.segment_digest: entries and bytes, one pass)."""
     offset = 0
-    for n, t in tensors.items():
+    for t in tensors.values():
         t = t.detach()
         k = t.numel() * t.element_size()
-        out = dst[offset:offset + k]
         if k:
-            out.view(t.dtype).view(t.shape).copy_(t)
-        if crcs is not None:
-            crcs[n] = bytes_crc(n, t.dtype, tuple(t.shape), out.numpy())
+            dst[offset:offset + k].view(t.dtype).view(t.shape).copy_(t)
         offset += k
+    return segment_digest([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], dst.numpy())
 
 
 def _total(tensors: dict[str, torch.Tensor]) -> int:
@@ -123,10 +121,9 @@ class SegmentPool:
         self._finalizer = weakref.finalize(self, SegmentPool._close_all, self._segs)
         atexit.register(self._finalizer)
 
-    def write(self, tensors: dict[str, torch.Tensor], version: int, index: int,
-              crcs: dict[str, int] | None = None) -> str:
-        """The tensors in this pool's segment of their size, under a new name (the handle). crcs: filled with each
-        tensor's wire CRC, computed on the bytes written."""
+    def write(self, tensors: dict[str, torch.Tensor], version: int, index: int) -> tuple[str, str]:
+        """The tensors in this pool's segment of their size, under a new name: (handle, segment digest of the bytes
+        written)."""
         size = _total(tensors)
         seg = self._segs.get(size)
         name = _name(version, index)
@@ -138,8 +135,7 @@ class SegmentPool:
             except FileNotFoundError:          # removed under us (e.g. remove_stale by a confused peer): recreate
                 seg.close()
                 seg = self._segs[size] = _Segment(self.root, name, size)
-        _fill(seg.view, tensors, crcs)
-        return seg.name
+        return seg.name, _fill(seg.view, tensors)
 
     def handles(self) -> list[str]:
         return [s.name for s in self._segs.values()]
@@ -154,12 +150,12 @@ class SegmentPool:
         segs.clear()
 
 
-def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, root: Path = ROOT,
-                  crcs: dict[str, int] | None = None) -> str:
-    """A one-off segment holding the tensors (the caller removes it); returns its name (the handle)."""
+def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int,
+                  root: Path = ROOT) -> tuple[str, str]:
+    """A one-off segment holding the tensors (the caller removes it): (handle, segment digest)."""
     seg = _Segment(Path(root), _name(version, index), _total(tensors))
     try:
-        _fill(seg.view, tensors, crcs)
+        digest = _fill(seg.view, tensors)
     except BaseException:
         seg.close()
         raise
@@ -167,7 +163,7 @@ def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, ro
     seg.view = None
     if seg.map is not None:
         seg.map.close()
-    return name
+    return name, digest
 
 
 class RecvBuffers:
@@ -192,16 +188,16 @@ class RecvBuffers:
         return buf
 
 
-def read_segment(handle: str, entries, crc: str, root: Path = ROOT,
+def read_segment(handle: str, entries, digest: str, root: Path = ROOT,
                  buffers: RecvBuffers | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a segment, copied out once into a private buffer (from `buffers` when given) in chunks,
-    each tensor's CRC computed right after the chunk holding its end was read (in cache); the returned tensors are
+    """The tensors of a segment, copied out once into a private buffer (from `buffers` when given) and checked
+    against the sender's segment digest (wire.segment_digest, the algorithm it names); the returned tensors are
     views of that buffer. ValueError for a handle that is not ours, no longer exists, has the wrong size, or whose
-    contents fail the CRC (`crc`: the wire digest of exactly these tensors, so a one-segment push checks the
-    adapter's digest here)."""
+    contents fail the digest."""
     if not _NAME.match(str(handle)):
         raise ValueError(f"shared-memory handle {handle!r} is not a moe_lora_rl segment name")
     parsed = _parse(entries)
+    algo = segment_algo(digest)
     total = sum(nbytes(shape, dt) for _, dt, shape in parsed)
     try:
         f = open(Path(root) / handle, "rb", buffering=0)
@@ -213,28 +209,22 @@ def read_segment(handle: str, entries, crc: str, root: Path = ROOT,
         if size != total:
             raise ValueError(f"shared-memory segment {handle!r} holds {size} bytes, its entries need {total}")
         buf = buffers.get(total) if buffers is not None else torch.empty(total, dtype=torch.uint8)
-        raw = buf.numpy()
-        spans, lo = [], 0                           # (name, dtype, shape, start, end) in segment order
-        for name, dt, shape in parsed:
-            spans.append((name, dt, shape, lo, lo + nbytes(shape, dt)))
-            lo = spans[-1][4]
-        crcs, offset, i = {}, 0, 0
-        while i < len(spans):
-            end = min(total, offset + _CHUNK)       # read a chunk, then CRC the tensors that end inside it
-            while offset < end:
-                got = f.readinto(memoryview(raw[offset:end]))
-                if not got:
-                    raise ValueError(f"shared-memory segment {handle!r}: short read at byte {offset} of {total}")
-                offset += got
-            while i < len(spans) and spans[i][4] <= offset:
-                name, dt, shape, lo, hi = spans[i]
-                crcs[name] = bytes_crc(name, dt, shape, raw[lo:hi])
-                i += 1
+        raw, done = buf.numpy(), 0
+        while done < total:
+            got = f.readinto(memoryview(raw[done:]))
+            if not got:
+                raise ValueError(f"shared-memory segment {handle!r}: short read at byte {done} of {total}")
+            done += got
+    got = segment_digest(parsed, raw, algo)
     del raw
-    got = combine(crcs)
-    if got != crc:
-        raise ValueError(f"shared-memory segment {handle!r}: checksum mismatch (sent {crc}, read {got})")
-    return {name: buf[lo:hi].view(dt).view(shape) for name, dt, shape, lo, hi in spans}
+    if got != digest:
+        raise ValueError(f"shared-memory segment {handle!r}: checksum mismatch (sent {digest}, read {got})")
+    out, lo = {}, 0
+    for name, dt, shape in parsed:
+        hi = lo + nbytes(shape, dt)
+        out[name] = buf[lo:hi].view(dt).view(shape)
+        lo = hi
+    return out
 
 
 def remove(handle: str, root: Path = ROOT) -> None:

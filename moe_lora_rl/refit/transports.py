@@ -181,18 +181,17 @@ class ShmTransport(HttpTransport):
         self.pool.close()
 
     def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
-        """The whole adapter in one segment and one RPC (moe_lora_push_shm): the CRCs are computed while writing,
-        the server checks the digest while copying the segment out; the RPC returns after the commit."""
+        """The whole adapter in one segment and one RPC (moe_lora_push_shm): the segment digest is computed over the
+        bytes written, the server checks it over its copy; the RPC returns after the commit."""
         import os
 
         from . import shm
 
         t0 = time.perf_counter()
-        crcs: dict[str, int] = {}
-        handle = self.pool.write(tensors, version, 0, crcs=crcs)
+        handle, digest = self.pool.write(tensors, version, 0)
         t1 = time.perf_counter()
-        served = self._call("moe_lora_push_shm", version, combine(crcs), rank, alpha, handle,
-                            shm.entries_of(tensors), os.getpid())
+        served = self._call("moe_lora_push_shm", version, digest, rank, alpha, handle, shm.entries_of(tensors),
+                            os.getpid())
         t2 = time.perf_counter()
         self._reset_prefix_cache()
         self.last_timing = {"write_s": t1 - t0, "rpc_s": t2 - t1, "reset_s": time.perf_counter() - t2}
@@ -204,9 +203,8 @@ class ShmTransport(HttpTransport):
         call returns, so the pool's segment of that size is reused by the next bucket."""
         from . import shm
 
-        crcs: dict[str, int] = {}
-        handle = self.pool.write(tensors, version, index, crcs=crcs)
-        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), combine(crcs))
+        handle, digest = self.pool.write(tensors, version, index)
+        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), digest)
 
 
 class CudaIpcTransport(_Base):

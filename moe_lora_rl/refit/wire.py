@@ -3,6 +3,7 @@ the other (pure: torch, zlib, safetensors).
 
     checksum    CRC-32 per tensor over name, dtype, shape and bytes; the adapter's digest chains the per-tensor
                 values in name order, so senders that each hold part of the adapter can compute it together
+    segment     one digest over a shared-memory segment's entries and bytes in one pass (refit/shm.py)
     blob        a bucket as base64 safetensors, for JSON transports (/collective_rpc)
     buffer      a bucket as one flat uint8 tensor, tensors back to back in plan order (point-to-point sends);
                 `unpack` returns views into it, no copy
@@ -37,6 +38,51 @@ def combine(crcs: dict[str, int]) -> str:
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
     """Detects corrupted, truncated or renamed payloads at memory speed (sha256 would cost more than the move)."""
     return combine({n: tensor_crc(n, t) for n, t in tensors.items()})
+
+
+def _segment_hashers() -> dict:
+    out = {"crc32": lambda parts: _crc_chain(parts)}
+    try:
+        import xxhash
+    except ImportError:                 # the digest names its algorithm: a receiver without it refuses, never skips
+        return out
+
+    def xxh3(parts):
+        h = xxhash.xxh3_64()
+        for p in parts:
+            h.update(p)
+        return h.intdigest()
+    out["xxh3"] = xxh3
+    return out
+
+
+def _crc_chain(parts) -> int:
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return crc
+
+
+SEGMENT_HASHERS = _segment_hashers()
+SEGMENT_ALGO = "xxh3" if "xxh3" in SEGMENT_HASHERS else "crc32"
+
+
+def segment_digest(entries: list, data, algo: str | None = None) -> str:
+    """One digest of a shared-memory segment: its entries (names, dtypes, shapes, in order) and all its bytes in one
+    pass (xxh3-64 where the xxhash package is installed, else CRC-32; the digest names the algorithm). Detects a
+    changed byte, a reordered, renamed or reshaped tensor, and a truncated payload."""
+    algo = algo or SEGMENT_ALGO
+    if algo not in SEGMENT_HASHERS:
+        raise ValueError(f"segment digest algorithm {algo!r} is not available here (have {sorted(SEGMENT_HASHERS)})")
+    head = repr([[str(n), str(d).removeprefix("torch."), [int(x) for x in s]] for n, d, s in entries]).encode()
+    return f"seg-{algo}:{SEGMENT_HASHERS[algo]((head, data)):016x}:{len(entries)}"
+
+
+def segment_algo(digest: str) -> str:
+    """The algorithm a segment digest names (ValueError for anything that is not a segment digest)."""
+    if not isinstance(digest, str) or not digest.startswith("seg-") or digest.count(":") != 2:
+        raise ValueError(f"{digest!r} is not a shared-memory segment digest (seg-<algo>:<hex>:<n>)")
+    return digest[4:digest.index(":")]
 
 
 def encode_blob(tensors: dict[str, torch.Tensor]) -> str:

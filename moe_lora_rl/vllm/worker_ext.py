@@ -131,8 +131,9 @@ class MoELoRAWorkerExtension:
 
     @entry
     def moe_lora_bucket_shm(self, version: int, index: int, handle: str, entries: list, crc: str) -> dict:
-        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): copied out (CRC-checked
-        while copying) and staged; the sender may reuse the segment once this call returned."""
+        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): copied out, checked against
+        its segment digest `crc`, staged (the adapter digest is checked at the commit); the sender may reuse the
+        segment once this call returned."""
         from ..refit import shm
 
         return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc,
@@ -141,10 +142,11 @@ class MoELoRAWorkerExtension:
     @entry
     def moe_lora_push_shm(self, version: int, checksum: str, rank: int, alpha: float, handle: str, entries: list,
                           sender_pid: int | None = None) -> dict:
-        """A whole adapter in one shared-memory segment, in one RPC: begin, the segment read and checked against
-        the adapter digest while copying it out (the bytes are hashed once), commit. Same staging rules as a
-        bucketed push: refused while another version is staged; on any error the stage is closed and the previous
-        version stays served. The sender may reuse the segment once this call returned."""
+        """A whole adapter in one shared-memory segment, in one RPC: begin, the segment copied out and checked
+        against `checksum`, its segment digest (wire.segment_digest: the bytes are hashed once per side; it is the
+        served version's checksum), commit. Same staging rules as a bucketed push: refused while another version is
+        staged; on any error the stage is closed and the previous version stays served. The sender may reuse the
+        segment once this call returned."""
         import time
 
         from ..refit import shm

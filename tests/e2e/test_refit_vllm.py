@@ -112,7 +112,7 @@ def test_server_process_push_over_http(trained, tmp_path):
         old = st.pool.handles()
         assert st.push(4, peft, CFG.rank, CFG.alpha).served["version"] == 4
         with pytest.raises(ValueError, match="stale shared-memory handle"):
-            tr._call("moe_lora_push_shm", 5, "crc32:0:0", CFG.rank, CFG.alpha, old[0], [], os.getpid())
+            tr._call("moe_lora_push_shm", 5, "seg-crc32:0:0", CFG.rank, CFG.alpha, old[0], [], os.getpid())
         assert tr.status()["version"] == 4
         st.close()
         assert not mine()
