@@ -2,9 +2,10 @@
 projections, fp32) pushed to a vLLM server process on this host, side by side:
 
     shm_push_s    ShmTransport.push, from the call to its return: the adapter copied into the sender's pooled
-                  segment (per-tensor CRCs on the bytes written), one /collective_rpc with handle, entries and
-                  digest (server: segment copied into a private buffer with the CRCs checked per tensor, staged,
-                  validated, committed: expert factors stacked and served), then the prefix-cache reset RPC.
+                  segment and the segment digest computed over the bytes written (xxh3-64 if xxhash is installed,
+                  else CRC-32: "shm_digest"), one /collective_rpc with handle, entries and digest (server: segment
+                  copied into a reused receive buffer and its digest checked, staged, validated, committed: expert
+                  factors stacked and served), then the prefix-cache reset RPC.
                   The segment is reused across pushes (its tmpfs pages exist), as are the server's receive
                   buffers: shm_first_push_s is the first push of a new transport (after one HTTP warm-up push that
                   builds the worker's adapter runtime), which also creates the segment and a receive buffer
@@ -12,7 +13,7 @@ projections, fp32) pushed to a vLLM server process on this host, side by side:
     memcpy_s      one in-memory copy of the payload's bytes (the floor any transport pays at least once)
 commit_s: the server's activation (expert factors stacked, swap), validate_s: the server's adapter validation
 (names, shapes, experts; the digest is checked before), both included in both push times. The shm push is split
-into shm_write_s (segment filled + CRCs, sender), shm_rpc_s (the one moe_lora_push_shm RPC, HTTP -> API server ->
+into shm_write_s (segment filled + digest, sender), shm_rpc_s (the one moe_lora_push_shm RPC, HTTP -> API server ->
 engine core -> worker and back: of it shm_read_s is the server's segment copy + digest check, then validate_s and
 commit_s) and shm_reset_s (the prefix-cache reset RPC). Medians of `repeats` pushes each, shm and HTTP
 alternating on one server; every push is a new version and ends with the commit and the prefix-cache reset."""
@@ -55,6 +56,7 @@ def transport_timings(model: str, rank: int, repeats: int = 5) -> dict:
                     served_t.append(res.served)
                     if name == "shm":
                         parts.append({**tr.last_timing, "read_s": res.served["shm_read_s"]})
+                        digest_algo = res.served["checksum"].split(":")[0]      # seg-<algo>
             served = shm.status()
         finally:
             if shm is not None:
@@ -66,4 +68,5 @@ def transport_timings(model: str, rank: int, repeats: int = 5) -> dict:
             "commit_s": statistics.median(s["commit_s"] for s in served_t),
             "validate_s": statistics.median(s["validate_s"] for s in served_t),
             **{f"shm_{k}": statistics.median(p[k] for p in parts) for k in ("write_s", "rpc_s", "read_s", "reset_s")},
-            "shm_served_version": served["version"], "transport_rank": rank, "repeats": repeats}
+            "shm_served_version": served["version"], "shm_digest": digest_algo, "transport_rank": rank,
+            "repeats": repeats}

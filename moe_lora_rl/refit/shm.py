@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 
 from ..procs import pid_alive
-from .wire import nbytes, segment_algo, segment_digest
+from .wire import SegmentHash, nbytes, segment_algo
 
 ROOT = Path("/dev/shm")
 PREFIX = "moe_lora_rl-"
 _NAME = re.compile(r"^moe_lora_rl-(\d+)-\d+-\d+-[0-9a-f]+$")
+_PIECE = 512 << 10               # bytes hashed right after they were written / read (in cache)
 
 
 def remove_stale(root: Path = ROOT) -> list[str]:
@@ -69,15 +70,20 @@ def _name(version: int, index: int) -> str:
 
 def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
     """Copy the tensors back to back into the uint8 tensor dst (a mapping of the segment); returns the segment digest
-    of what was written (wire.segment_digest: entries and bytes, one pass)."""
-    offset = 0
+    of what was written, hashed in pieces of about _PIECE bytes right after they were written (still in cache)."""
+    h = SegmentHash([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    raw = dst.numpy()
+    offset = hashed = 0
     for t in tensors.values():
         t = t.detach()
         k = t.numel() * t.element_size()
         if k:
             dst[offset:offset + k].view(t.dtype).view(t.shape).copy_(t)
         offset += k
-    return segment_digest([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], dst.numpy())
+        if offset - hashed >= _PIECE:
+            h.update(raw[hashed:offset])
+            hashed = offset
+    return h.update(raw[hashed:offset]).digest()
 
 
 def _total(tensors: dict[str, torch.Tensor]) -> int:
@@ -209,13 +215,16 @@ def read_segment(handle: str, entries, digest: str, root: Path = ROOT,
         if size != total:
             raise ValueError(f"shared-memory segment {handle!r} holds {size} bytes, its entries need {total}")
         buf = buffers.get(total) if buffers is not None else torch.empty(total, dtype=torch.uint8)
-        raw, done = buf.numpy(), 0
-        while done < total:
-            got = f.readinto(memoryview(raw[done:]))
-            if not got:
-                raise ValueError(f"shared-memory segment {handle!r}: short read at byte {done} of {total}")
-            done += got
-    got = segment_digest(parsed, raw, algo)
+        raw, done, h = buf.numpy(), 0, SegmentHash(parsed, algo)
+        while done < total:                         # read a piece, hash it while it is in cache
+            end = min(total, done + _PIECE)
+            while done < end:
+                got = f.readinto(memoryview(raw[done:end]))
+                if not got:
+                    raise ValueError(f"shared-memory segment {handle!r}: short read at byte {done} of {total}")
+                h.update(raw[done:done + got])
+                done += got
+    got = h.digest()
     del raw
     if got != digest:
         raise ValueError(f"shared-memory segment {handle!r}: checksum mismatch (sent {digest}, read {got})")

@@ -40,42 +40,58 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return combine({n: tensor_crc(n, t) for n, t in tensors.items()})
 
 
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
 def _segment_hashers() -> dict:
-    out = {"crc32": lambda parts: _crc_chain(parts)}
+    out = {"crc32": _Crc32}
     try:
         import xxhash
     except ImportError:                 # the digest names its algorithm: a receiver without it refuses, never skips
         return out
-
-    def xxh3(parts):
-        h = xxhash.xxh3_64()
-        for p in parts:
-            h.update(p)
-        return h.intdigest()
-    out["xxh3"] = xxh3
+    out["xxh3"] = xxhash.xxh3_64
     return out
-
-
-def _crc_chain(parts) -> int:
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
-    return crc
 
 
 SEGMENT_HASHERS = _segment_hashers()
 SEGMENT_ALGO = "xxh3" if "xxh3" in SEGMENT_HASHERS else "crc32"
 
 
+class SegmentHash:
+    """The digest of a shared-memory segment: its entries (names, dtypes, shapes, in order), then all its bytes,
+    fed in any pieces (update) in order: xxh3-64 where the xxhash package is installed, else CRC-32; the digest
+    names the algorithm. Detects a changed byte, a reordered, renamed or reshaped tensor, a truncated payload."""
+
+    def __init__(self, entries: list, algo: str | None = None):
+        self.algo = algo or SEGMENT_ALGO
+        if self.algo not in SEGMENT_HASHERS:
+            raise ValueError(f"segment digest algorithm {self.algo!r} is not available here (have "
+                             f"{sorted(SEGMENT_HASHERS)})")
+        self.n = len(entries)
+        self._h = SEGMENT_HASHERS[self.algo]()
+        self._h.update(repr([[str(n), str(d).removeprefix("torch."), [int(x) for x in s]]
+                             for n, d, s in entries]).encode())
+
+    def update(self, data) -> "SegmentHash":
+        if len(data):
+            self._h.update(data)
+        return self
+
+    def digest(self) -> str:
+        return f"seg-{self.algo}:{self._h.intdigest():016x}:{self.n}"
+
+
 def segment_digest(entries: list, data, algo: str | None = None) -> str:
-    """One digest of a shared-memory segment: its entries (names, dtypes, shapes, in order) and all its bytes in one
-    pass (xxh3-64 where the xxhash package is installed, else CRC-32; the digest names the algorithm). Detects a
-    changed byte, a reordered, renamed or reshaped tensor, and a truncated payload."""
-    algo = algo or SEGMENT_ALGO
-    if algo not in SEGMENT_HASHERS:
-        raise ValueError(f"segment digest algorithm {algo!r} is not available here (have {sorted(SEGMENT_HASHERS)})")
-    head = repr([[str(n), str(d).removeprefix("torch."), [int(x) for x in s]] for n, d, s in entries]).encode()
-    return f"seg-{algo}:{SEGMENT_HASHERS[algo]((head, data)):016x}:{len(entries)}"
+    """SegmentHash of the whole segment's bytes in one piece."""
+    return SegmentHash(entries, algo).update(data).digest()
 
 
 def segment_algo(digest: str) -> str:

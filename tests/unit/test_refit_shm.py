@@ -126,3 +126,16 @@ def test_receive_buffers_reused_only_once_nothing_views_them(tmp_path, tensors):
     assert got4["b"].untyped_storage().data_ptr() == ptr1  # free again: reused
     assert all(torch.equal(got4[k], v) for k, v in tensors.items())
     assert all(torch.equal(got2[k], v) for k, v in tensors.items())
+
+
+def test_digest_in_pieces_equals_one_pass(tmp_path, monkeypatch):
+    """Hashing while writing / reading in pieces (smaller than, equal to and spanning tensors) gives the one-pass
+    digest, and the copy is exact."""
+    monkeypatch.setattr(shm, "_PIECE", 64)
+    g = torch.Generator().manual_seed(1)
+    big = {"big": torch.randn(100, generator=g), "s1": torch.randn(3, generator=g), "s2": torch.randn(2, generator=g),
+           "empty": torch.zeros(0), "tail": torch.randn(33, generator=g)}
+    h, digest = shm.write_segment(big, 1, 0, root=tmp_path)
+    assert digest == _digest(big)
+    got = shm.read_segment(h, shm.entries_of(big), digest, root=tmp_path)
+    assert all(torch.equal(got[k], v) for k, v in big.items())
