@@ -1,15 +1,22 @@
 """Cross-process push timings for `bench refit`: one adapter of the model (random, rank r, every routed expert's
 projections, fp32) pushed to a vLLM server process on this host, side by side:
 
-    shm_push_s    ShmTransport.push: one segment written (CRCs computed while writing), one /collective_rpc with
-                  the handle: read + digest-checked + staged in the server's worker, commit (adapter validated
-                  and served); segment removed; prefix-cache reset
+    shm_push_s    ShmTransport.push, from the call to its return: the adapter copied into the sender's pooled
+                  segment and the segment digest computed over the bytes written (xxh3-64 if xxhash is installed,
+                  else CRC-32: "shm_digest"), one /collective_rpc with handle, entries and digest (server: segment
+                  copied into a reused receive buffer and its digest checked, staged, validated, committed: expert
+                  factors stacked and served), then the prefix-cache reset RPC.
+                  The segment is reused across pushes (its tmpfs pages exist), as are the server's receive
+                  buffers: shm_first_push_s is the first push of a new transport (after one HTTP warm-up push that
+                  builds the worker's adapter runtime), which also creates the segment and a receive buffer
     http_push_s   HttpTransport.push: the same, with the bytes as base64 safetensors inside the JSON RPCs
     memcpy_s      one in-memory copy of the payload's bytes (the floor any transport pays at least once)
-commit_s: the server's part of the commit (validate, stack, swap), included in both push times. The shm push is
-split into shm_write_s (segment written + CRCs, sender), shm_rpc_s (the one moe_lora_push_shm RPC: of it
-shm_read_s is the server's segment read + digest check, then the commit) and shm_reset_s (prefix-cache reset RPC).
-Medians of 3; every push is a new version and ends with the commit and the prefix-cache reset."""
+commit_s: the server's activation (expert factors stacked, swap), validate_s: the server's adapter validation
+(names, shapes, experts; the digest is checked before), both included in both push times. The shm push is split
+into shm_write_s (segment filled + digest, sender), shm_rpc_s (the one moe_lora_push_shm RPC, HTTP -> API server ->
+engine core -> worker and back: of it shm_read_s is the server's segment copy + digest check, then validate_s and
+commit_s) and shm_reset_s (the prefix-cache reset RPC). Medians of `repeats` pushes each, shm and HTTP
+alternating on one server; every push is a new version and ends with the commit and the prefix-cache reset."""
 from __future__ import annotations
 
 import statistics
@@ -17,7 +24,7 @@ import tempfile
 import time
 
 
-def transport_timings(model: str, rank: int, repeats: int = 3) -> dict:
+def transport_timings(model: str, rank: int, repeats: int = 5) -> dict:
     from ..megatron.hf_reference import load_arch
     from ..refit.server import start_server
     from ..refit.transports import HttpTransport, ShmTransport
@@ -35,23 +42,31 @@ def transport_timings(model: str, rank: int, repeats: int = 3) -> dict:
         del copies
     with tempfile.TemporaryDirectory() as d:
         server = start_server(model, free_port(), log_dir=d)
+        shm = None
         try:
             shm, http = ShmTransport(server.url), HttpTransport(server.url)
-            version, times, commits, parts = 0, {"shm": [], "http": []}, [], []
+            version, times, served_t, parts = 0, {"shm": [], "http": []}, [], []
+            http.push(version := version + 1, peft, rank, 2.0 * rank)      # warm-up: the worker's runtime
+            first = shm.push(version := version + 1, peft, rank, 2.0 * rank).seconds   # creates the segment
             for _ in range(repeats):
                 for name, tr in (("shm", shm), ("http", http)):
                     version += 1
                     res = tr.push(version, peft, rank, 2.0 * rank)
                     times[name].append(res.seconds)
-                    commits.append(res.served["commit_s"])
+                    served_t.append(res.served)
                     if name == "shm":
                         parts.append({**tr.last_timing, "read_s": res.served["shm_read_s"]})
+                        digest_algo = res.served["checksum"].split(":")[0]      # seg-<algo>
             served = shm.status()
         finally:
+            if shm is not None:
+                shm.close()
             server.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"transport_adapter_bytes": nbytes, "memcpy_s": statistics.median(memcpy), "shm_push_s": med["shm"],
-            "http_push_s": med["http"], "shm_speedup_vs_http": med["http"] / med["shm"],
-            "commit_s": statistics.median(commits),
+            "http_push_s": med["http"], "shm_speedup_vs_http": med["http"] / med["shm"], "shm_first_push_s": first,
+            "commit_s": statistics.median(s["commit_s"] for s in served_t),
+            "validate_s": statistics.median(s["validate_s"] for s in served_t),
             **{f"shm_{k}": statistics.median(p[k] for p in parts) for k in ("write_s", "rpc_s", "read_s", "reset_s")},
-            "shm_served_version": served["version"], "transport_rank": rank}
+            "shm_served_version": served["version"], "shm_digest": digest_algo, "transport_rank": rank,
+            "repeats": repeats}

@@ -105,13 +105,13 @@ class Case:
             out[3], _ = _k3(with_r3, lengths, packed, ref_lp, toks)
         return out
 
-    def fidelity(self, packed: bool) -> dict[str, torch.Tensor]:
+    def fidelity(self, packed: bool, names=("rollout", "random", "shuffled")) -> dict[str, torch.Tensor]:
         lengths = [self.d["lengths"][i] for i in self.ids]
         toks = [self.d["tokens"][i, :n] for i, n in zip(self.ids, lengths)]
         padded_len = None if packed else self.seq_len
         tok, inputs = _inputs(toks, padded_len)
         out = {}
-        for name in ("rollout", "random", "shuffled"):
+        for name in names:
             samples = self.d["forced_sets"][name]
             routes = RoutesBatch(samples, self.full.layer_ids, self.full.num_experts, self.full.topk)
             aligned = align_microbatch(routes, self.ids, padded_len=padded_len, stage_layers=self.replayer.layer_ids,
@@ -169,26 +169,57 @@ class Case:
         return t
 
 
-def run_case(case: Case, timing: int) -> dict:
+def run_case(case: Case, timing: int, sets=("rollout", "random")) -> dict:
     rec: dict = {}
     for kind, packed in (("padded", False), ("packed", True)):
         m = case.rollout_metrics(packed)
         dist.all_reduce(m)
         rec[kind] = {"disagreement_without": float(m[0] / max(m[1], 1)), "decisions": int(m[1]),
                      "kl_without": float(m[2] / max(m[4], 1)), "kl_with": float(m[3] / max(m[4], 1))}
-        f = case.fidelity(packed)
+        f = case.fidelity(packed, (*sets, "shuffled"))
         for k, v in f.items():
             dist.all_reduce(v, op=dist.ReduceOp.MAX if k.startswith(("diff", "rel")) else dist.ReduceOp.SUM)
         rec[kind].update({
-            "fidelity_max_diff": {n: float(f[f"diff_{n}"]) for n in ("rollout", "random")},
-            "fidelity_max_rel": {n: float(f[f"rel_{n}"]) for n in ("rollout", "random")},
+            "fidelity_max_diff": {n: float(f[f"diff_{n}"]) for n in sets},
+            "fidelity_max_rel": {n: float(f[f"rel_{n}"]) for n in sets},
             "shuffled_routes_diff": float(f["diff_shuffled"]), "shuffled_routes_rel": float(f["rel_shuffled"]),
-            "dispatcher_mismatched_tokens": {n: int(f[f"dispatch_{n}"][0]) for n in ("rollout", "random")},
-            "dispatcher_tokens": {n: int(f[f"dispatch_{n}"][1]) for n in ("rollout", "random")}})
+            "dispatcher_mismatched_tokens": {n: int(f[f"dispatch_{n}"][0]) for n in sets},
+            "dispatcher_tokens": {n: int(f[f"dispatch_{n}"][1]) for n in sets}})
     if timing:
         t = case.timing(timing)
         rec["forward_s"] = {"without": float(t[0]), "with_replay": float(t[1])}
     return rec
+
+
+def adapter_cases(model, arch, path: str, d: dict, ids: list[int]) -> dict:
+    """The same model with the served expert adapter in its LoRA (imported from the PEFT tensors vLLM served):
+    replay the routes vLLM captured in each serving mode, against HF with the adapter merged forced to them."""
+    from ..lora import LoRAConfig, adapter_factors, apply_lora
+    from ..refit.import_peft import load_peft
+    from .route_reference import random_expert_adapter
+
+    ad = d["adapter"]
+    apply_lora(model, LoRAConfig(rank=ad["rank"], alpha=ad["alpha"], targets=("experts",),
+                                 adapter_layout="per_expert"))
+    loaded = load_peft(model, arch, random_expert_adapter(arch, ad["rank"], seed=ad["seed"], fused_fc1=True))
+    out = {}
+    for mode, x in ad["modes"].items():
+        dd = {**x, "num_experts": d["num_experts"]}
+        case = Case(model, arch, dd, ids)
+        out[mode] = {**run_case(case, 0, sets=("rollout",)), "lora_factors_loaded": loaded}
+        case.replayer.detach()
+    # negative control of the import: the LoRA zeroed (the base model) replaying the same routes is far from the
+    # adapted reference
+    with torch.no_grad():
+        for _, p in adapter_factors(model):
+            p.zero_()
+    mode, x = next(iter(ad["modes"].items()))
+    case = Case(model, arch, {**x, "num_experts": d["num_experts"]}, ids)
+    f = case.fidelity(False, ("rollout",))["diff_rollout"]
+    dist.all_reduce(f, op=dist.ReduceOp.MAX)
+    case.replayer.detach()
+    out["without_adapter_diff"] = float(f)
+    return out
 
 
 def main(argv=None):
@@ -200,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--data", required=True, help="the forced-set file written by replay_check.add_forced_sets")
     ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
     ap.add_argument("--run-config", default="", help="RunConfig as JSON (run_args.worker_arg); default fp32 on CPU")
+    ap.add_argument("--adapter-layouts", default="", help="layouts that also replay the routes captured while "
+                    "vLLM served an expert adapter, with that adapter in Megatron's LoRA")
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
     rc = from_worker_arg(a.run_config)
@@ -216,10 +249,14 @@ def main(argv=None):
             n = d["tokens"].shape[0]
             if n % dp:
                 raise ValueError(f"{n} samples do not split over data parallel size {dp} (layout {key})")
-            case = Case(model, arch, d, list(range(dpr * n // dp, (dpr + 1) * n // dp)))
+            ids = list(range(dpr * n // dp, (dpr + 1) * n // dp))
+            case = Case(model, arch, d, ids)
             out.setdefault(key, {})[path] = run_case(case, a.timing)
             case.replayer.detach()
-            del model, case
+            del case
+            if key in a.adapter_layouts.split(",") and "adapter" in d:
+                out.setdefault("adapter", {}).setdefault(key, {})[path] = adapter_cases(model, arch, path, d, ids)
+            del model
         teardown()
     finish_worker(out, a.result)
 

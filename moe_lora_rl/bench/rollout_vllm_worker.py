@@ -9,15 +9,64 @@ import time
 from .vllm_env import set_engine_env
 
 
-
-def main(argv=None):
-    set_engine_env()
+def _captured_rollout(llm, prompts, sp):
+    """Generate with routing capture on: (tokens [N, P+G], RoutesBatch, per-token logprobs of tokens 1..)."""
     import numpy as np
     import torch
-    from vllm import LLM, SamplingParams
 
     from ..router_replay.align import spread_pad
     from ..router_replay.routes import RoutesBatch
+
+    meta = llm.collective_rpc("moe_lora_capture_start")[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ids = [o.request_id for o in outs]
+    caps = llm.collective_rpc("moe_lora_capture_pop", args=(ids,))[0]
+    llm.collective_rpc("moe_lora_capture_stop")
+    tokens, samples, lps = [], [], []
+    for p, o in zip(prompts, outs):
+        gen = list(o.outputs[0].token_ids)
+        seq = p + gen
+        r = caps[o.request_id]
+        if r.shape[0] != len(seq) - 1:
+            raise RuntimeError(f"request {o.request_id}: captured {r.shape[0]} rows for {len(seq)} tokens")
+        # the last sampled token is never forwarded by the engine: its row is padding (no loss depends on it)
+        last = spread_pad(1, meta["topk"], meta["num_experts"])[None].repeat(len(meta["layer_ids"]), 1)
+        samples.append(np.concatenate([r, last.astype(r.dtype)[None].reshape(1, len(meta["layer_ids"]), -1)]))
+        lp = [o.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(p))]
+        lp += [d[tok].logprob for tok, d in zip(gen, o.outputs[0].logprobs)]
+        tokens.append(seq)
+        lps.append(torch.tensor(lp, dtype=torch.float64))
+    routes = RoutesBatch(samples, tuple(meta["layer_ids"]), meta["num_experts"], meta["topk"])
+    return torch.tensor(tokens), routes, lps
+
+
+def _adapter_rollouts(llm, model, prompts, sp, a) -> dict:
+    """The same prompts while the engine serves an expert adapter (bench/route_reference.random_expert_adapter of
+    --adapter-rank and --adapter-seed, alpha 2*rank, gate and up sharing A as Megatron's fused fc1 LoRA does), in
+    each serving mode: tokens, routes and logprobs per mode."""
+    from ..megatron.hf_reference import load_arch
+    from ..refit.transports import InprocTransport
+    from .route_reference import random_expert_adapter
+
+    rank = a.adapter_rank
+    peft = random_expert_adapter(load_arch(model), rank, seed=a.adapter_seed, fused_fc1=True)
+    out = {"rank": rank, "alpha": 2.0 * rank, "seed": a.adapter_seed, "modes": {}}
+    for version, mode in enumerate(a.adapter_modes.split(","), 1):
+        llm.collective_rpc("moe_lora_clear")
+        llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+        served = InprocTransport(llm).push(version, peft, rank, 2.0 * rank).served
+        if served["mode"] != mode:
+            raise RuntimeError(f"the engine serves mode {served['mode']!r}, {mode!r} was set")
+        tokens, routes, lps = _captured_rollout(llm, prompts, sp)
+        out["modes"][mode] = {"tokens": tokens, "routes": routes.to_field(), "logprobs": lps}
+    llm.collective_rpc("moe_lora_clear")
+    return out
+
+
+def main(argv=None):
+    set_engine_env()
+    import torch
+    from vllm import LLM, SamplingParams
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
@@ -27,6 +76,10 @@ def main(argv=None):
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--overhead-batches", type=int, default=0, help="also time generation without/with capture")
+    ap.add_argument("--adapter-modes", default="", help="also roll out while serving an expert adapter in each of "
+                    "these serving modes (unmerged,merged)")
+    ap.add_argument("--adapter-rank", type=int, default=8)
+    ap.add_argument("--adapter-seed", type=int, default=1)
     a = ap.parse_args(argv)
     data = {}
     for model in a.models.split(","):
@@ -53,28 +106,11 @@ def main(argv=None):
                 llm.collective_rpc("moe_lora_capture_stop")         # drops the captured routes too
             overhead = {"tps_without": sum(off) / 2, "tps_with": sum(on) / 2,
                         "capture_overhead": 1 - sum(on) / sum(off)}
-        meta = llm.collective_rpc("moe_lora_capture_start")[0]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        ids = [o.request_id for o in outs]
-        caps = llm.collective_rpc("moe_lora_capture_pop", args=(ids,))[0]
-        llm.collective_rpc("moe_lora_capture_stop")
-        tokens, samples, lps = [], [], []
-        for p, o in zip(prompts, outs):
-            gen = list(o.outputs[0].token_ids)
-            seq = p + gen
-            r = caps[o.request_id]
-            if r.shape[0] != len(seq) - 1:
-                raise RuntimeError(f"request {o.request_id}: captured {r.shape[0]} rows for {len(seq)} tokens")
-            # the last sampled token is never forwarded by the engine: its row is padding (no loss depends on it)
-            last = spread_pad(1, meta["topk"], meta["num_experts"])[None].repeat(len(meta["layer_ids"]), 1)
-            samples.append(np.concatenate([r, last.astype(r.dtype)[None].reshape(1, len(meta["layer_ids"]), -1)]))
-            lp = [o.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(p))]
-            lp += [d[tok].logprob for tok, d in zip(gen, o.outputs[0].logprobs)]
-            tokens.append(seq)
-            lps.append(torch.tensor(lp, dtype=torch.float64))
-        routes = RoutesBatch(samples, tuple(meta["layer_ids"]), meta["num_experts"], meta["topk"])
-        data[model] = {"tokens": torch.tensor(tokens), "routes": routes.to_field(), "num_experts": routes.num_experts,
+        tokens, routes, lps = _captured_rollout(llm, prompts, sp)
+        data[model] = {"tokens": tokens, "routes": routes.to_field(), "num_experts": routes.num_experts,
                        "logprobs": lps, "bytes_per_token": routes.bytes_per_token, "capture": overhead}
+        if a.adapter_modes:
+            data[model]["adapter"] = _adapter_rollouts(llm, model, prompts, sp, a)
         del llm
         import gc
         gc.collect()

@@ -10,8 +10,11 @@ import numpy as np
 import torch
 
 
-def random_expert_adapter(arch, rank: int, seed: int, std: float = 0.5) -> dict[str, torch.Tensor]:
-    """PEFT tensors on every routed expert's gate/up/down projection; std chosen so the adapter moves routing."""
+def random_expert_adapter(arch, rank: int, seed: int, std: float = 0.5,
+                          fused_fc1: bool = False) -> dict[str, torch.Tensor]:
+    """PEFT tensors on every routed expert's gate/up/down projection; std chosen so the adapter moves routing.
+    fused_fc1: up_proj's A is gate_proj's A, as in Megatron's expert LoRA (one A on the fused gate/up linear_fc1),
+    so that the adapter is one Megatron's LoRA can hold (refit/import_peft.py)."""
     g = torch.Generator().manual_seed(seed)
     h, i = arch.hidden_size, arch.moe_ffn_hidden_size
     shapes = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -23,25 +26,30 @@ def random_expert_adapter(arch, rank: int, seed: int, std: float = 0.5) -> dict[
             for proj, (din, dout) in shapes.items():
                 p = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{proj}"
                 out[f"{p}.lora_A.weight"] = torch.randn(rank, din, generator=g) * std / din ** 0.5
+                if fused_fc1 and proj == "up_proj":
+                    out[f"{p}.lora_A.weight"] = out[f"{p.replace('up_proj', 'gate_proj')}.lora_A.weight"].clone()
                 out[f"{p}.lora_B.weight"] = torch.randn(dout, rank, generator=g) * std / rank ** 0.5
     return out
 
 
-def merged_hf_model(model_dir: str, peft: dict[str, torch.Tensor] | None, scale: float, dtype=torch.float32):
+def merged_hf_model(model_dir: str, peft: dict[str, torch.Tensor] | None, scale: float, dtype=torch.float32,
+                    **load_kw):
+    """HF transformers with W + scale * B @ A merged; load_kw: more from_pretrained arguments."""
     import transformers
     from safetensors.torch import save_file
 
     from ..refit.merged import merged_state
 
     if not peft:
-        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                 attn_implementation="eager").eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                                 **load_kw).eval()
     with tempfile.TemporaryDirectory() as tmp:
         for f in Path(model_dir).iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy(f, tmp)
         save_file({k: v.contiguous() for k, v in merged_state(model_dir, peft, scale)}, f"{tmp}/model.safetensors")
-        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="eager").eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="eager",
+                                                                 **load_kw).eval()
 
 
 def choice_margin(logits: torch.Tensor, arch, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,27 +1,38 @@
-"""Shared-memory segments for refit buckets between processes on one host (pure: os, torch; used by the trainer
-side and the vLLM plugin, like wire.py).
+"""Shared-memory segments for refit buckets between processes on one host (pure: os, mmap, torch; used by the
+trainer side and the vLLM plugin, like wire.py).
 
 A segment is a file in /dev/shm created 0600 (private to the user) named `moe_lora_rl-<pid>-<version>-<index>-<rand>`
 with a whole adapter's (or one bucket's) tensors back to back (wire.unpack layout). The RPC carries only the handle
-(the name), the entries and the digest. The sender computes the CRCs while writing and removes the segment once the
-server's call returned, whatever happened (the server keeps a private mapping); segments of a process that died
-are removed by `remove_stale` on the next start of either side (the pid is in the name).
+(the name), the entries and the digest.
+
+    sender   SegmentPool: one segment per size, created once and mapped; each push renames it (a fresh handle, so
+             the previous push's handle is stale), copies every tensor straight into the mapping and computes the
+             segment digest (wire.segment_digest: entries + all bytes, one pass) over what was written. Removed by
+             close(), at exit, and, after a crash, by `remove_stale` on the next start of either side (the pid is
+             in the name).
+    server   read_segment: copies the segment once into a private buffer (RecvBuffers: reused once no tensor
+             views it) and checks the digest over that copy; the returned tensors are views of that buffer (the
+             sender may reuse the segment as soon as the call returned).
 """
 from __future__ import annotations
 
+import atexit
+import mmap
 import os
 import re
 import secrets
+import weakref
 from pathlib import Path
 
 import torch
 
 from ..procs import pid_alive
-from .wire import combine, nbytes, tensor_crc, unpack
+from .wire import SegmentHash, nbytes, segment_algo
 
 ROOT = Path("/dev/shm")
 PREFIX = "moe_lora_rl-"
 _NAME = re.compile(r"^moe_lora_rl-(\d+)-\d+-\d+-[0-9a-f]+$")
+_PIECE = 512 << 10               # bytes hashed right after they were written / read (in cache)
 
 
 def remove_stale(root: Path = ROOT) -> list[str]:
@@ -53,56 +64,176 @@ def _parse(entries) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     return out
 
 
-def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int, root: Path = ROOT,
-                  crcs: dict[str, int] | None = None) -> str:
-    """Create a private segment holding the tensors; returns its name (the handle). crcs: a dict filled with each
-    tensor's wire CRC, computed while the tensor is in cache for the write (one pass over the source bytes)."""
-    name = f"{PREFIX}{os.getpid()}-{version}-{index}-{secrets.token_hex(4)}"
-    path = root / name
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, total)
-        offset = 0
-        for n, t in tensors.items():            # one copy, straight into the tmpfs pages (no mmap page faults)
-            t = t.detach().contiguous()
-            if crcs is not None:
-                crcs[n] = tensor_crc(n, t)
-            data = t.reshape(-1).view(torch.uint8).numpy()
-            offset += os.pwrite(fd, memoryview(data), offset)
-        if offset != total:
-            raise OSError(f"short write to shared-memory segment {name}: {offset} of {total} bytes")
-    except BaseException:
+def _name(version: int, index: int) -> str:
+    return f"{PREFIX}{os.getpid()}-{version}-{index}-{secrets.token_hex(4)}"
+
+
+def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
+    """Copy the tensors back to back into the uint8 tensor dst (a mapping of the segment); returns the segment digest
+    of what was written, hashed in pieces of about _PIECE bytes right after they were written (still in cache)."""
+    h = SegmentHash([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    raw = dst.numpy()
+    offset = hashed = 0
+    for t in tensors.values():
+        t = t.detach()
+        k = t.numel() * t.element_size()
+        if k:
+            dst[offset:offset + k].view(t.dtype).view(t.shape).copy_(t)
+        offset += k
+        if offset - hashed >= _PIECE:
+            h.update(raw[hashed:offset])
+            hashed = offset
+    return h.update(raw[hashed:offset]).digest()
+
+
+def _total(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class _Segment:
+    def __init__(self, root: Path, name: str, size: int):
+        self.root, self.name, self.size = root, name, size
+        fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size) if size else None
+        except BaseException:
+            os.close(fd)
+            (root / name).unlink(missing_ok=True)
+            raise
         os.close(fd)
-        path.unlink(missing_ok=True)
+        self.view = torch.frombuffer(self.map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+    def rename(self, name: str) -> None:
+        os.rename(self.root / self.name, self.root / name)
+        self.name = name
+
+    def close(self) -> None:
+        self.view = None
+        if self.map is not None:
+            self.map.close()
+            self.map = None
+        (self.root / self.name).unlink(missing_ok=True)
+
+
+class SegmentPool:
+    """The sender's segments, one per size, reused across pushes (the tmpfs pages are allocated once). A write
+    gives the segment a new name: a handle is valid for one push only. The server copies the bytes before its RPC
+    returns, so one segment per size suffices for pushes sent one after another."""
+
+    def __init__(self, root: Path = ROOT):
+        self.root = Path(root)
+        self._segs: dict[int, _Segment] = {}
+        self._finalizer = weakref.finalize(self, SegmentPool._close_all, self._segs)
+        atexit.register(self._finalizer)
+
+    def write(self, tensors: dict[str, torch.Tensor], version: int, index: int) -> tuple[str, str]:
+        """The tensors in this pool's segment of their size, under a new name: (handle, segment digest of the bytes
+        written)."""
+        size = _total(tensors)
+        seg = self._segs.get(size)
+        name = _name(version, index)
+        if seg is None:
+            seg = self._segs[size] = _Segment(self.root, name, size)
+        else:
+            try:
+                seg.rename(name)
+            except FileNotFoundError:          # removed under us (e.g. remove_stale by a confused peer): recreate
+                seg.close()
+                seg = self._segs[size] = _Segment(self.root, name, size)
+        return seg.name, _fill(seg.view, tensors)
+
+    def handles(self) -> list[str]:
+        return [s.name for s in self._segs.values()]
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _close_all(segs: dict[int, _Segment]) -> None:
+        for s in segs.values():
+            s.close()
+        segs.clear()
+
+
+def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int,
+                  root: Path = ROOT) -> tuple[str, str]:
+    """A one-off segment holding the tensors (the caller removes it): (handle, segment digest)."""
+    seg = _Segment(Path(root), _name(version, index), _total(tensors))
+    try:
+        digest = _fill(seg.view, tensors)
+    except BaseException:
+        seg.close()
         raise
-    os.close(fd)
-    return name
+    name = seg.name
+    seg.view = None
+    if seg.map is not None:
+        seg.map.close()
+    return name, digest
 
 
-def read_segment(handle: str, entries, crc: str, root: Path = ROOT) -> dict[str, torch.Tensor]:
-    """The tensors of a segment (a private copy-on-write mapping: the server never writes to the sender's pages).
-    ValueError for a handle that is not ours, no longer exists, has the wrong size, or whose contents fail the CRC
-    (`crc`: the wire digest of exactly these tensors, so a one-segment push checks the adapter's digest here)."""
+class RecvBuffers:
+    """The server's receive buffers, by size, reused across pushes: a buffer is handed out again only once no
+    tensor views its storage any more (the adapter it held was replaced and dropped), so fresh pages are faulted
+    in only while versions overlap. Where torch does not expose a storage's use count, every read allocates."""
+
+    def __init__(self, per_size: int = 2):
+        self.per_size = per_size
+        self._free: dict[int, list] = {}            # size -> storages; a free one is referenced by this list only
+        self._count = getattr(torch._C, "_storage_Use_Count", None)
+
+    def get(self, size: int) -> torch.Tensor:
+        storages = self._free.setdefault(size, [])
+        if self._count is not None:
+            for st in storages:
+                if self._count(st._cdata) == 1:
+                    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (size,))
+        buf = torch.empty(size, dtype=torch.uint8)
+        if self._count is not None and len(storages) < self.per_size:
+            storages.append(buf.untyped_storage())
+        return buf
+
+
+def read_segment(handle: str, entries, digest: str, root: Path = ROOT,
+                 buffers: RecvBuffers | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a segment, copied out once into a private buffer (from `buffers` when given) and checked
+    against the sender's segment digest (wire.segment_digest, the algorithm it names); the returned tensors are
+    views of that buffer. ValueError for a handle that is not ours, no longer exists, has the wrong size, or whose
+    contents fail the digest."""
     if not _NAME.match(str(handle)):
         raise ValueError(f"shared-memory handle {handle!r} is not a moe_lora_rl segment name")
     parsed = _parse(entries)
-    path = root / handle
+    algo = segment_algo(digest)
     total = sum(nbytes(shape, dt) for _, dt, shape in parsed)
     try:
-        size = path.stat().st_size
+        f = open(Path(root) / handle, "rb", buffering=0)
     except FileNotFoundError:
-        raise ValueError(f"stale shared-memory handle {handle!r}: the segment no longer exists (removed after a "
-                         "commit or a crash); resend the bucket") from None
-    if size != total:
-        raise ValueError(f"shared-memory segment {handle!r} holds {size} bytes, its entries need {total}")
-    buf = torch.from_file(str(path), shared=False, size=total, dtype=torch.uint8) if total else \
-        torch.empty(0, dtype=torch.uint8)
-    tensors = unpack(buf, parsed)
-    got = combine({n: tensor_crc(n, t) for n, t in tensors.items()})
-    if got != crc:
-        raise ValueError(f"shared-memory segment {handle!r}: checksum mismatch (sent {crc}, read {got})")
-    return tensors
+        raise ValueError(f"stale shared-memory handle {handle!r}: the segment no longer exists (removed, or "
+                         "reused by a later push of its sender); resend the bucket") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != total:
+            raise ValueError(f"shared-memory segment {handle!r} holds {size} bytes, its entries need {total}")
+        buf = buffers.get(total) if buffers is not None else torch.empty(total, dtype=torch.uint8)
+        raw, done, h = buf.numpy(), 0, SegmentHash(parsed, algo)
+        while done < total:                         # read a piece, hash it while it is in cache
+            end = min(total, done + _PIECE)
+            while done < end:
+                got = f.readinto(memoryview(raw[done:end]))
+                if not got:
+                    raise ValueError(f"shared-memory segment {handle!r}: short read at byte {done} of {total}")
+                h.update(raw[done:done + got])
+                done += got
+    got = h.digest()
+    del raw
+    if got != digest:
+        raise ValueError(f"shared-memory segment {handle!r}: checksum mismatch (sent {digest}, read {got})")
+    out, lo = {}, 0
+    for name, dt, shape in parsed:
+        hi = lo + nbytes(shape, dt)
+        out[name] = buf[lo:hi].view(dt).view(shape)
+        lo = hi
+    return out
 
 
 def remove(handle: str, root: Path = ROOT) -> None:

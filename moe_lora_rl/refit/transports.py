@@ -166,31 +166,32 @@ class HttpTransport(_Base):
 class ShmTransport(HttpTransport):
     """A vLLM server process on this host: the adapter is written to a private shared-memory segment (refit/shm.py)
     and /collective_rpc carries its handle, entries and digest. push: one segment and one RPC; push_stream: one
-    segment per bucket. Segments are removed once the server has taken them (or the call failed); segments of dead
-    processes are removed when a transport starts."""
+    segment per bucket. The segments are a pool reused across pushes (renamed per push: a handle is valid for one
+    push); close() removes them (also done at exit; segments of dead processes are removed when a transport or a
+    server starts)."""
 
     def __init__(self, base_url: str, timeout: float = 120.0):
         from . import shm
 
         super().__init__(base_url, timeout)
         shm.remove_stale()
+        self.pool = shm.SegmentPool()
+
+    def close(self) -> None:
+        self.pool.close()
 
     def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
-        """The whole adapter in one segment and one RPC (moe_lora_push_shm): the CRCs are computed while writing,
-        the server checks the digest while reading; the segment is removed whatever happened."""
+        """The whole adapter in one segment and one RPC (moe_lora_push_shm): the segment digest is computed over the
+        bytes written, the server checks it over its copy; the RPC returns after the commit."""
         import os
 
         from . import shm
 
         t0 = time.perf_counter()
-        crcs: dict[str, int] = {}
-        handle = shm.write_segment(tensors, version, 0, crcs=crcs)
+        handle, digest = self.pool.write(tensors, version, 0)
         t1 = time.perf_counter()
-        try:
-            served = self._call("moe_lora_push_shm", version, combine(crcs), rank, alpha, handle,
-                                shm.entries_of(tensors), os.getpid())
-        finally:
-            shm.remove(handle)
+        served = self._call("moe_lora_push_shm", version, digest, rank, alpha, handle, shm.entries_of(tensors),
+                            os.getpid())
         t2 = time.perf_counter()
         self._reset_prefix_cache()
         self.last_timing = {"write_s": t1 - t0, "rpc_s": t2 - t1, "reset_s": time.perf_counter() - t2}
@@ -198,16 +199,12 @@ class ShmTransport(HttpTransport):
         return PushResult(version, nbytes, time.perf_counter() - t0, served)
 
     def _send_bucket(self, version: int, index: int, tensors: dict):
-        """Buckets of push_stream (several senders): one segment per bucket, removed once the server has taken it
-        (it holds a private mapping)."""
+        """Buckets of push_stream (several senders): one segment per bucket; the server copies it before the
+        call returns, so the pool's segment of that size is reused by the next bucket."""
         from . import shm
 
-        crcs: dict[str, int] = {}
-        handle = shm.write_segment(tensors, version, index, crcs=crcs)
-        try:
-            self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), combine(crcs))
-        finally:
-            shm.remove(handle)
+        handle, digest = self.pool.write(tensors, version, index)
+        self._call("moe_lora_bucket_shm", version, index, handle, shm.entries_of(tensors), digest)
 
 
 class CudaIpcTransport(_Base):

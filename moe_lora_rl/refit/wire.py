@@ -3,6 +3,7 @@ the other (pure: torch, zlib, safetensors).
 
     checksum    CRC-32 per tensor over name, dtype, shape and bytes; the adapter's digest chains the per-tensor
                 values in name order, so senders that each hold part of the adapter can compute it together
+    segment     one digest over a shared-memory segment's entries and bytes in one pass (refit/shm.py)
     blob        a bucket as base64 safetensors, for JSON transports (/collective_rpc)
     buffer      a bucket as one flat uint8 tensor, tensors back to back in plan order (point-to-point sends);
                 `unpack` returns views into it, no copy
@@ -15,12 +16,15 @@ import zlib
 import torch
 
 
+def bytes_crc(name: str, dtype: torch.dtype, shape: tuple[int, ...], data) -> int:
+    """A tensor's wire CRC from its raw bytes (any buffer: a numpy array, a memoryview of a mapping)."""
+    crc = zlib.crc32(f"{name}|{dtype}|{tuple(shape)}|".encode())
+    return zlib.crc32(data, crc) if len(data) else crc
+
+
 def tensor_crc(name: str, t: torch.Tensor) -> int:
     t = t.detach().contiguous().cpu()
-    crc = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    if t.numel():
-        crc = zlib.crc32(t.view(torch.uint8).numpy().data, crc)
-    return crc
+    return bytes_crc(name, t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
 
 
 def combine(crcs: dict[str, int]) -> str:
@@ -36,6 +40,67 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return combine({n: tensor_crc(n, t) for n, t in tensors.items()})
 
 
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def _segment_hashers() -> dict:
+    out = {"crc32": _Crc32}
+    try:
+        import xxhash
+    except ImportError:                 # the digest names its algorithm: a receiver without it refuses, never skips
+        return out
+    out["xxh3"] = xxhash.xxh3_64
+    return out
+
+
+SEGMENT_HASHERS = _segment_hashers()
+SEGMENT_ALGO = "xxh3" if "xxh3" in SEGMENT_HASHERS else "crc32"
+
+
+class SegmentHash:
+    """The digest of a shared-memory segment: its entries (names, dtypes, shapes, in order), then all its bytes,
+    fed in any pieces (update) in order: xxh3-64 where the xxhash package is installed, else CRC-32; the digest
+    names the algorithm. Detects a changed byte, a reordered, renamed or reshaped tensor, a truncated payload."""
+
+    def __init__(self, entries: list, algo: str | None = None):
+        self.algo = algo or SEGMENT_ALGO
+        if self.algo not in SEGMENT_HASHERS:
+            raise ValueError(f"segment digest algorithm {self.algo!r} is not available here (have "
+                             f"{sorted(SEGMENT_HASHERS)})")
+        self.n = len(entries)
+        self._h = SEGMENT_HASHERS[self.algo]()
+        self._h.update(repr([[str(n), str(d).removeprefix("torch."), [int(x) for x in s]]
+                             for n, d, s in entries]).encode())
+
+    def update(self, data) -> "SegmentHash":
+        if len(data):
+            self._h.update(data)
+        return self
+
+    def digest(self) -> str:
+        return f"seg-{self.algo}:{self._h.intdigest():016x}:{self.n}"
+
+
+def segment_digest(entries: list, data, algo: str | None = None) -> str:
+    """SegmentHash of the whole segment's bytes in one piece."""
+    return SegmentHash(entries, algo).update(data).digest()
+
+
+def segment_algo(digest: str) -> str:
+    """The algorithm a segment digest names (ValueError for anything that is not a segment digest)."""
+    if not isinstance(digest, str) or not digest.startswith("seg-") or digest.count(":") != 2:
+        raise ValueError(f"{digest!r} is not a shared-memory segment digest (seg-<algo>:<hex>:<n>)")
+    return digest[4:digest.index(":")]
+
+
 def encode_blob(tensors: dict[str, torch.Tensor]) -> str:
     from safetensors.torch import save
 
@@ -49,7 +114,7 @@ def decode_blob(blob_b64: str) -> dict[str, torch.Tensor]:
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for d in shape:
         n *= d
     return n

@@ -6,6 +6,7 @@ and grouped per layer. A failed check raises ValueError naming the tensor, layer
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,23 @@ def module_shapes(arch: MoEArch, layer: int, module: str) -> tuple[int, int] | N
     return naming.hf_shapes(arch, layer).get(template)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _parse_tensor(arch: MoEArch, name: str):
+    """PEFT tensor name -> (layer, HF module, expected (in, out), (layer, expert projection template) or None,
+    expert); cached: a push repeats the previous push's names. ValueError for a name the model does not have."""
+    naming = naming_for(arch)
+    aname, part, ab = naming.parse_peft(name)
+    layer = aname.layer
+    module = aname.hf_module(part)
+    if layer >= arch.num_layers:
+        raise ValueError(f"adapter tensor {name!r}: layer {layer} but the model has {arch.num_layers} layers")
+    shape = module_shapes(arch, layer, module)
+    if shape is None:
+        raise ValueError(f"adapter tensor {name!r}: the served model has no module {module!r} in layer {layer}")
+    expert_key = (layer, aname.linear.hf[part]) if aname.expert is not None else None
+    return layer, module, ab, shape, expert_key, aname.expert
+
+
 @dataclass
 class AdapterSet:
     version: int
@@ -40,6 +58,10 @@ class AdapterSet:
     @property
     def num_tensors(self) -> int:
         return 2 * sum(len(m) for m in self.layers.values())
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: int, alpha: float, version: int,
@@ -57,31 +79,22 @@ def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: 
     if expected_checksum is not None and got != expected_checksum:
         raise ValueError(f"adapter version {version}: checksum mismatch (sent {expected_checksum}, "
                          f"received {got})")
-    naming = naming_for(arch)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     experts: dict[tuple[int, str], set[int]] = {}          # (layer, HF projection template) -> experts present
     for name, t in tensors.items():
-        aname, part, ab = naming.parse_peft(name)
-        layer = aname.layer
-        module = aname.hf_module(part)
-        if layer >= arch.num_layers:
-            raise ValueError(f"adapter tensor {name!r}: layer {layer} but the model has {arch.num_layers} layers")
-        shape = module_shapes(arch, layer, module)
-        if shape is None:
-            raise ValueError(f"adapter tensor {name!r}: the served model has no module {module!r} in layer {layer}")
-        din, dout = shape
+        layer, module, ab, (din, dout), expert_key, expert = _parse_tensor(arch, name)
         want = (rank, din) if ab == "A" else (dout, rank)
         if tuple(t.shape) != want:
             raise ValueError(f"adapter tensor {name!r} has shape {tuple(t.shape)}, the model needs {want} "
                              f"(rank {rank})")
         pairs.setdefault((layer, module), {})[ab] = t
-        if aname.expert is not None:
-            experts.setdefault((layer, aname.linear.hf[part]), set()).add(aname.expert)
+        if expert_key is not None:
+            experts.setdefault(expert_key, set()).add(expert)
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"layer {layer} {module}: lora_{'B' if 'A' in ab else 'A'} missing")
-        layers.setdefault(layer, {})[module] = (ab["A"].to(dtype).contiguous(), ab["B"].to(dtype).contiguous())
+        layers.setdefault(layer, {})[module] = (_as(ab["A"], dtype), _as(ab["B"], dtype))
     for (layer, proj), have in sorted(experts.items()):
         if len(have) != arch.num_experts:
             missing = sorted(set(range(arch.num_experts)) - have)

@@ -52,16 +52,25 @@ def stack_expert_lora(mods: dict, arch: MoEArch, rank: int, scale: float, dtype:
     E, H, I = arch.num_experts, arch.hidden_size, arch.moe_ffn_hidden_size
     din, dout = (H, H, I), (I, I, H)                                            # gate, up, down
 
-    def stack(i):
-        As, Bs = [], []
-        for e in range(E):
-            ab = mods.get(modules[e][i])
-            As.append(ab[0].float() if ab else torch.zeros(rank, din[i]))
-            Bs.append(ab[1].float() * scale if ab else torch.zeros(dout[i], rank))
-        return torch.stack(As), torch.stack(Bs)
-    (ag, bg), (au, bu), (ad, bd) = stack(0), stack(1), stack(2)
-    to = lambda t: t.to(dtype).contiguous()  # noqa: E731
-    return ExpertLoRA(to(torch.cat([ag, au], 1)), to(bg), to(bu), to(ad), to(bd))
+    like = next(ab[0] for ab in mods.values())
+
+    def factor(e, i, k):                       # k = 0: A [r, in], 1: B [out, r]
+        ab = mods.get(modules[e][i])
+        if ab is not None:
+            return ab[k]
+        return like.new_zeros((rank, din[i]) if k == 0 else (dout[i], rank))
+
+    def stack(parts, k, scaled=False):
+        """One torch.stack into the stacked buffer; B factors scaled in fp32 and rounded once to dtype."""
+        out = torch.stack([factor(e, i, k) for e in range(E) for i in parts])
+        if scaled:
+            out = out.float() if out.dtype != torch.float32 else out
+            out.mul_(scale)
+        return out if out.dtype == dtype else out.to(dtype)
+    # a13: gate A rows then up A rows per expert = [g0, u0, g1, u1, ...] stacked, viewed as [E, 2r, H]
+    a13 = stack((0, 1), 0).view(E, 2 * rank, H)
+    b1, b3 = stack((0,), 1, True), stack((1,), 1, True)
+    return ExpertLoRA(a13, b1, b3, stack((2,), 0), stack((2,), 1, True))
 
 
 def route(logits: torch.Tensor, arch: MoEArch, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,10 +69,13 @@ class MoELoRAWorkerExtension:
 
     def _moe_lora_activate(self, version, checksum, tensors, rank, alpha, verified=False) -> dict:
         """Validate a complete adapter and make it the served version; on any error the previous one stays."""
+        import time
+
         rt = self._moe_lora_runtime()
+        t0 = time.perf_counter()
         adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
                                     expected_checksum=checksum, dtype=torch.float32, checksum_verified=verified)
-        timing = rt.activate(adapter)
+        timing = {"validate_s": time.perf_counter() - t0, **rt.activate(adapter)}
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is not None:
             cap.new_weights()
@@ -116,36 +119,43 @@ class MoELoRAWorkerExtension:
     def moe_lora_bucket_blob(self, version: int, index: int, blob_b64: str) -> dict:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
+    def _moe_lora_recv(self):
+        """Receive buffers of shared-memory pushes (refit/shm.py); segments of dead senders removed once."""
+        bufs = getattr(self, "_moe_lora_recv_bufs", None)
+        if bufs is None:
+            from ..refit import shm
+
+            shm.remove_stale()
+            bufs = self._moe_lora_recv_bufs = shm.RecvBuffers()
+        return bufs
+
     @entry
     def moe_lora_bucket_shm(self, version: int, index: int, handle: str, entries: list, crc: str) -> dict:
-        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): read, CRC-checked, staged.
-        The sender removes the segment after the commit."""
+        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): copied out, checked against
+        its segment digest `crc`, staged (the adapter digest is checked at the commit); the sender may reuse the
+        segment once this call returned."""
         from ..refit import shm
 
-        if not getattr(self, "_moe_lora_shm_cleaned", False):
-            shm.remove_stale()
-            self._moe_lora_shm_cleaned = True
-        return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc))
+        return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc,
+                                                                     buffers=self._moe_lora_recv()))
 
     @entry
     def moe_lora_push_shm(self, version: int, checksum: str, rank: int, alpha: float, handle: str, entries: list,
                           sender_pid: int | None = None) -> dict:
-        """A whole adapter in one shared-memory segment, in one RPC: begin, the segment read and checked against
-        the adapter digest while reading (the bytes are hashed once), commit. Same staging rules as a bucketed
-        push: refused while another version is staged; on any error the stage is closed and the previous version
-        stays served. The sender removes the segment after this call."""
+        """A whole adapter in one shared-memory segment, in one RPC: begin, the segment copied out and checked
+        against `checksum`, its segment digest (wire.segment_digest: the bytes are hashed once per side; it is the
+        served version's checksum), commit. Same staging rules as a bucketed push: refused while another version is
+        staged; on any error the stage is closed and the previous version stays served. The sender may reuse the
+        segment once this call returned."""
         import time
 
         from ..refit import shm
 
-        if not getattr(self, "_moe_lora_shm_cleaned", False):
-            shm.remove_stale()
-            self._moe_lora_shm_cleaned = True
         t = {}
 
         def read():
             t0 = time.perf_counter()
-            tensors = shm.read_segment(handle, entries, checksum)
+            tensors = shm.read_segment(handle, entries, checksum, buffers=self._moe_lora_recv())
             t["shm_read_s"] = time.perf_counter() - t0
             return tensors
 

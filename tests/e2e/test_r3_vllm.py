@@ -11,6 +11,13 @@ packed, on both tiny models, and is checked against HF transformers forced to th
 - dispatcher: the routing map megatron's token dispatcher receives equals the rollout-format routes of the rank's
   tokens (computed from token positions, not from the aligned tensors), padding included.
 - the k3 KL to the rollout's logprobs drops with R3; router disagreement without replay is > 0.
+- with an expert adapter served: the same engine serves a rank-8 expert adapter (gate and up sharing A, as
+  Megatron's fused fc1 LoRA holds it) in each serving mode (unmerged: our batched experts; merged: vLLM's kernel on
+  W + s*B@A) and captures the rollout's routes; Megatron at tp2ep2 and pp2ep2 with the same adapter imported into
+  its LoRA (refit/import_peft.py) replays them against HF with the adapter merged forced to the same routes: the
+  same fidelity bound, dispatcher and KL checks; negative controls: the shuffled routes, and the LoRA zeroed
+  (Megatron without the adapter) replaying the same routes. The routes are the adapter's routing: far more of their
+  decisions differ from the base model's routers' own choices than from the adapted routers'.
 """
 import pytest
 
@@ -21,12 +28,14 @@ pytestmark = pytest.mark.vllm
 
 LAYOUTS = DEFAULT_LAYOUTS.split(",")
 KINDS = ("padded", "packed")
+ADAPTER_MODES = ("unmerged", "merged")
+ADAPTER_LAYOUTS = ("tp2ep2", "pp2ep2")
 
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     return run(resolve_models(None), DEFAULT_LAYOUTS, tmp_path_factory.mktemp("r3"), engine="vllm",
-               single_launch=True)
+               single_launch=True, adapter_modes=",".join(ADAPTER_MODES), adapter_layouts=",".join(ADAPTER_LAYOUTS))
 
 
 def _each(res):
@@ -69,3 +78,35 @@ def test_kl_drops_with_replay(res):
         assert r["decisions"] > 1000, (where, r)
         assert r["disagreement_without"] > 0, (where, r)
         assert r["kl_with"] < r["kl_without"], (where, r)
+
+
+def _adapter(res):
+    assert sorted(res["adapter"]) == sorted(ADAPTER_LAYOUTS), sorted(res["adapter"])
+    for layout in ADAPTER_LAYOUTS:
+        assert sorted(res["adapter"][layout]) == sorted(resolve_models(None))
+        for m, per in res["adapter"][layout].items():
+            for mode in ADAPTER_MODES:
+                for kind in KINDS:
+                    yield (layout, m, mode, kind), per[mode][kind], per
+
+
+def test_adapter_served_routes_replay_with_the_adapter_in_megatron(res):
+    import torch
+
+    for where, r, per in _adapter(res):
+        assert per[where[2]]["lora_factors_loaded"] > 0, where
+        assert 0 <= r["fidelity_max_diff"]["rollout"] <= FIDELITY_TOL[torch.float32], (where, r)
+        assert r["shuffled_routes_diff"] > SHUFFLED_MIN, (where, r)
+        assert r["dispatcher_tokens"]["rollout"] > 0, (where, r)
+        assert r["dispatcher_mismatched_tokens"]["rollout"] == 0, (where, r)
+        assert r["decisions"] > 1000 and r["kl_with"] < r["kl_without"], (where, r)
+        assert per["without_adapter_diff"] > SHUFFLED_MIN, (where, per["without_adapter_diff"])
+
+
+def test_adapter_served_routes_are_the_adapters_routing(res):
+    """The captured routes follow the adapted routers (bf16 vs fp32 near-ties aside) and not the base model's."""
+    for m, modes in res["adapter_routes"].items():
+        for mode in ADAPTER_MODES:
+            (ad, tot), (base, tot_b) = modes[mode]["adapted_router_differs"], modes[mode]["base_router_differs"]
+            assert tot > 1000 and tot_b > 1000, (m, mode, modes)
+            assert ad / tot < 0.05 and base / tot_b > ad / tot + 0.1, (m, mode, modes)
