@@ -132,8 +132,10 @@ class MetricsLogger:
             if k is not None:
                 post[label] = f"{self.last[k]:.3g}"
         self.bar.set_postfix(post, refresh=False)
-        self.bar.update(max(0, step - self.bar.n))
-        self.bar.refresh()
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)         # redraws the bar (mininterval=0)
+        else:
+            self.bar.refresh()                         # a record of the current step: new figures, no advance
 
     def note(self, text: str) -> None:
         """A line above the bar (e.g. an engine restart), without breaking it."""
