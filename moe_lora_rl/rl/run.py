@@ -66,6 +66,7 @@ class GRPORun:
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.engine = None
         self.engine_restarts = 0
+        self._eval_prompts = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -115,10 +116,11 @@ class GRPORun:
         self.setup_s += time.perf_counter() - t0
 
     # -- the two sides ------------------------------------------------------------------------------------------
-    def _prompt(self, problem) -> list[int]:
+    def _prompts(self, problems, repeat: int) -> list[list[int]]:
+        """Prompt ids of each problem (tokenised once), each repeated `repeat` times in a row."""
         from .hf_sampling import prompt_ids
 
-        return prompt_ids(self.tok, [problem])[0]
+        return [ids for ids in prompt_ids(self.tok, problems) for _ in range(repeat)]
 
     def _on_engine(self, what: str, fn):
         """fn() on rank 0's engine, its result on every rank. If the engine process died, it is restarted, the
@@ -159,7 +161,7 @@ class GRPORun:
 
         def generate():
             t0 = time.perf_counter()
-            prompts = [self._prompt(p) for p in problems]
+            prompts = self._prompts([self.train_problems[i] for i in idx], a.group_size)
             seeds = [sample_seed(self.cfg.seed, step, i, j) for i in idx for j in range(a.group_size)]
             out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
                                        temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
@@ -215,7 +217,9 @@ class GRPORun:
         def run_eval():
             t0 = time.perf_counter()
             problems = [p for p in self.eval_problems for _ in range(k)]
-            prompts = [self._prompt(p) for p in problems]
+            if self._eval_prompts is None:
+                self._eval_prompts = self._prompts(self.eval_problems, 1)
+            prompts = [ids for ids in self._eval_prompts for _ in range(k)]
             seeds = [eval_seed(self.cfg.seed, i, j) for i in range(len(self.eval_problems)) for j in range(k)]
             out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
                                        temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
