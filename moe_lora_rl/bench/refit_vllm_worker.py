@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 EXT = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
 
 
-def make_llm(model: str, dtype: str = "float32"):
+def make_llm(model: str, dtype: str = "float32", ext: str = EXT, load_format: str = "auto"):
     from vllm import LLM
 
     return LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0,
-               enable_prefix_caching=False, worker_extension_cls=EXT)
+               enable_prefix_caching=False, worker_extension_cls=ext, load_format=load_format)
 
 
 def prompt_logprobs(llm, seqs) -> torch.Tensor:

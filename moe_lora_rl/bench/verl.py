@@ -8,7 +8,9 @@ engine driven through verl's TrainingWorker and a tp1ep1pp1 reference built with
 the reference against itself at another batch shape). loss_diff_vs_reference / gspo_loss_diff: |verl ppo_loss
 (vanilla, token-mean / gspo, seq-mean-token-sum) through our engine - verl's loss on the reference|, worst layout.
 refit_logprob_diff: max |vLLM log-prob - Megatron+LoRA log-prob| after our weight stream went through our
-checkpoint-engine backend into an in-process vLLM engine. One torchrun launch of 4 ranks for all layouts.
+checkpoint-engine backend into an in-process vLLM engine; colocated_refit_logprob_diff: the same after verl's
+colocated sync (its BucketedWeightSender -> our update_weights_from_ipc, base then adapters) into that engine started
+on dummy weights. One torchrun launch of 4 ranks for all layouts.
 """
 from __future__ import annotations
 
@@ -53,10 +55,12 @@ def main(argv=None) -> dict:
            "loss_diff_vs_reference": max(r["loss_vanilla_diff"] for r in per.values()),
            "gspo_loss_diff": max(r["loss_gspo_diff"] for r in per.values()),
            "refit_logprob_diff": refit["refit_logprob_diff"],
+           "colocated_refit_logprob_diff": refit["colocated_logprob_diff"],
            "layouts": list(per),
            "fp32_batch_shape_floor": eng["fp32_batch_shape_floor"],
            "per_layout": per,
-           "refit": {k: refit[k] for k in ("base_vs_lora", "buckets", "first_names", "second_names")}}
+           "refit": {k: refit[k] for k in ("base_vs_lora", "dummy_vs_megatron_base", "buckets",
+                                                     "first_names", "second_names")}}
     emit(res, a.json)
     return res
 

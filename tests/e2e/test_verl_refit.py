@@ -1,6 +1,7 @@
 """Weight sync from our engine inside verl: get_per_tensor_param in checkpoint-engine mode (no arguments: the engine
 tracks the base sync; header with version and checksum in the stream) and in the colocated mode (peft_config back),
-through our checkpoint-engine backend into an in-process vLLM engine's worker extension. vLLM's log-probs then equal
+through verl's colocated sender and through our checkpoint-engine backend into an in-process vLLM engine's worker
+extension. vLLM's log-probs then equal
 Megatron+LoRA's within 1e-3 (same fp32 math; ~1.5e-5 measured); the adapters move them by far more (control); a
 corrupted stream is refused and the served version kept."""
 import json
@@ -34,10 +35,25 @@ def test_adapter_only_after_first_base_sync(res):
     assert res["colocated_peft_r"] == 4 and res["colocated_names"] == res["second_names"]
 
 
+def test_colocated_sync_base_then_adapters(res):
+    """verl's colocated path (its BucketedWeightSender over shared memory -> update_weights_from_ipc) into an engine
+    started on dummy weights: the base sync loads the real base, the adapters follow; the second call of the same
+    version is a no-op."""
+    assert res["dummy_vs_megatron_base"] > 1.0, res                  # control: dummy weights are far off
+    assert res["colocated_base"]["base_tensors"] > 0 and res["colocated_base"]["version"] == 1, res
+    assert res["colocated_lora"] == dict(res["colocated_base"], base_tensors=0, unchanged=True), res
+    assert res["colocated_logprob_diff"] <= 1e-3 < res["base_vs_lora"], res
+
+
+def test_colocated_corrupted_stream_refused_without_hanging(res):
+    assert "checksum" in res["colocated_bad_refused"], res["colocated_bad_refused"]
+    assert res["colocated_after_bad_diff"] == res["colocated_logprob_diff"], res
+
+
 def test_vllm_logprobs_match_megatron_after_refit(res):
-    assert res["refit_logprob_diff"] <= 1e-3, res
-    assert res["base_vs_lora"] > 1e-2, res
-    assert res["buckets"] > 1 and "'version': 1" in res["served"], res
+    """Checkpoint-engine mode: the next version (other adapters) through our backend."""
+    assert res["refit_logprob_diff"] <= 1e-3 < res["v1_vs_v2"], res
+    assert res["buckets"] > 1 and "'version': 2" in res["served"], res
 
 
 def test_corrupted_stream_refused_and_version_kept(res):

@@ -142,6 +142,18 @@ def check_config(cfg) -> None:
     check_rollout(rollout, _get(_get(actor, "megatron"), "router_replay"))
 
 
+WORKER_EXTENSION = "moe_lora_rl.integration.verl.worker_ext.VerlMoELoRAWorkerExtension"
+
+
+def rollout_load_format(rollout) -> str:
+    """verl starts vLLM on dummy weights and relies on the first sync for the base. Colocated ("naive") syncs carry
+    the base once (our worker extension loads it); our "moe_lora" checkpoint-engine backend carries adapters only, so
+    there vLLM loads the base from the checkpoint itself (it never trains)."""
+    fmt = _get(rollout, "load_format", "dummy")
+    backend = _get(_get(rollout, "checkpoint_engine"), "backend", "naive")
+    return "auto" if fmt == "dummy" and backend != "naive" else fmt
+
+
 def check_rollout(rollout, router_replay=None) -> None:
     """vLLM's own LoRA must stay off (our worker extension serves the adapters); R3 needs the rollout's routes."""
     vkw = _get(_get(rollout, "engine_kwargs"), "vllm") or {}
@@ -150,7 +162,7 @@ def check_rollout(rollout, router_replay=None) -> None:
             raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={_get(vkw, key)!r} turns on vLLM's "
                              "own LoRA, which our worker extension replaces: remove it")
     ext = _get(vkw, "worker_extension_cls")
-    if ext not in (None, "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"):
+    if ext not in (None, WORKER_EXTENSION):
         raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={ext!r}: our replica "
                          "sets its own worker extension, remove it")
     mode = _get(router_replay, "mode", "disabled")

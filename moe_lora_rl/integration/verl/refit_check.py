@@ -1,9 +1,10 @@
-"""Run in its own process: our engine's weight stream (get_per_tensor_param, checkpoint-engine mode) through our
-checkpoint-engine backend into an in-process vLLM engine with our worker extension; vLLM's prompt log-probs then
-equal Megatron+LoRA's. Prints one line "RESULT <json>".
+"""Run in its own process: our engine's weight stream in both of verl's sync modes into an in-process vLLM engine
+(started on dummy weights, as verl starts it) with our verl worker extension; vLLM's prompt log-probs then equal
+Megatron+LoRA's. Prints one line "RESULT <json>".
 
     engine.get_per_tensor_param()  x2     first: header + base + adapters, then header + adapters only
-    MoELoRACheckpointEngine.send_weights  -> moe_lora_begin / bucket / commit in the extension
+    colocated ("naive"): verl's BucketedWeightSender -> update_weights_from_ipc (base sync, then adapters, version 1)
+    checkpoint-engine: MoELoRACheckpointEngine.send_weights -> moe_lora_begin / bucket / commit (version 2)
 """
 from __future__ import annotations
 
@@ -16,6 +17,55 @@ os.environ.setdefault("VERL_PLATFORM", "moe_lora_cpu")
 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 
+def megatron_lp(eng, seqs):
+    import torch
+
+    from ...megatron.forward import forward_logits
+
+    logits = forward_logits(eng.model, seqs, eng.arch.vocab_size)
+    return torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, seqs[:, 1:, None])[..., 0]
+
+
+def colocated_sync(llm, stream, base_sync_done: bool, bucket_mb: int = 1) -> dict:
+    """verl's colocated sync on the wire: its BucketedWeightSender (shared memory, as verl picks without IPC) on
+    verl's ZMQ handle, while the engine runs update_weights_from_ipc (collective_rpc, as verl's ServerAdapter)."""
+    import threading
+
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    handle = (f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-"
+              f"{os.environ['VERL_REPLICA_RANK']}-rank-0.sock")
+    out: dict = {}
+
+    def rpc():
+        try:
+            out["res"] = llm.collective_rpc("update_weights_from_ipc", kwargs={
+                "peft_config": {"r": 4}, "base_sync_done": base_sync_done, "use_shm": True})[0]
+        except Exception as e:  # noqa: BLE001
+            out["err"] = e
+
+    def send():
+        try:
+            asyncio.run(BucketedWeightSender(handle, bucket_size_mb=bucket_mb, use_shm=True).async_send_weights(stream))
+        except Exception as e:  # noqa: BLE001
+            out["send_err"] = e
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (rpc, send)]
+    for th in threads:
+        th.start()
+    threads[0].join(300)                 # the engine side returns after the last bucket (or fails before it)
+    if threads[0].is_alive():
+        raise TimeoutError("update_weights_from_ipc did not return within 300 s")
+    if "err" not in out:
+        threads[1].join(60)
+        if "send_err" in out:
+            raise out["send_err"]
+    if "err" in out:
+        raise out["err"]
+    r = out["res"]
+    return {k: r[k] for k in ("version", "checksum", "base_tensors", "unchanged")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -24,11 +74,10 @@ def main(argv=None):
 
     from ...bench.refit_vllm_worker import make_llm, prompt_logprobs
     from ...bench.vllm_env import set_engine_env
-    from ...megatron.forward import forward_logits
     from ...refit.transports import InprocTransport
     from .check_worker import LORA, randomize
     from .checkpoint_engine import MoELoRACheckpointEngine
-    from .config import MoELoRAEngineConfig
+    from .config import WORKER_EXTENSION, MoELoRAEngineConfig
     from .engine import MoELoRAEngine
     from .weight_sync import META, decode_meta, encode_meta
     from verl.workers.config import HFModelConfig
@@ -40,27 +89,47 @@ def main(argv=None):
     randomize(eng.model, seed=3)
     eng.version = 1
     first = list(eng.get_per_tensor_param()[0])
-    second, peft = eng.get_per_tensor_param()
-    second = list(second)
+    second = list(eng.get_per_tensor_param()[0])
     colocated_gen, colocated_peft = eng.get_per_tensor_param(layered_summon=False, base_sync_done=True)
     colocated = list(colocated_gen)
     g = torch.Generator().manual_seed(0)
     seqs = torch.randint(1, eng.arch.vocab_size, (4, 16), generator=g)
-    logits = forward_logits(eng.model, seqs, eng.arch.vocab_size)
-    want = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, seqs[:, 1:, None])[..., 0]
+    want = megatron_lp(eng, seqs)
     with eng.disable_adapter():
-        base_want = torch.log_softmax(forward_logits(eng.model, seqs, eng.arch.vocab_size).double(), -1)[
-            :, :-1].gather(-1, seqs[:, 1:, None])[..., 0]
+        base_want = megatron_lp(eng, seqs)
 
-    llm = make_llm(a.model)
+    os.environ.setdefault("VERL_RAY_JOB_ID", f"moe_lora_check_{os.getpid()}")
+    os.environ.setdefault("VERL_REPLICA_RANK", "0")
+    llm = make_llm(a.model, ext=WORKER_EXTENSION, load_format="dummy")      # verl's default: the sync brings the base
+    dummy_got = prompt_logprobs(llm, seqs.tolist())
+    # colocated ("naive"), as verl's update_weights drives it on the first sync: the base, then the adapters
+    base_stream, _ = eng.get_per_tensor_param(layered_summon=False, base_sync_done=False)
+    colo_base = colocated_sync(llm, base_stream, base_sync_done=False)
+    colo_lora = colocated_sync(llm, iter(colocated), base_sync_done=True)
+    colo_got = prompt_logprobs(llm, seqs.tolist())
+    # a colocated stream with a corrupted adapter: refused after the last bucket (the sender is not left waiting)
+    bad_colo = [(n, t + 1.0 if i == 2 else t) for i, (n, t) in enumerate(colocated)]
+    bad_colo[0] = (META, encode_meta(dict(decode_meta(colocated[0][1]), version=5)))
+    try:
+        colocated_sync(llm, iter(bad_colo), base_sync_done=True)
+        colo_refused = ""
+    except Exception as e:  # noqa: BLE001
+        colo_refused = str(e).splitlines()[0]
+    after_bad_colo = prompt_logprobs(llm, seqs.tolist())
+
+    # checkpoint-engine mode: the next version (other adapters) through our backend, adapters only
+    randomize(eng.model, seed=4)
+    eng.version = 2
+    v2, peft = eng.get_per_tensor_param()
+    v2 = list(v2)
+    want2 = megatron_lp(eng, seqs)
     ck = MoELoRACheckpointEngine(bucket_size=1 << 16)
     ck.transports = [InprocTransport(llm)]
-    base_got = prompt_logprobs(llm, seqs.tolist())
-    asyncio.run(ck.send_weights(iter(second)))
+    asyncio.run(ck.send_weights(iter(v2)))
     got = prompt_logprobs(llm, seqs.tolist())
     # a stream with a corrupted adapter is refused (checksum) and the served version stays
-    bad = [(n, t + 1.0 if i == 2 else t) for i, (n, t) in enumerate(second)]
-    bad[0] = (META, encode_meta(dict(decode_meta(second[0][1]), version=2)))   # a new version, wrong bytes
+    bad = [(n, t + 1.0 if i == 2 else t) for i, (n, t) in enumerate(v2)]
+    bad[0] = (META, encode_meta(dict(decode_meta(v2[0][1]), version=3)))   # a new version, wrong bytes
     try:
         asyncio.run(ck.send_weights(iter(bad)))
         refused = ""
@@ -73,10 +142,14 @@ def main(argv=None):
         "second_names": len(second) - 1, "second_lora_names": sum(".lora_" in n for n, _ in second),
         "peft_config_checkpoint_mode": peft, "colocated_peft_r": colocated_peft["r"],
         "colocated_names": len(colocated) - 1,
-        "refit_logprob_diff": float((got - want).abs().max()), "base_vs_lora": float((base_want - want).abs().max()),
-        "engine_base_vs_megatron_base": float((base_got - base_want).abs().max()),
+        "refit_logprob_diff": float((got - want2).abs().max()), "base_vs_lora": float((base_want - want).abs().max()),
+        "v1_vs_v2": float((want2 - want).abs().max()),
+        "dummy_vs_megatron_base": float((dummy_got - base_want).abs().max()),
+        "colocated_logprob_diff": float((colo_got - want).abs().max()),
+        "colocated_base": colo_base, "colocated_lora": colo_lora,
+        "colocated_bad_refused": colo_refused, "colocated_after_bad_diff": float((after_bad_colo - want).abs().max()),
         "buckets": ck.last["buckets"], "served": str(ck.last["served"])[:200],
-        "bad_refused": refused, "after_bad_diff": float((after_bad - want).abs().max()),
+        "bad_refused": refused, "after_bad_diff": float((after_bad - want2).abs().max()),
     }
     print("RESULT " + json.dumps(res))
 

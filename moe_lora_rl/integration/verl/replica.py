@@ -2,17 +2,20 @@
 
     _init_model_config   hide model.lora from the vLLM arguments (verl turns vLLM's own LoRA on for any rank > 0;
                          our worker extension serves the expert adapters instead) and refuse conflicting options
-    _init_config         eager mode (route capture needs the uncompiled forward); prefix caching as configured
-    _get_worker_extension_cls   moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension (staged commit, capture)
+    _init_config         eager mode (route capture needs the uncompiled forward); prefix caching as configured;
+                         load_format=dummy becomes auto unless the sync is colocated ("naive"): our checkpoint-engine
+                         backend carries adapters only, so there the server reads the (never trained) base itself
+    _get_worker_extension_cls   integration.verl.worker_ext.VerlMoELoRAWorkerExtension (staged commit, capture, and
+                         verl's colocated update_weights_from_ipc)
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
 """
 from __future__ import annotations
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from .config import check_rollout, lora_config
+from .config import check_rollout, lora_config, rollout_load_format
 
-WORKER_EXTENSION = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
+from .config import WORKER_EXTENSION
 
 
 class MoELoRAvLLMHttpServer(vLLMHttpServer):
@@ -20,6 +23,7 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
         cfg = super()._init_config(config)
         check_rollout(cfg)
         object.__setattr__(cfg, "enforce_eager", True)
+        object.__setattr__(cfg, "load_format", rollout_load_format(cfg))
         return cfg
 
     def _init_model_config(self, model_config):

@@ -1,0 +1,74 @@
+"""Our vLLM worker extension inside verl: the staged-commit extension plus verl's colocated entry point.
+
+    update_weights_from_ipc(peft_config, base_sync_done, use_shm)    what verl's ServerAdapter.update_weights calls
+        verl's BucketedWeightReceiver on verl's ZMQ handle (CUDA IPC, or shared memory where IPC is missing, as on
+        the CPU) -> colocated.ColocatedSync: base weights loaded into the model (the first sync; a rollout started
+        with load_format=dummy gets its real base here), adapters staged as one version and committed (checksum
+        checked, previous version served until then)
+
+A bad stream does not leave verl's sender waiting: the receiver drains every bucket and the error is raised after
+the last one, with the served version untouched.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+
+import torch
+from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
+from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+from ...vllm.worker_ext import MoELoRAWorkerExtension, entry
+from .colocated import ColocatedSync
+from .plugin import register
+
+logger = logging.getLogger(__name__)
+register()               # verl's registries in the vLLM worker process (the CPU platform when VERL_PLATFORM names it)
+
+
+class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
+    # verl's handle formula (job id, replica, node-local rank), so the sender in the trainer finds this receiver
+    _get_zmq_handle = vLLMColocateWorkerExtension._get_zmq_handle
+
+    @entry
+    def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
+                                use_shm: bool = False) -> dict:
+        sync = ColocatedSync(base_sync_done)
+        device = getattr(self, "device", None) or torch.device("cpu")
+        errors: list[BaseException] = []
+        reloading: list[bool] = []
+        model = self.model_runner.model
+
+        def on_bucket(weights, is_last):
+            if errors:
+                return                                   # drain the rest: verl's sender waits for every ack
+            try:
+                base = sync.bucket(weights, is_last)
+                if base:
+                    served = self._moe_lora_runtime().status()["version"]
+                    if served is not None:
+                        raise ValueError(f"base weights arrived while adapter version {served} is served: the base "
+                                         "is synced once, before any adapter")
+                    # on the CPU the receiver's tensors are views into the shared segment (its .to(cpu) copies
+                    # nothing) and some vLLM loaders keep the tensor they are given: load copies
+                    if not reloading:
+                        initialize_layerwise_reload(model)       # vLLM's in-place reload (repacked CPU kernels)
+                        reloading.append(True)
+                    model.load_weights([(n, t.clone() if t.device.type == "cpu" else t) for n, t in base])
+            except Exception as e:  # noqa: BLE001
+                # keep no traceback: its frames would hold views into the receiver's buffer past its cleanup
+                logger.warning("weight sync refused: %s", "".join(traceback.format_exception(e)))
+                errors.append(e.with_traceback(None))
+
+        BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=device, use_shm=use_shm).receive_weights(
+            on_bucket_received=on_bucket)
+        if reloading:
+            finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        if errors:
+            raise errors[0]
+        m = sync.meta
+        if sync.plan(self._moe_lora_runtime().status()) == "same":
+            return {**self._moe_lora_runtime().status(), "base_tensors": sync.base_count, "unchanged": True}
+        out = self._moe_lora_one_shot(m["version"], m["checksum"], m["rank"], m["alpha"], lambda: sync.adapters)
+        return {**out, "base_tensors": sync.base_count, "unchanged": False}
