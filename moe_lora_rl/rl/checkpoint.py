@@ -230,6 +230,25 @@ def save_checkpoint(root, step: int, model, optimizer, *, run_meta: dict, state:
     return final
 
 
+def prune(root, keep: int) -> list[str]:
+    """Rank 0 removes step directories under ROOT beyond the newest `keep` (never the one `latest` names); all ranks
+    call it. Returns the removed names."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least the latest checkpoint is kept")
+    rank, _ = _rank_world()
+    removed = []
+    if rank == 0:
+        root = Path(root)
+        latest = latest_step(root)
+        steps = sorted(s for s in (step_of(p.name) for p in root.iterdir() if p.is_dir()) if s is not None)
+        for s in steps[:-keep]:
+            if s != latest:
+                shutil.rmtree(root / step_dir_name(s))
+                removed.append(step_dir_name(s))
+    _barrier()
+    return removed
+
+
 # ---- load -------------------------------------------------------------------------------------------------------
 
 def latest_step(root) -> int | None:

@@ -294,3 +294,19 @@ def test_refuses_other_run_settings(tmp_path, model_dir):
     refused(tmp_path / "c", m, opt, {k: v for k, v in meta.items() if k != "seed"}, "'seed' is only in the checkpoint")
     with pytest.raises(ValueError, match="has no config.json"):
         ck.describe_run(tmp_path, m.lora_config)
+
+
+def test_prune_keeps_the_newest_and_latest(tmp_path, model_dir):
+    m, opt = make()
+    meta = ck.describe_run(model_dir, m.lora_config, "tp1ep1pp1")
+    root = tmp_path / "ckpt"
+    for s in (1, 2, 3, 4):
+        step(m, opt)
+        ck.save_checkpoint(root, s, m, opt, run_meta=meta, state={"version": s})
+    assert ck.prune(root, 2) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000003", "step-00000004"]
+    (root / "latest").write_text("step-00000003\n")          # latest names an older step: it is never removed
+    assert ck.prune(root, 1) == [] and ck.latest_step(root) == 3
+    assert ck.load_checkpoint(root, m, opt, run_meta=meta)["version"] == 3
+    with pytest.raises(ValueError, match="keep=0"):
+        ck.prune(root, 0)

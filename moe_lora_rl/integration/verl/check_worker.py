@@ -7,6 +7,7 @@ Per layout, on one global batch (GRPO advantages, perturbed old log-probs, tempe
   loss_vanilla        TrainingWorker.train_batch (verl's ppo_loss: vanilla, token-mean) vs verl's loss on the reference
   grad_norm           the engine's global adapter grad norm vs the reference's
   loss_gspo           infer_batch with compute_loss (gspo, seq-mean-token-sum) vs the reference
+  checkpoint          verl's save_checkpoint / load_checkpoint: adapters + AdamW state, the next step replayed exactly
   r3                  verl-format routed_experts (int16 [N, P+R, all layers, k], left-padding aligned) replayed by the
                       engine vs our RoutesBatch replayed in the reference; and the reference without replay (control)
 Rank 0 writes the max abs differences as JSON.
@@ -207,7 +208,7 @@ def verl_batch(b, old, adv, rows, routes: bool):
     return td
 
 
-def engine_run(path, layout_name, b, old, adv) -> dict:
+def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import EngineRouterReplayConfig, HFModelConfig, TrainingWorkerConfig
@@ -274,7 +275,45 @@ def engine_run(path, layout_name, b, old, adv) -> dict:
     res = w.train_batch(td)
     got = gather(None if res is None else (tu.get(res, "metrics")["loss"], tu.get(res, "metrics")["grad_norm"]))
     out["loss_vanilla"], out["grad_norm"] = next(v for _, v in got if v is not None)
+    out.update(checkpoint_replay(w, lambda: verl_batch(b, old, adv, rows, routes=False), ckpt_dir))
     return out
+
+
+def checkpoint_replay(w, batch, ckpt_dir) -> dict:
+    """verl's save_checkpoint after step 1, step 2, load_checkpoint, step 2 again: the adapters after the replayed
+    step equal the first step 2's (max |diff| over every local factor, max over ranks). Control: the same replay with
+    the optimizer state dropped after the load."""
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+
+    from ...lora.layers import adapter_factors
+
+    def step():
+        td = batch()
+        tu.assign_non_tensor(td, global_token_num=None)
+        w.train_batch(td)
+
+    def params():
+        return [p.detach().clone() for _, p in adapter_factors(w.engine.model)]
+
+    def max_diff(a, c):
+        d = torch.tensor(max(float((x - y).abs().max()) for x, y in zip(a, c)))
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        return float(d)
+
+    version = w.engine.version
+    w.engine.save_checkpoint(ckpt_dir, global_step=1, max_ckpt_to_keep=1)
+    step()
+    want = params()
+    w.engine.load_checkpoint(ckpt_dir)
+    loaded_version = w.engine.version
+    step()
+    replay = max_diff(params(), want)
+    w.engine.load_checkpoint(ckpt_dir)
+    w.engine.optimizer.state.clear()
+    step()
+    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": max_diff(params(), want),
+            "ckpt_version_restored": loaded_version == version}
 
 
 def main(argv=None):
@@ -299,7 +338,7 @@ def main(argv=None):
     result = {"layouts": {}, "fp32_batch_shape_floor": ref["floor"]}
     for name in a.layouts.split(","):
         teardown()
-        got = engine_run(a.model, name, b, ref["old"], adv)
+        got = engine_run(a.model, name, b, ref["old"], adv, os.path.join(os.path.dirname(a.result), f"ckpt-{name}"))
         mask = b["resp_mask"].bool()
         d = lambda k: float((got[k] - ref[k]).abs()[mask].max())  # noqa: E731
         result["layouts"][name] = {
@@ -309,7 +348,8 @@ def main(argv=None):
             "loss_vanilla_diff": abs(got["loss_vanilla"] - ref["loss_vanilla"]),
             "loss_gspo_diff": abs(got["loss_gspo"] - ref["loss_gspo"]),
             "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
-            "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"]}
+            "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"],
+            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_version_restored")}}
     finish_worker(result, a.result)
     del dist
 

@@ -267,12 +267,27 @@ class MoELoRAEngine(BaseEngine):
         return per_tensor_params(self, base_sync_done)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        from ...lora.state import save_sharded
+    def _run_meta(self) -> dict:
+        from ...rl.checkpoint import describe_run
 
-        save_sharded(self.model, local_path)
+        return describe_run(self.model_config.local_path, self.lora, self.layout)
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        """Adapters and the AdamW state (our layout-independent checkpoint, rl/checkpoint.py) under LOCAL_PATH/step-N,
+        with the adapter version; loadable at any layout. max_ckpt_to_keep: older steps under LOCAL_PATH removed."""
+        from ...rl.checkpoint import prune, save_checkpoint
+
+        if hdfs_path:
+            raise ValueError(f"hdfs_path={hdfs_path!r}: our engine saves to local_path only")
+        save_checkpoint(local_path, int(global_step), self.model, self.optimizer, run_meta=self._run_meta(),
+                        state={"version": self.version})
+        if max_ckpt_to_keep:
+            prune(local_path, int(max_ckpt_to_keep))
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        from ...lora.state import load_sharded
+        """The latest step under LOCAL_PATH into the adapters and the optimizer (refused, nothing changed, if the
+        model or the LoRA config differ); the adapter version continues from the saved one."""
+        from ...rl.checkpoint import load_checkpoint
 
-        load_sharded(self.model, local_path)
+        state = load_checkpoint(local_path, self.model, self.optimizer, run_meta=self._run_meta())
+        self.version = int(state["version"])
