@@ -4,7 +4,7 @@ with the offending name or value."""
 import pytest
 import torch
 
-pytest.importorskip("verl")
+pytestmark = pytest.mark.verl
 
 from moe_lora_rl.integration.verl.colocated import ColocatedSync  # noqa: E402
 from moe_lora_rl.integration.verl.weight_sync import META, encode_meta  # noqa: E402
