@@ -94,14 +94,18 @@ class CPUPlatform(PlatformBase):
     def profiler_stop(self) -> None:
         return None
 
+    # verl places one worker per Ray "device" slot and reads the slot's id back from
+    # get_accelerator_ids()[ray_resource_name()] (the vLLM replica's launch_servers), a map that only holds
+    # accelerator resources, never "CPU". So the slots are Ray's logical "GPU" resource, declared without any GPU
+    # by ray_init.num_gpus=<workers per node> (a Ray count, no CUDA involved).
     def ray_resource_name(self) -> str:
-        return "CPU"
+        return "GPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []
 
     def ray_resource_options(self, num_gpus: float) -> dict:
-        return {"num_cpus": num_gpus}
+        return {"num_gpus": num_gpus}
 
     def is_ipc_supported(self) -> bool:
         return False

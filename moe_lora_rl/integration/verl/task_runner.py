@@ -1,8 +1,10 @@
 """verl's V0 task runner with our CPU worker on the CPU platform, and verl's own everywhere else.
 
-`verl.trainer.main_ppo_v0.TaskRunner` is a Ray actor class (Ray forbids subclassing those), so we subclass the
-class it wraps and override the documented hook `add_actor_rollout_worker`: after verl's mapping is built, the
-actor-rollout role is mapped to `CPUActorRolloutRefWorker` only when VERL_PLATFORM selects our CPU platform.
+`verl.trainer.main_ppo_v0.TaskRunner` is a Ray actor class (Ray forbids subclassing those, and its `__init__`'s
+`super()` breaks once the wrapped class is re-pickled by value in the Ray worker), so we subclass verl's
+`BaseTaskRunner`, reuse `TaskRunner.run` unchanged, and override the documented hook `add_actor_rollout_worker`:
+after verl's mapping is built, the actor-rollout role is mapped to `CPUActorRolloutRefWorker` only when
+VERL_PLATFORM selects our CPU platform.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from .cpu_worker import cpu_platform_selected
 _VerlTaskRunner = main_ppo_v0.TaskRunner.__ray_metadata__.modified_class.__ray_actor_class__
 
 
-class MoELoRATaskRunner(_VerlTaskRunner):
+class MoELoRATaskRunner(main_ppo_v0.BaseTaskRunner):
+    run = _VerlTaskRunner.run                # verl's V0 training workflow, unchanged
+
     def add_actor_rollout_worker(self, config):
         actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
         if not cpu_platform_selected():
