@@ -2,6 +2,7 @@
 # verl's main_ppo (V0 trainer) with our engine, replica and CPU platform on the tiny GLM-4.5-style model:
 # a 2-step GRPO run on CPU (fp32, tp1 ep1, 1 Ray worker, batch 2 x n 2, responses of 16 tokens).
 #   recipes/verl_moe_lora/run_cpu_smoke.sh [OUT_DIR] [extra verl overrides...]
+# R3 is off: vLLM on CPU cannot return routed experts (its AuxOutput connector needs Model Runner V2, i.e. Triton).
 # Prints the log's last lines and "SMOKE: finished N steps" or "SMOKE: stopped (rc)"; always stops Ray.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,12 +38,13 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" \
   actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 \
   actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
   actor_rollout_ref.actor.use_kl_loss=false \
+  actor_rollout_ref.actor.megatron.router_replay.mode=disabled actor_rollout_ref.rollout.enable_rollout_routing_replay=false \
   actor_rollout_ref.actor.ppo_mini_batch_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.rollout.n=2 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
   actor_rollout_ref.rollout.dtype=float32 actor_rollout_ref.rollout.max_model_len=64 \
-  actor_rollout_ref.rollout.free_cache_engine=false \
+  actor_rollout_ref.rollout.free_cache_engine=false +actor_rollout_ref.rollout.enable_sleep_mode=false \
   actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
   "$@" > "$OUT/run.log" 2>&1
 rc=$?
