@@ -16,6 +16,17 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_OMP_THREADS_
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 MODEL=$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("glm4_moe", "tiny"))')
+# verl's agent loop picks its GLM-4.7 token builder from model_type glm4_moe; it needs GLM's <|user|> and
+# <|observation|> turn tokens, which the tiny model's offline tokenizer lacks: a copy of the model whose tokenizer
+# has them as added special tokens (ids past the model's vocab; never prompted, never sampled).
+if [ ! -f "$OUT/model/config.json" ]; then
+  mkdir -p "$OUT/model" && for f in "$MODEL"/*; do ln -sf "$f" "$OUT/model/"; done
+  rm -f "$OUT"/model/tokenizer*.json
+  "$PY" -c 'import sys; from transformers import AutoTokenizer
+t = AutoTokenizer.from_pretrained(sys.argv[1]); t.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|observation|>"]})
+t.save_pretrained(sys.argv[2])' "$MODEL" "$OUT/model"
+fi
+MODEL=$OUT/model
 [ -f "$OUT/data/train.parquet" ] || "$PY" -m moe_lora_rl.rl.dataset "$OUT/data" >/dev/null
 STEPS=${STEPS:-2}
 start=$(date +%s)
@@ -45,7 +56,7 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" \
   actor_rollout_ref.rollout.n=2 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
   actor_rollout_ref.rollout.dtype=float32 actor_rollout_ref.rollout.max_model_len=64 \
   actor_rollout_ref.rollout.free_cache_engine=false +actor_rollout_ref.rollout.enable_sleep_mode=false \
-  actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
+  actor_rollout_ref.rollout.checkpoint_engine.backend=naive actor_rollout_ref.rollout.agent.num_workers=1 \
   "$@" > "$OUT/run.log" 2>&1
 rc=$?
 "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1
