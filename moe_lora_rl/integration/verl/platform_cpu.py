@@ -28,7 +28,8 @@ CPU_DEVICE = types.SimpleNamespace(
     synchronize=_nothing, empty_cache=_nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
     max_memory_allocated=_zero, max_memory_reserved=_zero, memory_allocated=_zero, memory_reserved=_zero,
     reset_peak_memory_stats=_nothing, mem_get_info=lambda *_a: (0, 0), get_rng_state=torch.get_rng_state,
-    set_rng_state=torch.set_rng_state, ipc_collect=_nothing)
+    set_rng_state=torch.set_rng_state, ipc_collect=_nothing,
+    get_device_name=lambda *_a: "CPU")      # verl's flops counter: the name it uses for torch.cpu itself
 
 
 @PlatformRegistry.register(platform=NAME)
