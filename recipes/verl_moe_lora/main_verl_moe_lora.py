@@ -15,7 +15,7 @@ def main(cfg):
     if cfg.trainer.use_v1:
         main_ppo.run_ppo(cfg, task_runner_class=main_ppo.TaskRunnerV1)
     else:                                 # verl's deprecated V0 trainer (needs no transfer_queue)
-        from verl.trainer.main_ppo_v0 import TaskRunner
+        from moe_lora_rl.integration.verl.task_runner import TaskRunner   # verl's, plus the CPU worker on CPU
 
         main_ppo.run_ppo(cfg, task_runner_class=TaskRunner)
 

@@ -28,7 +28,8 @@ CPU_DEVICE = types.SimpleNamespace(
     synchronize=_nothing, empty_cache=_nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
     max_memory_allocated=_zero, max_memory_reserved=_zero, memory_allocated=_zero, memory_reserved=_zero,
     reset_peak_memory_stats=_nothing, mem_get_info=lambda *_a: (0, 0), get_rng_state=torch.get_rng_state,
-    set_rng_state=torch.set_rng_state, ipc_collect=_nothing)
+    set_rng_state=torch.set_rng_state, ipc_collect=_nothing,
+    get_device_name=lambda *_a: "CPU")      # verl's flops counter: the name it uses for torch.cpu itself
 
 
 @PlatformRegistry.register(platform=NAME)
@@ -94,14 +95,18 @@ class CPUPlatform(PlatformBase):
     def profiler_stop(self) -> None:
         return None
 
+    # verl places one worker per Ray "device" slot and reads the slot's id back from
+    # get_accelerator_ids()[ray_resource_name()] (the vLLM replica's launch_servers), a map that only holds
+    # accelerator resources, never "CPU". So the slots are Ray's logical "GPU" resource, declared without any GPU
+    # by ray_init.num_gpus=<workers per node> (a Ray count, no CUDA involved).
     def ray_resource_name(self) -> str:
-        return "CPU"
+        return "GPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []
 
     def ray_resource_options(self, num_gpus: float) -> dict:
-        return {"num_cpus": num_gpus}
+        return {"num_gpus": num_gpus}
 
     def is_ipc_supported(self) -> bool:
         return False

@@ -8,6 +8,8 @@
     _get_worker_extension_cls   integration.verl.worker_ext.VerlMoELoRAWorkerExtension (staged commit, capture, and
                          verl's colocated update_weights_from_ipc)
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
+    _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
+                         (verl's replica answers "vllm_", which only matches rollout.name=vllm)
 """
 from __future__ import annotations
 
@@ -46,3 +48,6 @@ class MoELoRAvLLMReplica(vLLMReplica):
         import ray
 
         self.server_class = ray.remote(MoELoRAvLLMHttpServer)
+
+    def _get_server_name_prefix(self) -> str:
+        return f"{self.config.name}_"       # what verl's ServerAdapter._get_server_name_prefix derives

@@ -5,6 +5,10 @@
         the CPU) -> colocated.ColocatedSync: base weights loaded into the model (the first sync; a rollout started
         with load_format=dummy gets its real base here), adapters staged as one version and committed (checksum
         checked, previous version served until then)
+    monkey_patch_model(vocab_size, banned_token_ids)    what verl's launch_server calls once the engine is up: verl's
+        own sampling mask (`monkey_patch_compute_logits`: out-of-vocabulary tail and vision placeholders never
+        sampled), as verl's extension does; not verl's MoE weight-loader patch (for older vLLM): our base load is
+        vLLM's own layerwise reload
 
 A bad stream does not leave verl's sender waiting: the receiver drains every bucket and the error is raised after
 the last one, with the served version untouched.
@@ -17,7 +21,7 @@ import traceback
 import torch
 from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
-from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+from verl.workers.rollout.vllm_rollout.utils import monkey_patch_compute_logits, vLLMColocateWorkerExtension
 
 from ...vllm.worker_ext import MoELoRAWorkerExtension, entry
 from .colocated import ColocatedSync
@@ -30,6 +34,10 @@ register()               # verl's registries in the vLLM worker process (the CPU
 class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
     # verl's handle formula (job id, replica, node-local rank), so the sender in the trainer finds this receiver
     _get_zmq_handle = vLLMColocateWorkerExtension._get_zmq_handle
+
+    @entry
+    def monkey_patch_model(self, vocab_size: int, banned_token_ids: list[int] | None = None) -> None:
+        monkey_patch_compute_logits(self.model_runner.model, vocab_size, banned_token_ids)
 
     @entry
     def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,

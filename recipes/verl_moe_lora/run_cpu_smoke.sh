@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# verl's main_ppo (V0 trainer) with our engine, replica and CPU platform on the tiny GLM-4.5-style model:
+# a 2-step GRPO run on CPU (fp32, tp1 ep1, 1 Ray worker, batch 2 x n 2, responses of 16 tokens).
+#   recipes/verl_moe_lora/run_cpu_smoke.sh [OUT_DIR] [extra verl overrides...]
+# R3 is off: vLLM on CPU cannot return routed experts (its AuxOutput connector needs Model Runner V2, i.e. Triton).
+# Prints the log's last lines and "SMOKE: finished N steps" or "SMOKE: stopped (rc)"; always stops Ray.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+OUT=${1:-/tmp/verl_cpu_smoke}; shift || true
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export VERL_PLATFORM=moe_lora_cpu VERL_ENGINE_DEVICE=cpu                   # our CPU platform (never auto-detected)
+export VERL_USE_EXTERNAL_MODULES=moe_lora_rl.integration.verl.platform_cpu # so every Ray worker registers it
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
+export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+MODEL=$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("glm4_moe", "tiny"))')
+# verl's agent loop picks its GLM-4.7 token builder from model_type glm4_moe; it needs GLM's <|user|> and
+# <|observation|> turn tokens, which the tiny model's offline tokenizer lacks: a copy of the model whose tokenizer
+# has them as added special tokens (ids past the model's vocab; never prompted, never sampled).
+if [ ! -f "$OUT/model/config.json" ]; then
+  mkdir -p "$OUT/model" && for f in "$MODEL"/*; do ln -sf "$f" "$OUT/model/"; done
+  rm -f "$OUT"/model/tokenizer*.json
+  "$PY" -c 'import sys; from transformers import AutoTokenizer
+t = AutoTokenizer.from_pretrained(sys.argv[1]); t.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|observation|>"]})
+t.save_pretrained(sys.argv[2])' "$MODEL" "$OUT/model"
+fi
+MODEL=$OUT/model
+[ -f "$OUT/data/train.parquet" ] || "$PY" -m moe_lora_rl.rl.dataset "$OUT/data" >/dev/null
+STEPS=${STEPS:-2}
+start=$(date +%s)
+timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" \
+  trainer.use_v1=false \
+  +ray_kwargs.ray_init.num_gpus=1 +ray_kwargs.ray_init.num_cpus=4 \
+  trainer.nnodes=1 trainer.n_gpus_per_node=1 trainer.logger='[console]' \
+  trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
+  trainer.total_training_steps="$STEPS" trainer.total_epochs=1 trainer.default_local_dir="$OUT/ckpt" \
+  trainer.project_name=cpu_smoke trainer.experiment_name=tiny \
+  data.train_files="$OUT/data/train.parquet" data.val_files="$OUT/data/eval.parquet" \
+  data.train_max_samples=16 data.val_max_samples=4 data.train_batch_size=2 \
+  data.max_prompt_length=32 data.max_response_length=16 data.dataloader_num_workers=0 \
+  reward.custom_reward_function.path=pkg://moe_lora_rl.rl.reward \
+  algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false \
+  actor_rollout_ref.model.path="$MODEL" \
+  actor_rollout_ref.model.lora.rank=4 actor_rollout_ref.model.lora.alpha=8 \
+  actor_rollout_ref.actor.megatron.dtype=float32 +actor_rollout_ref.actor.megatron.device=cpu \
+  actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 \
+  actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 \
+  actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
+  actor_rollout_ref.actor.use_kl_loss=false \
+  actor_rollout_ref.actor.megatron.router_replay.mode=disabled actor_rollout_ref.rollout.enable_rollout_routing_replay=false \
+  actor_rollout_ref.actor.ppo_mini_batch_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 \
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2 \
+  actor_rollout_ref.rollout.n=2 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.dtype=float32 actor_rollout_ref.rollout.max_model_len=64 \
+  actor_rollout_ref.rollout.free_cache_engine=false +actor_rollout_ref.rollout.enable_sleep_mode=false \
+  actor_rollout_ref.rollout.checkpoint_engine.backend=naive actor_rollout_ref.rollout.agent.num_workers=1 \
+  "$@" > "$OUT/run.log" 2>&1
+rc=$?
+"$(dirname "$PY")/ray" stop --force >/dev/null 2>&1
+echo "SMOKE: wall $(( $(date +%s) - start )) s, log $OUT/run.log"
+grep -E "Error|error:|Traceback" "$OUT/run.log" | grep -v "^.*Warning" | tail -n 8
+tail -n 15 "$OUT/run.log"
+n=$(grep -Ec "step:[0-9]+ " "$OUT/run.log")
+if [ "$rc" = 0 ]; then echo "SMOKE: finished, $n step lines logged"; else echo "SMOKE: stopped (rc=$rc), $n step lines logged"; fi
+exit $rc
