@@ -197,3 +197,27 @@ def test_plugin_is_inert_unless_imported():
          "assert not PlatformRegistry.get('moe_lora_cpu')().is_platform_available(use_smi_check=True)\n"
          "from verl.plugin.platform.platform_manager import _detect_platform_name\n"
          "assert _detect_platform_name() != 'moe_lora_cpu'\n")
+
+
+def test_task_runner_swaps_the_worker_only_on_the_cpu_platform(compose, monkeypatch):
+    """The recipe's task runner keeps verl's actor-rollout worker unless VERL_PLATFORM selects our CPU platform; the
+    gloo-only worker refuses to start anywhere else."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from moe_lora_rl.integration.verl.cpu_worker import CPUActorRolloutRefWorker, init_gloo_process_group
+    from moe_lora_rl.integration.verl.task_runner import MoELoRATaskRunner
+
+    def mapped(runner):
+        return {r: c.__ray_metadata__.modified_class.__ray_actor_class__ for r, c in runner.role_worker_mapping.items()}
+
+    cfg = compose()
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    r = MoELoRATaskRunner()
+    assert r.add_actor_rollout_worker(cfg)[0] is ActorRolloutRefWorker
+    assert set(mapped(r).values()) == {ActorRolloutRefWorker}
+    with pytest.raises(ValueError, match="VERL_PLATFORM=moe_lora_cpu, got VERL_PLATFORM=''"):
+        init_gloo_process_group()
+    monkeypatch.setenv("VERL_PLATFORM", "moe_lora_cpu")
+    r = MoELoRATaskRunner()
+    assert r.add_actor_rollout_worker(cfg)[0] is CPUActorRolloutRefWorker
+    assert set(mapped(r).values()) == {CPUActorRolloutRefWorker}
