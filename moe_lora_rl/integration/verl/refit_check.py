@@ -18,12 +18,10 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 
 def megatron_lp(eng, seqs):
-    import torch
-
+    from ...bench.refit_vllm_worker import megatron_logprobs
     from ...megatron.forward import forward_logits
 
-    logits = forward_logits(eng.model, seqs, eng.arch.vocab_size)
-    return torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, seqs[:, 1:, None])[..., 0]
+    return megatron_logprobs(seqs, forward_logits(eng.model, seqs, eng.arch.vocab_size))
 
 
 def colocated_sync(llm, stream, base_sync_done: bool, bucket_mb: int = 1) -> dict:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from .config import check_rollout, lora_config, rollout_load_format
-
-from .config import WORKER_EXTENSION
+from .config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
 
 
 class MoELoRAvLLMHttpServer(vLLMHttpServer):

@@ -42,6 +42,7 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
     @entry
     def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
                                 use_shm: bool = False) -> dict:
+        """peft_config is not read: the stream's header carries rank, alpha, version and checksum."""
         sync = ColocatedSync(base_sync_done)
         device = getattr(self, "device", None) or torch.device("cpu")
         errors: list[BaseException] = []
@@ -59,7 +60,7 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
                         raise ValueError(f"base weights arrived while adapter version {served} is served: the base "
                                          "is synced once, before any adapter")
                     # on the CPU the receiver's tensors are views into the shared segment (its .to(cpu) copies
-                    # nothing) and some vLLM loaders keep the tensor they are given: load copies
+                    # nothing): load copies, so nothing outlives the segment
                     if not reloading:
                         initialize_layerwise_reload(model)       # vLLM's in-place reload (repacked CPU kernels)
                         reloading.append(True)
@@ -75,8 +76,8 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
             finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
         if errors:
             raise errors[0]
-        m = sync.meta
-        if sync.plan(self._moe_lora_runtime().status()) == "same":
-            return {**self._moe_lora_runtime().status(), "base_tensors": sync.base_count, "unchanged": True}
+        m, served = sync.meta, self._moe_lora_runtime().status()
+        if sync.plan(served) == "same":
+            return {**served, "base_tensors": sync.base_count, "unchanged": True}
         out = self._moe_lora_one_shot(m["version"], m["checksum"], m["rank"], m["alpha"], lambda: sync.adapters)
         return {**out, "base_tensors": sync.base_count, "unchanged": False}
