@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # verl's main_ppo (V0 trainer) with our engine, replica and CPU platform on the tiny GLM-4.5-style model:
 # a 2-step GRPO run on CPU (fp32, tp1 ep1, 1 Ray worker, batch 2 x n 2, responses of 16 tokens).
+# Colocated sync with vLLM started on dummy weights (verl's default; the recipe config loads the base from disk):
+# the rollout's weights are then exactly what the first sync put there.
 #   recipes/verl_moe_lora/run_cpu_smoke.sh [OUT_DIR] [extra verl overrides...]
 # R3 is off: vLLM on CPU cannot return routed experts (its AuxOutput connector needs Model Runner V2, i.e. Triton).
 # Prints the log's last lines and "SMOKE: finished N steps" or "SMOKE: stopped (rc)"; always stops Ray.
@@ -57,6 +59,7 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" \
   actor_rollout_ref.rollout.dtype=float32 actor_rollout_ref.rollout.max_model_len=64 \
   actor_rollout_ref.rollout.free_cache_engine=false +actor_rollout_ref.rollout.enable_sleep_mode=false \
   actor_rollout_ref.rollout.checkpoint_engine.backend=naive actor_rollout_ref.rollout.agent.num_workers=1 \
+  actor_rollout_ref.rollout.load_format=dummy \
   "$@" > "$OUT/run.log" 2>&1
 rc=$?
 "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1
