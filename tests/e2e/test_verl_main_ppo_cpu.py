@@ -39,7 +39,8 @@ def test_main_ppo_two_steps_on_cpu(tmp_path):
         assert 0.0 <= _num(s["critic/score/mean"]) <= 1.0              # our reward ran on every rollout
         assert _num(s["response_length/mean"]) > 0
         # vLLM's sampling log-probs against our Megatron engine's on the same tokens: only equal if the colocated
-        # sync put the base and the adapters into vLLM (vLLM starts on dummy weights, which differ by ~25 nats)
+        # sync put the base and the adapters into vLLM (the script starts vLLM on dummy weights; with the base load
+        # removed from our worker extension the run gives 0.067 and a log-ppl difference of 12.0)
         assert _num(s["training/rollout_probs_diff_max"]) < 1e-3
         assert _num(s["rollout_corr/log_ppl_abs_diff"]) < 1e-3
     assert log.count("update_weights done") >= 3          # the first sync (base + adapters), then one per step
