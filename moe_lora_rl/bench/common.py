@@ -32,7 +32,7 @@ def group_by_world(layout_names: str) -> "OrderedDict[int, list[str]]":
 def check_layouts(models: list[str], layout_names: str) -> list[Layout]:
     """Every layout parsed and checked against every model before any process starts (ValueError naming the value)."""
     from ..megatron.build import check_layout
-    from ..megatron.hf_reference import load_arch
+    from ..models.arch import load_arch
 
     names = [n.strip() for n in layout_names.split(",") if n.strip()]
     if not names:

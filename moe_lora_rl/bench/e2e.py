@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..megatron.layout import parse_layouts
-from ..testing.launch import free_port, worker_env
+from ..checks.launch import free_port, worker_env
 from .common import emit
 
 KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3", "kl_mean_no_r3",

@@ -49,7 +49,7 @@ def run(a) -> dict:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from ..integration.verl.algos import PolicyLossSettings, grpo_advantages, policy_loss
+    from ..algos import PolicyLossSettings, grpo_advantages, policy_loss
     from ..rl.hf_sampling import evaluate, generate, prompt_ids, response_logprobs, score
     from ..rl.task import make_split
     from ..rl.warm_start import WarmStartSpec, warm_started

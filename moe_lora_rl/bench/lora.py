@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..lora import LoRAConfig
-from ..testing.launch import run_torchrun
+from ..checks.launch import run_torchrun
 from .common import DEFAULT_LAYOUTS, check_layouts, emit, resolve_models
 from .run_args import add_run_args, run_config_from_args
 
@@ -30,7 +30,7 @@ def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> fl
     """Export a trained adapter blob (canonical tensors + Megatron eval logits) to PEFT and compare in HF."""
     from ..lora.peft_hf import peft_logits
     from ..refit.export import save_peft
-    from ..megatron.hf_reference import load_arch
+    from ..models.arch import load_arch
 
     blob = torch.load(blob_path)
     data = torch.load(blob_path.parent / "data.pt")[model_dir]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..lora import LoRAConfig
-from ..testing.launch import run_torchrun
+from ..checks.launch import run_torchrun
 from .common import group_by_world
 
 REFERENCE = "tp1ep1pp1"
@@ -19,8 +19,8 @@ REFERENCE = "tp1ep1pp1"
 
 def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
     """Per model: a training batch with an empty and an odd-loaded expert in one MoE layer, and an eval batch."""
-    from ..megatron.hf_reference import hf_model
-    from ..testing.data import uneven_batch
+    from ..checks.hf import hf_model
+    from ..checks.data import uneven_batch
 
     data, info = {}, {}
     for m in models:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.forward import forward_logits
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown

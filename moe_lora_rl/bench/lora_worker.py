@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters, load_sharded, save_sharded
 from ..lora import sync_adapter_grads
 from ..megatron.forward import forward_logits
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import RunConfig, prepare_host

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..testing.launch import run_torchrun
+from ..checks.launch import run_torchrun
 from .common import DEFAULT_LAYOUTS, check_layouts, emit, group_by_world, resolve_models
 from .run_args import add_run_args, run_config_from_args, worker_arg
 

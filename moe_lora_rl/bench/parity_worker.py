@@ -6,13 +6,13 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.forward import forward_logits
-from ..megatron.hf_reference import hf_logits
+from ..checks.hf import hf_logits
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import prepare_host
-from ..testing.launch import finish_worker
+from ..checks.launch import finish_worker
 from .run_args import from_worker_arg
 
 

@@ -86,7 +86,7 @@ def matmul_flops(n: int = 1024, repeats: int = 5) -> float:
 
 def measure(model: str, batches: list[int], prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:
     from ..lora import LoRAConfig
-    from ..testing.launch import run_torchrun, worker_env
+    from ..checks.launch import run_torchrun, worker_env
 
     conc = ",".join(map(str, batches))
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench.plan_rollout_worker", "--model", model,

@@ -12,11 +12,11 @@ import torch
 
 from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
 from ..megatron.run_config import RunConfig, prepare_host
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.train_step import lm_train_step
-from ..testing.launch import finish_worker
+from ..checks.launch import finish_worker
 
 
 def main(argv=None):

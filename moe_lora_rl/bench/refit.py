@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..lora import LoRAConfig
-from ..testing.launch import worker_env
+from ..checks.launch import worker_env
 from .common import emit
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..lora import LoRAConfig
-from ..testing.launch import worker_env
+from ..checks.launch import worker_env
 from . import lora_layouts
 
 

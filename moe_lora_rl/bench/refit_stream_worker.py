@@ -20,7 +20,7 @@ from ..lora import LoRAConfig, adapter_factors, gather_adapters
 from ..lora.layers import make_factor
 from ..lora.state import group_rank_size
 from ..megatron.run_config import RunConfig, prepare_host
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..refit.export import stream_to_peft
@@ -28,7 +28,7 @@ from ..refit.gather import build_plan, local_reports, stream
 from ..refit.rename import to_peft_tensors
 from ..refit.transports import _Base, push_stream
 from ..refit.wire import checksum
-from ..testing.launch import finish_worker
+from ..checks.launch import finish_worker
 
 
 def _status(key: str) -> int:

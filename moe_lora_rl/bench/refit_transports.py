@@ -25,11 +25,11 @@ import time
 
 
 def transport_timings(model: str, rank: int, repeats: int = 5) -> dict:
-    from ..megatron.hf_reference import load_arch
+    from ..models.arch import load_arch
     from ..refit.server import start_server
     from ..refit.transports import HttpTransport, ShmTransport
-    from ..testing.launch import free_port
-    from .route_reference import random_expert_adapter
+    from ..checks.launch import free_port
+    from ..checks.route_reference import random_expert_adapter
 
     arch = load_arch(model)
     peft = random_expert_adapter(arch, rank, seed=0)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.forward import forward_logits, packed_inputs
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
@@ -28,8 +28,8 @@ from ..router_replay.align import align_microbatch
 from ..router_replay.metrics import k3_kl, router_disagreement
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
-from ..testing.dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
-from ..testing.launch import finish_worker
+from ..checks.dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
+from ..checks.launch import finish_worker
 from .run_args import from_worker_arg
 
 
@@ -196,7 +196,7 @@ def adapter_cases(model, arch, path: str, d: dict, ids: list[int]) -> dict:
     replay the routes vLLM captured in each serving mode, against HF with the adapter merged forced to them."""
     from ..lora import LoRAConfig, adapter_factors, apply_lora
     from ..refit.import_peft import load_peft
-    from .route_reference import random_expert_adapter
+    from ..checks.route_reference import random_expert_adapter
 
     ad = d["adapter"]
     apply_lora(model, LoRAConfig(rank=ad["rank"], alpha=ad["alpha"], targets=("experts",),

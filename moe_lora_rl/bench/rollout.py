@@ -26,8 +26,8 @@ IDLE_S = 5.0
 def measure(model: str, arch, a, threads: int, log_dir: Path) -> dict:
     import torch
 
-    from ..rl.rollout import RolloutEngine
-    from .route_reference import random_expert_adapter
+    from ..rollout.client import RolloutEngine
+    from ..checks.route_reference import random_expert_adapter
 
     g = torch.Generator().manual_seed(0)
     prompts = [p for p in torch.randint(3, arch.vocab_size, (a.requests // a.group, a.prompt_len),

@@ -44,9 +44,9 @@ def _adapter_rollouts(llm, model, prompts, sp, a) -> dict:
     """The same prompts while the engine serves an expert adapter (bench/route_reference.random_expert_adapter of
     --adapter-rank and --adapter-seed, alpha 2*rank, gate and up sharing A as Megatron's fused fc1 LoRA does), in
     each serving mode: tokens, routes and logprobs per mode."""
-    from ..megatron.hf_reference import load_arch
+    from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
-    from .route_reference import random_expert_adapter
+    from ..checks.route_reference import random_expert_adapter
 
     rank = a.adapter_rank
     peft = random_expert_adapter(load_arch(model), rank, seed=a.adapter_seed, fused_fc1=True)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..testing.launch import worker_env
+from ..checks.launch import worker_env
 from .common import emit
 
 

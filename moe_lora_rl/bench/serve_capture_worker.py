@@ -43,7 +43,7 @@ def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version:
     import torch
 
     from ..refit.transports import InprocTransport
-    from .route_reference import agreement, hf_routes, merged_hf_model
+    from ..checks.route_reference import agreement, hf_routes, merged_hf_model
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
     g = torch.Generator().manual_seed(seed)
@@ -79,7 +79,7 @@ def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: in
     from vllm import SamplingParams
 
     from ..refit.transports import InprocTransport
-    from .route_reference import agreement, hf_routes, merged_hf_model
+    from ..checks.route_reference import agreement, hf_routes, merged_hf_model
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
     seqs = torch.randint(0, arch.vocab_size, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -124,8 +124,8 @@ def overflow_check(llm, arch, peft, rank: int, alpha: float, version: int) -> di
 
 def main(argv=None) -> dict:
     set_engine_env()
-    from ..megatron.hf_reference import load_arch
-    from .route_reference import random_expert_adapter
+    from ..models.arch import load_arch
+    from ..checks.route_reference import random_expert_adapter
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)

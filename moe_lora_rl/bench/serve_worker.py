@@ -26,7 +26,7 @@ def _kl_to_reference(llm, model, arch, peft, scale, prompts, gen_len: int) -> fl
     import torch
     from vllm import SamplingParams
 
-    from .route_reference import merged_hf_model
+    from ..checks.route_reference import merged_hf_model
 
     sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=1, logprobs=0,
                         ignore_eos=True)
@@ -86,9 +86,9 @@ def main(argv=None) -> dict:
     set_engine_env()
     import torch
 
-    from ..megatron.hf_reference import load_arch
+    from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
-    from .route_reference import random_expert_adapter
+    from ..checks.route_reference import random_expert_adapter
     from .serve_capture_worker import fp32_check, generate_groups, make_engine
 
     ap = argparse.ArgumentParser()

@@ -22,13 +22,13 @@ import sys
 from .common import check_layouts, emit
 
 WORLD = 4
-CHECK_WORKER = "moe_lora_rl.integration.verl.check_worker"
-REFIT_WORKER = "moe_lora_rl.integration.verl.refit_check"
+CHECK_WORKER = "moe_lora_rl.checks.verl_worker"
+REFIT_WORKER = "moe_lora_rl.checks.verl_refit"
 
 
 def main(argv=None) -> dict:
     from ..models import get_model
-    from ..testing.launch import run_torchrun, worker_env
+    from ..checks.launch import run_torchrun, worker_env
 
     ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench verl")
     ap.add_argument("--json", action="store_true")
@@ -66,14 +66,14 @@ def main(argv=None) -> dict:
 
 
 def _config_ok(model: str) -> bool:
-    code = ("from moe_lora_rl.integration.verl.compose import compose, our_overrides\n"
+    code = ("from moe_lora_rl.checks.verl_compose import compose, our_overrides\n"
             "from moe_lora_rl.integration.verl.config import check_config, MoELoRAEngineConfig\n"
             "from verl.utils.config import omega_conf_to_dataclass\n"
             f"cfg = compose(our_overrides({model!r}, tp=2, ep=2, device='cpu', dtype='float32'))\n"
             "check_config(cfg)\n"
             "assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine, MoELoRAEngineConfig)\n"
             "print('CONFIG_OK')\n")
-    from ..testing.launch import worker_env
+    from ..checks.launch import worker_env
 
     proc = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=600)
     return proc.returncode == 0 and "CONFIG_OK" in proc.stdout

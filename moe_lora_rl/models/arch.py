@@ -118,3 +118,10 @@ def arch_from_hf_config(cfg: Any) -> MoEArch:
         if a in READERS:
             return READERS[a](cfg)
     raise ValueError(f"HF architectures={archs} not supported by the Megatron builder; supported: {sorted(READERS)}")
+
+
+def load_arch(path) -> MoEArch:
+    """The architecture of the HF checkpoint directory PATH (reads its config.json through transformers)."""
+    import transformers
+
+    return arch_from_hf_config(transformers.AutoConfig.from_pretrained(str(path)))

@@ -13,9 +13,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..integration.verl.algos import grpo_advantages
+from ..algos import grpo_advantages
 from ..router_replay.routes import RoutesBatch
-from .policy import PolicyBatch
+from ..policy.core import PolicyBatch
 
 
 def response_spans(samples) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..integration.verl.algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
+from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
 from ..lora.config import DTYPES as LORA_DTYPES
 from ..lora.config import LAYOUTS as LORA_LAYOUTS
 from ..lora.config import LoRAConfig
@@ -202,7 +202,7 @@ class RolloutSettings:
     """Device ids the engine may use (CUDA_VISIBLE_DEVICES); empty: the engine's default."""
 
     def __post_init__(self):
-        from .placement import plan_placement
+        from ..rollout.placement import plan_placement
 
         plan_placement(node=self.node, gpus=self.gpus, this_host="")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..megatron.build import check_layout
-from ..megatron.hf_reference import load_arch
+from ..models.arch import load_arch
 from ..megatron.run_config import RunConfig
 from .config import TrainConfig
 
@@ -45,7 +45,7 @@ def check(cfg: TrainConfig, world_size: int):
         raise ValueError(f"algo.micro_batch_size={cfg.algo.micro_batch_size}: the batch of {n} responses does not "
                          f"split into microbatches over data-parallel size {dp}")
     if cfg.resume:
-        from .checkpoint import latest_step
+        from ..checkpoint.store import latest_step
 
         root = Path(cfg.out_dir) / "checkpoints"
         if latest_step(root) is None:

@@ -72,7 +72,7 @@ class GRPORun:
     def setup(self) -> None:
         import transformers
 
-        from .policy import Policy
+        from ..policy.core import Policy
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -101,8 +101,8 @@ class GRPORun:
         if self.rank == 0:
             import socket
 
-            from .placement import plan_placement
-            from .rollout import RolloutEngine
+            from ..rollout.placement import plan_placement
+            from ..rollout.client import RolloutEngine
 
             self.out.mkdir(parents=True, exist_ok=True)
             where = plan_placement(node=self.cfg.rollout.node, gpus=self.cfg.rollout.gpus,
@@ -125,7 +125,7 @@ class GRPORun:
     def _on_engine(self, what: str, fn):
         """fn() on rank 0's engine, its result on every rank. If the engine process died, it is restarted, the
         current adapter version pushed again (every rank takes part) and fn repeated, up to engine_restarts times."""
-        from .rollout import EngineDied
+        from ..rollout.client import EngineDied
 
         for attempt in range(self.cfg.engine_restarts + 1):
             result = None
@@ -233,13 +233,13 @@ class GRPORun:
         """What must not change across a resume (the layout may: adapters and optimizer state reshard)."""
         from dataclasses import asdict
 
-        from .checkpoint import describe_run
+        from ..checkpoint.store import describe_run
 
         return describe_run(self.path, self.policy.lora, seed=self.cfg.seed, algo=asdict(self.cfg.algo),
                             data=asdict(self.cfg.data), replay=self.cfg.replay)
 
     def save(self, step: int, history: list, evals: dict) -> None:
-        from .checkpoint import rng_state, save_checkpoint
+        from ..checkpoint.store import rng_state, save_checkpoint
 
         save_checkpoint(self.out / "checkpoints", step, self.policy.model, self.policy.optimizer,
                         run_meta=self.run_meta(), state={"step": step, "version": self.policy.version,
@@ -248,7 +248,7 @@ class GRPORun:
     def resume(self) -> tuple[int, list, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
         that adapter version."""
-        from .checkpoint import load_checkpoint, set_rng_state
+        from ..checkpoint.store import load_checkpoint, set_rng_state
 
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())

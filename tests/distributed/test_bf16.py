@@ -36,7 +36,7 @@ from moe_lora_rl.bench.common import resolve_models
 from moe_lora_rl.bench.lora_layouts import REFERENCE, run as run_lora
 from moe_lora_rl.bench.parity import BF16_UNIT_ROUNDOFF, TARGET_BF16, run as run_parity
 from moe_lora_rl.bench.parity_worker import token_errors
-from moe_lora_rl.bench.replay_check import FIDELITY_TOL, run as run_replay
+from moe_lora_rl.checks.replay import FIDELITY_TOL, run as run_replay
 from moe_lora_rl.lora import LoRAConfig
 from moe_lora_rl.megatron.run_config import RunConfig
 

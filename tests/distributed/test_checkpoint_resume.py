@@ -10,7 +10,7 @@ Negative control at both layouts: the same checkpoint loaded without the optimiz
 """
 import pytest
 
-from moe_lora_rl.testing.launch import run_torchrun
+from moe_lora_rl.checks.launch import run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
-    rep = run_torchrun("moe_lora_rl.testing.checkpoint_worker", 2,
+    rep = run_torchrun("moe_lora_rl.checks.checkpoint_worker", 2,
                        ["--out", str(out), "--save-layout", "tp2ep2", "--load-layouts", "tp2ep2,tp1ep1pp1,pp2"])
     rep["root"] = out / "ckpt"
     return rep

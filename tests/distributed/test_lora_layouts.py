@@ -64,7 +64,7 @@ def test_every_global_expert_has_its_own_adapter(report, work):
 
     import torch
 
-    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.models.arch import load_arch
 
     for i, m in enumerate(report["per_layout"]["ep4"]):
         arch = load_arch(m)

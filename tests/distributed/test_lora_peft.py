@@ -14,7 +14,7 @@ pytestmark = pytest.mark.dist
 
 def _all_expert_names(model_dir) -> set:
     """(layer, expert, projection, factor) for every routed expert of every MoE layer."""
-    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.models.arch import load_arch
 
     arch = load_arch(model_dir)
     return {(layer, e, p, f) for layer, moe in enumerate(arch.moe_layers) if moe for e in range(arch.num_experts)

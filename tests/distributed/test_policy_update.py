@@ -22,7 +22,7 @@ import importlib.util
 
 import pytest
 
-from moe_lora_rl.testing.launch import run_torchrun
+from moe_lora_rl.checks.launch import run_torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("verl") is None,
                                                     reason="verl is not installed (the policy loss is verl's)")]
@@ -32,7 +32,7 @@ LAYOUTS = ("tp1ep1pp1", "tp2ep2", "pp2ep2")
 
 @pytest.fixture(scope="module")
 def rep():
-    return run_torchrun("moe_lora_rl.testing.policy_update_worker", 4, ["--layouts", ",".join(LAYOUTS)])
+    return run_torchrun("moe_lora_rl.checks.policy_update_worker", 4, ["--layouts", ",".join(LAYOUTS)])
 
 
 def _each(rep):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.bench.replay_check import FIDELITY_TOL, SHUFFLED_MIN, run
+from moe_lora_rl.checks.replay import FIDELITY_TOL, SHUFFLED_MIN, run
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is not None,

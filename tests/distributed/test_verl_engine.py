@@ -16,9 +16,9 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def res():
     from moe_lora_rl.models import get_model
-    from moe_lora_rl.testing.launch import run_torchrun
+    from moe_lora_rl.checks.launch import run_torchrun
 
-    out = run_torchrun("moe_lora_rl.integration.verl.check_worker", 4,
+    out = run_torchrun("moe_lora_rl.checks.verl_worker", 4,
                        ["--model", str(get_model("glm4_moe", "tiny")), "--layouts", "tp2ep2,pp2ep2"])
     tol = max(TOL, 2 * out["fp32_batch_shape_floor"])
     assert tol <= 1e-4, out                               # the project's fp32 fidelity bound

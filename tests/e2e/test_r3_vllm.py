@@ -1,7 +1,7 @@
 """R3 end to end on CPU: vLLM rollouts in bf16 with our routing capture; Megatron (fp32) replays them at every layout
 (tp1ep1pp1, tp2ep2, tp2ep2etp2 with sequence parallelism, ep4, pp2ep2; one torchrun launch of 4 ranks), padded and
 packed, on both tiny models, and is checked against HF transformers forced to the same routes
-(moe_lora_rl/testing/forced_routes.py, which shares no code with the alignment).
+(moe_lora_rl/checks/forced_routes.py, which shares no code with the alignment).
 
 - fidelity: fp32 logits within 1e-4 (the parity bench's fp32 noise is ~3e-5; the packed reference uses the same
   rotary positions as the pack, see forced_routes.forced_logits). Forced sets: the rollout's routes and random valid
@@ -22,7 +22,7 @@ packed, on both tiny models, and is checked against HF transformers forced to th
 import pytest
 
 from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.bench.replay_check import FIDELITY_TOL, SHUFFLED_MIN, run
+from moe_lora_rl.checks.replay import FIDELITY_TOL, SHUFFLED_MIN, run
 
 pytestmark = pytest.mark.vllm
 

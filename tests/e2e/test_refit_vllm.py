@@ -70,12 +70,12 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
 
 def test_server_process_push_over_http(trained, tmp_path):
     from moe_lora_rl.refit.rename import to_peft_tensors
-    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.refit.server import prompt_logprobs_http, start_server
     from moe_lora_rl.refit import shm
     from moe_lora_rl.refit.transports import HttpTransport, RefitError, ShmTransport
     from moe_lora_rl.refit.wire import encode_blob
-    from moe_lora_rl.testing.launch import free_port
+    from moe_lora_rl.checks.launch import free_port
 
     models, work = trained
     i, model = next((i, m) for i, m in enumerate(models) if "glm4" in m)

@@ -48,7 +48,7 @@ def arch(model):
 
 @pytest.fixture(scope="module")
 def engine(model, tmp_path_factory):
-    from moe_lora_rl.rl.rollout import RolloutEngine
+    from moe_lora_rl.rollout.client import RolloutEngine
 
     eng = RolloutEngine.start(model, dtype="float32", log_dir=tmp_path_factory.mktemp("rollout"))
     yield eng
@@ -85,7 +85,7 @@ def max_diff(samples, ref) -> float:
 
 
 def check_routes(samples, hf, arch) -> float:
-    from moe_lora_rl.bench.route_reference import agreement, hf_routes
+    from moe_lora_rl.checks.route_reference import agreement, hf_routes
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
     for s in samples:
@@ -95,7 +95,7 @@ def check_routes(samples, hf, arch) -> float:
 
 
 def test_bad_input_is_refused_before_sending(model, tmp_path):
-    from moe_lora_rl.rl.rollout import EngineDied, RolloutEngine
+    from moe_lora_rl.rollout.client import EngineDied, RolloutEngine
 
     never_started = RolloutEngine(model, log_dir=tmp_path)         # any request would raise EngineDied
     ok = dict(seeds=[1], max_tokens=4, temperature=1.0)
@@ -120,7 +120,7 @@ def test_server_refuses_what_only_it_can_check(engine, arch):
 
 
 def test_base_logprobs_and_routes_match_hf(engine, base_run, model, arch):
-    from moe_lora_rl.bench.route_reference import merged_hf_model
+    from moe_lora_rl.checks.route_reference import merged_hf_model
 
     hf = merged_hf_model(model, None, 1.0, torch.float32)
     assert len(base_run) == 2 * GROUP and all(len(s.response) == len(s.logprobs) > 0 for s in base_run)
@@ -141,7 +141,7 @@ def test_same_seeds_same_tokens(engine, prompts, base_run):
 
 
 def test_greedy_is_hf_argmax(engine, prompts, model):
-    from moe_lora_rl.bench.route_reference import merged_hf_model
+    from moe_lora_rl.checks.route_reference import merged_hf_model
 
     hf = merged_hf_model(model, None, 1.0, torch.float32)
     out = engine.generate(prompts[::GROUP], seeds=None, max_tokens=8, temperature=0)
@@ -168,7 +168,7 @@ def test_capture_failure_fails_the_call_and_the_engine_recovers(engine, prompts,
 
 
 def test_pushed_adapter_matches_merged_hf(engine, prompts, model, arch):
-    from moe_lora_rl.bench.route_reference import merged_hf_model, random_expert_adapter
+    from moe_lora_rl.checks.route_reference import merged_hf_model, random_expert_adapter
 
     peft = random_expert_adapter(arch, RANK, seed=7)
     push_before = engine.push_s
@@ -190,7 +190,7 @@ def test_pushed_adapter_matches_merged_hf(engine, prompts, model, arch):
 
 
 def test_killed_engine_is_reported_and_restart_serves_again(engine, prompts, base_run):
-    from moe_lora_rl.rl.rollout import EngineDied
+    from moe_lora_rl.rollout.client import EngineDied
 
     pid = engine.pid
     os.kill(pid, signal.SIGKILL)

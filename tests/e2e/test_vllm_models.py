@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moe_lora_rl.models import FAMILIES, get_model
-from moe_lora_rl.testing.launch import worker_env
+from moe_lora_rl.checks.launch import worker_env
 
 pytestmark = pytest.mark.vllm
 

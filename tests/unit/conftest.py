@@ -7,7 +7,7 @@ def qwen():
     import torch.distributed as dist
 
     from moe_lora_rl.megatron.build import build_model
-    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.megatron.layout import Layout
     from moe_lora_rl.megatron.load import load_hf_weights
     from moe_lora_rl.megatron.parallel import init_distributed, teardown

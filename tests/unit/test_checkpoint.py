@@ -13,7 +13,7 @@ from torch import nn
 from moe_lora_rl.lora.config import LoRAConfig
 from moe_lora_rl.lora.layers import FactorMeta, make_factor
 from moe_lora_rl.rl import checkpoint as ck
-from moe_lora_rl.rl.ckpt_plan import Piece, plan_reads
+from moe_lora_rl.checkpoint.plan import Piece, plan_reads
 
 
 class Toy(nn.Module):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moe_lora_rl.models import FAMILIES, get_model
-from moe_lora_rl.testing.dispatch_capture import expected_rows, map_to_ids
-from moe_lora_rl.testing.forced_routes import check_routes, forced_logits, moe_gates, reference_model
+from moe_lora_rl.checks.dispatch_capture import expected_rows, map_to_ids
+from moe_lora_rl.checks.forced_routes import check_routes, forced_logits, moe_gates, reference_model
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -90,7 +90,7 @@ def test_map_to_ids():
 
 
 def test_rollout_that_does_not_fit_the_model_is_refused():
-    from moe_lora_rl.bench.replay_check import check_rollout
+    from moe_lora_rl.checks.replay import check_rollout
     from moe_lora_rl.router_replay.routes import RoutesBatch
 
     path = str(get_model("glm4_moe"))                       # MoE layers 1, 2, 3; 16 experts; top-k 4

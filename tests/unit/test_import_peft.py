@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_lora_rl.models import FAMILIES, get_model
-from moe_lora_rl.megatron.hf_reference import load_arch
+from moe_lora_rl.models.arch import load_arch
 from moe_lora_rl.refit.import_peft import from_peft_tensors
 from moe_lora_rl.refit.rename import to_peft_tensors
 

@@ -2,7 +2,7 @@
 import pytest
 
 from moe_lora_rl.rl import config
-from moe_lora_rl.rl.placement import plan_placement
+from moe_lora_rl.rollout.placement import plan_placement
 
 
 def test_same_host_uses_shared_memory():

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_rl.rl.policy import PolicyBatch
+from moe_lora_rl.policy.core import PolicyBatch
 
 
 def _batch(**kw):

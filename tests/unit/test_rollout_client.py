@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from moe_lora_rl.rl.rollout_server import Server, check_request, decode_routes, encode_routes
+from moe_lora_rl.rollout.server import Server, check_request, decode_routes, encode_routes
 
 OK = dict(prompts=[[1, 2, 3]], seeds=[7], max_tokens=4, temperature=1.0, stop_token_ids=None)
 
@@ -77,7 +77,7 @@ def test_bench_refuses_in_one_line(argv, needle):
 def test_engine_that_cannot_start_is_engine_died(tmp_path):
     import socket
 
-    from moe_lora_rl.rl.rollout import EngineDied, RolloutEngine
+    from moe_lora_rl.rollout.client import EngineDied, RolloutEngine
 
     (tmp_path / "config.json").write_text("{}")
     with socket.socket() as taken:
@@ -91,7 +91,7 @@ def test_engine_that_cannot_start_is_engine_died(tmp_path):
 def test_client_takes_integer_arrays_and_refuses_floats_before_sending(tmp_path):
     import torch
 
-    from moe_lora_rl.rl.rollout import EngineDied, RolloutEngine
+    from moe_lora_rl.rollout.client import EngineDied, RolloutEngine
 
     (tmp_path / "config.json").write_text("{}")
     never_started = RolloutEngine(tmp_path, log_dir=tmp_path)

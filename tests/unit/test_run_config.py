@@ -14,7 +14,7 @@ from moe_lora_rl.megatron.run_config import RunConfig
 
 @pytest.fixture(scope="module")
 def arch():
-    from moe_lora_rl.megatron.hf_reference import load_arch
+    from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.models import get_model
 
     return load_arch(get_model("glm4_moe"))

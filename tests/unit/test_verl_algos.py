@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("verl")
 
-from moe_lora_rl.integration.verl.algos import (GlobalBatch, PolicyLossSettings, aggregate, grpo_advantages,  # noqa: E402
+from moe_lora_rl.algos import (GlobalBatch, PolicyLossSettings, aggregate, grpo_advantages,  # noqa: E402
                                                  policy_loss, rollout_correction)
 
 TOL = dict(rtol=0, atol=1e-6)

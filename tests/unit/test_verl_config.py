@@ -182,7 +182,7 @@ REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
 
 def test_plugin_is_inert_unless_imported():
     # our other modules (algos, the vLLM plugin) import no verl and register nothing
-    _run("import sys, moe_lora_rl, moe_lora_rl.integration.verl.algos, moe_lora_rl.vllm\n"
+    _run("import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm\n"
          "assert 'verl' not in sys.modules, 'importing algos must not import verl'\n"
          "import verl\n" + REGISTRIES +
          "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"

@@ -64,7 +64,7 @@ class MoELoRAEngine(BaseEngine):
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def initialize(self):
         from ...lora.layers import adapter_factors
-        from ...megatron.from_hf import build_from_hf
+        from ...policy.model import build_from_hf
         from ...router_replay.replay import RouterReplayer
 
         self.arch, self.model = build_from_hf(self.model_config.local_path, self.layout, self.rc, lora=self.lora)
@@ -268,14 +268,14 @@ class MoELoRAEngine(BaseEngine):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def _run_meta(self) -> dict:
-        from ...rl.checkpoint import describe_run
+        from ...checkpoint.store import describe_run
 
         return describe_run(self.model_config.local_path, self.lora, self.layout)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Adapters and the AdamW state (our layout-independent checkpoint, rl/checkpoint.py) under LOCAL_PATH/step-N,
         with the adapter version; loadable at any layout. max_ckpt_to_keep: older steps under LOCAL_PATH removed."""
-        from ...rl.checkpoint import prune, save_checkpoint
+        from ...checkpoint.store import prune, save_checkpoint
 
         if hdfs_path:
             raise ValueError(f"hdfs_path={hdfs_path!r}: our engine saves to local_path only")
@@ -287,7 +287,7 @@ class MoELoRAEngine(BaseEngine):
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         """The latest step under LOCAL_PATH into the adapters and the optimizer (refused, nothing changed, if the
         model or the LoRA config differ); the adapter version continues from the saved one."""
-        from ...rl.checkpoint import load_checkpoint
+        from ...checkpoint.store import load_checkpoint
 
         state = load_checkpoint(local_path, self.model, self.optimizer, run_meta=self._run_meta())
         self.version = int(state["version"])

@@ -1,4 +1,4 @@
-"""HF transformers reference outputs (fp32, eager attention) for the same tokens Megatron sees."""
+"""HF transformers oracle (fp32, eager attention): the reference outputs for the same tokens Megatron sees."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -18,11 +18,3 @@ def hf_model(path: str):
 @torch.no_grad()
 def hf_logits(path: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     return hf_model(str(path))(input_ids=tokens).logits.float()
-
-
-def load_arch(path: str | Path):
-    import transformers
-
-    from ..models.arch import arch_from_hf_config
-
-    return arch_from_hf_config(transformers.AutoConfig.from_pretrained(path))

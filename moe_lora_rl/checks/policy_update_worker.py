@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..integration.verl.algos import PolicyLossSettings
+from ..algos import PolicyLossSettings
 from ..lora import LoRAConfig, adapter_factors, gather_adapters
 from ..lora.grad_norm import adapter_grad_norm
 from ..lora.layers import make_factor
@@ -24,7 +24,7 @@ from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import RunConfig, prepare_host
 from ..models import get_model
-from ..rl.policy import Policy, PolicyBatch
+from ..policy.core import Policy, PolicyBatch
 from ..router_replay.routes import RoutesBatch
 from ..refit.transports import _Base
 from .launch import finish_worker

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..router_replay.align import align_microbatch, real_token_mask, unalign_microbatch
-from ..router_replay.replay import RouterReplayer
-from ..router_replay.routes import RoutesBatch
+from .align import align_microbatch, real_token_mask, unalign_microbatch
+from .replay import RouterReplayer
+from .routes import RoutesBatch
 
 
 @dataclass(frozen=True)

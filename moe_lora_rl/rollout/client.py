@@ -30,7 +30,7 @@ import numpy as np
 
 from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
 from .placement import Placement
-from .rollout_server import check_request, decode_routes, engine_env
+from .server import check_request, decode_routes, engine_env
 
 
 @dataclass
@@ -155,7 +155,7 @@ class RolloutEngine:
             self.port = free_port()
         self.log_path = self.log_dir / f"rollout-engine-{self.port}.log"
         pl = self.placement
-        cmd = [*pl.launcher, sys.executable, "-m", "moe_lora_rl.rl.rollout_server", "--model", self.model_dir,
+        cmd = [*pl.launcher, sys.executable, "-m", "moe_lora_rl.rollout.server", "--model", self.model_dir,
                "--port", str(self.port), "--host", pl.bind_host, "--dtype", s["dtype"], "--serving", s["serving"],
                "--max-model-len", str(s["max_model_len"]), "--block-size", str(s["block_size"]),
                "--seed", str(s["seed"]), "--parent-pid", str(os.getpid() if pl.watch_parent else 0),

@@ -20,18 +20,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..integration.verl.algos import (GlobalBatch, PolicyLossSettings, aggregate, kl_penalty, policy_loss,
+from ..algos import (GlobalBatch, PolicyLossSettings, aggregate, kl_penalty, policy_loss,
                                       rollout_correction)
 from ..lora import LoRAConfig, adapter_factors, adapters_disabled, sync_adapter_grads
 from ..lora.grad_norm import clip_adapter_grads
 from ..megatron.forward import run_schedule
-from ..megatron.from_hf import build_from_hf
+from .model import build_from_hf
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from ..megatron.train_step import token_log_probs
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
-from .policy_routes import check_routes, disagreement, gather_recorded, queue_routes, stage_view
+from ..router_replay.staging import check_routes, disagreement, gather_recorded, queue_routes, stage_view
 
 LOGPROB_REPLAY = ("r3", "record", "off")
 UPDATE_REPLAY = ("r3", "r2", "off")      # r3: `routes` if given, else batch.routes; r2: `routes` (recorded) required

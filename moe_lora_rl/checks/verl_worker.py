@@ -55,8 +55,8 @@ def real_tokens(b) -> list[torch.Tensor]:
 
 def randomize(model, seed: int = 1, scale: float = 0.3) -> None:
     """Every factor from its global name (layout independent), scaled so log-probs stay in a realistic range."""
-    from ...lora.layers import adapter_factors, make_factor
-    from ...lora.state import group_rank_size
+    from ..lora.layers import adapter_factors, make_factor
+    from ..lora.state import group_rank_size
 
     with torch.no_grad():
         for _, p in adapter_factors(model):
@@ -86,7 +86,7 @@ def response_entropy(logits: torch.Tensor, b) -> torch.Tensor:
 
 
 def settings(mode):
-    from .algos import PolicyLossSettings
+    from ..algos import PolicyLossSettings
 
     loss_mode, agg = LOSSES[mode]
     return PolicyLossSettings(loss_mode=loss_mode, loss_agg_mode=agg)
@@ -94,20 +94,20 @@ def settings(mode):
 
 def reference(path, arch, b, adv) -> dict:
     """tp1ep1pp1 on every rank (whole batch): logprobs with/without adapters, R3 from RoutesBatch, verl losses."""
-    from ...lora.layers import adapter_factors
-    from ...megatron.forward import forward_logits
-    from ...megatron.from_hf import build_from_hf
-    from ...megatron.layout import Layout
-    from ...megatron.parallel import init_distributed
-    from ...megatron.run_config import RunConfig
-    from ...router_replay.align import align_microbatch
-    from ...router_replay.replay import Mode, RouterReplayer
-    from .algos import GlobalBatch, policy_loss
-    from .config import lora_config
-    from .routes import routes_from_verl
+    from ..lora.layers import adapter_factors
+    from ..megatron.forward import forward_logits
+    from ..policy.model import build_from_hf
+    from ..megatron.layout import Layout
+    from ..megatron.parallel import init_distributed
+    from ..megatron.run_config import RunConfig
+    from ..router_replay.align import align_microbatch
+    from ..router_replay.replay import Mode, RouterReplayer
+    from ..algos import GlobalBatch, policy_loss
+    from ..integration.verl.config import lora_config
+    from ..integration.verl.routes import routes_from_verl
 
-    from ...megatron import cpu_support
-    from ...megatron.run_config import prepare_host
+    from ..megatron import cpu_support
+    from ..megatron.run_config import prepare_host
 
     rc = RunConfig(device="cpu", dtype="fp32")
     if cpu_support.active() is None:
@@ -143,7 +143,7 @@ def reference(path, arch, b, adv) -> dict:
     for mode in LOSSES:
         out[f"loss_{mode}"] = float(policy_loss(old, out["logprobs"], adv, mask, settings(mode), gb)[0])
     # gradient of the vanilla loss (differentiable forward through the same schedule)
-    from ...megatron.forward import run_schedule
+    from ..megatron.forward import run_schedule
 
     model.train()
     grads = {}
@@ -175,7 +175,7 @@ def reference(path, arch, b, adv) -> dict:
 
 
 def response_logprobs_autograd(logits_local, seqs, b, vocab):
-    from ...megatron.forward import gather_vocab
+    from ..megatron.forward import gather_vocab
 
     logits = gather_vocab(logits_local, vocab).float()
     lp = torch.log_softmax(logits / TEMPERATURE, -1)
@@ -218,9 +218,9 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
     from verl.workers.utils.padding import no_padding_2_padding
     from functools import partial
 
-    from ...megatron.layout import Layout
-    from .algos import actor_config
-    from .config import MoELoRAEngineConfig
+    from ..megatron.layout import Layout
+    from ..algos import actor_config
+    from ..integration.verl.config import MoELoRAEngineConfig
 
     lay = Layout.parse(layout_name)
     ec = MoELoRAEngineConfig(tensor_model_parallel_size=lay.tp, expert_model_parallel_size=lay.ep,
@@ -286,7 +286,7 @@ def checkpoint_replay(w, batch, ckpt_dir) -> dict:
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
 
-    from ...lora.layers import adapter_factors
+    from ..lora.layers import adapter_factors
 
     def step():
         td = batch()
@@ -324,11 +324,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import torch.distributed as dist
 
-    from ...megatron.hf_reference import load_arch
-    from ...megatron.parallel import teardown
-    from ...testing.launch import finish_worker
-    from . import config  # noqa: F401  (registers our engine, as verl's _target_ resolution does)
-    from .algos import grpo_advantages
+    from ..models.arch import load_arch
+    from ..megatron.parallel import teardown
+    from .launch import finish_worker
+    from ..integration.verl import config  # noqa: F401  (registers our engine, as verl's _target_ resolution does)
+    from ..algos import grpo_advantages
 
     torch.manual_seed(0)
     arch = load_arch(a.model)

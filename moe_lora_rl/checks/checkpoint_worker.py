@@ -14,13 +14,13 @@ import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
 from ..lora.grad_sync import process_group
-from ..megatron.from_hf import build_from_hf
+from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.run_config import RunConfig, prepare_host
 from ..megatron.train_step import lm_train_step
 from ..models import get_model
-from ..rl.checkpoint import describe_run, load_checkpoint, rng_state, save_checkpoint
+from ..checkpoint.store import describe_run, load_checkpoint, rng_state, save_checkpoint
 from .launch import finish_worker
 
 

@@ -9,7 +9,7 @@ one request at a time:
     POST /reset_prefix_cache     -> {"success": bool}
     GET  /status                 served adapter version and mode, capture meta, engine settings
 
-    python -m moe_lora_rl.rl.rollout_server --model DIR --port P [--dtype float32] [--serving unmerged] ...
+    python -m moe_lora_rl.rollout.server --model DIR --port P [--dtype float32] [--serving unmerged] ...
 
 Logprobs are vLLM's processed logprobs: log_softmax(logits / temperature) of the sampled token (temperature 0:
 greedy, log_softmax(logits)). Routes are the worker extension's capture of each request, [prompt + response - 1,
@@ -252,7 +252,7 @@ class Server(HTTPServer):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.rl.rollout_server", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.rollout.server", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
     ap.add_argument("--port", type=int, required=True)

@@ -18,11 +18,11 @@ import torch
 
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
-from ..testing.forced_routes import reference_model
-from ..testing.launch import run_torchrun
-from .common import check_layouts, group_by_world
-from .parity import BF16_UNIT_ROUNDOFF
-from .run_args import worker_arg
+from .forced_routes import reference_model
+from .launch import run_torchrun
+from ..bench.common import check_layouts, group_by_world
+from ..bench.parity import BF16_UNIT_ROUNDOFF
+from ..bench.run_args import worker_arg
 
 # Megatron with R3 against the fp32 forced-route reference. fp32: max |logit diff|. bf16 (fidelity_max_rel): the
 # worst token's max_v |logit diff| / max_v |reference logit|, 16u (derivation: tests/distributed/test_bf16.py).
@@ -59,7 +59,7 @@ def fidelity_lengths(n: int, seq_len: int, layouts: list[Layout]) -> list[int]:
 def make_rollout(models: list[str], out: Path, n: int = 8, s: int = 64, seed: int = 3) -> None:
     import transformers
 
-    from ..testing.hf_routes import hf_rollout_routes
+    from .hf_routes import hf_rollout_routes
 
     data = {}
     for m in models:
@@ -77,7 +77,7 @@ def make_rollout_vllm(models: list[str], out: Path, n: int = 8, overhead_batches
     import subprocess
     import sys
 
-    from ..testing.launch import worker_env
+    from .launch import worker_env
 
     args = [sys.executable, "-m", "moe_lora_rl.bench.rollout_vllm_worker", "--models", ",".join(models),
             "--out", str(out / "rollout.pt"), "--n", str(n), "--overhead-batches", str(overhead_batches),
@@ -96,7 +96,7 @@ def pack_offsets(lengths: list[int], dp: int) -> list[int]:
 def check_rollout(d: dict, model: str) -> None:
     """The rollout's routes must fit the model (MoE layers, experts, top-k, one row per token): ValueError naming the
     value, before any process starts."""
-    from ..megatron.hf_reference import load_arch
+    from ..models.arch import load_arch
 
     arch = load_arch(model)
     field = d["routes"]
@@ -154,7 +154,7 @@ def _samples(field) -> list[np.ndarray]:
 def _references(hf, tokens, sets, names, lengths, dp_sizes):
     """HF forced to each named set: padded references, packed ones per data-parallel size, and per set the forced
     decisions the reference's own routers would not pick (the rollout's last row is padding: not counted)."""
-    from ..testing.forced_routes import differ_fraction, forced_logits
+    from .forced_routes import differ_fraction, forced_logits
 
     s = tokens.shape[1]
     ref, packed, differ = {}, {dp: {} for dp in dp_sizes}, {}
@@ -179,8 +179,8 @@ def _adapter_sets(m: str, d: dict, lengths, dp_sizes, dtype, g) -> dict:
     the rollout and shuffled sets, and the reference of HF with the same adapter merged forced to the rollout set.
     Returns per mode the forced decisions the adapted reference's routers would not pick, and how many of the
     rollout's decisions differ from the base model's routers' own on the same tokens (the adapter moved them)."""
-    from ..megatron.hf_reference import load_arch
-    from ..testing.forced_routes import differ_fraction, forced_logits
+    from ..models.arch import load_arch
+    from .forced_routes import differ_fraction, forced_logits
     from .route_reference import merged_hf_model, random_expert_adapter
 
     ad = d["adapter"]

@@ -18,8 +18,8 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 
 def megatron_lp(eng, seqs):
-    from ...bench.refit_vllm_worker import megatron_logprobs
-    from ...megatron.forward import forward_logits
+    from ..bench.refit_vllm_worker import megatron_logprobs
+    from ..megatron.forward import forward_logits
 
     return megatron_logprobs(seqs, forward_logits(eng.model, seqs, eng.arch.vocab_size))
 
@@ -70,14 +70,14 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import torch
 
-    from ...bench.refit_vllm_worker import make_llm, prompt_logprobs
-    from ...bench.vllm_env import set_engine_env
-    from ...refit.transports import InprocTransport
-    from .check_worker import LORA, randomize
-    from .checkpoint_engine import MoELoRACheckpointEngine
-    from .config import WORKER_EXTENSION, MoELoRAEngineConfig
-    from .engine import MoELoRAEngine
-    from .weight_sync import META, decode_meta, encode_meta
+    from ..bench.refit_vllm_worker import make_llm, prompt_logprobs
+    from ..bench.vllm_env import set_engine_env
+    from ..refit.transports import InprocTransport
+    from .verl_worker import LORA, randomize
+    from ..integration.verl.checkpoint_engine import MoELoRACheckpointEngine
+    from ..integration.verl.config import WORKER_EXTENSION, MoELoRAEngineConfig
+    from ..integration.verl.engine import MoELoRAEngine
+    from ..integration.verl.weight_sync import META, decode_meta, encode_meta
     from verl.workers.config import HFModelConfig
 
     set_engine_env()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..lora.config import LoRAConfig
 from ..lora.layers import adapter_factors
 from ..lora.state import _META_KEY, _slice_bounds, group_rank_size, is_owner, save_sharded
-from .ckpt_plan import (FORMAT, LATEST, MANIFEST, Piece, check_file, check_run_meta, plan_reads, sha256_file,
+from .plan import (FORMAT, LATEST, MANIFEST, Piece, check_file, check_run_meta, plan_reads, sha256_file,
                         step_dir_name, step_of)
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..lora.config import LoRAConfig
-from .build import build_model
-from .hf_reference import load_arch
-from .layout import Layout
-from .load import load_hf_weights
-from .run_config import RunConfig
+from ..megatron.build import build_model
+from ..models.arch import load_arch
+from ..megatron.layout import Layout
+from ..megatron.load import load_hf_weights
+from ..megatron.run_config import RunConfig
 
 
 def build_from_hf(path: str | Path, layout: Layout, rc: RunConfig | None = None, *, lora: LoRAConfig | None = None,
