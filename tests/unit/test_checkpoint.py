@@ -12,7 +12,7 @@ from torch import nn
 
 from moe_lora_rl.lora.config import LoRAConfig
 from moe_lora_rl.lora.layers import FactorMeta, make_factor
-from moe_lora_rl.rl import checkpoint as ck
+from moe_lora_rl.checkpoint import store as ck
 from moe_lora_rl.checkpoint.plan import Piece, plan_reads
 
 
