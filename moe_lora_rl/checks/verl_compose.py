@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 
-ENGINE_TARGET = "moe_lora_rl.integration.verl.config.MoELoRAEngineConfig"
+ENGINE_TARGET = "moe_lora_rl.integration.verl.plugin.MoELoRAEngineConfig"
 
 
 def our_overrides(model_path: str, *, tp=1, ep=1, etp=1, pp=1, rank=4, alpha=8, device="cuda",
                   dtype="bfloat16") -> dict:
     return {"actor_rollout_ref.actor.megatron._target_": ENGINE_TARGET,
-            "actor_rollout_ref.model.external_lib": "moe_lora_rl.integration.verl",
+            "actor_rollout_ref.model.external_lib": "moe_lora_rl.integration.verl.plugin",
             "actor_rollout_ref.model.path": model_path,
             "actor_rollout_ref.model.lora.rank": rank, "actor_rollout_ref.model.lora.alpha": alpha,
             "+actor_rollout_ref.model.lora.adapter_layout": "per_expert",

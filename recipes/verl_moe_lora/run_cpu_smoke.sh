@@ -13,7 +13,7 @@ OUT=${1:-/tmp/verl_cpu_smoke}; shift || true
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export VERL_PLATFORM=moe_lora_cpu VERL_ENGINE_DEVICE=cpu                   # our CPU platform (never auto-detected)
-export VERL_USE_EXTERNAL_MODULES=moe_lora_rl.integration.verl.platform_cpu # so every Ray worker registers it
+export VERL_USE_EXTERNAL_MODULES=moe_lora_rl.integration.verl.plugin # so every Ray worker registers it
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"

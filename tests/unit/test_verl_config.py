@@ -11,12 +11,12 @@ import pytest
 
 pytestmark = pytest.mark.verl
 
-ENGINE = "moe_lora_rl.integration.verl.config.MoELoRAEngineConfig"
+ENGINE = "moe_lora_rl.integration.verl.plugin.MoELoRAEngineConfig"
 
 
 def overrides(path, **extra):
     ov = {"actor_rollout_ref.actor.megatron._target_": ENGINE,
-          "actor_rollout_ref.model.external_lib": "moe_lora_rl.integration.verl",
+          "actor_rollout_ref.model.external_lib": "moe_lora_rl.integration.verl.plugin",
           "actor_rollout_ref.model.path": path,
           "actor_rollout_ref.model.lora.rank": 4,
           "+actor_rollout_ref.model.lora.adapter_layout": "per_expert",
@@ -114,7 +114,7 @@ def test_vllm_engine_args_through_replica_hooks(compose):
     ({"+actor_rollout_ref.model.lora.adapter_layuot": "shared"},
      r"actor_rollout_ref.model.lora.adapter_layuot='shared' is not a key we read"),
     ({"actor_rollout_ref.model.external_lib": None},
-     r"actor_rollout_ref.model.external_lib=None: set it to moe_lora_rl.integration.verl"),
+     r"actor_rollout_ref.model.external_lib=None: set it to moe_lora_rl.integration.verl.plugin"),
     ({"+actor_rollout_ref.model.lora.fully_sharded_loras": True},
      r"actor_rollout_ref.model.lora.fully_sharded_loras=True conflicts"),
     ({"actor_rollout_ref.model.lora.merge": True}, r"actor_rollout_ref.model.lora.merge=True conflicts"),
@@ -169,9 +169,9 @@ def test_routes_from_verl_layer_indexing():
     assert not (a.samples[0] == full[:5, [0, 1]].numpy()).all()               # the dense layer's rows are not used
 
 
-def _run(code):
+def _run(code, **env):
     out = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True, timeout=300,
-                         env=os.environ | {"PYTHONWARNINGS": "ignore"})
+                         env=os.environ | {"PYTHONWARNINGS": "ignore"} | env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
@@ -182,21 +182,35 @@ REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
 
 def test_plugin_is_inert_unless_imported():
     # our other modules (algos, the vLLM plugin) import no verl and register nothing
-    _run("import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm\n"
-         "assert 'verl' not in sys.modules, 'importing algos must not import verl'\n"
+    _run("import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm, moe_lora_rl.integration.verl\n"
+         "assert 'verl' not in sys.modules, 'importing algos or the integration package must not import verl'\n"
          "import verl\n" + REGISTRIES +
          "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"
-         "import moe_lora_rl.integration.verl.config\n"          # what the engine _target_ resolves
-         "assert ours()\n")
+         # no module but plugin.py registers at import: every other module of the override is imported here
+         "import moe_lora_rl.integration.verl.config, moe_lora_rl.integration.verl.engine\n"
+         "import moe_lora_rl.integration.verl.platform_cpu, moe_lora_rl.integration.verl.checkpoint_engine\n"
+         "import moe_lora_rl.integration.verl.replica, moe_lora_rl.integration.verl.task_runner\n"
+         "from verl.checkpoint_engine.base import CheckpointEngineRegistry\n"
+         "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"
+         "assert 'moe_lora' not in CheckpointEngineRegistry._registry\n"
+         "from hydra.utils import get_class\n"
+         "cls = get_class('" + ENGINE + "')\n"        # what verl does with the engine _target_
+         "assert ours() and PlatformRegistry.get('moe_lora_cpu') is not None\n"
+         "assert 'moe_lora' in CheckpointEngineRegistry._registry\n"
+         "from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig\n"
+         "assert cls is MoELoRAEngineConfig\n")
     # verl imports the package as external_lib: registered; the CPU platform is never auto-detected
     _run("import verl\n" + REGISTRIES +
          "assert not ours()\n"
          "from verl.utils.import_utils import import_external_libs\n"
-         "import_external_libs('moe_lora_rl.integration.verl')\n"
+         "import_external_libs('moe_lora_rl.integration.verl.plugin')\n"
          "assert ours()\n"
          "assert not PlatformRegistry.get('moe_lora_cpu')().is_platform_available(use_smi_check=True)\n"
          "from verl.plugin.platform.platform_manager import _detect_platform_name\n"
          "assert _detect_platform_name() != 'moe_lora_cpu'\n")
+    # Ray workers on the CPU platform: verl imports the plugin while verl itself is imported
+    _run("import verl\n" + REGISTRIES + "assert ours() and PlatformRegistry.get('moe_lora_cpu') is not None\n",
+         VERL_USE_EXTERNAL_MODULES="moe_lora_rl.integration.verl.plugin")
 
 
 def test_task_runner_swaps_the_worker_only_on_the_cpu_platform(compose, monkeypatch):

@@ -1,13 +1,7 @@
-"""veRL integration: the only package that imports verl.
+"""veRL integration: the only package that imports verl (besides `moe_lora_rl.algos`, verl's pure functions).
 
-Our engine, rollout replica and CPU platform are registered with verl's registries (plugin.register) when verl
-imports this package as `actor_rollout_ref.model.external_lib=moe_lora_rl.integration.verl` (verl is loaded by
-then), and when verl resolves our engine config (`actor.megatron._target_`, module config.py). Imported without
-verl loaded (e.g. for `algos`), it registers nothing and does not import verl.
+Importing this package registers nothing and imports no verl. verl loads `plugin.py`, the one composition root, by
+the names our recipe sets (`model.external_lib`, the engine config's `_target_`, the checkpoint engine's
+`custom_backend_module`, and `VERL_USE_EXTERNAL_MODULES` for Ray workers on the CPU platform); importing it registers
+our engine, replica, checkpoint-engine backend and CPU platform with verl's registries.
 """
-import sys
-
-if "verl" in sys.modules:
-    from .plugin import register
-
-    register()

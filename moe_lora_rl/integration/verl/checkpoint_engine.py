@@ -6,14 +6,14 @@ adapter stream (weight_sync.py) into each rollout server's worker extension as o
 
 verl's own backends drop peft_config here, so adapters never reach the engine; this one needs no peft_config (the
 header says version, checksum, rank and alpha). Select it with rollout.checkpoint_engine.backend=moe_lora and
-rollout.checkpoint_engine.custom_backend_module=moe_lora_rl.integration.verl; the server URLs come from
+rollout.checkpoint_engine.custom_backend_module=moe_lora_rl.integration.verl.plugin; the server URLs come from
 rollout.checkpoint_engine.engine_kwargs.moe_lora.server_urls (or are set by the caller as `transports`).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+from verl.checkpoint_engine.base import CheckpointEngine
 
 from .weight_sync import META, decode_meta
 
@@ -50,7 +50,6 @@ def read_stream(weights) -> tuple[dict, dict]:
     return meta, tensors
 
 
-@CheckpointEngineRegistry.register(BACKEND)
 class MoELoRACheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, **_: Any):
         from ...refit.transports import HttpTransport

@@ -1,7 +1,7 @@
 """What our overrides read from verl's config, and the start-up checks that refuse conflicting options.
 
-    actor_rollout_ref.actor.megatron._target_=moe_lora_rl.integration.verl.config.MoELoRAEngineConfig
-    actor_rollout_ref.model.external_lib=moe_lora_rl.integration.verl
+    actor_rollout_ref.actor.megatron._target_=moe_lora_rl.integration.verl.plugin.MoELoRAEngineConfig
+    actor_rollout_ref.model.external_lib=moe_lora_rl.integration.verl.plugin
     actor_rollout_ref.model.lora.{rank,alpha,dropout,targets,adapter_layout}
     actor_rollout_ref.rollout.name=moe_lora_vllm
 
@@ -24,7 +24,8 @@ from ...megatron.run_config import RunConfig
 BACKEND = "moe_lora"
 REPLICA = "moe_lora_vllm"
 PACKAGE = "moe_lora_rl.integration.verl"
-ENGINE_TARGET = f"{PACKAGE}.config.MoELoRAEngineConfig"
+PLUGIN = f"{PACKAGE}.plugin"                 # the composition root: verl imports it, it registers
+ENGINE_TARGET = f"{PLUGIN}.MoELoRAEngineConfig"
 SUPPORTED_VERL = ("0.9",)
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 LORA = "actor_rollout_ref.model.lora"
@@ -128,8 +129,8 @@ def check_config(cfg) -> None:
         raise ValueError(f"actor_rollout_ref.actor.megatron._target_={target!r}: set it to {ENGINE_TARGET}")
     ext = _get(model, "external_lib")
     libs = [ext] if isinstance(ext, str) else list(ext or [])
-    if PACKAGE not in libs:
-        raise ValueError(f"actor_rollout_ref.model.external_lib={ext!r}: set it to {PACKAGE} (it registers our "
+    if PLUGIN not in libs:
+        raise ValueError(f"actor_rollout_ref.model.external_lib={ext!r}: set it to {PLUGIN} (it registers our "
                          "engine and rollout in verl's workers)")
     lora_config(_get(model, "lora"))
     if _get(model, "lora_rank", 0):
@@ -170,10 +171,3 @@ def check_rollout(rollout, router_replay=None) -> None:
     if mode == "R3" and not replay:
         raise ValueError("actor_rollout_ref.actor.megatron.router_replay.mode='R3' needs "
                          "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (got False)")
-
-
-# Resolving this module (verl instantiates our engine config by its _target_) registers our names with verl, so a
-# process that imported this package before verl (when external_lib's import is a no-op) still has them.
-from .plugin import register as _register  # noqa: E402
-
-_register()

@@ -1,4 +1,4 @@
-"""A CPU platform for verl (gloo, no accelerator), registered as "moe_lora_cpu" and used only when selected with
+"""A CPU platform for verl (gloo, no accelerator), registered as "moe_lora_cpu" (by plugin.py) and used only when selected with
 VERL_PLATFORM=moe_lora_cpu (pair it with VERL_ENGINE_DEVICE=cpu): its availability probe answers False, so verl's
 auto-detection never picks it. verl then makes tensors on "cpu", creates "cpu:gloo" groups, and its memory metrics
 read 0."""
@@ -9,7 +9,6 @@ import types
 
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
-from verl.plugin.platform.platform_manager import PlatformRegistry
 
 NAME = "moe_lora_cpu"
 
@@ -32,7 +31,6 @@ CPU_DEVICE = types.SimpleNamespace(
     get_device_name=lambda *_a: "CPU")      # verl's flops counter: the name it uses for torch.cpu itself
 
 
-@PlatformRegistry.register(platform=NAME)
 class CPUPlatform(PlatformBase):
     @property
     def device_name(self) -> str:
