@@ -1,0 +1,152 @@
+"""The package layout stays as designed: every import of moe_lora_rl's own modules (module level and inside functions,
+read with `ast`, nothing imported) goes in an allowed direction, the packages form no cycle, and the upstream
+libraries are imported only where the layout says (verl: the integration, the algorithms leaf and the checks' verl
+harness; megatron-core: never by the vLLM plugin)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import moe_lora_rl
+
+ROOT = Path(moe_lora_rl.__file__).parent
+
+# package -> the packages of ours it may import (besides itself). A package is a top-level module or folder of
+# moe_lora_rl; integration/verl counts as "integration".
+ALLOWED = {
+    "procs": set(),
+    "models": set(),
+    "algos": set(),                                                # verl's pure functions, nothing of ours
+    "plan": {"refit"},
+    "megatron": {"models"},
+    "lora": {"megatron", "models"},
+    "router_replay": {"megatron", "models"},
+    "refit": {"lora", "models", "procs"},
+    "vllm": {"models", "procs", "refit", "router_replay"},
+    "checkpoint": {"lora", "megatron", "models"},
+    "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay"},
+    "rollout": {"models", "procs", "refit", "router_replay", "vllm"},
+    "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
+                    "procs"},
+    "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
+    "train": {"rl"},
+    "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
+               "rollout", "router_replay", "vllm"},
+    "bench": {"algos", "checkpoint", "checks", "integration", "lora", "megatron", "models", "plan", "policy",
+              "procs", "refit", "rl", "rollout", "router_replay", "vllm"},
+}
+# third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
+CONFINED = {
+    "verl": {"integration", "algos", "checks.verl_worker", "checks.verl_refit", "checks.verl_compose"},
+}
+FORBIDDEN = {"vllm": {"megatron"}, "lora": {"verl"}, "refit": {"verl"}, "router_replay": {"verl"}}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """(imported module, line) for every import in the file, relative imports resolved."""
+    mod = _module_name(path)
+    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.module is None or target == "moe_lora_rl":    # `from . import x`: x may be a module
+                for a in node.names:
+                    yield f"{target}.{a.name}", node.lineno
+            else:
+                yield target, node.lineno
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _edges():
+    for path in sorted(ROOT.rglob("*.py")):
+        mod = _module_name(path)
+        for target, line in _imports(path):
+            yield mod, target, f"{path.relative_to(ROOT.parent)}:{line}"
+
+
+def test_every_package_is_in_the_table():
+    found = {_package(_module_name(p)) for p in ROOT.rglob("*.py")} - {""}
+    assert found == set(ALLOWED), f"packages not in ALLOWED: {found - set(ALLOWED)}; gone: {set(ALLOWED) - found}"
+
+
+def test_imports_between_our_packages_go_the_allowed_way():
+    bad = []
+    for mod, target, where in _edges():
+        if not target.startswith("moe_lora_rl.") or target == "moe_lora_rl":
+            continue
+        a, b = _package(mod), _package(target)
+        if a and a != b and b not in ALLOWED[a]:
+            bad.append(f"{where}: {a} -> {b} ({target})")
+    assert not bad, "imports against the layout:\n" + "\n".join(bad)
+
+
+def test_no_cycle_between_packages():
+    graph = {p: set() for p in ALLOWED}
+    for mod, target, _ in _edges():
+        if target.startswith("moe_lora_rl."):
+            a, b = _package(mod), _package(target)
+            if a and b and a != b:
+                graph[a].add(b)
+    # Tarjan-free check: a package that reaches itself through others is on a cycle
+    cycles = []
+    for start in graph:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            n = stack.pop()
+            if n == start:
+                cycles.append(start)
+                break
+            if n not in seen:
+                seen.add(n)
+                stack.extend(graph.get(n, ()))
+    assert not cycles, f"packages on an import cycle: {sorted(cycles)} (graph: {graph})"
+
+
+@pytest.mark.parametrize("library", sorted(CONFINED))
+def test_upstream_library_confined(library):
+    allowed = CONFINED[library]
+    bad = []
+    for mod, target, where in _edges():
+        if target == library or target.startswith(library + "."):
+            short = mod.removeprefix("moe_lora_rl.")
+            if not any(short == a or short.startswith(a + ".") for a in allowed):
+                bad.append(f"{where}: {mod} imports {target}")
+    assert not bad, f"{library} imported outside {sorted(allowed)}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_forbidden_upstream_imports(package):
+    bad = [f"{where}: {target}" for mod, target, where in _edges() if _package(mod) == package
+           and any(target == lib or target.startswith(lib + ".") for lib in FORBIDDEN[package])]
+    assert not bad, f"{package} must not import {sorted(FORBIDDEN[package])}:\n" + "\n".join(bad)
+
+
+def test_the_walker_sees_a_wrong_way_import(tmp_path, monkeypatch):
+    """Control: a module of `lora` importing `rl` inside a function is found (the test can fail)."""
+    pkg = tmp_path / "moe_lora_rl"
+    (pkg / "lora").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "lora" / "__init__.py").write_text("")
+    (pkg / "lora" / "x.py").write_text("def f():\n    from ..rl import run\n    import verl\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    edges = list(_edges())
+    assert ("moe_lora_rl.lora.x", "moe_lora_rl.rl") in [(m, t) for m, t, _ in edges]
+    assert ("moe_lora_rl.lora.x", "verl") in [(m, t) for m, t, _ in edges]
