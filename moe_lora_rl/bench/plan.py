@@ -2,8 +2,8 @@
 
     python -m moe_lora_rl.bench plan --json [--model DIR] [--calibration-batch 4] [--predicted-batch 16]
 
-There is no RL main job yet, so the step predicted and measured is a synchronous rollout + update step of the
-project's modules on one CPU: vLLM CPU generation of a batch (bf16, the whole batch in flight) followed by one
+The step predicted and measured is the shape of the main job's synchronous step, its two sides timed apart so that
+each of the planner's inputs is checked on its own, on one CPU: vLLM CPU generation of a batch (bf16, the whole batch in flight) followed by one
 Megatron LoRA training step on the same batch (fwd + bwd + adapter grad sync + AdamW, microbatch 1). Refit is
 left out of both sides (measured by `bench refit`).
 
@@ -122,7 +122,7 @@ def run(model: str, b1: int, b2: int, prompt_len: int, response_len: int, rank: 
     result = {k: out["cpu_s"][k] for k in ("predicted_steps_per_min", "measured_steps_per_min", "error",
                                            "calibration_batch", "predicted_batch")}
     result.update({"timer": "process CPU seconds (single-threaded workers)", "target": 0.25,
-                   "what": "synchronous rollout (vLLM CPU, bf16) + Megatron LoRA update step; no RL main job yet",
+                   "what": "synchronous rollout (vLLM CPU, bf16) + Megatron LoRA update step, timed apart",
                    "model": model, "prompt_len": prompt_len, "response_len": response_len, "rank": rank,
                    "predicted": out["cpu_s"]["predicted"], "measured": out["cpu_s"]["measured"],
                    "calibration": out["cpu_s"]["calibration"], "hardware": out["cpu_s"]["hardware"],

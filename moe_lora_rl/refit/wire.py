@@ -1,5 +1,5 @@
-"""The refit wire format, shared by the trainer side (refit/) and the vLLM plugin (vllm/) so that neither imports
-the other (pure: torch, zlib, safetensors).
+"""The refit wire format, shared by the trainer side (refit/) and the vLLM plugin (vllm/, which imports it from here;
+refit/ never imports vllm/), pure: torch, zlib, safetensors.
 
     checksum    CRC-32 per tensor over name, dtype, shape and bytes; the adapter's digest chains the per-tensor
                 values in name order, so senders that each hold part of the adapter can compute it together
