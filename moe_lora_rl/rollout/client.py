@@ -1,4 +1,4 @@
-"""The rollout engine client: starts the engine process (rl/rollout_server.py) on a free loopback port with its own
+"""The rollout engine client: starts the engine process (rollout/server.py) on a free loopback port with its own
 log file, generates samples with per-token logprobs and captured routes, exposes a ShmTransport for adapter pushes,
 and knows when the process died.
 
@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
+from .engine import engine_env
 from .placement import Placement
-from .server import check_request, decode_routes, engine_env
+from .protocol import check_request, decode_routes
 
 
 @dataclass

@@ -21,7 +21,6 @@ The server exits when its parent process is gone.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
@@ -29,76 +28,25 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-EXT = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
-
-
-def engine_env(threads: int | None) -> dict:
-    """Environment of the engine process (set before vLLM/torch are imported). OMP_WAIT_POLICY=PASSIVE: OpenMP
-    threads sleep as soon as a parallel region ends instead of spinning, so an idle engine takes no CPU from the
-    trainer sharing the cores."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",       # engine core in this process: collective_rpc by reference
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def encode_routes(arr) -> dict:
-    import numpy as np
-
-    arr = np.ascontiguousarray(arr)
-    return {"b64": base64.b64encode(arr.tobytes()).decode(), "dtype": str(arr.dtype), "shape": list(arr.shape)}
-
-
-def decode_routes(d: dict | None):
-    import numpy as np
-
-    if d is None:
-        return None
-    return np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
-
-
-def check_request(prompts, seeds, max_tokens, temperature, stop_token_ids) -> None:
-    """The checks of a generate call (client and server side): ValueError naming the bad value."""
-    if not isinstance(prompts, list) or not prompts:
-        raise ValueError(f"prompts must be a non-empty list of token id lists, got {prompts!r:.80}")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, list) or not p:
-            raise ValueError(f"prompts[{i}] is empty or not a list of token ids: {p!r:.80}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
-            raise ValueError(f"prompts[{i}] has a token id that is not a non-negative int: {p!r:.80}")
-    if seeds is not None:
-        if not isinstance(seeds, list) or len(seeds) != len(prompts):
-            raise ValueError(f"seeds must be one int per prompt ({len(prompts)}), got "
-                             f"{len(seeds) if isinstance(seeds, list) else type(seeds).__name__}: {seeds!r:.80}")
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-            raise ValueError(f"seeds must be ints, got {seeds!r:.80}")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (0 <= temperature < 1e4):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if stop_token_ids is not None and (not isinstance(stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r:.80}")
+from .engine import make_engine, set_engine_env
+from .generate import captured_generate, start_capture
+from .protocol import check_request, encode_routes
 
 
 class Engine:
     """The vLLM engine and what the endpoints do with it."""
 
     def __init__(self, a):
-        from vllm import LLM
-
         self.args = a
-        self.llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True, seed=a.seed,
-                       block_size=a.block_size, enable_prefix_caching=a.prefix_caching, worker_extension_cls=EXT,
-                       logprobs_mode="processed_logprobs", additional_config={"moe_lora_serving": a.serving},
-                       # a prompt is never split over engine steps: vLLM's sampler rewinds a seeded request's
-                       # generator after a partial prefill (Generator.set_offset), which CPU generators refuse
-                       enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
+        self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
+                               prefix_caching=a.prefix_caching, serving=a.serving, block_size=a.block_size,
+                               logprobs_mode="processed_logprobs",
+                               # a prompt is never split over engine steps: vLLM's sampler rewinds a seeded
+                               # request's generator after a partial prefill (Generator.set_offset), which CPU
+                               # generators refuse
+                               enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
-        self.meta = self.rpc("moe_lora_capture_start")[0] if a.capture else None
+        self.meta = start_capture(self.llm) if a.capture else None
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
         self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
@@ -110,7 +58,7 @@ class Engine:
     def status(self) -> dict:
         a = self.args
         if self.meta is not None:
-            self.meta = self.rpc("moe_lora_capture_start")[0]     # already running: its current counters
+            self.meta = start_capture(self.llm)                  # already running: its current counters
         return {**self.rpc("moe_lora_status")[0], "pid": os.getpid(), "model": a.model, "dtype": a.dtype,
                 "prefix_caching": a.prefix_caching, "capture": self.meta, "max_model_len": a.max_model_len,
                 "block_size": a.block_size, "vocab_size": self.vocab}
@@ -134,34 +82,11 @@ class Engine:
         if self.args.prefix_caching:
             self.llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        gens = captured_generate(self.llm, prompts, params, self.meta)
         gen_s = time.perf_counter() - t0
-        routes = {}
-        if self.meta is not None:
-            try:
-                routes = self.rpc("moe_lora_capture_pop", ([o.request_id for o in outs],))[0]
-            except Exception as e:
-                # an engine failure, not bad input: drop whatever this call left in the capture store, then report
-                self.rpc("moe_lora_capture_stop")
-                self.meta = self.rpc("moe_lora_capture_start")[0]
-                raise RuntimeError(f"routing capture: {e}") from e
-        samples = []
-        for p, o in zip(prompts, outs):
-            c = o.outputs[0]
-            resp = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(resp, c.logprobs or [])]
-            if len(lps) != len(resp):
-                raise RuntimeError(f"request {o.request_id}: {len(lps)} logprobs for {len(resp)} response tokens")
-            r = None
-            if self.meta is not None:
-                r = routes[o.request_id]
-                want = (len(p) + len(resp) - 1, len(self.meta["layer_ids"]), self.meta["topk"])
-                if tuple(r.shape) != want:
-                    raise RuntimeError(f"incomplete routes for request {o.request_id}: shape {tuple(r.shape)}, "
-                                       f"expected {want}")
-                r = encode_routes(r)
-            samples.append({"response": resp, "logprobs": lps, "finish_reason": str(c.finish_reason), "routes": r})
-        return {"samples": samples, "generate_s": gen_s}
+        return {"samples": [{"response": g.response, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
+                             "routes": None if g.routes is None else encode_routes(g.routes)} for g in gens],
+                "generate_s": gen_s}
 
 
 def make_handler():
@@ -280,7 +205,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    os.environ.update(engine_env(a.threads))
+    set_engine_env(a.threads)
     # the port first: a port in use fails in a second, not after the engine was built; health checks wait in the
     # listen queue until the engine is up
     server = Server((a.host, a.port), make_handler(), a.parent_pid)

@@ -7,6 +7,9 @@ after checking the vLLM version it was written for (compat.check_vllm_version): 
 with that error and vLLM stays untouched. This package imports nothing from Megatron.
 """
 
+# the one spelling of the extension's class path (engines are built by moe_lora_rl.rollout.engine.make_engine)
+WORKER_EXTENSION = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
+
 
 def register() -> None:
     """Deliberately empty: see the module docstring."""

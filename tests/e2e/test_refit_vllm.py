@@ -71,7 +71,7 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
 def test_server_process_push_over_http(trained, tmp_path):
     from moe_lora_rl.refit.rename import to_peft_tensors
     from moe_lora_rl.models.arch import load_arch
-    from moe_lora_rl.refit.server import prompt_logprobs_http, start_server
+    from moe_lora_rl.rollout.openai_server import prompt_logprobs_http, start_server
     from moe_lora_rl.refit import shm
     from moe_lora_rl.refit.transports import HttpTransport, RefitError, ShmTransport
     from moe_lora_rl.refit.wire import encode_blob

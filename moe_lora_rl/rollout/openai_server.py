@@ -1,5 +1,6 @@
-"""Start a vLLM OpenAI server as a separate process with the moe_lora_rl worker extension (disaggregated / async
-modes), and stop it. Dev endpoints (/collective_rpc) are enabled for the refit pushes; bound to loopback."""
+"""vLLM's own OpenAI server as a separate process with our worker extension, bound to loopback, with vLLM's dev
+endpoints on: refit's HttpTransport pushes adapters to its /collective_rpc. start_server() waits until it is
+healthy; ServerHandle.stop() ends it."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-EXT = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
+from ..vllm import WORKER_EXTENSION
 
 
 @dataclass
@@ -36,7 +37,7 @@ def start_server(model: str, port: int, *, dtype: str = "float32", log_dir: str 
     log = Path(log_dir) / f"vllm-server-{port}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-model-len", "512", "--enforce-eager",
-           "--no-enable-prefix-caching", "--served-model-name", "policy", "--worker-extension-cls", EXT,
+           "--no-enable-prefix-caching", "--served-model-name", "policy", "--worker-extension-cls", WORKER_EXTENSION,
            *(extra or [])]
     # cwd: a folder without a package named like ours, so the plugin is not shadowed
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=Path(log_dir))
