@@ -194,12 +194,14 @@ class GRPORun:
                                  kl_coef=a.kl_coef, rollout_is=None if a.rollout_is == "off" else a.rollout_is,
                                  rollout_is_threshold=a.rollout_is_threshold)
         self.busy["train"] += time.perf_counter() - t0
-        pushed = self.push()
+        skipped = upd.pop("skipped")            # a non-finite grad norm: no step, the version unchanged
+        pushed = 0 if skipped else self.push()  # the engine already serves this version
         diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
                                 unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement)
         resp_len = sum(len(s.response) for s in samples) / len(samples)
         return {"reward": sum(rewards) / len(rewards), "response_len": resp_len, **upd, **diag,
-                "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples)}
+                "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples),
+                **({"skipped": True} if skipped else {})}
 
     def push(self) -> int:
         """LoRA-only refit of the current version (collective); the bytes sent, on every rank."""

@@ -1,17 +1,18 @@
-"""Our training engine behind verl's BaseEngine contract (selected by strategy "moe_lora"):
+"""Our training engine behind verl's BaseEngine contract (selected by strategy "moe_lora"): a thin adapter between
+verl's engine contract and the training core the main job also calls (policy/training.py's TrainingCore).
 
     verl TensorDict (nested input_ids / loss_mask, optional routed_experts)
       -> verl's micro-batching (prepare_micro_batches) -> right-padded [b, S] microbatches (one shape for the PP p2p)
-      -> [R3: verl routes -> RoutesBatch -> align_microbatch -> each router's replay queue]
-      -> our Megatron model (build_from_hf + expert LoRA) through megatron's schedule
+      -> [R3: verl routes -> one RoutesBatch, padding rows without routes] -> TrainingCore.run (queues the routes per
+         microbatch, runs megatron's schedule, checks they were consumed, always leaves the replayer empty)
       -> per-token log_probs as verl's nested [bsz, j] (row t = log p(token t+1)) -> verl's loss_function
       -> verl's postprocess_batch_func (loss list, metrics, model_output in the original sample order)
 
-The reference policy is the same model with the adapters disabled (disable_adapter). Only adapter factors train.
+The reference policy is the same model with the adapters disabled (disable_adapter). Only adapter factors train;
+optimizer_step is TrainingCore.step (its non-finite rule: a non-finite norm skips the step and is returned).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -20,8 +21,9 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from ...megatron.forward import gather_vocab, run_schedule
-from ...megatron.train_step import token_log_probs
+from ...megatron.forward import gather_vocab
+from ...policy.logprobs import label_logprobs, padded_len, scaled_logits
+from ...router_replay.routes import RoutesBatch
 from .config import MoELoRAEngineConfig, check_verl_version, lora_config
 from .routes import routes_from_verl
 
@@ -56,24 +58,32 @@ class MoELoRAEngine(BaseEngine):
         if self.rc.device == "cpu" and cpu_support.active() is None:
             prepare_host(self.rc)                      # once per process (megatron-core's CPU support)
         init_distributed(self.layout, self.rc)
-        self.model = self.arch = self.optimizer = self.replayer = None
+        self.core = None
         self.mode = None
-        self.version = 0
         self.base_sync_done = False
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def initialize(self):
-        from ...lora.layers import adapter_factors
-        from ...policy.model import build_from_hf
-        from ...router_replay.replay import RouterReplayer
+        from ...policy.training import TrainingCore
 
-        self.arch, self.model = build_from_hf(self.model_config.local_path, self.layout, self.rc, lora=self.lora)
-        params = [p for _, p in adapter_factors(self.model)]
         oc = self.optimizer_config
-        self.optimizer = None if self.engine_config.forward_only or oc is None else torch.optim.AdamW(
-            params, lr=oc.lr, weight_decay=oc.weight_decay, betas=tuple(oc.betas))
-        if self.engine_config.router_replay.mode == "R3":
-            self.replayer = RouterReplayer(self.model)
+        adamw = None if self.engine_config.forward_only or oc is None else dict(
+            lr=oc.lr, weight_decay=oc.weight_decay, betas=tuple(oc.betas))
+        self.core = TrainingCore(self.model_config.local_path, self.layout, self.rc, self.lora, adamw=adamw)
+
+    # the core's state, under the names verl's callers and our weight sync use (None before initialize)
+    model = property(lambda self: self.core and self.core.model)
+    arch = property(lambda self: self.core and self.core.arch)
+    optimizer = property(lambda self: self.core and self.core.optimizer)
+    replayer = property(lambda self: self.core and self.core.replayer)
+
+    @property
+    def version(self) -> int:
+        return self.core.version if self.core is not None else 0
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.core.version = int(v)
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -92,20 +102,9 @@ class MoELoRAEngine(BaseEngine):
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         super().to(device, model, optimizer, grad)       # the model stays where it was built
 
-    @contextlib.contextmanager
     def disable_adapter(self):
         """The reference policy: every adapter's contribution scaled by 0 (exactly the base model's output)."""
-        from ...lora.layers import LoRAAdapter
-
-        adapters = [m for m in self.model.modules() if isinstance(m, LoRAAdapter)]
-        scales = [a.scale for a in adapters]
-        try:
-            for a in adapters:
-                a.scale = 0.0
-            yield
-        finally:
-            for a, s in zip(adapters, scales):
-                a.scale = s
+        return self.core.adapters(False)
 
     # -- parallel info ---------------------------------------------------------------------------------------------
     def get_data_parallel_rank(self):
@@ -130,42 +129,15 @@ class MoELoRAEngine(BaseEngine):
 
     # -- optimizer -------------------------------------------------------------------------------------------------
     def optimizer_zero_grad(self):
-        from ...lora.layers import adapter_factors
-
-        for _, p in adapter_factors(self.model):
-            p.grad = None
+        self.core.zero_grad()
 
     def optimizer_step(self):
-        """Adapter grads summed over the groups their sharding names, then divided by the data-parallel size (verl's
-        losses are scaled by it, as for megatron's DP-averaging DDP); the global norm counts each unique shard once
-        (sum of squares over the owners, summed over the world); clipped to optim.clip_grad."""
-        import torch.distributed as dist
-
-        from ...lora.grad_sync import sync_adapter_grads
-        from ...lora.layers import adapter_factors
-        from ...lora.state import is_owner
-
-        sync_adapter_grads(self.model)
-        params = [p for _, p in adapter_factors(self.model)]
-        dp = self.get_data_parallel_size()
-        if dp > 1:                  # verl scales each rank's loss by dp_size (for DP-averaging DDP); we sum
-            for p in params:
-                p.grad.div_(dp)
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            if is_owner(p.lora_meta):
-                sq += p.grad.double().pow(2).sum().cpu()
-        dist.all_reduce(sq)
-        norm = float(sq.sqrt())
-        clip = getattr(self.optimizer_config, "clip_grad", None)
-        if clip and norm > clip:
-            for p in params:
-                p.grad.mul_(clip / (norm + 1e-6))
-        if not torch.isfinite(torch.tensor(norm)):
-            return norm
-        self.optimizer.step()
-        self.version += 1
-        return norm
+        """TrainingCore.step: adapter grads summed over the groups their sharding names, then divided by the
+        data-parallel size (verl's losses are scaled by it, as for megatron's DP-averaging DDP); the global norm
+        counts each unique shard once; clipped to optim.clip_grad. Returns the norm before clipping (verl's
+        contract); a non-finite norm skips the step (grads dropped, version unchanged, core.last_step.skipped)."""
+        clip = getattr(self.optimizer_config, "clip_grad", None) or 0.0
+        return self.core.step(float(clip), grad_divisor=self.get_data_parallel_size()).grad_norm
 
     def lr_scheduler_step(self):
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else None
@@ -182,10 +154,6 @@ class MoELoRAEngine(BaseEngine):
 
     def forward_backward_batch(self, data, loss_function: Callable | None, forward_only=False):
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from ...router_replay.align import align_microbatch
-        from ...router_replay.replay import Mode
 
         loss_mask = data["loss_mask"]
         n_tok = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(torch.int64)
@@ -194,28 +162,25 @@ class MoELoRAEngine(BaseEngine):
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
                                                        same_micro_num_in_dp=True)
         n_micro = len(micro_batches)
-        replay = self.replayer is not None and tu.get_non_tensor_data(data, "enable_routing_replay", False)
+        replay = self.engine_config.router_replay.mode == "R3" and \
+            tu.get_non_tensor_data(data, "enable_routing_replay", False)
         lengths = [[int(n) for n in mb["input_ids"].offsets().diff().tolist()] for mb in micro_batches]
-        tp = ps.get_tensor_model_parallel_world_size()
-        s = max(max(l) for l in lengths)
-        s = -(-s // tp) * tp                               # sequence parallelism splits S over TP
+        s = padded_len(max(max(l) for l in lengths), self.core.view)     # sequence parallelism splits S over TP
         b = max(len(l) for l in lengths)
-        packed = []
+        packed, samples, rows, route_lengths, routes = [], [], [], [], None
         for mb, lens in zip(micro_batches, lengths):
             tu.assign_non_tensor(mb, num_micro_batch=n_micro)
             tokens = torch.zeros(b, s, dtype=torch.long)
             for i, seq in enumerate(mb["input_ids"].unbind()):
                 tokens[i, : lens[i]] = seq.cpu()
             packed.append({"tokens": tokens, "mb": mb, "lengths": lens})
-            if replay:
+            if replay:                  # one RoutesBatch over every microbatch; padding rows: no routes (spread)
                 routes = self._verl_routes(mb, lens)
-                routes.samples += [routes.samples[0][:0]] * (b - len(lens))       # padding rows: spread routes
-                self.replayer.queue_microbatch(align_microbatch(
-                    routes, list(range(b)), padded_len=s, stage_layers=self.replayer.layer_ids,
-                    tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                    sequence_parallel=self.model.config.sequence_parallel))
-        if self.replayer is not None:
-            self.replayer.set_mode(Mode.REPLAY if replay else Mode.DISABLED)
+                rows.append(list(range(len(samples), len(samples) + b)))
+                samples += routes.samples + [routes.samples[0][:0]] * (b - len(lens))
+                route_lengths += lens + [1] * (b - len(lens))
+        if replay:
+            routes = RoutesBatch(samples, routes.layer_ids, routes.num_experts, routes.topk)
         vocab = self.arch.vocab_size
         dp_group = self.get_data_parallel_group()
 
@@ -224,10 +189,8 @@ class MoELoRAEngine(BaseEngine):
             temp = tu.get(mb, "temperature", 1.0)
             temp = torch.as_tensor(temp, dtype=torch.float32).reshape(-1)
             temp = (temp if temp.numel() > 1 else temp.expand(len(lens))).clamp_min(1e-8)
-            temp = torch.cat([temp, torch.ones(b - len(lens))]).to(logits_local.device)
-            logits = logits_local.float() / temp[:, None, None]
-            labels = torch.roll(batch["tokens"], -1, dims=1).to(logits.device)
-            lp = token_log_probs(logits, labels, vocab)                      # [b, s]
+            logits = scaled_logits(logits_local, torch.cat([temp, torch.ones(b - len(lens))]))   # per row
+            lp = label_logprobs(logits, batch["tokens"], vocab)                                 # [b, s]
             rows = [torch.cat([lp[i, : n - 1], lp.new_zeros(1)]) for i, n in enumerate(lens)]
             model_output = {"log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}
             if tu.get_non_tensor_data(mb, "calculate_entropy", False):
@@ -245,20 +208,14 @@ class MoELoRAEngine(BaseEngine):
                 return out
             return loss * n_micro, out
 
-        try:
-            outs = run_schedule(self.model, packed, forward_only=forward_only, on_output=on_output, seq_length=s,
-                                micro_batch_size=b)
-            if replay:
-                self.replayer.check_consumed()
-        finally:
-            if self.replayer is not None:
-                self.replayer.set_mode(Mode.DISABLED)
-                for r in self.replayer.replays:
-                    r.queue.clear()
-                    r.recompute_queue.clear()
+        outs = self.core.run(packed, forward_only=forward_only, on_output=on_output, seq_length=s, micro_batch_size=b,
+                             replay="replay" if replay else "off", routes=routes, rows=rows,
+                             lengths=route_lengths).outputs
+        from megatron.core import parallel_state as ps
+
         if not ps.is_pipeline_last_stage():
             return {}
-        return postprocess_batch_func(output_lst=list(outs), indices=indices, data=data)
+        return postprocess_batch_func(output_lst=outs, indices=indices, data=data)
 
     # -- weight sync -----------------------------------------------------------------------------------------------
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=None, **kwargs):

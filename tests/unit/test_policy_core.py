@@ -1,0 +1,172 @@
+"""The training core (policy/training.py) through both of its drivers, in one process (world size 1, gloo, tiny
+GLM4-MoE): the main job's Policy.update and verl's MoELoRAEngine.train_batch (our engine behind verl's contract,
+with verl's ppo_loss).
+
+- The non-finite rule (policy/step.py): a NaN injected into one adapter factor's gradient (a tensor hook, the same
+  factor in both models) skips the step identically in both drivers: adapters and AdamW state bitwise unchanged,
+  version unchanged, grads None, the norm returned non-finite, the step reported skipped. Control: the same call
+  without the NaN moves the adapters, fills the optimizer state and advances the version.
+- The replayer is left empty after an engine step with R3 routes, also when the step fails between microbatches
+  (a loss function raising on the second microbatch): queue, recompute_queue, measure_queue, recorded and disagree
+  of every router, mode DISABLED. Control: at the failure the queues did hold the later microbatches' routes.
+"""
+import math
+import os
+from functools import partial
+
+import pytest
+import torch
+
+os.environ.setdefault("VERL_PLATFORM", "moe_lora_cpu")
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
+
+pytest.importorskip("verl")
+
+LORA = {"rank": 4, "alpha": 8, "adapter_layout": "per_expert"}
+
+
+@pytest.fixture(scope="module")
+def drivers():
+    from verl.workers.config import EngineRouterReplayConfig, HFModelConfig
+    from verl.workers.config.optimizer import OptimizerConfig
+
+    from moe_lora_rl.algos import PolicyLossSettings
+    from moe_lora_rl.integration.verl import plugin
+    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, lora_config
+    from moe_lora_rl.integration.verl.engine import MoELoRAEngine
+    from moe_lora_rl.megatron.layout import Layout
+    from moe_lora_rl.megatron.parallel import teardown
+    from moe_lora_rl.megatron.run_config import RunConfig
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.policy.core import Policy
+
+    plugin.register()                                 # verl's CPU platform (idempotent)
+    path = str(get_model("glm4_moe", "tiny"))
+    ec = MoELoRAEngineConfig(dtype="float32", device="cpu", router_replay=EngineRouterReplayConfig(mode="R3"),
+                             use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
+    eng = MoELoRAEngine(HFModelConfig(path=path, lora=dict(LORA)), ec,
+                        optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1.0))
+    eng.initialize()                                  # init_distributed(tp1ep1pp1) for both drivers
+    pol = Policy(path, Layout(), RunConfig(device="cpu", dtype="fp32"), lora_config(LORA), lr=1e-3,
+                 weight_decay=0.01, grad_clip=1.0, loss=PolicyLossSettings(), micro_batch_size=2, temperature=0.7)
+    for core in (eng.core, pol.core):                 # nonzero B: every factor gets a gradient
+        with torch.no_grad():
+            for p in core.params:
+                p.add_(0.01)
+    yield pol, eng
+    teardown()
+
+
+def _policy_call(pol):
+    from moe_lora_rl.checks.policy_update_worker import make_batch
+
+    arch = pol.arch
+    batch, _ = make_batch(arch.vocab_size, tuple(arch.moe_layer_ids), arch.num_experts, arch.topk)
+    old = pol.logprobs(batch, replay="off").logprobs
+
+    def call():
+        u = pol.update(batch, old, replay="r3", rollout_is=None)
+        return u["grad_norm"], u["skipped"]
+    return call
+
+
+def _verl_data(eng, routes: bool):
+    from verl.utils import tensordict_utils as tu
+
+    from moe_lora_rl.algos import grpo_advantages
+    from moe_lora_rl.checks.verl_worker import GROUP, N, make_batch, verl_batch
+
+    b = make_batch(eng.arch)
+    adv = grpo_advantages(b["rewards"], b["resp_mask"], [i // GROUP for i in range(N)])
+    td = verl_batch(b, (b["noise"] - 3.0) * b["resp_mask"], adv, list(range(N)), routes=routes)
+    tu.assign_non_tensor(td, use_remove_padding=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                         max_token_len_per_gpu=None, use_fused_kernels=False, enable_routing_replay=routes)
+    return td
+
+
+def _ppo_loss():
+    from verl.workers.utils.losses import ppo_loss
+
+    from moe_lora_rl.algos import PolicyLossSettings, actor_config
+
+    return partial(ppo_loss, actor_config(PolicyLossSettings()))
+
+
+def _engine_call(eng, loss_fn=None, routes=False):
+    def call():
+        with eng.train_mode():
+            out = eng.train_batch(_verl_data(eng, routes), loss_function=loss_fn or _ppo_loss())
+        return out["metrics"]["grad_norm"], eng.core.last_step.skipped
+    return call
+
+
+def _state(opt):
+    return {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in enumerate(opt.state[p] for p in opt.param_groups[0]["params"]) if s}
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(a[i].keys() == b[i].keys() and all(
+        torch.equal(a[i][k], b[i][k]) if isinstance(a[i][k], torch.Tensor) else a[i][k] == b[i][k] for k in a[i])
+        for i in a)
+
+
+def _outcome(core, call, nan: bool) -> dict:
+    before, state, version = [p.detach().clone() for p in core.params], _state(core.optimizer), core.version
+    names = [n for n, _ in __import__("moe_lora_rl.lora", fromlist=["adapter_factors"]).adapter_factors(core.model)]
+    target = core.params[next(i for i, n in enumerate(names) if "linear_qkv" in n)]     # a dense factor: always used
+    hook = target.register_hook(lambda g: torch.full_like(g, float("nan"))) if nan else None
+    try:
+        norm, skipped = call()
+    finally:
+        if hook is not None:
+            hook.remove()
+    return {"adapters_max_change": max(float((p.detach() - q).abs().max()) for p, q in zip(core.params, before)),
+            "optimizer_state_unchanged": _same_state(_state(core.optimizer), state) and bool(state),
+            "version_delta": core.version - version, "grads_none": all(p.grad is None for p in core.params),
+            "norm_finite": math.isfinite(norm), "skipped": skipped}
+
+
+def test_non_finite_grad_norm_skips_the_step_in_both_drivers(drivers):
+    pol, eng = drivers
+    calls = {"policy": (pol.core, _policy_call(pol)), "verl": (eng.core, _engine_call(eng))}
+    control = {k: _outcome(core, call, nan=False) for k, (core, call) in calls.items()}
+    for k, c in control.items():                      # finite grads: a real step (fills the AdamW state too)
+        assert c["adapters_max_change"] > 1e-5 and c["version_delta"] == 1 and c["norm_finite"], (k, c)
+        assert not c["skipped"] and not c["grads_none"] and not c["optimizer_state_unchanged"], (k, c)
+    got = {k: _outcome(core, call, nan=True) for k, (core, call) in calls.items()}
+    want = {"adapters_max_change": 0.0, "optimizer_state_unchanged": True, "version_delta": 0, "grads_none": True,
+            "norm_finite": False, "skipped": True}
+    assert got == {"policy": want, "verl": want}, got
+    after = {k: _outcome(core, call, nan=False) for k, (core, call) in calls.items()}
+    for k, c in after.items():                        # training goes on after a skip
+        assert c["version_delta"] == 1 and c["adapters_max_change"] > 1e-5 and not c["skipped"], (k, c)
+
+
+def _leftovers(replayer) -> dict:
+    return {r.layer: (len(r.queue), len(r.recompute_queue), len(r.measure_queue), len(r.recorded), r.disagree,
+                      r.mode.value) for r in replayer.replays}
+
+
+def test_replayer_is_empty_after_an_engine_step(drivers):
+    _, eng = drivers
+    empty = {r.layer: (0, 0, 0, 0, [0, 0], "disabled") for r in eng.replayer.replays}
+    assert sorted(empty) == [1, 2, 3]
+    _engine_call(eng, routes=True)()
+    assert _leftovers(eng.replayer) == empty
+    seen = {}
+    base = _ppo_loss()
+
+    def failing_loss(model_output, data, dp_group=None):
+        seen["calls"] = seen.get("calls", 0) + 1
+        if seen["calls"] == 2:                        # the second microbatch: the later ones are still queued
+            seen["at_failure"] = _leftovers(eng.replayer)
+            raise RuntimeError("loss failed on microbatch 2")
+        return base(model_output=model_output, data=data, dp_group=dp_group)
+
+    with pytest.raises(RuntimeError, match="loss failed on microbatch 2"):
+        _engine_call(eng, loss_fn=failing_loss, routes=True)()
+    assert all(q == 2 and m == 2 and mode == "replay" for q, _, m, _, _, mode in seen["at_failure"].values()), seen
+    assert _leftovers(eng.replayer) == empty
+    grad_norm, skipped = _engine_call(eng, routes=True)()          # the next step replays cleanly
+    assert math.isfinite(grad_norm) and not skipped and _leftovers(eng.replayer) == empty
