@@ -7,7 +7,7 @@ peft_max_diff: the trained adapters exported to PEFT, loaded into HF transformer
 Megatron+LoRA. Step times: base = full fine-tuning step (fwd+bwd+AdamW over all weights), LoRA = frozen base +
 adapters (fwd+bwd+grad sync+AdamW over adapters), interleaved in one process; fwd_time_ratio isolates the adapters'
 forward cost.
-Memory (same model and layout, one fresh process per variant, lora_mem_worker): base_peak_mb / lora_peak_mb are the
+Memory (same model and layout, one fresh process per variant, lora_steps_worker): base_peak_mb / lora_peak_mb are the
 kernel's resident-set high-water mark (ru_maxrss) over 2 training steps minus the process's RSS before the model was
 built: model state + grads + optimizer state + activations. peak_ratio = lora / base, target <= 0.7.
 """
@@ -18,38 +18,23 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-
+from ..checks import lora_layouts
+from ..checks.launch import run_torchrun, worker_arg
+from ..checks.layouts import DEFAULT_LAYOUTS, check_layouts, resolve_models
+from ..checks.tolerances import PEAK_RATIO_TARGET
 from ..lora import LoRAConfig
-from ..checks.launch import run_torchrun
-from .common import DEFAULT_LAYOUTS, check_layouts, emit, resolve_models
+from .common import emit
 from .run_args import add_run_args, run_config_from_args
-
-
-def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
-    """Export a trained adapter blob (canonical tensors + Megatron eval logits) to PEFT and compare in HF."""
-    from ..lora.peft_hf import peft_logits
-    from ..refit.export import save_peft
-    from ..models.arch import load_arch
-
-    blob = torch.load(blob_path)
-    data = torch.load(blob_path.parent / "data.pt")[model_dir]
-    save_peft(blob["adapters"], load_arch(model_dir), cfg, out, base_model=model_dir)
-    return (peft_logits(model_dir, out, data["eval"]) - blob["eval_logits"]).abs().max().item()
-
-
-PEAK_RATIO_TARGET = 0.7
 
 
 def measure_memory(model: str, layout: str, cfg: LoRAConfig, rc=None) -> dict:
     """Peak RSS of full fine-tuning vs LoRA training steps, each variant in its own torchrun launch."""
     from ..megatron.layout import Layout
     from ..megatron.run_config import RunConfig
-    from .run_args import worker_arg
 
     world = Layout.parse(layout).min_world_size
-    got = {v: run_torchrun("moe_lora_rl.bench.lora_mem_worker", world,
-                           ["--model", model, "--layout", layout, "--variant", v, "--lora", json.dumps(cfg.to_dict()),
+    got = {v: run_torchrun("moe_lora_rl.bench.lora_steps_worker", world,
+                           ["--model", model, "--layout", layout, "--measure", "memory", "--variant", v, "--lora", json.dumps(cfg.to_dict()),
                             *worker_arg(rc or RunConfig())])
            for v in ("base", "lora")}
     return {"base_peak_mb": round(got["base"]["peak_mb"], 1), "lora_peak_mb": round(got["lora"]["peak_mb"], 1),
@@ -61,21 +46,18 @@ def measure_memory(model: str, layout: str, cfg: LoRAConfig, rc=None) -> dict:
 
 def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfig, speed_layout: str,
         memory: bool = True, rc=None) -> dict:
-    from . import lora_layouts
-
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         rep = lora_layouts.run(models, layouts, cfg, work, rc=rc)
-        pdiff = {m: peft_diff(m, work / f"{lora_layouts.REFERENCE}-m{i}.pt", cfg, work / f"peft-m{i}")
+        pdiff = {m: lora_layouts.peft_diff(m, work / f"{lora_layouts.REFERENCE}-m{i}.pt", cfg, work / f"peft-m{i}")
                  for i, m in enumerate(models)}
     result = {"layout_max_diff": rep["layout_max_diff"], "peft_max_diff": max(pdiff.values())}
     if speed_model:
         from ..megatron.layout import Layout
         from ..megatron.run_config import RunConfig
-        from .run_args import worker_arg
 
-        sp = run_torchrun("moe_lora_rl.bench.lora_speed_worker", Layout.parse(speed_layout).min_world_size,
-                          ["--model", speed_model, "--layout", speed_layout, "--lora", json.dumps(cfg.to_dict()),
+        sp = run_torchrun("moe_lora_rl.bench.lora_steps_worker", Layout.parse(speed_layout).min_world_size,
+                          ["--model", speed_model, "--measure", "speed", "--layout", speed_layout, "--lora", json.dumps(cfg.to_dict()),
                            *worker_arg(rc or RunConfig())])
         result.update({k: sp[k] for k in ("base_step_s", "lora_step_s", "step_time_ratio", "base_fwd_s",
                                           "lora_fwd_s", "fwd_time_ratio")})

@@ -14,34 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..checks.launch import run_torchrun
-from .common import DEFAULT_LAYOUTS, check_layouts, emit, group_by_world, resolve_models
-from .run_args import add_run_args, run_config_from_args, worker_arg
-
-TARGET = 1e-4
-BF16_UNIT_ROUNDOFF = 2.0 ** -8
-TARGET_BF16 = 8 * BF16_UNIT_ROUNDOFF
-
-
-def run(models: list[str], layouts: str, rc=None) -> dict:
-    from ..megatron.run_config import RunConfig
-
-    rc = rc or RunConfig()
-    check_layouts(models, layouts)                     # bad layouts fail here, before any process starts
-    t0 = time.time()
-    details: dict[str, dict[str, dict]] = {}
-    for world, names in group_by_world(layouts).items():
-        details.update(run_torchrun("moe_lora_rl.bench.parity_worker", world,
-                                    ["--models", ",".join(models), "--layouts", ",".join(names), *worker_arg(rc)]))
-    key, target = ("max_abs", TARGET) if rc.dtype == "fp32" else ("rel_median_token", TARGET_BF16)
-    per_layout = {name: {m: r[key] for m, r in d.items()} for name, d in details.items()}
-    worst = {name: max(d.values()) for name, d in per_layout.items()}
-    out = {"layouts": worst, "max_abs_diff" if rc.dtype == "fp32" else "max_rel_median_token": max(worst.values()),
-           "models": models, "per_model": per_layout, "target": target, "metric": key, "dtype": rc.dtype,
-           "wall_s": round(time.time() - t0, 1)}
-    if rc.dtype != "fp32":
-        out["details"] = details
-    return out
+from ..checks import parity
+from ..checks.layouts import DEFAULT_LAYOUTS, resolve_models
+from .common import emit
+from .run_args import add_run_args, run_config_from_args
 
 
 def main(argv=None) -> dict:
@@ -53,6 +29,8 @@ def main(argv=None) -> dict:
     add_run_args(ap)
     a = ap.parse_args(argv)
     rc = run_config_from_args(a, ap.prog)
-    result = run(resolve_models(a.model), a.layouts, rc)
+    t0 = time.time()
+    result = parity.run(resolve_models(a.model), a.layouts, rc)
+    result["wall_s"] = round(time.time() - t0, 1)
     emit(result, a.json)
     return result

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
+from ..checks.tolerances import PLAN_ERROR_TARGET
 from ..plan.search import RolloutLayout, TrainLayout, decode_traffic, step_times, train_flops_per_token
 from ..plan.specs import Hardware, ModelSpec, RLSettings
 from .common import emit
@@ -85,18 +85,13 @@ def matmul_flops(n: int = 1024, repeats: int = 5) -> float:
 
 
 def measure(model: str, batches: list[int], prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:
+    from ..checks.launch import run_process, run_torchrun
     from ..lora import LoRAConfig
-    from ..checks.launch import run_torchrun, worker_env
 
     conc = ",".join(map(str, batches))
-    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench.plan_rollout_worker", "--model", model,
-                           "--concurrency", conc, "--prompt-len", str(prompt_len), "--response-len",
-                           str(response_len), "--repeats", str(repeats)],
-                          env=worker_env(), capture_output=True, text=True, timeout=1800)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"plan rollout worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    roll = json.loads(lines[-1][len("RESULT "):])
+    roll = run_process("moe_lora_rl.bench.plan_rollout_worker",
+                       ["--model", model, "--concurrency", conc, "--prompt-len", str(prompt_len), "--response-len",
+                        str(response_len), "--repeats", str(repeats)], timeout=1800, what="plan rollout worker")
     train = run_torchrun("moe_lora_rl.bench.plan_train_worker", 1,
                          ["--model", model, "--lora", json.dumps(LoRAConfig(rank=rank, alpha=2.0 * rank).to_dict()),
                           "--batches", conc, "--seq", str(prompt_len + response_len), "--repeats", str(repeats)])
@@ -121,7 +116,7 @@ def run(model: str, b1: int, b2: int, prompt_len: int, response_len: int, rank: 
         out[timer] = res
     result = {k: out["cpu_s"][k] for k in ("predicted_steps_per_min", "measured_steps_per_min", "error",
                                            "calibration_batch", "predicted_batch")}
-    result.update({"timer": "process CPU seconds (single-threaded workers)", "target": 0.25,
+    result.update({"timer": "process CPU seconds (single-threaded workers)", "target": PLAN_ERROR_TARGET,
                    "what": "synchronous rollout (vLLM CPU, bf16) + Megatron LoRA update step, timed apart",
                    "model": model, "prompt_len": prompt_len, "response_len": response_len, "rank": rank,
                    "predicted": out["cpu_s"]["predicted"], "measured": out["cpu_s"]["measured"],

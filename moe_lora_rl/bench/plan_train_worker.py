@@ -3,35 +3,30 @@ Megatron-core model at several global batch sizes, microbatch 1, interleaved; re
 process-CPU seconds per batch."""
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from ..lora import LoRAConfig, adapter_factors, sync_adapter_grads
-from ..megatron.run_config import RunConfig, prepare_host
-from ..policy.model import build_from_hf
+from ..checks.launch import finish_worker, worker_args
+from ..lora import adapter_factors, sync_adapter_grads
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.train_step import lm_train_step
-from ..checks.launch import finish_worker
+from ..policy.model import build_from_hf
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--lora", required=True)
-    ap.add_argument("--batches", required=True, help="comma-separated global batch sizes")
-    ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
-    prepare_host(RunConfig())                                # fp32 on CPU: the caller applies the CPU support
+    def add(ap):
+        ap.add_argument("--model", required=True)
+        ap.add_argument("--batches", required=True, help="comma-separated global batch sizes")
+        ap.add_argument("--seq", type=int, required=True)
+        ap.add_argument("--repeats", type=int, default=3)
+
+    a = worker_args(argv, add, lora=True)                               # fp32 on CPU
     layout = Layout()
     init_distributed(layout)
-    arch, model = build_from_hf(a.model, layout, lora=LoRAConfig.from_dict(json.loads(a.lora)))
+    arch, model = build_from_hf(a.model, layout, lora=a.lora)
     params = [p for _, p in adapter_factors(model)]
     opt = torch.optim.AdamW(params, lr=1e-4)
     batches = [int(b) for b in a.batches.split(",")]

@@ -17,35 +17,27 @@ the largest --ranks value, at --layouts (default: Kimi-K2's public training layo
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from ..checks import lora_layouts
+from ..checks.launch import run_process
 from ..lora import LoRAConfig
-from ..checks.launch import worker_env
 from .common import emit
 
 
 def measured(model: str, layouts: list[str], cfg: LoRAConfig) -> dict:
     """Adapters trained at every layout (one LoRA run), each pushed to a fresh engine; the first layout's numbers
     on top, every layout's under per_layout."""
-    from . import lora_layouts
-
     per: dict = {}
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         lora_layouts.run([model], ",".join(layouts), cfg, work, steps=1, lr=1e-3)
         for layout in layouts:
-            args = [sys.executable, "-m", "moe_lora_rl.bench.refit_vllm_worker", "bench", "--model", model, "--blob",
-                    str(work / f"{layout}-m0.pt"), "--data", str(work / "data.pt"), "--rank", str(cfg.rank),
-                    "--alpha", str(cfg.alpha)]
-            proc = subprocess.run(args, env=worker_env(), cwd=work, capture_output=True, text=True, timeout=2400)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"refit bench worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-            per[layout] = json.loads(lines[-1][len("RESULT "):])
+            per[layout] = run_process("moe_lora_rl.bench.refit_vllm_worker",
+                                      ["--model", model, "--blob", str(work / f"{layout}-m0.pt"), "--data",
+                                       str(work / "data.pt"), "--rank", str(cfg.rank), "--alpha", str(cfg.alpha)],
+                                      timeout=2400, cwd=work, what="refit bench worker")
     res = dict(per[layouts[0]])
     res.update({"megatron_layout": layouts[0], "rank": cfg.rank, "layouts": layouts})
     if len(layouts) > 1:
@@ -83,8 +75,7 @@ def main(argv=None) -> dict:
                                                a.bucket_bytes or KIMI_K2_BUCKET, a.bytes_per_param)
     else:
         from ..models import get_model
-        from .common import check_layouts
-
+        from ..checks.layouts import check_layouts
         from .refit_transports import transport_timings
 
         if a.bucket_bytes is not None:

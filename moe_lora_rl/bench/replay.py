@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     rc = run_config_from_args(a, ap.prog)
     if a.model:
-        from .common import resolve_models
+        from ..checks.layouts import resolve_models
 
         models = resolve_models(a.model)
     else:

@@ -3,7 +3,6 @@ or process group starts; a bad value is one line on stderr and exit code 2, no t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..megatron.run_config import DEVICES, DTYPES, RunConfig
@@ -23,10 +22,3 @@ def run_config_from_args(a: argparse.Namespace, prog: str) -> RunConfig:
         sys.exit(2)
     return rc
 
-
-def worker_arg(rc: RunConfig) -> list[str]:
-    return ["--run-config", json.dumps(rc.to_dict())]
-
-
-def from_worker_arg(text: str) -> RunConfig:
-    return RunConfig.from_dict(json.loads(text)) if text else RunConfig()

@@ -15,11 +15,11 @@ on dummy weights. One torchrun launch of 4 ranks for all layouts.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 
-from .common import check_layouts, emit
+from ..checks.layouts import check_layouts
+from .common import emit
 
 WORLD = 4
 CHECK_WORKER = "moe_lora_rl.checks.verl_worker"
@@ -28,7 +28,7 @@ REFIT_WORKER = "moe_lora_rl.checks.verl_refit"
 
 def main(argv=None) -> dict:
     from ..models import get_model
-    from ..checks.launch import run_torchrun, worker_env
+    from ..checks.launch import run_process, run_torchrun
 
     ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench verl")
     ap.add_argument("--json", action="store_true")
@@ -43,12 +43,7 @@ def main(argv=None) -> dict:
                              f"{WORLD} (a layout needs a world size dividing {WORLD})")
     cfg_ok = _config_ok(model)
     eng = run_torchrun(CHECK_WORKER, WORLD, ["--model", model, "--layouts", a.layouts])
-    proc = subprocess.run([sys.executable, "-m", REFIT_WORKER, "--model", model], env=worker_env(),
-                          capture_output=True, text=True, timeout=1200)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"refit worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    refit = json.loads(lines[-1][len("RESULT "):])
+    refit = run_process(REFIT_WORKER, ["--model", model], what="refit worker")
     per = eng["layouts"]
     res = {"config_ok": cfg_ok,
            "logprob_max_diff_vs_reference": max(r["logprob_max_diff"] for r in per.values()),

@@ -6,7 +6,6 @@ against the reference; negative control at each layout: loading without the opti
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -17,11 +16,10 @@ from ..lora.grad_sync import process_group
 from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
-from ..megatron.run_config import RunConfig, prepare_host
 from ..megatron.train_step import lm_train_step
 from ..models import get_model
 from ..checkpoint.store import describe_run, load_checkpoint, rng_state, save_checkpoint
-from .launch import finish_worker
+from .launch import finish_worker, worker_args
 
 
 @torch.no_grad()
@@ -64,15 +62,14 @@ def train_step(model, opt, arch, tokens) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--save-layout", default="tp2ep2")
-    ap.add_argument("--load-layouts", default="tp2ep2,tp1ep1pp1")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
-    rc = RunConfig()
-    prepare_host(rc)
+    def add(ap):
+        ap.add_argument("--save-layout", default="tp2ep2")
+        ap.add_argument("--load-layouts", default="tp2ep2,tp1ep1pp1")
+        ap.add_argument("--out", required=True)
+        ap.add_argument("--lr", type=float, default=1e-4)
+
+    a = worker_args(argv, add)                                   # fp32 on CPU
+    rc = a.rc
     path = get_model("glm4_moe", "tiny")
     cfg = LoRAConfig(rank=4, alpha=8.0)
     root = Path(a.out) / "ckpt"

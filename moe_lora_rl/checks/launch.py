@@ -1,19 +1,28 @@
-"""Start a worker module under torchrun (gloo, CPU) and return what its rank 0 reported as JSON.
+"""Start a worker module under torchrun (gloo, CPU) and return what its rank 0 reported as JSON; and the worker's
+side of that protocol, the preamble every torchrun worker shares:
 
-The worker receives `--result PATH` and must write its JSON there from rank 0. Environment set for every rank:
-OMP_NUM_THREADS=1 (2 cores, up to 4 ranks), TORCH_COMPILE_DISABLE=1 (megatron's jit_fuser is torch.compile, which
-costs 10-30 s per first call on CPU).
+    a = worker_args(argv, add)          its own arguments, --run-config (the parent's RunConfig as JSON), --result
+    for key, layout, mi, path in each_model_at_layout(a):   process groups per layout, torn down after each
+        ...
+    finish_worker(result, a.result)     rank 0 writes the JSON; every rank leaves the process group together
+
+Environment set for every rank: OMP_NUM_THREADS=1 (2 cores, up to 4 ranks), TORCH_COMPILE_DISABLE=1 (megatron's
+jit_fuser is torch.compile, which costs 10-30 s per first call on CPU).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
-from ..megatron.parallel import free_port  # noqa: F401  (testing depends on megatron, never the reverse)
+from ..megatron.layout import Layout
+from ..megatron.parallel import free_port  # noqa: F401  (checks depend on megatron, never the reverse)
+from ..megatron.run_config import RunConfig
 
 
 def worker_env() -> dict:
@@ -38,6 +47,16 @@ def run_torchrun(module: str, nproc: int, args: list[str], timeout: float = 900)
         return json.loads(result.read_text())
 
 
+def run_process(module: str, args: list[str], timeout: float = 1200, cwd=None, what: str | None = None) -> dict:
+    """`python -m module args` in one process (an in-process engine); its last stdout line "RESULT <json>"."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], env=worker_env(), cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{what or module} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def finish_worker(result: dict, path: str) -> None:
     """Rank 0 writes the worker's JSON result; every rank then leaves the process group together."""
     import torch.distributed as dist
@@ -46,3 +65,54 @@ def finish_worker(result: dict, path: str) -> None:
         Path(path).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def worker_arg(rc: RunConfig) -> list[str]:
+    """The parent's RunConfig on a worker's command line (read back by worker_args as a.rc)."""
+    return ["--run-config", json.dumps(rc.to_dict())]
+
+
+def worker_args(argv=None, add: Callable[[argparse.ArgumentParser], None] | None = None,
+                models_at_layouts: bool = False, lora: bool = False) -> argparse.Namespace:
+    """A torchrun worker's command line: its own arguments (add); with models_at_layouts --models and --layouts
+    (comma-separated: every model at every layout, each_model_at_layout); with lora --lora (a LoRAConfig as JSON,
+    parsed into a.lora); --run-config (worker_arg; default fp32 on CPU) and --result (the JSON file rank 0
+    writes). The host is prepared for the run config (a.rc) before any process group or model exists."""
+    from ..megatron.run_config import prepare_host
+
+    ap = argparse.ArgumentParser()
+    if models_at_layouts:
+        ap.add_argument("--models", required=True, help="comma-separated HF checkpoint dirs")
+        ap.add_argument("--layouts", required=True, help="comma-separated layouts, e.g. tp2ep2,pp2ep2")
+    if lora:
+        ap.add_argument("--lora", required=True, help="LoRAConfig as JSON")
+    if add is not None:
+        add(ap)
+    ap.add_argument("--run-config", default="", help="RunConfig as JSON (worker_arg); default fp32 on CPU")
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    a.rc = RunConfig.from_dict(json.loads(a.run_config)) if a.run_config else RunConfig()
+    if lora:
+        from ..lora import LoRAConfig
+
+        a.lora = LoRAConfig.from_dict(json.loads(a.lora))
+    prepare_host(a.rc)
+    return a
+
+
+def each_layout(names: str, rc: RunConfig | None = None) -> Iterator[tuple[str, Layout]]:
+    """Process groups for each comma-separated layout in turn (one launch checks many layouts)."""
+    from ..megatron.parallel import init_distributed, teardown
+
+    for key in names.split(","):
+        layout = Layout.parse(key)
+        init_distributed(layout, rc)
+        yield key, layout
+        teardown()
+
+
+def each_model_at_layout(a: argparse.Namespace) -> Iterator[tuple[str, Layout, int, str]]:
+    """(layout name, layout, model index, model dir): every --models entry at every --layouts entry, layout-major."""
+    for key, layout in each_layout(a.layouts, a.rc):
+        for mi, path in enumerate(a.models.split(",")):
+            yield key, layout, mi, path

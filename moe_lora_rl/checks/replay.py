@@ -4,7 +4,7 @@
     -> forced sets per sample, cut to lengths that differ between samples (so padded batches have padding):
        rollout (the engine's routes), random (valid random routes: most are ones the fp32 router would not pick),
        shuffled (the rollout routes permuted across tokens: the negative control)
-    -> reference: HF transformers forced to the rollout and random sets (testing/forced_routes.py, no alignment code)
+    -> reference: HF transformers forced to the rollout and random sets (forced_routes.py, no alignment code)
     -> Megatron at each layout (replay_worker.py): replays every set padded and packed, compares logits with the
        reference, and checks the routing map its token dispatcher receives against the rollout-format routes.
 """
@@ -19,15 +19,9 @@ import torch
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from .forced_routes import reference_model
-from .launch import run_torchrun
-from ..bench.common import check_layouts, group_by_world
-from ..bench.parity import BF16_UNIT_ROUNDOFF
-from ..bench.run_args import worker_arg
+from .launch import run_torchrun, worker_arg
+from .layouts import check_layouts, group_by_world
 
-# Megatron with R3 against the fp32 forced-route reference. fp32: max |logit diff|. bf16 (fidelity_max_rel): the
-# worst token's max_v |logit diff| / max_v |reference logit|, 16u (derivation: tests/distributed/test_bf16.py).
-FIDELITY_TOL = {torch.float32: 1e-4, torch.bfloat16: 16 * BF16_UNIT_ROUNDOFF}
-SHUFFLED_MIN = 1e-2                      # the negative control must differ by more than this
 MIN_SAMPLES = 8
 
 
@@ -249,7 +243,7 @@ def run(models: list[str], layouts: str, workdir: Path, engine: str = "hf", over
         res["adapter_routes"] = adapter_stats
     for world, names in groups.items():
         here = [l for l in filter(None, adapter_layouts.split(",")) if l in names]
-        got = run_torchrun("moe_lora_rl.bench.replay_worker", world,
+        got = run_torchrun("moe_lora_rl.checks.replay_worker", world,
                            ["--models", ",".join(models), "--layouts", ",".join(names),
                             "--data", str(workdir / "forced.pt"), "--timing", str(timing),
                             "--adapter-layouts", ",".join(here), *worker_arg(rc or RunConfig())], timeout=1800)

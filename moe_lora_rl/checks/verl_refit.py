@@ -18,8 +18,8 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 
 def megatron_lp(eng, seqs):
-    from ..bench.refit_vllm_worker import megatron_logprobs
     from ..megatron.forward import forward_logits
+    from .logprobs import megatron_logprobs
 
     return megatron_logprobs(seqs, forward_logits(eng.model, seqs, eng.arch.vocab_size))
 
@@ -70,10 +70,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import torch
 
-    from ..bench.refit_vllm_worker import make_llm, prompt_logprobs
-    from ..bench.vllm_env import set_engine_env
     from ..refit.transports import InprocTransport
-    from .verl_worker import LORA, randomize
+    from .adapters import randomize_adapters
+    from .verl_worker import LORA
+    from ..rollout.engine import make_engine, set_engine_env
+    from .logprobs import prompt_logprobs
     from ..integration.verl.checkpoint_engine import MoELoRACheckpointEngine
     from ..integration.verl.config import WORKER_EXTENSION, MoELoRAEngineConfig
     from ..integration.verl.engine import MoELoRAEngine
@@ -84,7 +85,7 @@ def main(argv=None):
     eng = MoELoRAEngine(HFModelConfig(path=a.model, lora=dict(LORA)),
                         MoELoRAEngineConfig(dtype="float32", device="cpu", forward_only=True))
     eng.initialize()
-    randomize(eng.model, seed=3)
+    randomize_adapters(eng.model, seed=3, scale=0.3)          # verl_worker.randomize's scale
     eng.version = 1
     first = list(eng.get_per_tensor_param()[0])
     second = list(eng.get_per_tensor_param()[0])
@@ -98,7 +99,8 @@ def main(argv=None):
 
     os.environ.setdefault("VERL_RAY_JOB_ID", f"moe_lora_check_{os.getpid()}")
     os.environ.setdefault("VERL_REPLICA_RANK", "0")
-    llm = make_llm(a.model, ext=WORKER_EXTENSION, load_format="dummy")      # verl's default: the sync brings the base
+    llm = make_engine(a.model, dtype="float32", prefix_caching=False, extension=WORKER_EXTENSION,
+                      load_format="dummy")                  # verl's default: the sync brings the base
     dummy_got = prompt_logprobs(llm, seqs.tolist())
     # colocated ("naive"), as verl's update_weights drives it on the first sync: the base, then the adapters
     base_stream, _ = eng.get_per_tensor_param(layered_summon=False, base_sync_done=False)
@@ -116,7 +118,7 @@ def main(argv=None):
     after_bad_colo = prompt_logprobs(llm, seqs.tolist())
 
     # checkpoint-engine mode: the next version (other adapters) through our backend, adapters only
-    randomize(eng.model, seed=4)
+    randomize_adapters(eng.model, seed=4, scale=0.3)
     eng.version = 2
     v2, peft = eng.get_per_tensor_param()
     v2 = list(v2)

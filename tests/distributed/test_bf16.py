@@ -1,7 +1,7 @@
 """bf16 on CPU (megatron-core's local spec runs every op of these models in bf16 on CPU): parity with HF
 transformers and layout-invariant LoRA training at tp2ep2 and pp2ep2, against fp32 references.
 
-Tolerance (bench.parity.TARGET_BF16 = 8u, u = 2^-8 the unit roundoff of bf16's 8 significant bits): the metric is the
+Tolerance (checks.tolerances.PARITY_BF16 = 8u, u = 2^-8 the unit roundoff of bf16's 8 significant bits): the metric is the
 median over tokens of each token's max |logit diff|, relative to max |reference logit|. Every matmul output,
 residual add and norm rounds to bf16, so a logit of magnitude |z| carries a few u*|z| of error (measured 2-4u in
 parity); the median leaves out the few tokens whose top-k routing flips under bf16 rounding (0.5-1% of router
@@ -15,7 +15,7 @@ measured 0.04-0.08) is larger than every bf16 difference: bf16 training reproduc
 Measured (glm4_moe / qwen3_moe tiny): trained tp2ep2 vs tp1 bf16 0.033 / 0.008, bf16 vs fp32 0.037 / 0.009,
 loaded 0.017 / 0.006, losses within 1.3%.
 
-R3 in bf16 (replay_check.FIDELITY_TOL[bfloat16] = 16u): Megatron in bf16 replays forced routes (the rollout's and
+R3 in bf16 (checks.tolerances.FIDELITY_TOL[bfloat16] = 16u): Megatron in bf16 replays forced routes (the rollout's and
 a random valid set, padded and packed, at tp2ep2 and pp2ep2 in one launch) against HF transformers in fp32 forced to
 the same routes (the fp32 reference: it isolates Megatron's bf16 error from the reference's). The rollout is HF
 transformers bf16 standing in for vLLM (this module runs in both venvs; vLLM's routes are covered in fp32 by
@@ -32,11 +32,11 @@ max |logit diff| 0.70 / 0.43; shuffled 1.47 / 1.43.
 """
 import pytest
 
-from moe_lora_rl.bench.common import resolve_models
-from moe_lora_rl.bench.lora_layouts import REFERENCE, run as run_lora
-from moe_lora_rl.bench.parity import BF16_UNIT_ROUNDOFF, TARGET_BF16, run as run_parity
-from moe_lora_rl.bench.parity_worker import token_errors
-from moe_lora_rl.checks.replay import FIDELITY_TOL, run as run_replay
+from moe_lora_rl.checks.layouts import resolve_models
+from moe_lora_rl.checks.lora_layouts import REFERENCE, run as run_lora
+from moe_lora_rl.checks.parity import run as run_parity, token_errors
+from moe_lora_rl.checks.replay import run as run_replay
+from moe_lora_rl.checks.tolerances import BF16_UNIT_ROUNDOFF, FIDELITY_TOL, PARITY_BF16 as TARGET_BF16, TRAINED_BF16
 from moe_lora_rl.lora import LoRAConfig
 from moe_lora_rl.megatron.run_config import RunConfig
 
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.dist
 BF16 = RunConfig(dtype="bf16")
 LAYOUTS = ("tp2ep2", "pp2ep2")
 LR = 3e-3
-TRAINED = 2 * TARGET_BF16
+TRAINED = TRAINED_BF16
 
 
 @pytest.fixture(scope="module")

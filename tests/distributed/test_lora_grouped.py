@@ -3,8 +3,8 @@ the unsharded reference: same losses and adapters after 3 steps (1e-5), and load
 TEGroupedMLP needs Transformer Engine (GPU) and is not exercised here."""
 import pytest
 
-from moe_lora_rl.bench.common import resolve_models
-from moe_lora_rl.bench.lora_layouts import run
+from moe_lora_rl.checks.layouts import resolve_models
+from moe_lora_rl.checks.lora_layouts import run
 from moe_lora_rl.lora import LoRAConfig
 from moe_lora_rl.megatron.cpu_support import mcore_version
 

@@ -11,8 +11,8 @@ experts with odd token counts, export by local expert index (every global expert
 
 import pytest
 
-from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.bench.lora_layouts import REFERENCE, run
+from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
+from moe_lora_rl.checks.lora_layouts import REFERENCE, run
 from moe_lora_rl.lora import LoRAConfig
 
 pytestmark = pytest.mark.dist

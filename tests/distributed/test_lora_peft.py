@@ -4,9 +4,8 @@
 import pytest
 import torch
 
-from moe_lora_rl.bench.common import resolve_models
-from moe_lora_rl.bench.lora import peft_diff
-from moe_lora_rl.bench.lora_layouts import REFERENCE, run
+from moe_lora_rl.checks.layouts import resolve_models
+from moe_lora_rl.checks.lora_layouts import REFERENCE, peft_diff, run
 from moe_lora_rl.lora import LoRAConfig
 
 pytestmark = pytest.mark.dist

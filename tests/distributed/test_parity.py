@@ -5,8 +5,9 @@ Tolerance 1e-4 absolute on logits of magnitude ~5: fp32 reduction-order differen
 """
 import pytest
 
-from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.bench.parity import TARGET, run
+from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
+from moe_lora_rl.checks.parity import run
+from moe_lora_rl.checks.tolerances import PARITY_FP32 as TARGET
 
 pytestmark = pytest.mark.dist
 

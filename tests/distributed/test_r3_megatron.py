@@ -10,8 +10,9 @@ import importlib.util
 import pytest
 import torch
 
-from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.checks.replay import FIDELITY_TOL, SHUFFLED_MIN, run
+from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
+from moe_lora_rl.checks.replay import run
+from moe_lora_rl.checks.tolerances import FIDELITY_TOL, SHUFFLED_MIN
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is not None,

@@ -21,8 +21,9 @@ packed, on both tiny models, and is checked against HF transformers forced to th
 """
 import pytest
 
-from moe_lora_rl.bench.common import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.checks.replay import FIDELITY_TOL, SHUFFLED_MIN, run
+from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
+from moe_lora_rl.checks.replay import run
+from moe_lora_rl.checks.tolerances import FIDELITY_TOL, SHUFFLED_MIN
 
 pytestmark = pytest.mark.vllm
 

@@ -16,10 +16,10 @@ import os
 import pytest
 import torch
 
-from moe_lora_rl.bench import lora_layouts
-from moe_lora_rl.bench.common import resolve_models
-from moe_lora_rl.bench.refit_check import run_vllm_worker
-from moe_lora_rl.bench.refit_vllm_worker import megatron_logprobs
+from moe_lora_rl.checks import lora_layouts
+from moe_lora_rl.checks.layouts import resolve_models
+from moe_lora_rl.checks.logprobs import megatron_logprobs
+from moe_lora_rl.checks.refit_vllm import run_vllm_worker
 from moe_lora_rl.lora import LoRAConfig
 
 pytestmark = pytest.mark.vllm

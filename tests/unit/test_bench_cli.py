@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from moe_lora_rl.bench.common import dp_batch
+from moe_lora_rl.checks.layouts import dp_batch
 from moe_lora_rl.megatron.layout import Layout
 
 

@@ -104,32 +104,12 @@ def test_transport_aborts_its_stage_after_a_failed_bucket():
     push is accepted (without the abort it would be refused: version 1 still staged)."""
     import torch
 
-    from moe_lora_rl.refit.transports import _Base
-
-    class Fake(_Base):
-        bucket_bytes = 16
-
-        def __init__(self):
-            self.st, self.fail = Staging(), True
-
-        def _call(self, method, *args):
-            if method == "moe_lora_begin":
-                return self.st.begin(*args)
-            if method == "moe_lora_abort":
-                return self.st.abort(*args)
-            if method == "moe_lora_commit":
-                return {"version": self.st.commit(*args).version}
-            raise AssertionError(method)
-
-        def _send_bucket(self, version, index, tensors):
-            if self.fail and index == 1:
-                raise ValueError("bucket lost")
-            self.st.bucket(version, index, tensors)
+    from moe_lora_rl.checks.fakes import FakeEngine
 
     tensors = {"a": torch.zeros(4), "b": torch.zeros(4)}            # 16 bytes each: two buckets
-    tr = Fake()
+    tr = FakeEngine(bucket_bytes=16, fail_bucket=1)
     with pytest.raises(ValueError, match="bucket lost"):
         tr.push(1, tensors, 4, 8.0)
     assert tr.st.version is None
-    tr.fail = False
+    tr.fail_bucket = None
     assert tr.push(2, tensors, 4, 8.0).served == {"version": 2}

@@ -3,7 +3,7 @@
 Per layout and model:
   rollout metrics (full-length samples, padded and packed): router disagreement without replay, k3 KL to the
       rollout logprobs without and with R3;
-  fidelity (the forced sets of replay_check.py, samples of different lengths, padded and packed): max |logit diff|
+  fidelity (the forced sets of replay.py, samples of different lengths, padded and packed): max |logit diff|
       between Megatron replaying a set and HF transformers forced to it (rollout and random sets), and between
       Megatron replaying the shuffled set and the reference of the rollout set (must differ); the same relative
       per token (max_v |diff| / max_v |reference logit|, the worst token), the bf16 metric;
@@ -13,24 +13,18 @@ Every queued route is consumed exactly once (check_consumed). Rank 0 writes JSON
 """
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..policy.model import build_from_hf
 from ..megatron.forward import forward_logits, packed_inputs
-from ..megatron.layout import Layout
-from ..megatron.parallel import init_distributed, teardown
-from ..megatron.run_config import prepare_host
+from ..policy.model import build_from_hf
 from ..router_replay.align import align_microbatch
 from ..router_replay.metrics import k3_kl, router_disagreement
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
-from ..checks.dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
-from ..checks.launch import finish_worker
-from .run_args import from_worker_arg
+from .dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
+from .launch import each_model_at_layout, finish_worker, worker_args
 
 
 def _inputs(tokens: list[torch.Tensor], padded_len: int | None):
@@ -196,7 +190,7 @@ def adapter_cases(model, arch, path: str, d: dict, ids: list[int]) -> dict:
     replay the routes vLLM captured in each serving mode, against HF with the adapter merged forced to them."""
     from ..lora import LoRAConfig, adapter_factors, apply_lora
     from ..refit.import_peft import load_peft
-    from ..checks.route_reference import random_expert_adapter
+    from .route_reference import random_expert_adapter
 
     ad = d["adapter"]
     apply_lora(model, LoRAConfig(rank=ad["rank"], alpha=ad["alpha"], targets=("experts",),
@@ -225,41 +219,31 @@ def adapter_cases(model, arch, path: str, d: dict, ids: list[int]) -> dict:
 def main(argv=None):
     from megatron.core import parallel_state as ps
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", required=True)
-    ap.add_argument("--layouts", required=True)
-    ap.add_argument("--data", required=True, help="the forced-set file written by replay_check.add_forced_sets")
-    ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
-    ap.add_argument("--run-config", default="", help="RunConfig as JSON (run_args.worker_arg); default fp32 on CPU")
-    ap.add_argument("--adapter-layouts", default="", help="layouts that also replay the routes captured while "
-                    "vLLM served an expert adapter, with that adapter in Megatron's LoRA")
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
-    rc = from_worker_arg(a.run_config)
-    prepare_host(rc)
+    def add(ap):
+        ap.add_argument("--data", required=True, help="the forced-set file written by replay.add_forced_sets")
+        ap.add_argument("--timing", type=int, default=0, help="also time N forward passes without / with replay")
+        ap.add_argument("--adapter-layouts", default="", help="layouts that also replay the routes captured while "
+                        "vLLM served an expert adapter, with that adapter in Megatron's LoRA")
+
+    a = worker_args(argv, add, models_at_layouts=True)
     data = torch.load(a.data, weights_only=False)
     out: dict = {}
-    for key in a.layouts.split(","):
-        layout = Layout.parse(key)
-        init_distributed(layout, rc)
-        for path in a.models.split(","):
-            d = data[path]
-            arch, model = build_from_hf(path, layout, rc)
-            dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            n = d["tokens"].shape[0]
-            if n % dp:
-                raise ValueError(f"{n} samples do not split over data parallel size {dp} (layout {key})")
-            ids = list(range(dpr * n // dp, (dpr + 1) * n // dp))
-            case = Case(model, arch, d, ids)
-            out.setdefault(key, {})[path] = run_case(case, a.timing)
-            case.replayer.detach()
-            del case
-            if key in a.adapter_layouts.split(",") and "adapter" in d:
-                out.setdefault("adapter", {}).setdefault(key, {})[path] = adapter_cases(model, arch, path, d, ids)
-            del model
-        teardown()
+    for key, layout, _, path in each_model_at_layout(a):
+        d = data[path]
+        arch, model = build_from_hf(path, layout, a.rc)
+        dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        n = d["tokens"].shape[0]
+        if n % dp:
+            raise ValueError(f"{n} samples do not split over data parallel size {dp} (layout {key})")
+        ids = list(range(dpr * n // dp, (dpr + 1) * n // dp))
+        case = Case(model, arch, d, ids)
+        out.setdefault(key, {})[path] = run_case(case, a.timing)
+        case.replayer.detach()
+        del case
+        if key in a.adapter_layouts.split(",") and "adapter" in d:
+            out.setdefault("adapter", {}).setdefault(key, {})[path] = adapter_cases(model, arch, path, d, ids)
+        del model
     finish_worker(out, a.result)
-
 
 if __name__ == "__main__":
     main()

@@ -7,9 +7,7 @@ It checks the streamed PEFT file and a streamed push (through the engine's own a
 full gather bit for bit. Rank 0 writes the JSON result."""
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import re
 from pathlib import Path
 
@@ -17,18 +15,16 @@ import torch
 import torch.distributed as dist
 
 from ..lora import LoRAConfig, adapter_factors, gather_adapters
-from ..lora.layers import make_factor
-from ..lora.state import group_rank_size
-from ..megatron.run_config import RunConfig, prepare_host
-from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
-from ..megatron.parallel import init_distributed, teardown
+from ..policy.model import build_from_hf
 from ..refit.export import stream_to_peft
 from ..refit.gather import build_plan, local_reports, stream
 from ..refit.rename import to_peft_tensors
-from ..refit.transports import _Base, push_stream
+from ..refit.transports import push_stream
 from ..refit.wire import checksum
-from ..checks.launch import finish_worker
+from .adapters import randomize_adapters
+from .fakes import FakeEngine
+from .launch import each_model_at_layout, finish_worker, worker_args
 
 
 def _status(key: str) -> int:
@@ -48,50 +44,10 @@ class PeakMeter:
         self.peak = _status("VmHWM") - self.start
 
 
-class SpoolEngine(_Base):
-    """Stands in for an engine's /collective_rpc endpoint that every sender reaches: buckets land as files in one
-    folder (wire format: safetensors); the commit reads them all and validates through the engine's own check
-    (vllm.adapter_set.build_adapter_set, with the checksum)."""
-
-    def __init__(self, arch, folder: Path):
-        self.arch, self.folder, self.begin, self.received = arch, folder, None, {}
-
-    def _call(self, method, *args):
-        from safetensors.torch import load_file
-
-        from ..vllm.adapter_set import build_adapter_set
-
-        if method == "moe_lora_begin":
-            self.begin = args
-            return {"staging": args[0]}
-        version, digest = args
-        _, _, rank, alpha, num_buckets = self.begin
-        files = sorted(self.folder.glob(f"v{version}-*.safetensors"))
-        if len(files) != num_buckets:
-            raise ValueError(f"version {version}: {len(files)} of {num_buckets} buckets arrived")
-        self.received = {k: v for f in files for k, v in load_file(str(f)).items()}
-        a = build_adapter_set(self.received, self.arch, rank=rank, alpha=alpha, version=version,
-                              expected_checksum=digest)
-        return {"version": a.version, "checksum": a.checksum, "num_tensors": a.num_tensors}
-
-    def _send_bucket(self, version, index, tensors):
-        from safetensors.torch import save_file
-
-        save_file(dict(tensors), str(self.folder / f"v{version}-{index:05d}.safetensors"))
-
-
-def randomize(model, seed: int) -> None:
-    """Every factor set from its global name (replicas agree), so the adapters are not the zero B of init."""
-    with torch.no_grad():
-        for _, p in adapter_factors(model):
-            r, n = group_rank_size(p.lora_meta.group)
-            p.copy_(make_factor(p.lora_meta, r, n, init="kaiming", seed=seed, dtype=p.dtype))
-
-
 def run_one(path: str, key: str, cfg: LoRAConfig, buckets: list[int], work: Path) -> dict:
     me = dist.get_rank()
     arch, model = build_from_hf(path, Layout.parse(key), lora=cfg)
-    randomize(model, seed=1)
+    randomize_adapters(model, seed=1)
     shard = sum(p.numel() * 4 for _, p in adapter_factors(model))
     rec: dict = {"shard_bytes": shard}
     with PeakMeter() as m:
@@ -121,7 +77,7 @@ def run_one(path: str, key: str, cfg: LoRAConfig, buckets: list[int], work: Path
             rec["digest_ok"] = digest == checksum(ref)
     folder = work / f"engine-{key}-{Path(path).name}"
     folder.mkdir(exist_ok=True)
-    engine = SpoolEngine(arch, folder)                          # every rank reaches the same engine
+    engine = FakeEngine(arch, folder=folder)                    # every rank reaches the same engine
     res = push_stream(model, arch, engine, 7, cfg.rank, cfg.alpha, bucket_bytes=min(buckets), collect_to=None)
     if me == 0:
         got = engine.received
@@ -148,31 +104,18 @@ def run_one(path: str, key: str, cfg: LoRAConfig, buckets: list[int], work: Path
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", required=True)
-    ap.add_argument("--layouts", required=True)
-    ap.add_argument("--lora", required=True, help="LoRAConfig as JSON")
-    ap.add_argument("--buckets", required=True, help="comma-separated bucket sizes in bytes")
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
-    prepare_host(RunConfig())                                # fp32 on CPU: the caller applies the CPU support
-    cfg = LoRAConfig.from_dict(json.loads(a.lora))
+    a = worker_args(argv, lambda ap: ap.add_argument("--buckets", required=True, help="bucket sizes in bytes, "
+                                                     "comma-separated"), models_at_layouts=True, lora=True)   # fp32
     buckets = [int(b) for b in a.buckets.split(",")]
     summary: dict = {}
     d = Path(a.result).parent / "refit-stream"                # one folder for every rank, next to the result
     d.mkdir(exist_ok=True)
-    for key in a.layouts.split(","):
-        layout = Layout.parse(key)
-        init_distributed(layout)
-        for path in a.models.split(","):
-            rec = run_one(path, key, cfg, buckets, Path(d))
-            per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, rec)
-            summary.setdefault(key, {})[path] = per_rank
-        teardown()
+    for key, _, _, path in each_model_at_layout(a):
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, run_one(path, key, a.lora, buckets, d))
+        summary.setdefault(key, {})[path] = per_rank
     dist.barrier()
     finish_worker(summary, a.result)
-
 
 if __name__ == "__main__":
     main()

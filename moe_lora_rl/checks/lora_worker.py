@@ -2,8 +2,6 @@
 sharded checkpoint save and cross-layout load. Rank 0 writes tensors to --out and a JSON summary to --result."""
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
@@ -13,12 +11,11 @@ import torch.distributed as dist
 from ..lora import LoRAConfig, adapter_factors, apply_lora, gather_adapters, load_sharded, save_sharded
 from ..lora import sync_adapter_grads
 from ..megatron.forward import forward_logits
-from ..policy.model import build_from_hf
 from ..megatron.layout import Layout
-from ..megatron.parallel import init_distributed, teardown
-from ..megatron.run_config import RunConfig, prepare_host
+from ..megatron.run_config import RunConfig
 from ..megatron.train_step import lm_train_step
-from .run_args import from_worker_arg
+from ..policy.model import build_from_hf
+from .launch import each_model_at_layout, finish_worker, worker_args
 
 
 def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = False, rc: RunConfig | None = None):
@@ -72,37 +69,21 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", required=True, help="comma-separated HF checkpoint dirs")
-    ap.add_argument("--layouts", required=True)
-    ap.add_argument("--data", required=True, help=".pt: {model_dir: {'train': [N,S], 'eval': [B,S]}} token tensors")
-    ap.add_argument("--lora", required=True, help="LoRAConfig as JSON")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--mbs", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
-    ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
-    ap.add_argument("--run-config", default="", help="RunConfig as JSON; default fp32 on CPU")
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
-    a.rc = from_worker_arg(a.run_config)
-    prepare_host(a.rc)
-    cfg = LoRAConfig.from_dict(json.loads(a.lora))
-    data = torch.load(a.data)
-    out = Path(a.out)
-    summary: dict = {}
-    for key in a.layouts.split(","):
-        layout = Layout.parse(key)
-        init_distributed(layout, a.rc)
-        for mi, path in enumerate(a.models.split(",")):
-            summary.setdefault(key, {})[path] = run_one(a, cfg, layout, key, mi, path, data[path], out)
-        teardown()
-    if dist.get_rank() == 0:
-        Path(a.result).write_text(json.dumps(summary))
-    dist.barrier()
-    dist.destroy_process_group()
+    def add(ap):
+        ap.add_argument("--data", required=True, help=".pt: {model_dir: {'train': [N,S], 'eval': [B,S]}} token tensors")
+        ap.add_argument("--steps", type=int, default=3)
+        ap.add_argument("--lr", type=float, default=1e-4)
+        ap.add_argument("--mbs", type=int, default=1)
+        ap.add_argument("--out", required=True)
+        ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
+        ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
 
+    a = worker_args(argv, add, models_at_layouts=True, lora=True)
+    data = torch.load(a.data)
+    summary: dict = {}
+    for key, layout, mi, path in each_model_at_layout(a):
+        summary.setdefault(key, {})[path] = run_one(a, a.lora, layout, key, mi, path, data[path], Path(a.out))
+    finish_worker(summary, a.result)
 
 if __name__ == "__main__":
     main()

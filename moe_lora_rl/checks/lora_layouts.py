@@ -2,6 +2,7 @@
 
 reference layout tp1ep1pp1 (world 1) first; every other layout (one torchrun launch per world size) also loads the
 reference's sharded checkpoint into fresh adapters, so save-at-one-layout / load-at-another is checked too.
+peft_diff: a trained adapter exported to PEFT and loaded into HF transformers + peft, against Megatron+LoRA.
 """
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ from pathlib import Path
 import torch
 
 from ..lora import LoRAConfig
-from ..checks.launch import run_torchrun
-from .common import group_by_world
+from .launch import run_torchrun, worker_arg
+from .layouts import dp_batch, group_by_world
 
 REFERENCE = "tp1ep1pp1"
 
 
 def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
     """Per model: a training batch with an empty and an odd-loaded expert in one MoE layer, and an eval batch."""
-    from ..checks.hf import hf_model
-    from ..checks.data import uneven_batch
+    from .data import uneven_batch
+    from .hf import hf_model
 
     data, info = {}, {}
     for m in models:
@@ -39,8 +40,6 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     rc: the Megatron RunConfig of every layout (default fp32 on CPU)."""
     from ..megatron.layout import Layout
     from ..megatron.run_config import RunConfig
-    from .common import dp_batch
-    from .run_args import worker_arg
 
     workdir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in layouts.split(",") if n.strip() and n.strip() != REFERENCE]
@@ -48,9 +47,9 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     load_info = make_data(models, workdir, n=n)
     common = ["--models", ",".join(models), "--data", str(workdir / "data.pt"), "--lora", json.dumps(cfg.to_dict()),
               "--steps", str(steps), "--lr", str(lr), "--out", str(workdir), *worker_arg(rc or RunConfig())]
-    summary = run_torchrun("moe_lora_rl.bench.lora_worker", 1, common + ["--layouts", REFERENCE])
+    summary = run_torchrun("moe_lora_rl.checks.lora_worker", 1, common + ["--layouts", REFERENCE])
     for world, group in group_by_world(",".join(names)).items():
-        summary.update(run_torchrun("moe_lora_rl.bench.lora_worker", world,
+        summary.update(run_torchrun("moe_lora_rl.checks.lora_worker", world,
                                     common + ["--layouts", ",".join(group), "--load-from", REFERENCE]
                                     + (["--grouped"] if grouped else [])))
     report: dict = {"per_layout": {}, "expert_load": load_info}
@@ -72,3 +71,15 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     report["layout_max_diff"] = max(max(r["adapter_max_diff"], r["loss_max_diff"])
                                     for per in report["per_layout"].values() for r in per.values())
     return report
+
+
+def peft_diff(model_dir: str, blob_path: Path, cfg: LoRAConfig, out: Path) -> float:
+    """Export a trained adapter blob (canonical tensors + Megatron eval logits) to PEFT and compare in HF."""
+    from ..lora.peft_hf import peft_logits
+    from ..models.arch import load_arch
+    from ..refit.export import save_peft
+
+    blob = torch.load(blob_path)
+    data = torch.load(blob_path.parent / "data.pt")[model_dir]
+    save_peft(blob["adapters"], load_arch(model_dir), cfg, out, base_model=model_dir)
+    return (peft_logits(model_dir, out, data["eval"]) - blob["eval_logits"]).abs().max().item()

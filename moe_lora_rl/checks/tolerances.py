@@ -1,0 +1,39 @@
+"""Every tolerance and target the checks, tests and benches assert or report, each with why it is that size.
+Derivations too long for one line are in the docstring of the test named beside the value."""
+from __future__ import annotations
+
+import torch
+
+BF16_UNIT_ROUNDOFF = 2.0 ** -8       # u: bf16 keeps 8 significant bits
+
+# Megatron vs HF transformers, fp32 logits (magnitude ~5): reduction-order noise; a wrong shard differs by O(1).
+PARITY_FP32 = 1e-4
+# bf16 parity: median over tokens of max |logit diff| / max |ref|; every op rounds to u, measured 2-4u
+# (tests/distributed/test_bf16.py).
+PARITY_BF16 = 8 * BF16_UNIT_ROUNDOFF
+# A model trained in bf16: the eval forward's 8u plus the rounding its adapters carry (test_bf16.py).
+TRAINED_BF16 = 2 * PARITY_BF16
+
+# LoRA after 3 AdamW steps (lr 1e-4) at any layout vs tp1ep1pp1: losses and gathered adapters; reduction-order
+# noise becomes a fraction of lr per step (measured ~1e-6; tests/distributed/test_lora_layouts.py).
+LORA_LAYOUT = 1e-5
+# Logits of trained or cross-layout-loaded adapters vs the reference (fp32, magnitude ~5-20).
+LORA_LOGITS = 1e-4
+# Our PEFT export in HF transformers + peft vs Megatron+LoRA logits (fp32, magnitude ~20; peft adds B(Ax) unmerged).
+PEFT_LOGITS = 1e-4
+# A broken export (a factor changed) must move the logits by more than this.
+PEFT_BROKEN_MIN = 1e-3
+
+# R3: Megatron replaying forced routes vs HF forced to them. fp32: max |logit diff|; bf16: the worst token's
+# max |logit diff| / max |reference logit|, 4x parity's median (test_bf16.py).
+FIDELITY_TOL = {torch.float32: 1e-4, torch.bfloat16: 16 * BF16_UNIT_ROUNDOFF}
+SHUFFLED_MIN = 1e-2                  # the shuffled-routes negative control must differ by more than this
+
+# vLLM prompt logprobs vs Megatron+LoRA after a refit (same fp32 math, measured ~1e-5; the base differs by >1e-2).
+REFIT_LOGPROBS = 1e-3
+ADAPTER_MATTERS_MIN = 1e-2           # base vs LoRA logprobs: the adapter must move them by more than this
+
+# LoRA training peak RSS / full fine-tuning peak RSS (bench lora, medium model): frozen base, no base grads or moments.
+PEAK_RATIO_TARGET = 0.7
+# Planner prediction vs measurement at another batch size (bench plan): relative error of steps per minute.
+PLAN_ERROR_TARGET = 0.25
