@@ -9,15 +9,15 @@ import os
 import statistics
 import time
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"     # one OpenMP thread (OMP_NUM_THREADS=1): CPU time = work
+from ..rollout.engine import make_engine, set_engine_env
+from ..rollout.generate import captured_generate
 
 
 def main(argv=None):
+    set_engine_env()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"     # one OpenMP thread (OMP_NUM_THREADS=1): CPU time = work
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -27,8 +27,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
-    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=a.prompt_len + a.response_len + 8, enforce_eager=True,
-              seed=0, enable_prefix_caching=False, max_num_seqs=max(conc))
+    llm = make_engine(a.model, max_model_len=a.prompt_len + a.response_len + 8, prefix_caching=False,
+                      max_num_seqs=max(conc))
     vocab = llm.llm_engine.model_config.get_vocab_size()
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, vocab, (max(conc), a.prompt_len), generator=g).tolist()
@@ -37,9 +37,9 @@ def main(argv=None):
 
     def gen(c: int) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:c]], sp, use_tqdm=False)
+        gens = captured_generate(llm, prompts[:c], sp)
         dt = (time.perf_counter() - t0, time.process_time() - c0)
-        if any(len(o.outputs[0].token_ids) != a.response_len for o in outs):
+        if any(len(g.response) != a.response_len for g in gens):
             raise RuntimeError("a request did not generate exactly --response-len tokens")
         return dt
 

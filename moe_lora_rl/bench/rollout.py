@@ -1,4 +1,4 @@
-"""rollout: the RL rollout engine process (rl/rollout.py) as the driver uses it, per engine thread count.
+"""rollout: the RL rollout engine process (rollout/client.py) as the driver uses it, per engine thread count.
 
     python -m moe_lora_rl.bench rollout --json [--model DIR] [--dtype float32] [--requests 64] [--group 8]
                                         [--prompt-len 23] [--max-tokens 8] [--threads 1,2] [--rank 8] [--repeats 3]

@@ -1,47 +1,30 @@
 """Run in its own process: bf16 rollouts from an in-process vLLM CPU engine with routing capture on. Writes the
-same rollout file as replay_check.make_rollout: tokens [N, P+G], routes (RoutesBatch field), per-token logprobs
+same rollout file as checks/replay.make_rollout: tokens [N, P+G], routes (RoutesBatch field), per-token logprobs
 of tokens 1.. from the engine (prompt logprobs + sampled logprobs), and the measured capture overhead."""
 from __future__ import annotations
 
 import argparse
 import time
 
-from .vllm_env import set_engine_env
+from ..rollout.engine import make_engine, set_engine_env
+from ..rollout.generate import captured_generate, capturing
 
 
 def _captured_rollout(llm, prompts, sp):
     """Generate with routing capture on: (tokens [N, P+G], RoutesBatch, per-token logprobs of tokens 1..)."""
-    import numpy as np
     import torch
 
-    from ..router_replay.align import spread_pad
     from ..router_replay.routes import RoutesBatch
 
-    meta = llm.collective_rpc("moe_lora_capture_start")[0]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    ids = [o.request_id for o in outs]
-    caps = llm.collective_rpc("moe_lora_capture_pop", args=(ids,))[0]
-    llm.collective_rpc("moe_lora_capture_stop")
-    tokens, samples, lps = [], [], []
-    for p, o in zip(prompts, outs):
-        gen = list(o.outputs[0].token_ids)
-        seq = p + gen
-        r = caps[o.request_id]
-        if r.shape[0] != len(seq) - 1:
-            raise RuntimeError(f"request {o.request_id}: captured {r.shape[0]} rows for {len(seq)} tokens")
-        # the last sampled token is never forwarded by the engine: its row is padding (no loss depends on it)
-        last = spread_pad(1, meta["topk"], meta["num_experts"])[None].repeat(len(meta["layer_ids"]), 1)
-        samples.append(np.concatenate([r, last.astype(r.dtype)[None].reshape(1, len(meta["layer_ids"]), -1)]))
-        lp = [o.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(p))]
-        lp += [d[tok].logprob for tok, d in zip(gen, o.outputs[0].logprobs)]
-        tokens.append(seq)
-        lps.append(torch.tensor(lp, dtype=torch.float64))
-    routes = RoutesBatch(samples, tuple(meta["layer_ids"]), meta["num_experts"], meta["topk"])
-    return torch.tensor(tokens), routes, lps
+    with capturing(llm) as meta:
+        gens = captured_generate(llm, prompts, sp, meta, pad=True)
+    routes = RoutesBatch([g.routes for g in gens], tuple(meta["layer_ids"]), meta["num_experts"], meta["topk"])
+    lps = [torch.tensor(g.prompt_logprobs + g.logprobs, dtype=torch.float64) for g in gens]
+    return torch.tensor([g.tokens for g in gens]), routes, lps
 
 
 def _adapter_rollouts(llm, model, prompts, sp, a) -> dict:
-    """The same prompts while the engine serves an expert adapter (bench/route_reference.random_expert_adapter of
+    """The same prompts while the engine serves an expert adapter (checks/route_reference.random_expert_adapter of
     --adapter-rank and --adapter-seed, alpha 2*rank, gate and up sharing A as Megatron's fused fc1 LoRA does), in
     each serving mode: tokens, routes and logprobs per mode."""
     from ..models.arch import load_arch
@@ -66,7 +49,7 @@ def _adapter_rollouts(llm, model, prompts, sp, a) -> dict:
 def main(argv=None):
     set_engine_env()
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
@@ -83,8 +66,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     data = {}
     for model in a.models.split(","):
-        llm = LLM(model=model, dtype=a.dtype, max_model_len=512, enforce_eager=True, seed=0,
-                  enable_prefix_caching=False, worker_extension_cls="moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension")
+        llm = make_engine(model, dtype=a.dtype, prefix_caching=False)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         g = torch.Generator().manual_seed(11)
         prompts = torch.randint(0, vocab, (a.n, a.prompt_len), generator=g).tolist()
@@ -101,9 +83,8 @@ def main(argv=None):
             off, on = [], []
             for _ in range(2):                                       # interleaved: off, on, off, on
                 off.append(tps(llm))
-                llm.collective_rpc("moe_lora_capture_start")
-                on.append(tps(llm))
-                llm.collective_rpc("moe_lora_capture_stop")         # drops the captured routes too
+                with capturing(llm):                                 # the stop drops the captured routes too
+                    on.append(tps(llm))
             overhead = {"tps_without": sum(off) / 2, "tps_with": sum(on) / 2,
                         "capture_overhead": 1 - sum(on) / sum(off)}
         tokens, routes, lps = _captured_rollout(llm, prompts, sp)

@@ -13,13 +13,10 @@ samples per prompt got complete routes with prefix caching on; prefix_cache_hits
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from ..checks.launch import worker_env
+from ..checks.launch import run_process
 from .common import emit
 
 
@@ -42,13 +39,8 @@ def main(argv=None) -> dict:
     if not (Path(a.model) / "config.json").exists():
         ap.error(f"--model {a.model}: not an HF checkpoint directory (no config.json)")
     with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench.serve_worker", "--model", a.model,
-                               "--rank", str(a.rank), "--batch", str(a.batch), "--prompt-len", str(a.prompt_len),
-                               "--gen-len", str(a.gen_len)], env=worker_env(), cwd=d, capture_output=True,
-                              text=True, timeout=3600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"serve bench worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+        result = run_process("moe_lora_rl.bench.serve_worker", ["--model", a.model, "--rank", str(a.rank), "--batch",
+                             str(a.batch), "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)],
+                             timeout=3600, cwd=d, what="serve bench worker")
     emit(result, a.json)
     return result

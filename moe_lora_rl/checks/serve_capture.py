@@ -1,4 +1,7 @@
-"""Run in its own process: one in-process vLLM engine per model (bf16, prefix caching on, routing capture on). For
+"""python -m moe_lora_rl.checks.serve_capture --models A,B --modes unmerged,merged (tests/e2e/test_serve_vllm.py).
+
+In its own process, per model: an fp32 engine (prompt logprobs and routes vs HF with the adapter merged, each
+serving mode; a merge that overflows is refused), then a bf16 engine (prefix caching on, routing capture on). For
 each serving mode: push an expert adapter, generate groups of samples per prompt (the prompt computed once, reused
 from the prefix cache), pop the routes and compare them with HF transformers' routing of the same sequences under
 the same adapter (merged, bf16) and under the base model. Prints one line "RESULT <json>"."""
@@ -7,34 +10,23 @@ from __future__ import annotations
 import argparse
 import json
 
-from .vllm_env import set_engine_env
+from ..rollout.engine import make_engine, set_engine_env
+from ..rollout.generate import captured_generate, capturing, start_capture
 
 # a decision whose fp32 reference selection scores are closer than this is a tie at bf16 precision: bf16 carries
 # 8 significant bits (relative rounding 2^-9 ~ 2e-3 per value), and the router input has gone through every layer
 TIE = 0.02
-EXT = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
+ENGINE = dict(max_model_len=512, seed=0, block_size=32)      # both engines; bf16 adds prefix caching
 
 
-def make_engine(model: str, dtype: str = "bfloat16", prefix_caching: bool = True, block_size: int = 32, **kw):
-    from vllm import LLM
-
-    return LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0, block_size=block_size,
-               enable_prefix_caching=prefix_caching, worker_extension_cls=EXT, **kw)
-
-
-def generate_groups(llm, prompts: list[list[int]], group: int, gen_len: int, seed: int):
-    """group samples per prompt as separate requests (as an RL trainer submits them); returns sequences and ids."""
+def generate_groups(llm, prompts: list[list[int]], group: int, gen_len: int, seed: int, meta: dict | None):
+    """group samples per prompt as separate requests (as an RL trainer submits them), seeds seed, seed + 1, ..."""
     from vllm import SamplingParams
 
-    reqs, params = [], []
-    for p in prompts:
-        for j in range(group):
-            reqs.append({"prompt_token_ids": p})
-            params.append(SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, ignore_eos=True,
-                                         seed=seed + len(params)))
-    outs = llm.generate(reqs, params, use_tqdm=False)
-    return [r["prompt_token_ids"] + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)], \
-        [o.request_id for o in outs]
+    reqs = [p for p in prompts for _ in range(group)]
+    params = [SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, ignore_eos=True, seed=seed + i)
+              for i in range(len(reqs))]
+    return captured_generate(llm, reqs, params, meta)
 
 
 def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version: int, *, n_prompts=3, group=4,
@@ -43,19 +35,20 @@ def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version:
     import torch
 
     from ..refit.transports import InprocTransport
-    from ..checks.route_reference import agreement, hf_routes, merged_hf_model
+    from .route_reference import agreement, hf_routes, merged_hf_model
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, arch.vocab_size, (n_prompts, prompt_len), generator=g).tolist()
     if peft is not None:
         InprocTransport(llm).push(version, peft, rank, alpha)
-    llm.collective_rpc("moe_lora_capture_start")
-    seqs, ids = generate_groups(llm, prompts, group, gen_len, seed)
-    caps = llm.collective_rpc("moe_lora_capture_pop", args=(ids,))[0]
-    meta = llm.collective_rpc("moe_lora_capture_start")[0]        # already running: its counters
-    llm.collective_rpc("moe_lora_capture_stop")
-    routes = [caps[i] for i in ids]
+    with capturing(llm) as meta:
+        try:
+            gens = generate_groups(llm, prompts, group, gen_len, seed, meta)
+        except RuntimeError as e:                 # incomplete routes: reported, the test asserts on it
+            return {"complete": False, "error": str(e)}
+        meta = start_capture(llm)                 # already running: its counters
+    routes, seqs = [g.routes for g in gens], [g.tokens for g in gens]
     complete = all(r.shape == (len(s) - 1, len(moe), arch.topk) for r, s in zip(routes, seqs))
     ref = [s[:-1] for s in seqs]
     want = hf_routes(merged_hf_model(model, peft, alpha / rank, torch.bfloat16), moe, ref)
@@ -67,7 +60,7 @@ def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version:
             "agree_ref_fp32_untied": agreement(routes, want32, margins=margin, min_margin=TIE),
             "agree_hf_bf16_fp32_untied": agreement(want, want32, margins=margin, min_margin=TIE),
             "ties": float(np.mean(np.concatenate([(m < TIE).ravel() for m in margin]))),
-            "prefix_route_hits": meta.get("prefix_route_hits", 0), "requests": len(ids),
+            "prefix_route_hits": meta.get("prefix_route_hits", 0), "requests": len(gens),
             "rows": int(sum(r.shape[0] for r in routes)), "dtype": str(routes[0].dtype)}
 
 
@@ -79,18 +72,14 @@ def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: in
     from vllm import SamplingParams
 
     from ..refit.transports import InprocTransport
-    from ..checks.route_reference import agreement, hf_routes, merged_hf_model
+    from .route_reference import agreement, hf_routes, merged_hf_model
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
     seqs = torch.randint(0, arch.vocab_size, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
     served = InprocTransport(llm).push(version, peft, rank, alpha).served
-    llm.collective_rpc("moe_lora_capture_start")
-    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    caps = llm.collective_rpc("moe_lora_capture_pop", args=([o.request_id for o in outs],))[0]
-    llm.collective_rpc("moe_lora_capture_stop")
-    got = torch.tensor([[o.prompt_logprobs[t][s[t]].logprob for t in range(1, len(s))] for s, o in zip(seqs, outs)],
-                       dtype=torch.float64)
+    with capturing(llm) as meta:
+        gens = captured_generate(llm, seqs, SamplingParams(max_tokens=1, prompt_logprobs=0), meta)
+    got = torch.tensor([g.prompt_logprobs for g in gens], dtype=torch.float64)
     toks = torch.tensor(seqs)
 
     def ref_logprobs(p):
@@ -101,7 +90,7 @@ def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: in
     ref_model, want = ref_logprobs(peft)
     perturbed = {k: v * 1.1 if ".lora_B." in k else v for k, v in peft.items()}
     _, want_perturbed = ref_logprobs(perturbed)
-    routes = [caps[o.request_id] for o in outs]
+    routes = [g.routes for g in gens]
     return {"logprob_max_diff": (got - want).abs().max().item(),
             "logprob_diff_perturbed": (got - want_perturbed).abs().max().item(),
             "agree_routes": agreement(routes, hf_routes(ref_model, moe, seqs)),
@@ -125,7 +114,7 @@ def overflow_check(llm, arch, peft, rank: int, alpha: float, version: int) -> di
 def main(argv=None) -> dict:
     set_engine_env()
     from ..models.arch import load_arch
-    from ..checks.route_reference import random_expert_adapter
+    from .route_reference import random_expert_adapter
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
@@ -136,7 +125,7 @@ def main(argv=None) -> dict:
     import gc
     for model in a.models.split(","):
         arch = load_arch(model)
-        llm = make_engine(model, dtype="float32", prefix_caching=False)
+        llm = make_engine(model, dtype="float32", prefix_caching=False, **ENGINE)
         exact = {}
         for version, mode in enumerate(a.modes.split(","), 1):
             llm.collective_rpc("moe_lora_clear")
@@ -147,10 +136,10 @@ def main(argv=None) -> dict:
                 exact["overflow"] = overflow_check(llm, arch, peft, a.rank, 2.0 * a.rank, version + 100)
         del llm
         gc.collect()
-        llm = make_engine(model)
+        llm = make_engine(model, prefix_caching=True, **ENGINE)
         from pathlib import Path
 
-        from .vllm_peft_check import vllm_load_check, write_peft_dir
+        from .vllm_peft import vllm_load_check, write_peft_dir
 
         peft = random_expert_adapter(arch, a.rank, seed=0)
         peft_dir = write_peft_dir(peft, arch, a.rank, 2.0 * a.rank, Path(f"peft-{arch.family}"), model)
