@@ -138,6 +138,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     out["step_moved"] = max(float((after[k] - before[k]).abs().max()) for k in after)
     out["version"] = pol.version
     lap("update")
+    out["nan_on_rank0"] = nan_step(pol, batch, old, kw)
     if check_errors:
         out["errors"] = bad_inputs(pol, batch, old)
     if push:
@@ -149,6 +150,31 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     dist.barrier()
     teardown()
     return out
+
+
+def nan_step(pol: Policy, batch: PolicyBatch, old: torch.Tensor, kw: dict) -> dict:
+    """One update with a NaN gradient on rank 0's first adapter factor only: the all-reduced norm is non-finite on
+    every rank, so every rank skips (policy/step.py): adapters and AdamW state unchanged, version unchanged."""
+    import math
+
+    import torch.distributed as dist
+
+    params, version = [p.detach().clone() for p in pol.params], pol.version
+    state = [{k: v.clone() for k, v in pol.optimizer.state[p].items()} for p in pol.params]
+    hook = pol.params[0].register_hook(lambda g: torch.full_like(g, float("nan"))) if dist.get_rank() == 0 else None
+    try:
+        stats = pol.update(batch, old, **kw)
+    finally:
+        if hook is not None:
+            hook.remove()
+    same = all(torch.equal(p, q) for p, q in zip(pol.params, params)) and all(
+        s.keys() == pol.optimizer.state[p].keys() and all(torch.equal(v, pol.optimizer.state[p][k])
+                                                          for k, v in s.items()) for p, s in zip(pol.params, state))
+    flags = torch.tensor([float(stats["skipped"]), float(not math.isfinite(stats["grad_norm"])), float(same),
+                          float(pol.version == version), float(all(p.grad is None for p in pol.params))])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)       # 1 only if it holds on every rank
+    return dict(zip(("skipped", "norm_non_finite", "unchanged", "version_kept", "grads_none"),
+                    (bool(f) for f in flags.tolist())))
 
 
 def bad_inputs(pol: Policy, batch: PolicyBatch, old: torch.Tensor) -> dict[str, str]:
@@ -283,7 +309,7 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "nonzero_grad_A_and_B": [any(k.endswith(f) and float(v.abs().max()) > 0 for k, v in r["grads"].items())
                                      for f in ("lora_A", "lora_B")],
             "norm_after_clip": r["norm_after_clip"], "naive_norm_after_clip": r["naive_norm_after_clip"],
-            "errors": r.get("errors"), "push": r.get("push"), "step_moved": r["step_moved"], "version": r["version"],
+            "errors": r.get("errors"), "push": r.get("push"), "nan_on_rank0": r["nan_on_rank0"], "step_moved": r["step_moved"], "version": r["version"],
             "times": r["times"],
         }
     return rep

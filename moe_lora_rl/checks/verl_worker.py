@@ -327,7 +327,7 @@ def main(argv=None):
     from ..models.arch import load_arch
     from ..megatron.parallel import teardown
     from .launch import finish_worker
-    from ..integration.verl import config  # noqa: F401  (registers our engine, as verl's _target_ resolution does)
+    from ..integration.verl import plugin  # noqa: F401  (registers our engine and the CPU platform)
     from ..algos import grpo_advantages
 
     torch.manual_seed(0)
