@@ -9,7 +9,6 @@ adapters after it; at the last layout a push to an in-memory engine, at the firs
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import numpy as np
@@ -18,16 +17,15 @@ import torch
 from ..algos import PolicyLossSettings
 from ..lora import LoRAConfig, adapter_factors, gather_adapters
 from ..lora.grad_norm import adapter_grad_norm
-from ..lora.layers import make_factor
-from ..lora.state import group_rank_size
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
-from ..megatron.run_config import RunConfig, prepare_host
+from ..megatron.run_config import RunConfig
 from ..models import get_model
 from ..policy.core import Policy, PolicyBatch
 from ..router_replay.routes import RoutesBatch
-from ..refit.transports import _Base
-from .launch import finish_worker
+from .adapters import randomize_adapters
+from .fakes import FakeEngine
+from .launch import finish_worker, worker_args
 
 N, S, PROMPT = 8, 23, 5
 LENGTHS = [23, 12, 17, 8, 23, 15, 6, 20]          # mixed response lengths; S=23 is odd (padded to 24 under SP)
@@ -48,16 +46,6 @@ def make_batch(vocab: int, layers: tuple[int, ...], num_experts: int, topk: int)
     rng = np.random.default_rng(5)
     shuffled = RoutesBatch([r[rng.permutation(r.shape[0])] for r in routes.samples], layers, num_experts, topk)
     return batch, shuffled
-
-
-@torch.no_grad()
-def perturb(model, seed: int = 7, b_scale: float = 0.05) -> None:
-    """Every factor set from a seeded global tensor (kaiming-uniform on fan-in), B scaled: layout independent."""
-    for _, p in adapter_factors(model):
-        meta = p.lora_meta
-        r, n = group_rank_size(meta.group)
-        new = make_factor(meta, r, n, init="kaiming", seed=seed, dtype=p.dtype)
-        p.copy_(new * (b_scale if meta.global_name.endswith("lora_B") else 1.0))
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -81,7 +69,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     init_distributed(layout, rc)
     pol = Policy(path, layout, rc, LoRAConfig(rank=4, alpha=8.0), lr=1e-3, weight_decay=0.01, grad_clip=grad_clip,
                  loss=PolicyLossSettings(), micro_batch_size=1, temperature=0.9)
-    perturb(pol.model)
+    randomize_adapters(pol.model, seed=7, b_scale=0.05)
     lap("build")
     arch = pol.arch
     batch, shuffled = make_batch(arch.vocab_size, tuple(arch.moe_layer_ids), arch.num_experts, arch.topk)
@@ -217,36 +205,6 @@ def bad_inputs(pol: Policy, batch: PolicyBatch, old: torch.Tensor) -> dict[str, 
     return out
 
 
-class MemoryEngine(_Base):
-    """Rank 0's stand-in for the engine: keeps the pushed buckets and validates the commit with the engine's own
-    check (vllm.adapter_set.build_adapter_set, checksum included)."""
-
-    def __init__(self, arch):
-        self.arch, self.begin, self.buckets = arch, None, {}
-
-    def _call(self, method, *args):
-        from ..vllm.adapter_set import build_adapter_set
-
-        if method == "moe_lora_begin":
-            self.begin = args
-            return {"staging": args[0]}
-        version, digest = args
-        _, _, rank, alpha, _ = self.begin
-        a = build_adapter_set(self.received, self.arch, rank=rank, alpha=alpha, version=version,
-                              expected_checksum=digest)
-        return {"version": a.version, "num_tensors": a.num_tensors}
-
-    @property
-    def received(self) -> dict:
-        return {k: v for b in sorted(self.buckets) for k, v in self.buckets[b].items()}
-
-    def _send_bucket(self, version, index, tensors):
-        self.buckets[index] = {k: v.clone() for k, v in tensors.items()}
-
-    def _reset_prefix_cache(self) -> None:
-        pass
-
-
 def push_check(pol: Policy) -> dict:
     """Policy.push with the transport on rank 0 only: what arrives equals the gathered adapters in PEFT form."""
     import torch.distributed as dist
@@ -254,7 +212,7 @@ def push_check(pol: Policy) -> dict:
     from ..refit.rename import to_peft_tensors
 
     ref = to_peft_tensors(gather_adapters(pol.model), pol.arch)
-    engine = MemoryEngine(pol.arch) if dist.get_rank() == 0 else None
+    engine = FakeEngine(pol.arch) if dist.get_rank() == 0 else None
     res = pol.push(engine, pol.version)
     if dist.get_rank() != 0:
         return {}
@@ -318,13 +276,12 @@ def compare(res: dict, layouts: list[str]) -> dict:
 def main(argv=None):
     import torch.distributed as dist
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", default="tp1ep1pp1,tp2ep2,pp2ep2")
-    ap.add_argument("--grad-clip", type=float, default=0.5)
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
-    rc = RunConfig()
-    prepare_host(rc)
+    def add(ap):
+        ap.add_argument("--layouts", default="tp1ep1pp1,tp2ep2,pp2ep2")
+        ap.add_argument("--grad-clip", type=float, default=0.5)
+
+    a = worker_args(argv, add)
+    rc = a.rc
     path = str(get_model("glm4_moe", "tiny"))
     layouts = a.layouts.split(",")
     res = {}

@@ -14,14 +14,15 @@ Rank 0 writes the max abs differences as JSON.
 """
 from __future__ import annotations
 
-import argparse
 import os
 
-os.environ.setdefault("VERL_PLATFORM", "moe_lora_cpu")
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from .adapters import randomize_adapters
+from .launch import finish_worker, worker_args
+
+VERL_CPU_ENV = {"VERL_PLATFORM": "moe_lora_cpu", "VERL_ENGINE_DEVICE": "cpu"}   # set by main(), never at import
 
 N, GROUP, TEMPERATURE, MICRO = 8, 4, 0.7, 2
 LORA = {"rank": 4, "alpha": 8, "adapter_layout": "per_expert"}
@@ -51,17 +52,6 @@ def make_batch(arch, seed: int = 0) -> dict:
 def real_tokens(b) -> list[torch.Tensor]:
     ids = torch.cat([b["prompts"], b["responses"]], 1)
     return [ids[i][b["attn"][i].bool()] for i in range(N)]
-
-
-def randomize(model, seed: int = 1, scale: float = 0.3) -> None:
-    """Every factor from its global name (layout independent), scaled so log-probs stay in a realistic range."""
-    from ..lora.layers import adapter_factors, make_factor
-    from ..lora.state import group_rank_size
-
-    with torch.no_grad():
-        for _, p in adapter_factors(model):
-            r, n = group_rank_size(p.lora_meta.group)
-            p.copy_(make_factor(p.lora_meta, r, n, init="kaiming", seed=seed, dtype=p.dtype) * scale)
 
 
 def response_logprobs(logits: torch.Tensor, seqs: list[torch.Tensor], b) -> torch.Tensor:
@@ -106,12 +96,7 @@ def reference(path, arch, b, adv) -> dict:
     from ..integration.verl.config import lora_config
     from ..integration.verl.routes import routes_from_verl
 
-    from ..megatron import cpu_support
-    from ..megatron.run_config import prepare_host
-
-    rc = RunConfig(device="cpu", dtype="fp32")
-    if cpu_support.active() is None:
-        prepare_host(rc)
+    rc = RunConfig(device="cpu", dtype="fp32")         # the host is prepared by worker_args
     init_distributed(Layout(), rc)
     seqs = real_tokens(b)
     S = max(len(s) for s in seqs)
@@ -122,7 +107,7 @@ def reference(path, arch, b, adv) -> dict:
     out = {"base": response_logprobs(forward_logits(base_model, tokens, arch.vocab_size), seqs, b)}
     del base_model
     _, model = build_from_hf(path, Layout(), rc, lora=lora_config(LORA))
-    randomize(model)
+    randomize_adapters(model, seed=1, scale=0.3)
     logits = forward_logits(model, tokens, arch.vocab_size)
     out["logprobs"] = response_logprobs(logits, seqs, b)
     out["entropy"] = response_entropy(logits, b)
@@ -232,7 +217,7 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
     w = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=mc, engine_config=ec,
                                             optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1e9)))
     w.reset()
-    randomize(w.engine.model)
+    randomize_adapters(w.engine.model, seed=1, scale=0.3)
     dp, dpr = w.engine.get_data_parallel_size(), w.engine.get_data_parallel_rank()
     rows = list(range(dpr * N // dp, (dpr + 1) * N // dp))
 
@@ -317,16 +302,17 @@ def checkpoint_replay(w, batch, ckpt_dir) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
-    ap.add_argument("--result", required=True)
-    a = ap.parse_args(argv)
+    def add(ap):
+        ap.add_argument("--model", required=True)
+        ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
+
+    for k, v in VERL_CPU_ENV.items():
+        os.environ.setdefault(k, v)
+    a = worker_args(argv, add)
     import torch.distributed as dist
 
     from ..models.arch import load_arch
     from ..megatron.parallel import teardown
-    from .launch import finish_worker
     from ..integration.verl import plugin  # noqa: F401  (registers our engine and the CPU platform)
     from ..algos import grpo_advantages
 

@@ -17,16 +17,33 @@ from functools import partial
 import pytest
 import torch
 
-os.environ.setdefault("VERL_PLATFORM", "moe_lora_cpu")
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-
 pytest.importorskip("verl")
 
 LORA = {"rank": 4, "alpha": 8, "adapter_layout": "per_expert"}
 
 
 @pytest.fixture(scope="module")
-def drivers():
+def verl_cpu_platform():
+    """verl on our CPU platform for this module only: the environment and verl's cached platform are restored after,
+    so later tests (and the subprocesses they start) see verl as before."""
+    from verl.plugin.platform import platform_manager
+
+    from moe_lora_rl.checks.verl_worker import VERL_CPU_ENV
+
+    saved_env = {k: os.environ.get(k) for k in VERL_CPU_ENV}
+    saved_platform = platform_manager._current_platform
+    os.environ.update(VERL_CPU_ENV)
+    yield
+    for k, v in saved_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    platform_manager._current_platform = saved_platform
+
+
+@pytest.fixture(scope="module")
+def drivers(verl_cpu_platform):
     from verl.workers.config import EngineRouterReplayConfig, HFModelConfig
     from verl.workers.config.optimizer import OptimizerConfig
 
