@@ -13,9 +13,6 @@ import asyncio
 import json
 import os
 
-os.environ.setdefault("VERL_PLATFORM", "moe_lora_cpu")
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-
 
 def megatron_lp(eng, seqs):
     from ..megatron.forward import forward_logits
@@ -68,11 +65,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     a = ap.parse_args(argv)
+    from .verl_worker import LORA, VERL_CPU_ENV
+
+    for k, v in VERL_CPU_ENV.items():                # verl on our CPU platform (set before verl is imported)
+        os.environ.setdefault(k, v)
     import torch
 
+    from ..integration.verl import plugin  # noqa: F401  (registers our engine and the CPU platform, as verl does)
     from ..refit.transports import InprocTransport
     from .adapters import randomize_adapters
-    from .verl_worker import LORA
     from ..rollout.engine import make_engine, set_engine_env
     from .logprobs import prompt_logprobs
     from ..integration.verl.checkpoint_engine import MoELoRACheckpointEngine
