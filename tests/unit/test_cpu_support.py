@@ -22,7 +22,8 @@ except ImportError:
 before = [dict(vars(t)) for t in targets]
 import moe_lora_rl
 names = []
-for pkg in ("megatron", "router_replay", "lora", "models", "refit", "testing", "bench"):
+for pkg in ("megatron", "router_replay", "lora", "models", "refit", "policy", "checkpoint", "rollout", "checks",
+            "bench"):
     mod = importlib.import_module(f"moe_lora_rl.{pkg}")
     for info in pkgutil.walk_packages(mod.__path__, f"moe_lora_rl.{pkg}."):
         if info.name.endswith("__main__"):

@@ -56,7 +56,9 @@ def drivers(verl_cpu_platform):
     from moe_lora_rl.megatron.run_config import RunConfig
     from moe_lora_rl.models import get_model
     from moe_lora_rl.policy.core import Policy
+    from megatron.core import parallel_state as ps
 
+    shared_world = ps.model_parallel_is_initialized()  # another module's single-rank world (conftest's qwen)
     plugin.register()                                 # verl's CPU platform (idempotent)
     path = str(get_model("glm4_moe", "tiny"))
     ec = MoELoRAEngineConfig(dtype="float32", device="cpu", router_replay=EngineRouterReplayConfig(mode="R3"),
@@ -72,6 +74,10 @@ def drivers(verl_cpu_platform):
                 p.add_(0.01)
     yield pol, eng
     teardown()
+    if shared_world:                                  # leave the single-rank world as it was found
+        from moe_lora_rl.megatron.parallel import init_distributed
+
+        init_distributed(Layout(), RunConfig())
 
 
 def _policy_call(pol):
