@@ -45,7 +45,7 @@ def test_ray_on_slurm_with_stub_commands(tmp_path):
         p.write_text(f"#!/bin/sh\n{body}\n")
         p.chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "LOG": str(log), "SLURM_JOB_NODELIST": "node-[a-c]",
-           "SLURM_GPUS_PER_NODE": "8", "RAY_HEAD_WAIT": "0", "RAY_WORKER_WAIT": "0",
+           "SLURM_GPUS_PER_NODE": "8", "RAY_HEAD_WAIT": "2", "RAY_WORKER_WAIT": "2",   # the script waits; 0 races
            "RUN_SCRIPT": "recipes/verl_moe_lora/run_qwen3_30b_a3b.sh"}
     r = subprocess.run(["/bin/bash", str(RECIPE / "ray_on_slurm.sbatch"), "trainer.total_epochs=1"], env=env,
                        capture_output=True, text=True, timeout=60)
