@@ -25,7 +25,6 @@ from ..lora import LoRAConfig
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from ..router_replay.routes import RoutesBatch
-from ..router_replay.staging import check_routes
 from .batch import LogprobResult, PolicyBatch
 from .logprobs import label_logprobs, padded_len
 from .training import TrainingCore
@@ -135,7 +134,7 @@ class Policy:
         if replay not in LOGPROB_REPLAY:
             raise ValueError(f"replay={replay!r} is not one of {LOGPROB_REPLAY}")
         plan = self._plan(batch)
-        routes = check_routes(batch.routes, batch.lengths, self.view) if replay == "r3" else None
+        routes = batch.routes if replay == "r3" else None           # checked by TrainingCore.run
         s = batch.seq_len
         self.model.eval()
         with self.core.adapters(adapter):
@@ -178,8 +177,7 @@ class Policy:
             raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
         if replay == "r2" and routes is None:
             raise ValueError("replay='r2' needs routes= (the RoutesBatch recorded by logprobs(replay='record'))")
-        routes = check_routes(routes if routes is not None else batch.routes, batch.lengths, self.view) \
-            if replay != "off" else None
+        routes = (routes if routes is not None else batch.routes) if replay != "off" else None   # checked in run
         mask = batch.loss_mask
         n_tokens = int(mask.sum())
         if n_tokens == 0:
