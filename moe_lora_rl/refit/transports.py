@@ -128,13 +128,14 @@ class InprocTransport(_Base):
 class HttpTransport(_Base):
     """A vLLM server (VLLM_SERVER_DEV_MODE=1, --worker-extension-cls moe_lora_rl.vllm.worker_ext....)."""
 
-    def __init__(self, base_url: str, timeout: float = 120.0):
+    def __init__(self, base_url: str, timeout: float = 120.0, token: str | None = None):
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}   # our engine server's shared secret
 
     def _call(self, method: str, *args):
         body = json.dumps({"method": method, "args": list(args)}).encode()
         req = urllib.request.Request(f"{self.base_url}/collective_rpc", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 payload = json.loads(r.read())
@@ -156,7 +157,8 @@ class HttpTransport(_Base):
         self._call("moe_lora_bucket_blob", version, index, encode_blob(tensors))
 
     def _reset_prefix_cache(self) -> None:
-        req = urllib.request.Request(f"{self.base_url}/reset_prefix_cache", data=b"", method="POST")
+        req = urllib.request.Request(f"{self.base_url}/reset_prefix_cache", data=b"", method="POST",
+                                     headers=self.headers)
         try:
             urllib.request.urlopen(req, timeout=self.timeout).close()
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
@@ -170,10 +172,10 @@ class ShmTransport(HttpTransport):
     push); close() removes them (also done at exit; segments of dead processes are removed when a transport or a
     server starts)."""
 
-    def __init__(self, base_url: str, timeout: float = 120.0):
+    def __init__(self, base_url: str, timeout: float = 120.0, token: str | None = None):
         from . import shm
 
-        super().__init__(base_url, timeout)
+        super().__init__(base_url, timeout, token)
         shm.remove_stale()
         self.pool = shm.SegmentPool()
 

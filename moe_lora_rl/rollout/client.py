@@ -31,6 +31,7 @@ import numpy as np
 from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
 from .engine import engine_env
 from .placement import Placement
+from .guard import TOKEN_ENV, auth_header, new_token
 from .protocol import check_request, decode_routes
 
 
@@ -41,6 +42,7 @@ class Sample:
     logprobs: list[float]          # one per response token: log_softmax(logits / temperature) of the sampled token
     routes: np.ndarray | None      # [len(prompt)+len(response)-1, n_moe_layers, topk] logical expert ids
     finish_reason: str             # "stop" (a stop id or the model's EOS, included in response) or "length"
+    versions: list | None = None   # per response token: the adapter version that produced it (None: base model)
 
 
 class EngineDied(RuntimeError):
@@ -75,11 +77,16 @@ def _ints(xs):
         return list(xs)
 
 
+def _sample(prompt, s: dict) -> Sample:
+    return Sample(prompt, s["response"], s["logprobs"], decode_routes(s["routes"]), s["finish_reason"],
+                  s.get("versions"))
+
+
 class _EngineTransport(ShmTransport):
     """ShmTransport to the engine process: push time counts as engine busy time, and a dead engine is EngineDied."""
 
     def __init__(self, engine: "RolloutEngine", base_url: str):
-        super().__init__(base_url, timeout=engine.request_timeout)
+        super().__init__(base_url, timeout=engine.request_timeout, token=engine.token)
         self._engine = engine
 
     def _timed(self, fn, *args):
@@ -114,7 +121,8 @@ class RolloutEngine:
     def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
                  log_dir=".", max_model_len=512, seed=0, startup_timeout=300.0, block_size=32,
                  threads: int | None = None, port: int | None = None, request_timeout=600.0,
-                 placement: "Placement | None" = None):
+                 placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
+                 on_full: str = "wait", max_body_mb: float | None = None):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -127,9 +135,14 @@ class RolloutEngine:
                 raise ValueError(f"{name} must be positive, got {v}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        from ..vllm.versions import check_inflight_config
+
+        check_inflight_config(serving, inflight, max_versions, on_full)
         self.model_dir, self.log_dir = str(model_dir), Path(log_dir)
         self.settings = dict(dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
-                             max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads)
+                             max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads,
+                             inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb)
+        self.token = new_token()             # per engine object: every call but /health carries it
         self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
         self.generate_s = self.push_s = 0.0
         self.started_at = None
@@ -161,10 +174,15 @@ class RolloutEngine:
                "--max-model-len", str(s["max_model_len"]), "--block-size", str(s["block_size"]),
                "--seed", str(s["seed"]), "--parent-pid", str(os.getpid() if pl.watch_parent else 0),
                "--prefix-caching" if s["prefix_caching"] else "--no-prefix-caching",
-               "--capture" if s["capture"] else "--no-capture"]
+               "--capture" if s["capture"] else "--no-capture", "--inflight", s["inflight"],
+               "--on-full", s["on_full"]]
         if s["threads"] is not None:
             cmd += ["--threads", str(s["threads"])]
-        env = dict(os.environ, **engine_env(s["threads"]), **pl.env)
+        if s["max_versions"] is not None:
+            cmd += ["--max-versions", str(s["max_versions"])]
+        if s["max_body_mb"] is not None:
+            cmd += ["--max-body-mb", str(s["max_body_mb"])]
+        env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})
         if s["threads"] is None:
             env.pop("OMP_NUM_THREADS", None)            # e.g. torchrun's 1: the engine uses the cores while it runs
         with open(self.log_path, "ab") as log:
@@ -234,15 +252,16 @@ class RolloutEngine:
         self._launch()
 
     # -- requests --------------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _open(self, method: str, path: str, body: dict | None = None):
+        """The HTTP answer of the engine (to be closed by the caller); errors as ValueError (refused, 400),
+        RuntimeError, or EngineDied."""
         self._check_alive()
         data = None if body is None else json.dumps(body).encode()
         url = f"http://{self.placement.connect_host}:{self.port}{path}"
         req = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_header(self.token)})
         try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
-                return json.loads(r.read())
+            return urllib.request.urlopen(req, timeout=self.request_timeout)
         except urllib.error.HTTPError as e:
             raw = e.read().decode(errors="replace")
             try:
@@ -253,31 +272,68 @@ class RolloutEngine:
                 raise ValueError(f"rollout engine refused {path}: {msg}") from e
             raise RuntimeError(f"rollout engine {path} failed (HTTP {e.code}): {msg}") from e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            self._check_alive()
-            raise RuntimeError(f"rollout engine {path}: no answer from pid {self.pid} on port {self.port}: {e}") \
-                from e
+            self._no_answer(path, e)
 
-    def generate(self, prompts: list[list[int]], *, seeds: list[int] | None, max_tokens: int, temperature: float,
-                 stop_token_ids: list[int] | None = None) -> list[Sample]:
-        """One request per entry (a GRPO group: the same prompt repeated with different seeds), results in order.
-        seeds=None: unseeded sampling. temperature 0: greedy. Stops at max_tokens, at a stop id or at the model's
-        EOS (both kept as the last response token)."""
+    def _no_answer(self, path: str, e: BaseException):
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._check_alive()
+        raise RuntimeError(f"rollout engine {path}: no answer from pid {self.pid} on port {self.port}: {e}") from e
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        with self._open(method, path, body) as r:
+            try:
+                return json.loads(r.read())
+            except (ConnectionError, TimeoutError, OSError) as e:
+                self._no_answer(path, e)
+
+    def _body(self, prompts, seeds, max_tokens, temperature, stop_token_ids, versions) -> dict:
         prompts = [_ints(p) for p in prompts] if isinstance(prompts, (list, tuple)) else prompts
         seeds, stop = _ints(seeds), _ints(stop_token_ids)
         max_tokens = (_ints([max_tokens]) or [max_tokens])[0]
         check_request(prompts, seeds, max_tokens, temperature, stop)
+        if versions is not None:
+            versions = list(versions)
+            if len(versions) != len(prompts):
+                raise ValueError(f"versions: {len(versions)} for {len(prompts)} prompts")
+        return {"prompts": prompts, "seeds": seeds, "max_tokens": max_tokens, "temperature": float(temperature),
+                "stop_token_ids": stop, "versions": versions}
+
+    def generate(self, prompts: list[list[int]], *, seeds: list[int] | None, max_tokens: int, temperature: float,
+                 stop_token_ids: list[int] | None = None, versions: list | None = None) -> list[Sample]:
+        """One request per entry (a GRPO group: the same prompt repeated with different seeds), results in order.
+        seeds=None: unseeded sampling. temperature 0: greedy. Stops at max_tokens, at a stop id or at the model's
+        EOS (both kept as the last response token). versions (pin engines): the held version each request is
+        served with (None: the newest)."""
+        body = self._body(prompts, seeds, max_tokens, temperature, stop_token_ids, versions)
         t0 = time.perf_counter()
         try:
-            out = self._request("POST", "/generate", {"prompts": prompts, "seeds": seeds, "max_tokens": max_tokens,
-                                                      "temperature": float(temperature), "stop_token_ids": stop})
+            out = self._request("POST", "/generate", body)
         finally:
             self.generate_s += time.perf_counter() - t0
-        return [Sample(p, s["response"], s["logprobs"], decode_routes(s["routes"]), s["finish_reason"])
-                for p, s in zip(prompts, out["samples"])]
+        return [_sample(p, s) for p, s in zip(body["prompts"], out["samples"])]
+
+    def stream(self, prompts: list[list[int]], *, seeds: list[int] | None, max_tokens: int, temperature: float,
+               stop_token_ids: list[int] | None = None, versions: list | None = None):
+        """As generate, but yields (index, Sample) as each request finishes (other clients' requests and adapter
+        pushes share the engine meanwhile). A failed request raises RuntimeError when its line comes; leaving the
+        iteration early closes the connection, and the engine stops the remaining requests."""
+        body = {**self._body(prompts, seeds, max_tokens, temperature, stop_token_ids, versions), "stream": True}
+        t0 = time.perf_counter()
+        try:
+            with self._open("POST", "/generate", body) as r:
+                try:
+                    for raw in r:
+                        line = json.loads(raw)
+                        if "error" in line:
+                            raise RuntimeError(f"rollout engine: request {line['index']} failed: {line['error']}")
+                        yield line["index"], _sample(body["prompts"][line["index"]], line["sample"])
+                except (ConnectionError, TimeoutError) as e:
+                    self._no_answer("/generate", e)
+        finally:
+            self.generate_s += time.perf_counter() - t0
 
     def status(self) -> dict:
         """Served adapter version and mode, engine settings, busy seconds and uptime."""

@@ -26,6 +26,7 @@ class Generated:
     logprobs: list[float] | None            # per response token (params.logprobs set): the sampled token's
     prompt_logprobs: list[float] | None     # per prompt token 1.. (params.prompt_logprobs set)
     routes: np.ndarray | None               # capture on: [len(prompt) + len(response) - 1 (+1 if pad), layers, topk]
+    versions: list | None = None            # engine loop: the adapter version that produced each response token
 
     @property
     def tokens(self) -> list[int]:
@@ -74,24 +75,36 @@ def captured_generate(llm, prompts: list[list[int]], params, meta: dict | None =
 def _checked(prompt, sp, out, routes, meta, pad: bool) -> Generated:
     c = out.outputs[0]
     resp = list(c.token_ids)
-    lps = plps = None
+    lps = None
     if sp.logprobs is not None:
         lps = [d[t].logprob for t, d in zip(resp, c.logprobs or [])]
+    return finish_generated(out.request_id, prompt, sp, resp, lps, out.prompt_logprobs, str(c.finish_reason),
+                            routes, meta, pad)
+
+
+def finish_generated(request_id: str, prompt, sp, resp: list[int], lps, prompt_lps, finish_reason: str, routes,
+                     meta, pad: bool) -> Generated:
+    """The checks of a finished request (logprobs, prompt logprobs and routes complete) -> Generated."""
+    plps = None
+    if sp.logprobs is not None:
+        lps = lps or []
         if len(lps) != len(resp):
-            raise RuntimeError(f"request {out.request_id}: {len(lps)} logprobs for {len(resp)} response tokens")
+            raise RuntimeError(f"request {request_id}: {len(lps)} logprobs for {len(resp)} response tokens")
+    else:
+        lps = None
     if sp.prompt_logprobs is not None:
-        if len(out.prompt_logprobs or []) != len(prompt):
-            raise RuntimeError(f"request {out.request_id}: {len(out.prompt_logprobs or [])} prompt logprobs for "
+        if len(prompt_lps or []) != len(prompt):
+            raise RuntimeError(f"request {request_id}: {len(prompt_lps or [])} prompt logprobs for "
                                f"{len(prompt)} prompt tokens")
-        plps = [out.prompt_logprobs[t][prompt[t]].logprob for t in range(1, len(prompt))]
+        plps = [prompt_lps[t][prompt[t]].logprob for t in range(1, len(prompt))]
     if meta is not None:
         want = (len(prompt) + len(resp) - 1, len(meta["layer_ids"]), meta["topk"])
         if routes is None or tuple(routes.shape) != want:
-            raise RuntimeError(f"incomplete routes for request {out.request_id}: shape "
+            raise RuntimeError(f"incomplete routes for request {request_id}: shape "
                                f"{None if routes is None else tuple(routes.shape)}, expected {want}")
         if pad:
             from ..router_replay.align import spread_pad
 
             last = np.broadcast_to(spread_pad(1, meta["topk"], meta["num_experts"]), (1, *want[1:]))
             routes = np.concatenate([routes, last.astype(routes.dtype)])
-    return Generated(out.request_id, list(prompt), resp, str(c.finish_reason), lps, plps, routes)
+    return Generated(request_id, list(prompt), resp, finish_reason, lps, plps, routes)

@@ -1,22 +1,30 @@
-"""The rollout engine process: an offline vLLM CPU engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, our
-worker extension, enforce_eager, routing capture on with prefix caching) behind a loopback HTTP server that serves
-one request at a time:
+"""The rollout engine process: a vLLM CPU engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, our worker
+extension, enforce_eager, routing capture on with prefix caching) stepped continuously by one engine thread
+(loop.py), behind a threaded HTTP server: requests from any number of clients are batched together, and adapter
+pushes land between two engine steps while other requests decode.
 
-    GET  /health                 200 once the engine is up (after a warm-up generate)
-    POST /generate               {"prompts", "seeds", "max_tokens", "temperature", "stop_token_ids"} -> {"samples"}
-    POST /collective_rpc         {"method", "args"} -> {"results": [...]}; as vLLM's dev endpoint, so the refit
-                                 transports (HttpTransport, ShmTransport) push here unchanged
-    POST /reset_prefix_cache     -> {"success": bool}
-    GET  /status                 served adapter version and mode, capture meta, engine settings
+    GET  /health                 200 once the engine is up (after a warm-up generate); the only open endpoint
+    POST /generate               {"prompts", "seeds", "max_tokens", "temperature", "stop_token_ids", "versions",
+                                 "stream"} -> {"samples"}; stream: one JSON line per sample as it finishes
+                                 ({"index", "sample"} or {"index", "error"})
+    POST /collective_rpc         {"method", "args"} -> {"results": [...]}: the moe_lora_* methods of the adapter
+                                 transports only (guard.RPC_METHODS), run between two engine steps
+    POST /reset_prefix_cache     -> {"success": bool}: a no-op while requests run (the cache is keyed by version)
+    GET  /status                 served versions and mode, capture meta, engine settings, loop counters
 
-    python -m moe_lora_rl.rollout.server --model DIR --port P [--dtype float32] [--serving unmerged] ...
+    python -m moe_lora_rl.rollout.server --model DIR --port P [--dtype float32] [--serving unmerged]
+        [--inflight switch|pin] [--max-versions N] [--on-full wait|refuse] [--token-file F] ...
+
+Every endpoint but /health needs "Authorization: Bearer <token>" when the engine has a token (guard.py; given by
+MOE_LORA_ENGINE_TOKEN or --token-file; required to bind a non-loopback address): refused with 401 and no detail.
+A body over --max-body-mb is 413, a malformed one 400; the engine keeps serving.
 
 Logprobs are vLLM's processed logprobs: log_softmax(logits / temperature) of the sampled token (temperature 0:
 greedy, log_softmax(logits)). Routes are the worker extension's capture of each request, [prompt + response - 1,
-n_moe_layers, topk] logical expert ids; incomplete routes are an error of the whole call. The prefix cache is reset
-at the start of every /generate: a call's result depends only on the served weights and its own inputs (same
-seeds, same tokens, also after a restart), while the samples of one prompt inside a call still share its blocks.
-The server exits when its parent process is gone.
+n_moe_layers, topk] logical expert ids; a request with incomplete routes fails. versions: per response token, the
+adapter version that produced it (loop.py). A sync /generate on an idle engine resets the prefix cache first: its
+result depends only on the served weights and its own inputs (same seeds, same tokens, also after a restart), while
+the samples of one prompt inside a call still share its blocks. The server exits when its parent process is gone.
 """
 from __future__ import annotations
 
@@ -26,72 +34,93 @@ import os
 import sys
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from . import guard
 from .engine import make_engine, set_engine_env
-from .generate import captured_generate, start_capture
+from .generate import start_capture
+from .loop import EngineLoop, Request
 from .protocol import check_request, encode_routes
 
 
 class Engine:
-    """The vLLM engine and what the endpoints do with it."""
+    """The vLLM engine, its loop, and what the endpoints do with them."""
 
     def __init__(self, a):
         self.args = a
+        extra = {"moe_lora_inflight": a.inflight, "moe_lora_on_full": a.on_full}
+        if a.max_versions is not None:
+            extra["moe_lora_max_versions"] = a.max_versions
         self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
                                prefix_caching=a.prefix_caching, serving=a.serving, block_size=a.block_size,
-                               logprobs_mode="processed_logprobs",
+                               logprobs_mode="processed_logprobs", additional_config=extra,
                                # a prompt is never split over engine steps: vLLM's sampler rewinds a seeded
                                # request's generator after a partial prefill (Generator.set_offset), which CPU
-                               # generators refuse
+                               # generators refuse; and the commit barrier of loop.py counts a prefill as one step
                                enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.meta = start_capture(self.llm) if a.capture else None
+        self.loop = EngineLoop(self.llm, self.meta, inflight=a.inflight, on_full=a.on_full).start()
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
         self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
         print(f"warm-up generate: {time.perf_counter() - t0:.2f} s", flush=True)
 
     def rpc(self, method: str, args=(), kwargs=None):
-        return self.llm.collective_rpc(method, args=tuple(args), kwargs=kwargs or {})
+        return [self.loop.rpc(guard.check_rpc(method), args, kwargs)]
 
     def status(self) -> dict:
         a = self.args
+        st = self.loop.rpc("moe_lora_status")
         if self.meta is not None:
-            self.meta = start_capture(self.llm)                  # already running: its current counters
-        return {**self.rpc("moe_lora_status")[0], "pid": os.getpid(), "model": a.model, "dtype": a.dtype,
-                "prefix_caching": a.prefix_caching, "capture": self.meta, "max_model_len": a.max_model_len,
-                "block_size": a.block_size, "vocab_size": self.vocab}
+            self.meta = self.loop.rpc("moe_lora_capture_start")     # already running: its current counters
+        return {**st, "pid": os.getpid(), "model": a.model, "dtype": a.dtype, "prefix_caching": a.prefix_caching,
+                "capture": self.meta, "max_model_len": a.max_model_len, "block_size": a.block_size,
+                "vocab_size": self.vocab, "loop": dict(self.loop.stats), "in_flight": self.loop.in_flight()}
 
-    def generate(self, body: dict) -> dict:
+    def requests(self, body: dict) -> list[Request]:
         from vllm import SamplingParams
 
+        if not isinstance(body, dict):
+            raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
         prompts, seeds = body.get("prompts"), body.get("seeds")
         max_tokens, temperature = body.get("max_tokens"), body.get("temperature")
-        stop = body.get("stop_token_ids")
+        stop, versions = body.get("stop_token_ids"), body.get("versions")
         check_request(prompts, seeds, max_tokens, temperature, stop)
+        if versions is not None and (not isinstance(versions, list) or len(versions) != len(prompts) or not all(
+                v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) for v in versions)):
+            raise ValueError(f"versions must be one version (int >= 0 or null) per prompt, got {versions!r:.80}")
         for i, p in enumerate(prompts):
             if max(p) >= self.vocab:
                 raise ValueError(f"prompts[{i}] has token id {max(p)} >= the vocabulary size {self.vocab}")
             if len(p) + max_tokens > self.args.max_model_len:
                 raise ValueError(f"prompts[{i}]: {len(p)} prompt tokens + max_tokens {max_tokens} exceed "
                                  f"max_model_len {self.args.max_model_len}")
-        params = [SamplingParams(max_tokens=max_tokens, temperature=float(temperature), logprobs=0,
-                                 seed=None if seeds is None else seeds[i], stop_token_ids=stop, detokenize=False)
-                  for i in range(len(prompts))]
-        if self.args.prefix_caching:
-            self.llm.reset_prefix_cache()
+        return [Request(p, SamplingParams(max_tokens=max_tokens, temperature=float(temperature), logprobs=0,
+                                          seed=None if seeds is None else seeds[i], stop_token_ids=stop,
+                                          detokenize=False), None if versions is None else versions[i])
+                for i, p in enumerate(prompts)]
+
+    def generate(self, body: dict) -> dict:
         t0 = time.perf_counter()
-        gens = captured_generate(self.llm, prompts, params, self.meta)
-        gen_s = time.perf_counter() - t0
-        return {"samples": [{"response": g.response, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
-                             "routes": None if g.routes is None else encode_routes(g.routes)} for g in gens],
-                "generate_s": gen_s}
+        gens = self.loop.generate(self.requests(body))
+        return {"samples": [sample_json(g) for g in gens], "generate_s": time.perf_counter() - t0}
+
+
+def sample_json(g) -> dict:
+    return {"response": g.response, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
+            "routes": None if g.routes is None else encode_routes(g.routes), "versions": g.versions}
+
+
+def _error_message(e: BaseException) -> tuple[int, str]:
+    if isinstance(e, ValueError):
+        return 400, str(e)
+    return 500, f"generate failed: {type(e).__name__}: {e}"
 
 
 def make_handler():
     class Handler(BaseHTTPRequestHandler):
-        # HTTP/1.0: one request per connection, so no client can hold this single-threaded server with keep-alive
+        # HTTP/1.0: one request per connection; a stream ends when the connection closes
         protocol_version = "HTTP/1.0"
 
         def log_message(self, fmt, *args):          # one line per request on stderr is noise at RL step rates
@@ -107,61 +136,119 @@ def make_handler():
 
         def _error(self, code: int, message: str) -> None:
             # the error body of vLLM's OpenAI server (ErrorResponse)
-            self._send(code, {"error": {"message": message, "type": "BadRequestError" if code == 400 else
-                                        "InternalServerError", "param": None, "code": code}})
+            kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                    413: "RequestTooLarge"}.get(code, "InternalServerError")
+            self._send(code, {"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+        def _authorized(self) -> bool:
+            if guard.authorized(self.headers, self.server.token):
+                return True
+            self._error(401, "unauthorized")
+            return False
 
         def _body(self):
-            n = int(self.headers.get("Content-Length") or 0)
+            """The JSON body, or None after an error reply (413: too large, 400: not JSON)."""
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if n < 0 or n > self.server.max_body:
+                self.close_connection = True
+                self._error(413 if n > 0 else 400, f"request body of {self.headers.get('Content-Length')} "
+                            f"bytes: the limit is {self.server.max_body}")
+                return None
             raw = self.rfile.read(n) if n else b""
-            return json.loads(raw) if raw else {}
+            try:
+                return json.loads(raw) if raw else {}
+            except ValueError as e:
+                self._error(400, f"JSON decode error: {e}")
+                return None
 
         def do_GET(self):
             if self.path == "/health":
-                self._send(200, {"ok": True})
-            elif self.path == "/status":
+                return self._send(200, {"ok": True})
+            if not self._authorized():
+                return
+            if self.path == "/status":
                 self._send(200, self.server.engine.status())
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
         def do_POST(self):
             path = self.path.split("?")[0]
-            try:
-                body = self._body()
-            except ValueError as e:
-                return self._error(400, f"JSON decode error: {e}")
+            if not self._authorized():
+                return
+            body = self._body()
+            if body is None:
+                return
+            engine = self.server.engine
             if path == "/generate":
                 try:
-                    self._send(200, self.server.engine.generate(body))
+                    reqs = engine.requests(body)
                 except ValueError as e:
-                    self._error(400, str(e))
+                    return self._error(400, str(e))
+                if body.get("stream"):
+                    return self._stream(reqs)
+                try:
+                    t0 = time.perf_counter()
+                    gens = engine.loop.generate(reqs)
+                    self._send(200, {"samples": [sample_json(g) for g in gens],
+                                     "generate_s": time.perf_counter() - t0})
                 except Exception as e:  # noqa: BLE001 - reported to the client, the engine keeps serving
-                    traceback.print_exc()
-                    self._error(500, f"generate failed: {type(e).__name__}: {e}")
+                    if not isinstance(e, ValueError):
+                        traceback.print_exc()
+                    self._error(*_error_message(e))
             elif path == "/collective_rpc":
                 if not isinstance(body, dict) or body.get("method") is None:
                     return self._error(400, "Missing 'method' in request body")
                 try:
-                    results = self.server.engine.rpc(body["method"], body.get("args", []), body.get("kwargs"))
+                    guard.check_rpc(body["method"])
+                    args, kwargs = body.get("args", []), body.get("kwargs") or {}
+                    if not isinstance(args, list) or not isinstance(kwargs, dict):
+                        raise ValueError("'args' must be a list and 'kwargs' an object")
+                except ValueError as e:
+                    return self._error(400, str(e))
+                try:
+                    results = engine.rpc(body["method"], args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the message vLLM's engine core gives a failed utility call
-                    traceback.print_exc()
+                    if not isinstance(e, ValueError):
+                        traceback.print_exc()
                     return self._error(500, f"Call to collective_rpc method failed: {type(e).__name__}: {e}")
                 self._send(200, {"results": [r if r is None or isinstance(r, (dict, list)) else str(r)
                                              for r in results]})
             elif path == "/reset_prefix_cache":
-                self._send(200, {"success": bool(self.server.engine.llm.reset_prefix_cache())})
+                self._send(200, {"success": bool(engine.loop.call(
+                    lambda llm: engine.loop.in_flight() == 0 and llm.reset_prefix_cache()))})
             else:
                 self._error(404, f"no such endpoint: POST {path}")
+
+        def _stream(self, reqs) -> None:
+            loop = self.server.engine.loop
+            ticket = loop.submit(reqs)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.end_headers()
+            try:
+                for index, r in ticket:
+                    line = ({"index": index, "error": _error_message(r)[1]} if isinstance(r, BaseException)
+                            else {"index": index, "sample": sample_json(r)})
+                    self.wfile.write(json.dumps(line).encode() + b"\n")
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                loop.abort(ticket)                     # the client is gone: its requests stop decoding
 
     return Handler
 
 
-class Server(HTTPServer):
+class Server(ThreadingHTTPServer):
     allow_reuse_address = True
+    daemon_threads = True
     request_queue_size = 64                # senders of a streamed push wait their turn instead of being refused
 
-    def __init__(self, addr, handler, parent_pid: int):
+    def __init__(self, addr, handler, parent_pid: int, token: str | None = None,
+                 max_body: int = guard.DEFAULT_MAX_BODY):
         super().__init__(addr, handler)
-        self.parent_pid = parent_pid
+        self.parent_pid, self.token, self.max_body = parent_pid, token, max_body
         self.engine: Engine | None = None
 
     def handle_error(self, request, client_address):
@@ -170,7 +257,7 @@ class Server(HTTPServer):
             super().handle_error(request, client_address)
 
     def service_actions(self):
-        # every poll interval while idle: exit with the process that started us
+        # every poll interval: exit with the process that started us
         if self.parent_pid and os.getppid() != self.parent_pid:
             print(f"parent process {self.parent_pid} is gone: exiting", flush=True)
             raise SystemExit(0)
@@ -192,6 +279,17 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads of the engine (default: all cores)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer the parent")
+    ap.add_argument("--inflight", default="switch", choices=("switch", "pin"),
+                    help="a commit applies to running requests from their next step (switch), or they finish on "
+                         "the version they started with (pin: unmerged serving only)")
+    ap.add_argument("--max-versions", type=int, default=None,
+                    help="adapter versions held at once (pin; default 2; switch holds 1)")
+    ap.add_argument("--on-full", default="wait", choices=("wait", "refuse"),
+                    help="a commit that would exceed --max-versions waits for a version to free, or is refused")
+    ap.add_argument("--token-file", default=None,
+                    help=f"file holding the shared secret (mode 600); default: ${guard.TOKEN_ENV}")
+    ap.add_argument("--max-body-mb", type=float, default=guard.DEFAULT_MAX_BODY / (1 << 20),
+                    help="largest request body accepted (MiB)")
     a = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         ap.error(f"--model {a.model}: not an HF checkpoint directory (no config.json)")
@@ -200,15 +298,30 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.threads is not None and a.threads < 1:
         ap.error(f"--threads must be >= 1, got {a.threads}")
+    if a.max_body_mb <= 0:
+        ap.error(f"--max-body-mb must be positive, got {a.max_body_mb}")
+    from ..vllm.versions import check_inflight_config
+
+    try:
+        check_inflight_config(a.serving, a.inflight, a.max_versions, a.on_full)
+        a.token = guard.load_token(a.token_file, os.environ)
+        guard.check_bind(a.host, a.token)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     return a
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    os.environ.pop(guard.TOKEN_ENV, None)            # read once; not inherited by anything this process starts
     set_engine_env(a.threads)
     # the port first: a port in use fails in a second, not after the engine was built; health checks wait in the
     # listen queue until the engine is up
-    server = Server((a.host, a.port), make_handler(), a.parent_pid)
+    try:
+        server = Server((a.host, a.port), make_handler(), a.parent_pid, a.token, int(a.max_body_mb * (1 << 20)))
+    except OSError as e:
+        print(f"rollout engine: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     server.engine = Engine(a)
     print(f"rollout engine serving {a.model} on {a.host}:{a.port} (pid {os.getpid()})", flush=True)
     try:

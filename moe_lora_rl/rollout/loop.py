@@ -1,0 +1,360 @@
+"""The continuously running engine: one thread owns vLLM's in-process `LLMEngine` and steps it; requests are
+submitted and their samples delivered as they finish, from any number of client threads; every other engine call
+(adapter stages and commits, status, prefix-cache resets) runs in that thread *between two engine steps*, while
+other requests are mid-decode.
+
+    loop = EngineLoop(llm, capture_meta, inflight="switch")       # llm: rollout.engine.make_engine(...)
+    loop.start()
+    ticket = loop.submit([Request(prompt, params), ...])           # params: vLLM SamplingParams
+    for index, result in ticket:                                   # as they finish: Generated, or an Exception
+        ...
+    gens = loop.generate(requests)                                 # submit + wait, in order (raises the first error)
+    loop.call(lambda llm: llm.collective_rpc("moe_lora_status")[0])
+
+Versions. Every response token records the adapter version that produced it (`Generated.versions`): in `switch`
+mode the version served at the engine step that sampled it (a commit applies to running requests from their next
+forward; their KV cache is kept), in `pin` mode the version the request was tracked with at admission
+(worker extension `moe_lora_track`). The prefix cache is keyed by version (vLLM's `cache_salt`), never reset per
+commit: a reset cannot drop the blocks of running requests, and `pin` keeps several versions' prefixes live.
+
+Commit barrier (switch). A request's prompt must be computed under the version of its salt, so a commit waits
+until every admitted request has prefilled (no chunked prefill: one step), and no request is admitted while a
+commit waits. Full (pin, on_full=wait): a commit waits while the worker reports `can_commit` false, i.e. until a
+pinned request ends and frees a version; on_full=refuse: the commit's own error is returned.
+
+The sync path (one submission with reset_prefix=True on an idle engine) adds its requests in order and steps until
+they finish: the same scheduling, seeds and tokens as `LLM.generate` on the same requests.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from .generate import Generated, finish_generated
+
+# worker-extension methods that change the served weights: they run behind the commit barrier
+COMMIT_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob",
+                            "moe_lora_clear", "moe_lora_set_mode"})
+# of those, the ones that add a version (the only ones that can find the engine full)
+ADDING_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob"})
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: object                     # vllm.SamplingParams (output_kind is set to DELTA here)
+    version: int | None = None         # pin: the held version to serve it with (None: the newest)
+
+
+@dataclass
+class _Live:
+    ticket: "Ticket"
+    index: int
+    req: Request
+    version: int | None = None
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    versions: list = field(default_factory=list)
+    started: bool = False
+    finish_reason: str = ""
+
+
+class Ticket:
+    """The results of one submission: iterate for (index, Generated | Exception) as requests finish."""
+
+    def __init__(self, n: int):
+        self.n, self._q, self._given = n, queue.Queue(), 0
+        self.request_ids: list[str] = []
+
+    def _deliver(self, index: int, result) -> None:
+        self._q.put((index, result))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._given == self.n:
+            raise StopIteration
+        item = self._q.get()
+        self._given += 1
+        return item
+
+    def results(self) -> list:
+        out = [None] * self.n
+        for i, r in self:
+            out[i] = r
+        return out
+
+
+class _Command:
+    def __init__(self, fn, method: str | None):
+        self.fn, self.method, self.future = fn, method, Future()
+
+
+class EngineLoop:
+    def __init__(self, llm, meta: dict | None = None, *, inflight: str = "switch", on_full: str = "wait",
+                 pad_routes: bool = False):
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        if core is not None and getattr(core, "batch_queue", None) is not None:
+            raise ValueError("the engine loop needs one batch in flight at a time (vLLM batch queue is enabled)")
+        self.llm, self.engine, self.meta = llm, llm.llm_engine, meta
+        self.inflight, self.on_full, self.pad = inflight, on_full, pad_routes
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._pending: list[tuple[Ticket, list[Request], bool]] = []
+        self._commands: list[_Command] = []
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.served = self._rpc("moe_lora_status")["version"]
+        self.stats = {"steps": 0, "step_s": 0.0, "tokens": 0, "commands": 0, "stall_s": 0.0, "commits": 0,
+                      "commit_wait_s": 0.0}
+
+    # -- client side (any thread) -------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def submit(self, requests: list[Request], *, reset_prefix: bool = False) -> Ticket:
+        """Queue the requests (admitted together, in order, between two steps). reset_prefix: reset vLLM's prefix
+        cache before admitting them when no other request is in flight (the sync path's reproducibility)."""
+        ticket = Ticket(len(requests))
+        if not requests:
+            return ticket
+        with self._lock:
+            self._check_running()
+            self._pending.append((ticket, list(requests), reset_prefix))
+            self._lock.notify_all()
+        return ticket
+
+    def generate(self, requests: list[Request], *, reset_prefix: bool = True) -> list[Generated]:
+        """Submit + wait; results in order; the first failed request's error is raised (after all finished)."""
+        results = self.submit(requests, reset_prefix=reset_prefix).results()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def call(self, fn, method: str | None = None, timeout: float | None = None):
+        """fn(llm) in the engine thread between two steps; its value or its exception. method: the worker method
+        fn calls, when it is one of COMMIT_METHODS (the barrier and the full check apply)."""
+        cmd = _Command(fn, method)
+        with self._lock:
+            self._check_running()
+            self._commands.append(cmd)
+            self._lock.notify_all()
+        return cmd.future.result(timeout)
+
+    def rpc(self, method: str, args=(), kwargs=None, timeout: float | None = None):
+        """A worker-extension call between two steps: the first worker's result."""
+        return self.call(lambda llm: llm.collective_rpc(method, args=tuple(args), kwargs=kwargs or {})[0],
+                         method, timeout)
+
+    def abort(self, ticket: Ticket) -> None:
+        """Stop the ticket's requests still running (their results are not delivered)."""
+        self.call(lambda llm: self._abort(ticket.request_ids))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._live) + sum(len(r) for _, r, _ in self._pending)
+
+    def _check_running(self) -> None:
+        if self._stop:
+            raise RuntimeError("the engine loop is stopped")
+        if self._thread is not None and not self._thread.is_alive():
+            raise RuntimeError("the engine loop thread is gone")
+
+    # -- engine thread ------------------------------------------------------------------------------------
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stop or self._commands or self._pending or self._live):
+                    self._lock.wait(0.5)
+                if self._stop:
+                    break
+                commands, self._commands = self._commands, []
+            deferred = self._run_commands(commands)
+            blocked = bool(deferred) and self.inflight == "switch"
+            with self._lock:
+                self._commands[:0] = deferred
+                pending = [] if blocked else self._pending
+                if not blocked:
+                    self._pending = []
+            for ticket, reqs, reset in pending:
+                self._admit(ticket, reqs, reset)
+            if self._live:
+                self._step()
+            elif deferred:
+                time.sleep(0.001)
+        self._fail_all(RuntimeError("the engine loop stopped"))
+
+    def _barrier_open(self) -> bool:
+        return self.inflight != "switch" or all(l.started for l in self._live.values())
+
+    def _run_commands(self, commands: list[_Command]) -> list[_Command]:
+        deferred = []
+        busy = bool(self._live)
+        t0 = time.perf_counter()
+        for cmd in commands:
+            if cmd.method in COMMIT_METHODS:
+                if not self._barrier_open() or (self.on_full == "wait" and cmd.method in ADDING_METHODS
+                                                and not self._rpc("moe_lora_status").get("can_commit", True)):
+                    cmd.waited_since = getattr(cmd, "waited_since", t0)
+                    deferred.append(cmd)
+                    continue
+            try:
+                cmd.future.set_result(cmd.fn(self.llm))
+            except BaseException as e:  # noqa: BLE001 - the caller gets it; the loop keeps serving
+                cmd.future.set_exception(e)
+            finally:
+                self.stats["commands"] += 1
+                if cmd.method in COMMIT_METHODS:
+                    self.served = self._rpc("moe_lora_status")["version"]
+                    self.stats["commits"] += 1
+                    if hasattr(cmd, "waited_since"):
+                        self.stats["commit_wait_s"] += t0 - cmd.waited_since
+        if busy and len(deferred) < len(commands):
+            self.stats["stall_s"] += time.perf_counter() - t0
+        return deferred
+
+    def _admit(self, ticket: Ticket, reqs: list[Request], reset: bool) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        from ..vllm.versions import cache_salt
+
+        ids = [f"r{next(self._ids)}" for _ in reqs]
+        try:
+            versions = self._rpc("moe_lora_track", [[rid, r.version] for rid, r in zip(ids, reqs)])
+        except Exception as e:  # noqa: BLE001 - e.g. a version the engine does not hold: the whole submission
+            for i in range(len(reqs)):
+                ticket._deliver(i, e)
+            return
+        if reset and not self._live and self.engine.vllm_config.cache_config.enable_prefix_caching:
+            self.engine.reset_prefix_cache()
+        added = []
+        try:
+            for i, (rid, r, v) in enumerate(zip(ids, reqs, versions)):
+                params = r.params.clone()
+                params.output_kind = RequestOutputKind.DELTA
+                self.engine.add_request(rid, {"prompt_token_ids": r.prompt, "cache_salt": cache_salt(v)}, params)
+                added.append(rid)
+                self._live[rid] = _Live(ticket, i, r, v)
+        except Exception as e:  # noqa: BLE001
+            self._abort(added)
+            self._rpc("moe_lora_release", ids)
+            for i in range(len(reqs)):
+                ticket._deliver(i, e)
+            return
+        ticket.request_ids = ids
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - every request in flight fails with it; the loop keeps serving
+            traceback.print_exc()
+            self._fail_live(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+            return
+        self.stats["steps"] += 1
+        self.stats["step_s"] += time.perf_counter() - t0
+        finished = []
+        for out in outs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            live.started = True
+            live.response += new
+            if c.logprobs is not None:
+                live.logprobs += [d[t].logprob for t, d in zip(new, c.logprobs)]
+            if out.prompt_logprobs is not None and live.prompt_logprobs is None:
+                live.prompt_logprobs = out.prompt_logprobs
+            live.versions += [live.version if self.inflight == "pin" else self.served] * len(new)
+            self.stats["tokens"] += len(new)
+            if out.finished:
+                live.finish_reason = str(c.finish_reason)
+                finished.append(out.request_id)
+        if finished:
+            self._finish(finished)
+
+    def _finish(self, rids: list[str]) -> None:
+        routes, err = {}, None
+        if self.meta is not None:
+            try:
+                routes = self._rpc("moe_lora_capture_pop", rids)
+            except Exception as e:  # noqa: BLE001 - pop one by one: a request with incomplete routes fails alone
+                err = e
+                for rid in rids:
+                    try:
+                        routes.update(self._rpc("moe_lora_capture_pop", [rid]))
+                    except Exception as e1:  # noqa: BLE001
+                        routes[rid] = e1
+        self._rpc("moe_lora_release", rids)
+        for rid in rids:
+            live = self._live.pop(rid)
+            r = routes.get(rid)
+            if isinstance(r, BaseException):
+                live.ticket._deliver(live.index, RuntimeError(f"routing capture: {r}"))
+                continue
+            try:
+                g = finish_generated(rid, live.req.prompt, live.req.params, live.response, live.logprobs,
+                                     live.prompt_logprobs, live.finish_reason, r, self.meta, self.pad)
+                g.versions = list(live.versions)
+                live.ticket._deliver(live.index, g)
+            except Exception as e:  # noqa: BLE001
+                live.ticket._deliver(live.index, e if err is None else RuntimeError(f"routing capture: {err}"))
+
+    def _abort(self, rids) -> None:
+        rids = [r for r in rids if r in self._live]
+        if not rids:
+            return
+        self.engine.abort_request(rids)
+        for rid in rids:
+            self._live.pop(rid, None)
+        if self.meta is not None:
+            for rid in rids:
+                try:
+                    self._rpc("moe_lora_capture_pop", [rid])
+                except Exception:  # noqa: BLE001 - nothing captured yet
+                    pass
+        self._rpc("moe_lora_release", rids)
+
+    def _fail_live(self, err: BaseException) -> None:
+        lives, self._live = self._live, {}
+        try:
+            self.engine.abort_request(list(lives))
+            self._rpc("moe_lora_release", list(lives))
+        except Exception:  # noqa: BLE001
+            pass
+        for live in lives.values():
+            live.ticket._deliver(live.index, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        self._fail_live(err)
+        with self._lock:
+            pending, self._pending = self._pending, []
+            commands, self._commands = self._commands, []
+        for ticket, reqs, _ in pending:
+            for i in range(len(reqs)):
+                ticket._deliver(i, err)
+        for cmd in commands:
+            if not cmd.future.done():
+                cmd.future.set_exception(err)

@@ -1,0 +1,273 @@
+"""Adapter versions committed while requests decode (rollout/loop.py + the unmerged runtime), tiny glm4_moe, fp32,
+routing capture and prefix caching on; each sample's logprobs against HF transformers run as the engine ran it
+(checks/inflight.py: each position through the model merged with the adapter of the version that forwarded it,
+one shared KV cache, the captured routes forced).
+
+- switch: 4 requests streamed while two more versions are pushed from this thread; their per-token versions change
+  mid-sequence, the recompute with those versions matches within INFLIGHT_LOGPROBS, the same recompute with one
+  version for the whole sequence is off by > ADAPTER_MATTERS_MIN (negative control); routes complete;
+- pin (max_versions 2): a request started on v1 finishes on v1 while a request submitted after v2's commit runs on
+  v2 in the same steps; v1 is freed after its request; a third version is refused (on_full=refuse) or waits until
+  v1 is freed (on_full=wait);
+- bad input: a request pinned to a version the engine does not hold, a stale commit: one-line errors, nothing
+  served changes;
+- security: no token, a wrong token, a method off the allow-list, an oversized and a malformed body, a stage from an
+  unauthenticated client: each refused with its status; the served adapter unchanged to the bit (same tokens and
+  logprobs as before), the engine still serving.
+"""
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from moe_lora_rl.checks.tolerances import ADAPTER_MATTERS_MIN, INFLIGHT_LOGPROBS
+
+pytestmark = pytest.mark.vllm
+
+T = 0.8
+RANK, ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def model():
+    from moe_lora_rl.models import get_model
+
+    return str(get_model("glm4_moe", "tiny"))
+
+
+@pytest.fixture(scope="module")
+def arch(model):
+    import transformers
+
+    from moe_lora_rl.models.arch import arch_from_hf_config
+
+    return arch_from_hf_config(transformers.AutoConfig.from_pretrained(model))
+
+
+@pytest.fixture(scope="module")
+def adapters(arch):
+    from moe_lora_rl.checks.route_reference import random_expert_adapter
+
+    return {v: random_expert_adapter(arch, RANK, seed=40 + v) for v in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def refs(model, adapters):
+    from moe_lora_rl.checks.route_reference import merged_hf_model
+
+    return {v: merged_hf_model(model, p, ALPHA / RANK, torch.float32) for v, p in adapters.items()}
+
+
+def start(model, tmp_path_factory, **kw):
+    from moe_lora_rl.rollout.client import RolloutEngine
+
+    return RolloutEngine.start(model, dtype="float32", log_dir=tmp_path_factory.mktemp("engine"), **kw)
+
+
+def prompts(arch, n, seed=5, length=20):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, arch.vocab_size, (n, length), generator=g).tolist()
+
+
+def tokens(eng) -> int:
+    return eng.status()["loop"]["tokens"]
+
+
+def wait_tokens(eng, n: int, timeout=120.0) -> None:
+    t0 = time.time()
+    while tokens(eng) < n:
+        assert time.time() - t0 < timeout, f"the engine did not reach {n} generated tokens"
+        time.sleep(0.02)
+
+
+class Streamer(threading.Thread):
+    """Streams one generate call in the background; done_at[i]: when sample i arrived."""
+
+    def __init__(self, eng, ps, **kw):
+        super().__init__(daemon=True)
+        self.eng, self.ps, self.kw = eng, ps, kw
+        self.samples, self.done_at, self.error = {}, {}, None
+
+    def run(self):
+        try:
+            for i, s in self.eng.stream(self.ps, **self.kw):
+                self.samples[i], self.done_at[i] = s, time.time()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            self.error = e
+
+    def result(self, timeout=300):
+        self.join(timeout)
+        assert not self.is_alive(), "stream did not finish"
+        if self.error:
+            raise self.error
+        return [self.samples[i] for i in range(len(self.ps))]
+
+
+def recompute_diff(refs, s, versions=None) -> float:
+    from moe_lora_rl.checks.inflight import recompute_logprobs
+
+    lp = recompute_logprobs(refs, s.prompt, s.response, s.routes, versions or s.versions, T)
+    return float((lp - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max())
+
+
+# -- switch -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def switch_engine(model, tmp_path_factory):
+    eng = start(model, tmp_path_factory, max_body_mb=1)        # shm pushes carry handles only: 1 MiB is plenty
+    yield eng
+    eng.stop()
+
+
+def test_switch_versions_change_mid_sequence_and_match_hf(switch_engine, arch, adapters, refs):
+    eng = switch_engine
+    eng.transport.push(1, adapters[1], RANK, ALPHA)
+    t0 = tokens(eng)
+    st = Streamer(eng, prompts(arch, 4), seeds=[11, 12, 13, 14], max_tokens=200, temperature=T)
+    st.start()
+    wait_tokens(eng, t0 + 4 * 40)
+    eng.transport.push(2, adapters[2], RANK, ALPHA)
+    wait_tokens(eng, t0 + 4 * 100)
+    eng.transport.push(3, adapters[3], RANK, ALPHA)
+    out = st.result()
+    spans = [s for s in out if len(set(s.versions)) > 1]
+    assert spans, [set(s.versions) for s in out]
+    changes = {(a, b) for s in out for a, b in zip(s.versions, s.versions[1:]) if a != b}
+    assert changes == {(1, 2), (2, 3)}, changes
+    for s in out:
+        assert len(s.versions) == len(s.response) and s.versions == sorted(s.versions)
+        assert s.routes.shape[0] == len(s.prompt) + len(s.response) - 1        # complete across the switches
+        d = recompute_diff(refs, s)
+        assert d < INFLIGHT_LOGPROBS, (d, s.versions)
+    for s in spans:                    # negative control: one version for the whole sequence
+        assert recompute_diff(refs, s, [s.versions[0]] * len(s.versions)) > ADAPTER_MATTERS_MIN
+
+
+# -- security (the switch engine, after the in-flight test) ---------------------------------------------------------
+def raw(eng, path, body=None, token="ok", data=None, method="POST"):
+    """Status code and body of a request with the engine's token ("ok"), no token (None) or a given one."""
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {eng.token if token == 'ok' else token}"
+    if data is None and body is not None:
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{eng.port}{path}", data=data, headers=headers,
+                                 method=method if data is not None or method == "GET" else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_refusals_leave_the_served_adapter_unchanged(switch_engine, arch, adapters):
+    eng = switch_engine
+    ps = prompts(arch, 2, seed=9)
+    before = eng.status()
+    ref = eng.generate(ps, seeds=[1, 2], max_tokens=8, temperature=T)
+    begin = {"method": "moe_lora_begin", "args": [before["version"] + 1, None, RANK, ALPHA, 1]}
+    gen = {"prompts": ps, "seeds": [1, 2], "max_tokens": 8, "temperature": T}
+    assert raw(eng, "/health", method="GET", token=None)[0] == 200
+    for token in (None, "wrong", eng.token[:-1]):
+        for path, body in (("/collective_rpc", begin), ("/generate", gen), ("/reset_prefix_cache", {}),
+                           ("/collective_rpc", {"method": "moe_lora_clear"})):
+            code, text = raw(eng, path, body, token=token)
+            assert code == 401 and b"unauthorized" in text and b"token" not in text, (path, token, code, text)
+        assert raw(eng, "/status", method="GET", token=token)[0] == 401
+    for method in ("reload_weights", "moe_lora_capture_stop", "moe_lora_track"):
+        code, text = raw(eng, "/collective_rpc", {"method": method, "args": []})
+        assert code == 400 and b"is not callable over /collective_rpc" in text, (method, code, text)
+    code, text = raw(eng, "/collective_rpc", data=b"x" * (2 << 20))
+    assert code == 413, (code, text[:200])
+    for bad in (b"{not json", b"[1, 2", b"\xff\xfe"):
+        assert raw(eng, "/collective_rpc", data=bad)[0] == 400
+    assert raw(eng, "/generate", data=b'{"prompts": "x"}')[0] == 400
+    after = eng.status()
+    assert (after["version"], after["checksum"]) == (before["version"], before["checksum"])
+    again = eng.generate(ps, seeds=[1, 2], max_tokens=8, temperature=T)
+    assert [(s.response, s.logprobs) for s in again] == [(s.response, s.logprobs) for s in ref]
+    # no stage was left open by the refused begin: the next version goes through
+    assert eng.transport.push(before["version"] + 1, adapters[1], RANK, ALPHA).served["version"] == \
+        before["version"] + 1
+
+
+# -- pin ----------------------------------------------------------------------------------------------------------
+def run_pin(eng, arch, adapters, refs, third_push):
+    """v1 serves a long request A; v2 is committed while A decodes and serves a short request B submitted after
+    it; then third_push(eng) runs while A still decodes. Returns (A, B, status while both held, status after)."""
+    eng.transport.push(1, adapters[1], RANK, ALPHA)
+    t0 = tokens(eng)
+    a = Streamer(eng, prompts(arch, 1, seed=21), seeds=[5], max_tokens=400, temperature=T)
+    a.start()
+    wait_tokens(eng, t0 + 20)
+    eng.transport.push(2, adapters[2], RANK, ALPHA)
+    held = eng.status()
+    b = Streamer(eng, prompts(arch, 1, seed=22), seeds=[6], max_tokens=30, temperature=T)
+    b.start()
+    [sb] = b.result()
+    assert a.is_alive(), "A finished before B: the two did not share engine steps (raise A's max_tokens)"
+    extra = third_push(eng, a)
+    [sa] = a.result()
+    assert b.done_at[0] < a.done_at[0]
+    return sa, sb, held, eng.status(), extra, a.done_at[0]
+
+
+def check_pinned(sa, sb, held, after, refs):
+    assert held["versions"] == [1, 2] and held["requests_per_version"] == {"1": 1}, held
+    assert set(sa.versions) == {1} and set(sb.versions) == {2}
+    assert recompute_diff(refs, sa) < INFLIGHT_LOGPROBS and recompute_diff(refs, sb) < INFLIGHT_LOGPROBS
+    assert recompute_diff(refs, sa, [2] * len(sa.versions)) > ADAPTER_MATTERS_MIN       # negative control
+
+
+def test_pin_refuses_a_third_version_while_both_serve(model, tmp_path_factory, arch, adapters, refs):
+    eng = start(model, tmp_path_factory, inflight="pin", max_versions=2, on_full="refuse")
+    try:
+        def third(eng, a):
+            before = eng.status()
+            with pytest.raises(ValueError, match=r"max_versions=2"):
+                eng.transport.push(3, adapters[3], RANK, ALPHA)
+            after = eng.status()
+            assert (after["version"], after["checksum"], after["versions"]) == \
+                (before["version"], before["checksum"], before["versions"])
+            with pytest.raises(ValueError, match=r"pinned to version 0"):
+                eng.generate(prompts(arch, 1), seeds=[1], max_tokens=2, temperature=T, versions=[0])
+            return None
+
+        sa, sb, held, after, _, _ = run_pin(eng, arch, adapters, refs, third)
+        check_pinned(sa, sb, held, after, refs)
+        assert after["versions"] == [2], after                    # v1 freed after its last request
+        with pytest.raises(ValueError, match="pinned to version 1"):
+            eng.generate(prompts(arch, 1), seeds=[1], max_tokens=2, temperature=T, versions=[1])
+        with pytest.raises(ValueError, match="stale adapter version 2"):
+            eng.transport.push(2, adapters[2], RANK, ALPHA)
+        assert eng.transport.push(3, adapters[3], RANK, ALPHA).served["version"] == 3
+        [s] = eng.generate(prompts(arch, 1), seeds=[1], max_tokens=4, temperature=T, versions=[3])
+        assert set(s.versions) == {3}
+    finally:
+        eng.stop()
+
+
+def test_pin_waits_for_a_version_to_free(model, tmp_path_factory, arch, adapters, refs):
+    eng = start(model, tmp_path_factory, inflight="pin", max_versions=2, on_full="wait")
+    try:
+        def third(eng, a):
+            pushed = {}
+            th = threading.Thread(target=lambda: pushed.update(
+                res=eng.transport.push(3, adapters[3], RANK, ALPHA), at=time.time()), daemon=True)
+            th.start()
+            time.sleep(0.5)
+            assert th.is_alive() and a.is_alive() and eng.status()["version"] == 2     # waiting, not refused
+            return th, pushed
+
+        sa, sb, held, after, (th, pushed), a_done = run_pin(eng, arch, adapters, refs, third)
+        th.join(120)
+        assert not th.is_alive() and pushed["res"].served["version"] == 3
+        assert pushed["at"] >= a_done - 0.05            # the commit landed when A's end freed v1
+        check_pinned(sa, sb, held, after, refs)
+        st = eng.status()
+        assert st["versions"] == [2, 3] and st["loop"]["commit_wait_s"] > 0.3, st
+    finally:
+        eng.stop()
