@@ -9,6 +9,10 @@ tokens: the train-inference mismatch of bf16 serving); logprob_diff_fp32_*: max 
 engine vs that reference; delta_lost_to_rounding: the part of the update the merged bf16 weights lose;
 expert_bytes_memcpy_s: one copy of all expert weights (the floor of a merged commit); capture_ok: groups of 4
 samples per prompt got complete routes with prefix caching on; prefix_cache_hits: vLLM's counter (tokens).
+Engine loop (serve_inflight.py), unmerged: tps_batch_call vs tps_loop and loop_step_overhead on the same requests;
+tokens_per_s_no_pushes vs tokens_per_s_during_pushes (a new version every --push-every-s while requests decode,
+--window-s each), push_cost = 1 - during / no pushes (target <= 0.10), inflight_push_stall_s: how long running
+requests waited for one commit between two steps.
 """
 from __future__ import annotations
 
@@ -28,8 +32,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--window-s", type=float, default=10.0,
+                    help="seconds of generation measured without pushes, then as long with pushes")
+    ap.add_argument("--push-every-s", type=float, default=1.0, help="a new adapter version this often")
     a = ap.parse_args(argv)
-    for name in ("rank", "batch", "prompt_len", "gen_len"):
+    for name in ("rank", "batch", "prompt_len", "gen_len", "window_s", "push_every_s"):
         if getattr(a, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     if a.model is None:
@@ -40,7 +47,8 @@ def main(argv=None) -> dict:
         ap.error(f"--model {a.model}: not an HF checkpoint directory (no config.json)")
     with tempfile.TemporaryDirectory() as d:
         result = run_process("moe_lora_rl.bench.serve_worker", ["--model", a.model, "--rank", str(a.rank), "--batch",
-                             str(a.batch), "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)],
+                             str(a.batch), "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
+                             "--window-s", str(a.window_s), "--push-every-s", str(a.push_every_s)],
                              timeout=3600, cwd=d, what="serve bench worker")
     emit(result, a.json)
     return result

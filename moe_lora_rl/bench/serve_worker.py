@@ -95,6 +95,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--window-s", type=float, default=10.0)
+    ap.add_argument("--push-every-s", type=float, default=1.0)
     a = ap.parse_args(argv)
     arch = load_arch(a.model)
     alpha = 2.0 * a.rank
@@ -135,6 +137,17 @@ def main(argv=None) -> dict:
                 res[f"capture_error_{mode}"] = str(e)
             hits += start_capture(llm)["prefix_route_hits"]
     vllm_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    # the engine loop (unmerged, the mode pin needs): its overhead on the same requests, and pushes while it runs
+    from ..rollout.loop import EngineLoop
+    from .serve_inflight import inflight_pushes, loop_vs_batch_call
+
+    loop = EngineLoop(llm).start()
+    try:
+        res.update(loop_vs_batch_call(llm, loop, prompts, a.gen_len, a.repeats))
+        res.update(inflight_pushes(loop, peft, a.rank, alpha, prompts, 4 * a.gen_len, a.window_s,
+                                   a.push_every_s, first_version=100))
+    finally:
+        loop.stop()
     del llm
     gc.collect()
     for mode in ("merged", "unmerged"):
