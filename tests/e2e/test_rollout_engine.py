@@ -12,7 +12,8 @@ routing capture on, one engine process (plus one restart):
 - greedy (temperature 0) picks HF's argmax;
 - a killed engine is EngineDied naming the signal on the next call; restart() serves again;
 - bad input is a ValueError naming the value, raised before any request (shown on an engine never started);
-- routes that cannot be popped fail the call (RuntimeError), never samples without routes; the engine recovers.
+- the routing capture cannot be stopped over /collective_rpc (allow-list); a request whose routes cannot be popped
+  fails alone (RuntimeError), never a sample without routes: tests/unit/test_engine_loop.py.
 """
 import os
 import signal
@@ -153,15 +154,17 @@ def test_greedy_is_hf_argmax(engine, prompts, model):
     assert max_diff(out, hf_logprobs(hf, out, 1.0)) < TOL
 
 
-def test_capture_failure_fails_the_call_and_the_engine_recovers(engine, prompts, base_run):
+def test_capture_cannot_be_stopped_from_outside(engine, prompts, base_run):
     import json
+    import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(f"{engine.transport.base_url}/collective_rpc", headers={"Content-Type":
-                                 "application/json"}, data=json.dumps({"method": "moe_lora_capture_stop"}).encode())
-    urllib.request.urlopen(req, timeout=60).close()                 # routes of the next call cannot be popped
-    with pytest.raises(RuntimeError, match="routing capture: routing capture was not started"):
-        engine.generate(prompts, seeds=SEEDS, max_tokens=12, temperature=T)
+    req = urllib.request.Request(f"{engine.transport.base_url}/collective_rpc", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {engine.token}"},
+        data=json.dumps({"method": "moe_lora_capture_stop"}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and b"is not callable over /collective_rpc" in e.value.read()
     again = engine.generate(prompts, seeds=SEEDS, max_tokens=12, temperature=T)
     assert [s.response for s in again] == [s.response for s in base_run]
     assert all(s.routes.shape[0] == len(s.prompt) + len(s.response) - 1 for s in again)
