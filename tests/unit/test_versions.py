@@ -1,0 +1,130 @@
+"""The version table of an engine (vllm/versions.py) without an engine: switch holds the newest version only; pin
+keeps a version while a tracked request runs on it, frees it with its last request, refuses a commit that does not
+fit (naming the version, max_versions and the versions in use with their request counts) and never evicts a version
+in use; the config check names the bad value."""
+import pytest
+
+from moe_lora_rl.vllm.versions import (InflightConfig, VersionTable, cache_salt, check_inflight_config,
+                                       external_id)
+
+
+def _pin(max_versions=2, on_full="wait"):
+    return VersionTable(InflightConfig("pin", max_versions, on_full))
+
+
+def test_config_defaults_and_bad_values_named():
+    assert check_inflight_config("unmerged") == InflightConfig("switch", 1, "wait")
+    assert check_inflight_config("unmerged", "pin", None, "refuse") == InflightConfig("pin", 2, "refuse")
+    assert check_inflight_config("merged", "switch", 1) == InflightConfig("switch", 1, "wait")
+    for args, msg in ((("unmerged", "hold"), r"moe_lora_inflight='hold'"),
+                      (("unmerged", "pin", 0), r"moe_lora_max_versions=0: expected an integer >= 1"),
+                      (("unmerged", "pin", 2.0), r"moe_lora_max_versions=2\.0"),
+                      (("unmerged", "pin", True), r"moe_lora_max_versions=True"),
+                      (("unmerged", "switch", 3), r"moe_lora_max_versions=3: inflight='switch' holds exactly one"),
+                      (("unmerged", "pin", 2, "drop"), r"moe_lora_on_full='drop'"),
+                      (("merged", "pin"), r"moe_lora_inflight='pin' needs moe_lora_serving='unmerged'"),
+                      (("fused",), r"moe_lora_serving='fused'")):
+        with pytest.raises(ValueError, match=msg) as e:
+            check_inflight_config(*args)
+        assert "\n" not in str(e.value)
+
+
+def test_salt_and_ids():
+    assert (cache_salt(7), cache_salt(None)) == ("moe-lora-v7", "moe-lora-base")
+    assert cache_salt(7) != cache_salt(8)
+    assert external_id("r3-1a2b3c4d") == "r3" and external_id("a-b-1a2b3c4d") == "a-b"
+    assert external_id("r3") == "r3" and external_id("r3-abc") == "r3-abc"      # no engine suffix
+
+
+def test_switch_holds_the_newest_only():
+    t = VersionTable()
+    assert t.track([["a", None]]) == [None]                                   # nothing served: the base model
+    assert t.admit(1) == [] and t.admit(2) == [1] and t.held == [2]          # a commit replaces the version
+    assert t.serving("a") == 2 and t.serving("untracked") == 2               # switch: every request on the newest
+    assert t.track([["b", 2], ["c", None]]) == [2, 2]
+    with pytest.raises(ValueError, match=r"request d asks for version 1: inflight='switch' serves only .* \(2\)"):
+        t.track([["d", 1]])
+    assert t.can_commit() and t.status()["requests_per_version"] == {"2": 3}
+    assert t.release(["a", "b", "c", "zz"]) == [] and t.held == [2]
+    with pytest.raises(ValueError, match="stale adapter version 2: version 2 is served"):
+        t.admit(2)
+    assert t.clear() == [2] and t.newest is None
+
+
+def test_pin_tracks_frees_and_refuses_when_full():
+    t = _pin(max_versions=2)
+    t.admit(5)
+    assert t.track([["r1", None], ["r2", 5]]) == [5, 5]
+    assert t.admit(6) == [] and t.held == [5, 6]                              # 5 still runs r1, r2
+    assert t.track([["r3", None]]) == [6]
+    assert (t.serving("r1"), t.serving("r3"), t.serving("untracked")) == (5, 6, 6)
+    assert not t.can_commit()
+    with pytest.raises(ValueError) as e:
+        t.admit(7)
+    msg = str(e.value)
+    assert ("cannot commit adapter version 7: max_versions=2" in msg and "5 (2 requests), 6 (1 request)" in msg
+            and "\n" not in msg)
+    assert t.held == [5, 6] and t.requests == {"r1": 5, "r2": 5, "r3": 6}    # the refused commit changed nothing
+    assert t.release(["r1"]) == [] and t.held == [5, 6]                      # r2 still on 5
+    assert t.release(["r2", "r2", "unknown"]) == [5] and t.held == [6]       # last request of 5: freed, idempotent
+    assert t.can_commit()
+    assert t.admit(7) == [] and t.held == [6, 7]                             # 6 runs r3: kept
+    assert t.status() == {"inflight": "pin", "max_versions": 2, "on_full": "wait", "versions": [6, 7],
+                          "requests_per_version": {"6": 1}, "can_commit": True}   # 8 would replace 7 (unused)
+    assert t.admit(8) == [7] and t.held == [6, 8]
+    t.release(["r3"])
+    assert t.held == [8]                                                     # the newest is kept without requests
+
+
+def test_pin_commit_frees_unused_versions_never_referenced_ones():
+    t = _pin(max_versions=3)
+    for v in (1, 2, 3):
+        t.admit(v)
+        t.track([[f"q{v}", None]])
+    t.release(["q2"])                                                        # 2 is freed right away
+    assert t.held == [1, 3]
+    t.track([["q4", 1]])                                                     # an explicit pin to a held version
+    assert t.admit(4) == [] and t.held == [1, 3, 4]
+    t.release(["q3"])
+    assert t.held == [1, 4]
+    assert t.plan_admit(5) == [4] and t.held == [1, 4]                       # planning changes nothing
+    assert t.admit(5) == [4] and t.held == [1, 5]                            # 4: not the newest any more, unused
+    t.track([["q5", None]])
+    assert t.admit(6) == [] and t.admit(7) == [6] and t.held == [1, 5, 7]
+    t.track([["q7", None]])
+    with pytest.raises(ValueError, match=r"version 8: max_versions=3 .* 1 \(2 requests\), 5 \(1 request\), 7 "):
+        t.admit(8)                                                           # full: nothing in use is evicted
+    assert t.held == [1, 5, 7]
+    t.release(["q1", "q4"])
+    assert t.held == [5, 7] and t.admit(8) == [] and t.held == [5, 7, 8]
+
+
+def test_pin_explicit_version_all_or_nothing():
+    t = _pin(max_versions=2)
+    t.admit(6)
+    t.track([["r0", None]])
+    t.admit(7)
+    with pytest.raises(ValueError, match=r"request r3 pinned to version 5: the engine holds versions \[6, 7\]"):
+        t.track([["r1", None], ["r2", 6], ["r3", 5]])
+    assert t.requests == {"r0": 6}                                           # nothing tracked
+    with pytest.raises(ValueError, match="request r1 is already tracked"):
+        t.track([["r1", 7], ["r1", 7]])
+    with pytest.raises(ValueError, match=r"request r1: version '7' is not an integer"):
+        t.track([["r1", "7"]])
+    assert t.track([["r1", 6], ["r2", None]]) == [6, 7]
+
+
+def test_pin_max_one_drains_and_base_requests_take_no_slot():
+    t = _pin(max_versions=1)
+    assert t.track([["b", None]]) == [None]                                  # base model: no slot
+    assert t.can_commit() and t.admit(1) == []
+    assert t.serving("b") is None and t.status()["requests_per_version"] == {"None": 1}
+    t.track([["r", None]])
+    assert not t.can_commit()
+    with pytest.raises(ValueError, match=r"max_versions=1 and the held versions 1 \(1 request\)"):
+        t.admit(2)
+    with pytest.raises(ValueError, match=r"cannot clear the adapters: versions \[1\] are in use"):
+        t.clear()
+    t.release(["r"])
+    assert t.can_commit() and t.admit(2) == [1]
+    assert t.clear() == [2] and t.serving("b") is None                        # the base request is no obstacle
