@@ -2,7 +2,7 @@
 engine forwards (prompt and generated; the last sampled token is never forwarded) for every MoE layer.
 
 vLLM's own routed-experts output needs Model Runner V2 (Triton), so on CPU we bind BaseRouter.set_capture_fn
-(ids are logical: captured before the EPLB mapping) and wrap the runner's _model_forward (instance attribute) to
+(ids are logical: captured before the EPLB mapping) and listen on the runner's forwards (step_hooks.py) to
 split each step's ids by request (query_start_loc). Whatever computes the routing reports through the router's
 capture_fn: vLLM's router when vLLM's MoE kernel runs (base model, merged adapters), our plain-torch router when
 the adapter runs unmerged (runtime.py). Stored compactly (uint8 for <= 256 experts, else uint16) and freed when
@@ -12,7 +12,7 @@ Completeness is checked per step: every MoE layer must report, and each request'
 position the step starts from. A request with a gap (a layer that did not report, token rows never forwarded, e.g.
 prompt tokens served from the prefix cache without their routes) is an error when popped, naming the request,
 the missing layers and the missing rows. With prefix caching on, routes of full prompt blocks are kept per block
-hash (prefix_routes.py) and fill the rows of cached tokens.
+hash and cache salt, i.e. adapter version (prefix_routes.py), and fill the rows of cached tokens.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 
 from ..models.naming import layer_of
 from ..router_replay.routes import compact_dtype
+from .step_hooks import StepInfo, add_listener, remove_listener
 
 
 def find_routers(model) -> list[tuple[int, object]]:
@@ -36,7 +37,9 @@ def find_routers(model) -> list[tuple[int, object]]:
 
 
 class RouteCapture:
-    def __init__(self, runner):
+    def __init__(self, runner, salt_of=None):
+        """salt_of: internal request id -> its cache salt (prefix_routes.py; the worker extension asks the LoRA
+        runtime)."""
         cfg = runner.vllm_config
         if cfg.compilation_config.mode not in (0, None) and not cfg.model_config.enforce_eager:
             raise ValueError("routing capture needs enforce_eager=True (compiled graphs drop the capture hook)")
@@ -52,13 +55,12 @@ class RouteCapture:
         if cfg.cache_config.enable_prefix_caching:
             from .prefix_routes import PrefixRoutes
 
-            self.prefix = PrefixRoutes(runner)
+            self.prefix = PrefixRoutes(runner, salt_of=salt_of)
         self.step: dict[int, torch.Tensor] = {}
         self.per_request: dict[str, list[np.ndarray]] = {}
         self.rows: dict[str, int] = {}                        # rows captured so far per request
         self.missing_layers: dict[str, set[int]] = {}
         self.missing_rows: dict[str, list[tuple[int, int]]] = {}
-        self._orig_forward = None
 
     def _record(self, layer: int, ids: torch.Tensor) -> None:
         self.step[layer] = ids.detach().to("cpu")
@@ -66,20 +68,16 @@ class RouteCapture:
     def start(self) -> None:
         for layer, router in self.routers:
             router.set_capture_fn(lambda ids, layer=layer: self._record(layer, ids))
-        runner, orig = self.runner, self.runner._model_forward
-        self._orig_forward = orig
+        add_listener(self.runner, self)
 
-        def forward(*args, **kwargs):
-            num = runner.input_batch.num_reqs
-            req_ids = list(runner.input_batch.req_ids[:num])
-            qsl = runner.query_start_loc.np[: num + 1].copy()
-            starts = runner.input_batch.num_computed_tokens_cpu[:num].copy()
-            self.step.clear()
-            out = orig(*args, **kwargs)
-            self._split(req_ids, qsl, starts)
-            self.step.clear()
-            return out
-        runner._model_forward = forward
+    # step listener (step_hooks.py): the routes reported during one forward, split by request after it
+    def before(self, info: StepInfo) -> None:
+        self.step.clear()
+
+    def after(self, info: StepInfo) -> None:
+        if not info.failed:
+            self._split(info.req_ids, info.query_start_loc, info.num_computed_tokens)
+        self.step.clear()
 
     def _split(self, req_ids, qsl, starts) -> None:
         n_tok = int(qsl[-1])
@@ -122,9 +120,7 @@ class RouteCapture:
     def stop(self) -> None:
         for _, router in self.routers:
             router.set_capture_fn(None)
-        if self._orig_forward is not None:
-            del self.runner._model_forward          # back to the class method
-            self._orig_forward = None
+        remove_listener(self.runner, self)
 
     def pop(self, request_ids: list[str]) -> dict[str, np.ndarray]:
         """Routes [tokens, moe_layers, topk] per request, removed from the engine. ValueError for a request that was
@@ -156,7 +152,8 @@ class RouteCapture:
                 "pending_requests": len(self.per_request), "prefix_caching": self.prefix is not None,
                 "prefix_route_hits": self.prefix.hits if self.prefix is not None else 0}
 
-    def new_weights(self) -> None:
-        """A new adapter version is served: stored prompt routes are stale."""
+    def new_weights(self, keep_salts=frozenset()) -> None:
+        """The served versions changed: stored prompt routes are stale except those of the salts still served
+        (the versions still held, the base model)."""
         if self.prefix is not None:
-            self.prefix.clear()
+            self.prefix.clear(keep_salts)

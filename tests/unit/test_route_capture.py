@@ -70,3 +70,100 @@ def test_prefix_store_fills_cached_prompt_blocks():
         cap.pop(["c"])
     cap.new_weights()                                           # a new adapter: stored prompt routes are stale
     assert not cap.prefix.by_key
+
+
+def test_prefix_store_keyed_by_version():
+    """A prompt's stored routes serve only requests of the same cache salt (adapter version); a commit drops the
+    entries of versions no longer held and the untracked ones, and keeps those of versions still held."""
+    from moe_lora_rl.vllm.versions import UNTRACKED_SALT, cache_salt
+
+    prompt = list(range(8))
+    names = ("a-1", "b-2", "c-3", "u-4", "v-5", "d-6")
+    runner = _Runner({k: prompt for k in names})
+    salts = {"a-1": cache_salt(5), "b-2": cache_salt(5), "c-3": cache_salt(6), "d-6": cache_salt(5),
+             "u-4": UNTRACKED_SALT, "v-5": UNTRACKED_SALT}
+    cap = _capture(runner)
+    cap.prefix.salt_of = salts.__getitem__
+    _step(cap, ["a-1", "u-4"], [8, 8], [0, 0])                 # version 5 and an untracked request compute it
+    _step(cap, ["b-2", "c-3", "v-5"], [1, 1, 1], [8, 8, 8], seed=1)
+    assert cap.prefix.hits == 2                                  # b from a's routes, v from u's; c (version 6): none
+    out = cap.pop(["a", "b", "u", "v"])
+    np.testing.assert_array_equal(out["b"][:8], out["a"][:8])
+    np.testing.assert_array_equal(out["v"][:8], out["u"][:8])
+    assert not np.array_equal(out["a"][:8], out["u"][:8])       # the two salts held different routes
+    with pytest.raises(ValueError, match=r"request 'c'.*token rows 0\.\.7"):
+        cap.pop(["c"])
+    cap.new_weights({cache_salt(5), cache_salt(None)})          # version 6 committed, 5 still held (pinned requests)
+    assert {salt for salt, _ in cap.prefix.by_key.values()} == {cache_salt(5)}
+    _step(cap, ["d-6"], [1], [8], seed=2)                       # a pinned request of 5 prefilling after the commit
+    np.testing.assert_array_equal(cap.pop(["d"])["d"][:8], out["a"][:8])
+    cap.new_weights({cache_salt(6)})                             # 5 freed
+    assert not cap.prefix.by_key
+
+
+class _Batch:
+    def __init__(self, req_ids, lens):
+        self.num_reqs, self.req_ids = len(req_ids), list(req_ids)
+        self.num_computed_tokens_cpu = np.zeros(len(req_ids), dtype=np.int64)
+        self.qsl = np.cumsum([0] + list(lens))
+
+
+class _StepRunner:
+    """A model runner with the attributes step_hooks reads and a forward that reports routes like a router."""
+
+    def __init__(self):
+        self.input_batch = _Batch(["a-1"], [3])
+        self.query_start_loc = type("B", (), {"np": self.input_batch.qsl})()
+        self.report, self.fail = None, False
+
+    def _model_forward(self, x):
+        if self.report is not None:
+            self.report()
+        if self.fail:
+            raise RuntimeError("forward failed")
+        return x + 1
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def before(self, info):
+        self.calls.append(("before", info.req_ids, info.num_tokens))
+
+    def after(self, info):
+        self.calls.append(("after", info.failed))
+
+
+def test_step_listeners_are_independent():
+    """Capture and the LoRA runtime each register a listener on the one wrapper of _model_forward: stopping the
+    capture leaves the other listener (and the wrapper) in place; a failed forward reaches `after` as failed and
+    captures nothing."""
+    from moe_lora_rl.vllm.step_hooks import add_listener, remove_listener
+
+    runner = _StepRunner()
+    cap = _capture()
+    cap.runner, cap.routers = runner, []
+    routes = {1: torch.ones(3, 2, dtype=torch.long), 2: torch.zeros(3, 2, dtype=torch.long)}
+    runner.report = lambda: cap.step.update(routes)
+    other = _Recorder()
+    cap.start()
+    add_listener(runner, other)
+    wrapper = runner._model_forward
+    assert wrapper(1) == 2 and other.calls == [("before", ["a-1"], 3), ("after", False)]
+    assert cap.rows == {"a-1": 3} and cap.step == {}
+    runner.fail = True
+    with pytest.raises(RuntimeError, match="forward failed"):
+        runner._model_forward(1)
+    assert other.calls[-1] == ("after", True) and cap.rows == {"a-1": 3} and cap.step == {}
+    runner.fail = False
+    cap.stop()
+    assert runner._model_forward is wrapper                      # the runtime's listener is still called
+    runner._model_forward(1)
+    assert other.calls[-2:] == [("before", ["a-1"], 3), ("after", False)] and cap.rows == {"a-1": 3}
+    cap.start()                                                  # a restarted capture sees the next step again
+    remove_listener(runner, other)
+    n = len(other.calls)
+    runner.input_batch.num_computed_tokens_cpu[0] = 3            # the request continues after its 3 rows
+    runner._model_forward(1)
+    assert len(other.calls) == n and cap.rows == {"a-1": 6}
