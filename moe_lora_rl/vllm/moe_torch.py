@@ -1,6 +1,6 @@
 """Routed experts with per-expert LoRA in plain torch, batched (the unmerged serving mode: for engines whose MoE
 kernels have no expert LoRA, vLLM's CPU MoE backend and expert parallelism on GPU; several adapter versions can
-be held at once). Tokens are sorted by expert into an [experts, capacity, hidden] batch and every projection is one
+be held at once and served in one batch: all tokens routed together, the expert MLP run per version group). Tokens are sorted by expert into an [experts, capacity, hidden] batch and every projection is one
 bmm over all experts, base and LoRA factors alike, in the serving dtype. Routing reproduces the HF/Megatron math of
 the family (softmax top-k, or sigmoid + expert bias + group-limited top-k + routed scaling) on vLLM's router
 logits. Base expert weights are a copy read once from the checkpoint (vLLM's kernel holds them prepacked)."""
@@ -99,11 +99,26 @@ def route(logits: torch.Tensor, arch: MoEArch, bias: torch.Tensor | None) -> tup
 
 
 def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arch: MoEArch,
-                   lora: ExpertLoRA | None, on_route=None) -> torch.Tensor:
-    """x [T, H] (serving dtype), router logits [T, E] -> routed expert output [T, H] in x's dtype."""
+                   lora: ExpertLoRA | None, on_route=None, groups=None) -> torch.Tensor:
+    """x [T, H] (serving dtype), router logits [T, E] -> routed expert output [T, H] in x's dtype.
+
+    groups: several adapter versions in one batch, [(ExpertLoRA | None, token indices), ...] covering every token
+    once (`lora` is then unused). All tokens are routed together (on_route sees them in order); the expert MLP runs
+    per group on its tokens with its version's factors. None: every token on `lora`."""
     w, ids = route(logits.float(), arch, base.bias)
     if on_route is not None:
         on_route(ids)
+    if groups is None:
+        return _expert_mlp(x, w, ids, base, lora).to(x.dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for glora, idx in groups:
+        out[idx] = _expert_mlp(x[idx], w[idx], ids[idx], base, glora)
+    return out.to(x.dtype)
+
+
+def _expert_mlp(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, base: BaseExperts,
+                lora: ExpertLoRA | None) -> torch.Tensor:
+    """Tokens x [T, H] routed to experts ids [T, k] with weights w [T, k] -> sum_k w * expert(x) [T, H] in fp32."""
     T, k = ids.shape
     E, I = base.w13.shape[0], base.w2.shape[2]
     flat = ids.reshape(-1)
@@ -111,7 +126,7 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arc
     expert = flat[order]
     counts = torch.bincount(flat, minlength=E)
     cap = int(counts.max())
-    slot = torch.arange(T * k) - (torch.cumsum(counts, 0) - counts)[expert]
+    slot = torch.arange(T * k, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
     tok = order // k
     xp = x.new_zeros(E, cap, x.shape[1])
     xp[expert, slot] = x[tok]
@@ -126,6 +141,6 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arc
     y = torch.bmm(h, base.w2.transpose(1, 2)).float()                        # [E, C, H]
     if lora is not None:
         y = y + torch.bmm(torch.bmm(h, lora.a2.transpose(1, 2)), lora.b2.transpose(1, 2)).float()
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32)
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y[expert, slot] * w.reshape(-1)[order, None])
-    return out.to(x.dtype)
+    return out

@@ -10,15 +10,23 @@ under expert parallelism):
         unmerged      the MoE block's forward replaced by batched routed experts in plain torch (moe_torch.py) +
                       vLLM's shared experts (with their hooks); routing capture is fed from our router
 
-The active adapter is swapped by reference after it was fully validated (and, merged, after every layer was
-staged), so a failed push leaves the previous version serving. Supports vLLM tensor parallel size 1 (the CPU
-engine's layout).
+Adapter versions (versions.py holds the policy): `switch` holds one version, the newest, for every token;
+`pin` (unmerged only) holds up to max_versions versions at once and serves each request on the version it was
+tracked with. A step with several versions is planned once, before its forward (a step_hooks.py listener): the
+tokens grouped by version; each linear hook adds every group's own delta to its rows, and the routed experts route
+all tokens once and run the expert MLP per group with that version's factors (Punica / S-LoRA style multi-LoRA
+batching). A step whose tokens all run on one version takes the single-version code, no index copies.
+
+A new version is swapped in by reference after it was fully validated (and, merged, after every layer was staged),
+so a failed push leaves the served versions as they were. Supports vLLM tensor parallel size 1 (the CPU engine's
+layout).
 """
 from __future__ import annotations
 
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..models.arch import MoEArch, arch_from_hf_config
@@ -27,14 +35,8 @@ from ..models.naming import naming_for
 from .adapter_set import AdapterSet
 from .merge import MergedExperts
 from .moe_torch import BaseExperts, ExpertLoRA, load_base_experts, routed_experts, stack_expert_lora
-
-MODES = ("unmerged", "merged")
-
-
-def check_mode(mode) -> str:
-    if mode not in MODES:
-        raise ValueError(f"moe_lora_serving={mode!r}: expected one of {MODES}")
-    return mode
+from .versions import (UNTRACKED_SALT, VersionTable, cache_salt, check_inflight_config, check_mode,
+                       external_id)
 
 
 def _resolve(root, dotted: str):
@@ -54,8 +56,45 @@ def _router(block):
     raise ValueError(f"no MoE router with a capture hook in {type(block).__name__}")
 
 
+def linear_delta(x: torch.Tensor, mods: dict, parts: tuple[str, ...], sizes: list[int], scale: float) -> torch.Tensor:
+    """s * B(A(x)) of one (fused) linear in fp32 [rows, sum(sizes)]: one slice per part, zeros for parts the
+    adapter does not have."""
+    deltas = []
+    for p, n in zip(parts, sizes):
+        if p in mods:
+            A, B = mods[p]
+            deltas.append(((x.to(A.dtype) @ A.t()) @ B.t()) * scale)
+        else:
+            deltas.append(x.new_zeros(*x.shape[:-1], n, dtype=torch.float32))
+    return torch.cat(deltas, dim=-1)
+
+
+class TokenGroups:
+    """The adapter version of every token of one step, grouped: [(version, token indices), ...]. Tokens past the
+    step's own (padding the forward adds) join the last request's version. One version: [(version, None)]."""
+
+    def __init__(self, versions: list, query_start_loc: np.ndarray):
+        self.versions = list(dict.fromkeys(versions))                        # distinct, first appearance order
+        code = {v: c for c, v in enumerate(self.versions)}
+        self.codes = np.repeat([code[v] for v in versions], np.diff(query_start_loc)).astype(np.int64)
+        self._cache: dict = {}
+
+    def groups(self, num_tokens: int, device) -> list:
+        if len(self.versions) == 1:
+            return [(self.versions[0], None)]
+        key = (num_tokens, str(device))
+        if key not in self._cache:
+            n = len(self.codes)
+            assert num_tokens >= n, f"a forward of {num_tokens} tokens in a step of {n} planned tokens"
+            codes = np.concatenate([self.codes, np.full(num_tokens - n, self.codes[-1] if n else 0)])
+            self._cache[key] = [(v, torch.from_numpy(np.flatnonzero(codes == c)).to(device))
+                                for c, v in enumerate(self.versions) if (codes == c).any()]
+        return self._cache[key]
+
+
 class LoRARuntime:
-    def __init__(self, model, model_dir: str | Path, mode: str = "unmerged", dtype: torch.dtype | None = None):
+    def __init__(self, model, model_dir: str | Path, mode: str = "unmerged", dtype: torch.dtype | None = None,
+                 inflight: str = "switch", max_versions: int | None = None, on_full: str = "wait"):
         import transformers
 
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -65,17 +104,28 @@ class LoRARuntime:
         if tp != 1:
             raise ValueError(f"the plain-torch LoRA runtime supports vLLM tensor_parallel_size=1, got {tp}")
         self.mode = check_mode(mode)
+        self.table = VersionTable(check_inflight_config(mode, inflight, max_versions, on_full))
         self.dtype = dtype or next(model.parameters()).dtype
         self.arch: MoEArch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(str(self.model_dir)))
-        self.active: AdapterSet | None = None
         self.layers = model.model.layers
         self.blocks = {li: layer.mlp for li, layer in enumerate(self.layers) if self.arch.moe_layers[li]}
-        self._base: dict[int, BaseExperts] = {}
-        self._loras: dict[int, ExpertLoRA] = {}
-        self._merged: MergedExperts | None = None
-        self._merged_version: int | None = None
+        self._init_state()
         self._hooks = []
         self._install_linear_hooks()
+
+    def _init_state(self) -> None:
+        self.adapters: dict[int, AdapterSet] = {}                 # held versions
+        self._loras: dict[int, dict[int, ExpertLoRA]] = {}        # version -> layer -> stacked expert factors
+        self._step: TokenGroups | None = None                      # this forward's versions, when not all newest
+        self._base: dict[int, BaseExperts] = {}
+        self._merged: MergedExperts | None = None
+        self._merged_version: int | None = None
+
+    @property
+    def active(self) -> AdapterSet | None:
+        """The newest held version (what untracked requests and switch engines run on)."""
+        v = self.table.newest
+        return None if v is None else self.adapters[v]
 
     # -- base expert weights, read once from the served checkpoint (the pristine copy of the merged mode) ------
     def _base_experts(self, layer: int) -> BaseExperts:
@@ -102,24 +152,38 @@ class LoRARuntime:
                 sizes = [shapes[p][1] for p in parts]
                 self._hooks.append(mod.register_forward_hook(self._make_linear_hook(li, parts, sizes)))
 
+    def _linear_mods(self, version: int | None, layer: int, parts: tuple[str, ...]) -> dict | None:
+        adapter = self.adapters.get(version) if version is not None else None
+        mods = adapter.layers.get(layer) if adapter else None
+        return mods if mods and any(p in mods for p in parts) else None
+
     def _make_linear_hook(self, layer: int, parts: tuple[str, ...], sizes: list[int]):
         def hook(module, args, output):
-            adapter = self.active
-            mods = adapter.layers.get(layer) if adapter else None
-            if not mods or not any(p in mods for p in parts):
-                return output
             x = args[0]
+            groups = self.token_groups(x.shape[0], x.device)
             out, bias = output if isinstance(output, tuple) else (output, None)
-            deltas = []
-            for p, n in zip(parts, sizes):
-                if p in mods:
-                    A, B = mods[p]
-                    deltas.append(((x.to(A.dtype) @ A.t()) @ B.t()) * adapter.scale)
-                else:
-                    deltas.append(out.new_zeros(*out.shape[:-1], n, dtype=torch.float32))
-            new = out + torch.cat(deltas, dim=-1).to(out.dtype)
+            if len(groups) == 1:
+                mods = self._linear_mods(groups[0][0], layer, parts)
+                if mods is None:
+                    return output
+                new = out + linear_delta(x, mods, parts, sizes, self.adapters[groups[0][0]].scale).to(out.dtype)
+            else:
+                delta = None
+                for v, idx in groups:
+                    mods = self._linear_mods(v, layer, parts)
+                    if mods is None:
+                        continue
+                    if delta is None:
+                        delta = out.new_zeros(*out.shape[:-1], sum(sizes), dtype=torch.float32)
+                    delta[idx] = linear_delta(x[idx], mods, parts, sizes, self.adapters[v].scale)
+                if delta is None:
+                    return output
+                new = out + delta.to(out.dtype)
             return (new, bias) if isinstance(output, tuple) else new
         return hook
+
+    def _expert_lora(self, version: int | None, layer: int) -> ExpertLoRA | None:
+        return self._loras.get(version, {}).get(layer) if version is not None else None
 
     def _moe_forward(self, layer: int):
         runtime = self
@@ -128,14 +192,59 @@ class LoRARuntime:
             shape = hidden_states.shape
             x = hidden_states.reshape(-1, shape[-1])
             logits, _ = block.gate(x)
+            groups = runtime.token_groups(x.shape[0], x.device)
+            lora = runtime._expert_lora(groups[0][0], layer) if len(groups) == 1 else None
+            by_version = None if len(groups) == 1 else [(runtime._expert_lora(v, layer), idx) for v, idx in groups]
             # routing capture (capture.py) listens on vLLM's router, which this path bypasses: report to it
-            out = routed_experts(x, logits, runtime._base_experts(layer), runtime.arch, runtime._loras.get(layer),
-                                 on_route=_router(block).capture_fn)
+            out = routed_experts(x, logits, runtime._base_experts(layer), runtime.arch, lora,
+                                 on_route=_router(block).capture_fn, groups=by_version)
             shared = getattr(block, "shared_experts", None)
             if shared is not None:
                 out = out + shared(x)
             return out.reshape(shape)
         return forward
+
+    # -- per-step versions (a step_hooks.py listener; registered by the worker extension in pin mode) -------
+    def _tracked_id(self, internal: str) -> str | None:
+        """The tracked request id of vLLM's internal one, None if nobody tracked it."""
+        if internal in self.table.requests:
+            return internal
+        rid = external_id(internal)
+        return rid if rid in self.table.requests else None
+
+    def before(self, info) -> None:
+        self._step = None
+        if not self.table.requests or not info.req_ids:
+            return
+        newest = self.table.newest
+        versions = []
+        for internal in info.req_ids:
+            rid = self._tracked_id(internal)
+            versions.append(newest if rid is None else self.table.serving(rid))
+        if any(v != newest for v in versions):
+            self._step = TokenGroups(versions, info.query_start_loc)
+
+    def after(self, info) -> None:
+        self._step = None
+
+    def token_groups(self, num_tokens: int, device) -> list:
+        """[(version, token indices | None)] of the running forward; one group (None: all tokens) in the common
+        case of every token on the newest version, and in forwards outside an engine step."""
+        step = self._step
+        return [(self.table.newest, None)] if step is None else step.groups(num_tokens, device)
+
+    def salt(self, internal: str) -> str:
+        """The cache salt of a request in the batch (prefix_routes.py): its tracked version's, else the untracked
+        salt."""
+        rid = self._tracked_id(internal)
+        return UNTRACKED_SALT if rid is None else cache_salt(self.table.salt_version(rid))
+
+    def live_salts(self) -> set[str]:
+        """Salts whose prefix routes stay valid: the held versions' and the base model's."""
+        return {cache_salt(v) for v in self.table.held} | {cache_salt(None)}
+
+    def _adapted_layers(self) -> set[int]:
+        return {li for loras in self._loras.values() for li in loras}
 
     def _set_moe_path(self, layers) -> None:
         """The plain-torch MoE forward on exactly these layers, vLLM's own on the others."""
@@ -147,18 +256,19 @@ class LoRARuntime:
 
     # -- adapter versions ----------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
-        check_mode(mode)
+        c = self.table.config
+        check_inflight_config(mode, c.inflight, c.max_versions, c.on_full)
         if mode != self.mode and self.active is not None:
             raise ValueError(f"cannot switch the serving mode to {mode!r} while adapter version "
                              f"{self.active.version} is served in {self.mode!r} mode (moe_lora_clear first)")
         self.mode = mode
 
     def activate(self, adapter: AdapterSet) -> dict:
-        """Serve `adapter`; returns timings. Nothing changes unless every step before the swap succeeded."""
+        """Hold `adapter` as the newest version (switch: instead of the previous one; pin: beside the versions
+        running requests use); returns timings. Nothing changes unless every step before the swap succeeded."""
         import time
 
-        if self.active is not None and adapter.version <= self.active.version:
-            raise ValueError(f"stale adapter version {adapter.version}: version {self.active.version} is served")
+        self.table.plan_admit(adapter.version)          # stale, or pin and full: refused before any work
         t0 = time.perf_counter()
         dtype = torch.float32 if self.mode == "merged" else self.dtype
         loras = {}
@@ -173,26 +283,46 @@ class LoRARuntime:
         if self.mode == "merged":
             merger = self._merger()
             staged = merger.stage(loras)
-            self.active = adapter
+            self._hold(adapter, {})
             merger.commit(staged)
             self._merged_version = adapter.version
             self._set_moe_path(())
         else:
-            self._loras = loras
-            self.active = adapter
-            self._set_moe_path(loras)
+            self._hold(adapter, loras)
+            self._set_moe_path(self._adapted_layers())
         return {"commit_s": time.perf_counter() - t0}
 
+    def _hold(self, adapter: AdapterSet, loras: dict) -> None:
+        self._drop(self.table.admit(adapter.version))
+        self.adapters[adapter.version] = adapter
+        self._loras[adapter.version] = loras
+
+    def _drop(self, versions) -> None:
+        for v in versions:
+            self.adapters.pop(v, None)
+            self._loras.pop(v, None)
+
+    def track(self, requests: list) -> list:
+        """[[request id, version | None], ...] -> the versions they run on (versions.VersionTable.track)."""
+        return self.table.track(requests)
+
+    def release(self, request_ids: list) -> list[int]:
+        """The requests ended; returns the versions freed (pin)."""
+        freed = self.table.release(request_ids)
+        if freed:
+            self._drop(freed)
+            self._set_moe_path(self._adapted_layers())
+        return freed
+
     def deactivate(self) -> None:
+        self._drop(self.table.clear())                 # pin: refused while requests run on a held version
         if self._merged_version is not None:
             merger = self._merger()
             merger.commit(merger.stage({}))
             self._merged_version = None
-        self.active = None
-        self._loras = {}
         self._set_moe_path(())
 
     def status(self) -> dict:
         a = self.active
         return {"version": a.version if a else None, "checksum": a.checksum if a else None,
-                "num_tensors": a.num_tensors if a else 0, "mode": self.mode}
+                "num_tensors": a.num_tensors if a else 0, "mode": self.mode, **self.table.status()}

@@ -4,6 +4,11 @@ pushes reach the worker through collective_rpc, in process or over the server's 
 vLLM 0.32 mixes the extension into its worker class as an extra base and never calls its __init__, so the first
 moe_lora_* call is the hook: every entry point checks the vLLM version first (ValueError, nothing changed) and then
 applies our fixes to vLLM once per worker process (reload_fix).
+
+Engine settings come from vLLM's additional_config: moe_lora_serving ("unmerged" | "merged"), moe_lora_inflight
+("switch" | "pin"), moe_lora_max_versions, moe_lora_on_full ("wait" | "refuse"); checked by
+versions.check_inflight_config on the first moe_lora_* call that needs them. With pin, the engine loop tracks each
+request's version before adding it (moe_lora_track) and releases it when it ended (moe_lora_release).
 """
 from __future__ import annotations
 
@@ -38,16 +43,41 @@ def entry(method):
 
 
 class MoELoRAWorkerExtension:
+    def _moe_lora_config(self) -> dict:
+        """The engine's moe_lora_* settings, checked (ValueError naming a bad value)."""
+        from .versions import check_inflight_config
+
+        extra = getattr(self.vllm_config, "additional_config", None) or {}
+        cfg = {"mode": extra.get("moe_lora_serving", "unmerged"), "inflight": extra.get("moe_lora_inflight", "switch"),
+               "max_versions": extra.get("moe_lora_max_versions"), "on_full": extra.get("moe_lora_on_full", "wait")}
+        check_inflight_config(cfg["mode"], cfg["inflight"], cfg["max_versions"], cfg["on_full"])
+        return cfg
+
     def _moe_lora_runtime(self):
         rt = getattr(self, "_moe_lora_rt", None)
         if rt is None:
             from .runtime import LoRARuntime
+            from .step_hooks import add_listener
 
-            extra = getattr(self.vllm_config, "additional_config", None) or {}
-            rt = self._moe_lora_rt = LoRARuntime(self.model_runner.model, self.model_config.model,
-                                                 mode=extra.get("moe_lora_serving", "unmerged"),
-                                                 dtype=self.model_config.dtype)
+            rt = LoRARuntime(self.model_runner.model, self.model_config.model, dtype=self.model_config.dtype,
+                             **self._moe_lora_config())
+            if rt.table.pin:                      # switch: every token runs on the newest version, no plan needed
+                add_listener(self.model_runner, rt)
+            self._moe_lora_rt = rt
         return rt
+
+    def _moe_lora_salt(self, internal_request_id: str) -> str:
+        """A request's cache salt, for the prefix route store (the untracked salt before any adapter call)."""
+        from .versions import UNTRACKED_SALT
+
+        rt = getattr(self, "_moe_lora_rt", None)
+        return UNTRACKED_SALT if rt is None else rt.salt(internal_request_id)
+
+    def _moe_lora_new_weights(self) -> None:
+        """The held versions changed: prefix routes of versions no longer held (and untracked ones) are stale."""
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            cap.new_weights(self._moe_lora_runtime().live_salts())
 
     @entry
     def moe_lora_push(self, version: int, checksum: str, tensors: dict, rank: int, alpha: float) -> dict:
@@ -72,13 +102,12 @@ class MoELoRAWorkerExtension:
         import time
 
         rt = self._moe_lora_runtime()
+        rt.table.plan_admit(version)                   # stale, or pin and full: refused before validating
         t0 = time.perf_counter()
         adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
                                     expected_checksum=checksum, dtype=torch.float32, checksum_verified=verified)
         timing = {"validate_s": time.perf_counter() - t0, **rt.activate(adapter)}
-        cap = getattr(self, "_moe_lora_capture", None)
-        if cap is not None:
-            cap.new_weights()
+        self._moe_lora_new_weights()
         return {**rt.status(), **timing}
 
     @entry
@@ -195,16 +224,34 @@ class MoELoRAWorkerExtension:
 
     @entry
     def moe_lora_status(self) -> dict:
+        """version (the newest held), checksum, num_tensors, mode; inflight, max_versions, on_full, versions (held,
+        sorted), requests_per_version ({str(version): tracked requests}, "None" for the base model), can_commit (a
+        newer version fits now)."""
         return self._moe_lora_runtime().status()
 
     @entry
     def moe_lora_clear(self) -> dict:
+        """Serve the base model; with pin, refused while requests run on a held version."""
         rt = self._moe_lora_runtime()
         rt.deactivate()
-        cap = getattr(self, "_moe_lora_capture", None)
-        if cap is not None:
-            cap.new_weights()
+        self._moe_lora_new_weights()
         return rt.status()
+
+    # request versions (versions.py): tracked before the engine loop adds a request, released when it ended
+    @entry
+    def moe_lora_track(self, requests: list) -> list:
+        """[[request id, version | None], ...] -> the version each runs on (None asks for the newest held one;
+        pin: an explicit version must be held; switch: only the newest); all or nothing."""
+        return self._moe_lora_runtime().track(requests)
+
+    @entry
+    def moe_lora_release(self, request_ids: list) -> dict:
+        """The requests ended (finished or aborted); pin frees every held version, other than the newest, that no
+        tracked request runs on. Unknown ids are ignored."""
+        freed = self._moe_lora_runtime().release(request_ids)
+        if freed:
+            self._moe_lora_new_weights()
+        return {"freed": freed}
 
     # routing capture for router replay
     @entry
@@ -213,7 +260,8 @@ class MoELoRAWorkerExtension:
 
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is None:
-            cap = self._moe_lora_capture = RouteCapture(self.model_runner)
+            self._moe_lora_config()
+            cap = self._moe_lora_capture = RouteCapture(self.model_runner, salt_of=self._moe_lora_salt)
             cap.start()
         return cap.meta()
 

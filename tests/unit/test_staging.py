@@ -113,3 +113,33 @@ def test_transport_aborts_its_stage_after_a_failed_bucket():
     assert tr.st.version is None
     tr.fail_bucket = None
     assert tr.push(2, tensors, 4, 8.0).served == {"version": 2}
+
+
+def test_staging_next_version_while_pinned_requests_run():
+    """pin (vllm/versions.py): version 6 is staged and committed while requests still run on 5; a commit that does
+    not fit is refused after the stage closed (the sender pushes again later) and leaves the held versions as they
+    were; the wait policy stages the same version again once a version was freed."""
+    from moe_lora_rl.vllm.versions import InflightConfig, VersionTable
+
+    table = VersionTable(InflightConfig("pin", 2))
+    st = Staging()
+
+    def push(version):
+        _stage(st, version, n=1, served=table.newest)              # served: the newest held version
+        st.bucket(version, 0, {"a": version})
+        st.commit(version)
+        return table.admit(version)                                 # the worker's activation
+
+    push(5)
+    table.track([["r1", None]])
+    assert push(6) == [] and table.held == [5, 6]                   # 5 still runs r1
+    table.track([["r2", None]])
+    assert not table.can_commit()
+    with pytest.raises(ValueError, match=r"cannot commit adapter version 7: max_versions=2"):
+        push(7)
+    assert st.version is None and table.held == [5, 6]              # stage closed, nothing served changed
+    with pytest.raises(ValueError, match="stale adapter version 6: version 6 is served"):
+        _stage(st, 6, served=table.newest)
+    table.release(["r1"])                                           # 5 freed: the waiting commit fits now
+    assert table.held == [6] and table.can_commit()
+    assert push(7) == [] and table.held == [6, 7] and table.serving("r2") == 6
