@@ -7,9 +7,10 @@
 Two policies per engine (additional_config "moe_lora_inflight"):
   switch   one version held, the newest; a commit applies to every running request from its next forward
   pin      a running request finishes on the version it was tracked with, new requests get the newest; at most
-           `max_versions` adapter versions are held, a version is freed when its last request ends, and a commit
-           that would need to drop a version still in use is refused (never evicted). The base model (version None)
-           holds no weights of its own and takes no slot.
+           `max_versions` (>= 2) adapter versions are held: the newest (it serves every new request, whether or not
+           one runs now) and the older versions running requests still use; an older version is freed when its
+           last request ends, and a commit that does not fit beside the versions held is refused (nothing is ever
+           evicted). The base model (version None) holds no weights of its own and takes no slot.
 Requests nobody tracked (direct `LLM.generate` callers) run on the newest version. The prefix cache is keyed by
 version (`cache_salt`), so a prompt cached under one version never serves another.
 """
@@ -50,6 +51,9 @@ def check_inflight_config(serving, inflight="switch", max_versions=None, on_full
     if inflight == "switch" and max_versions != 1:
         raise ValueError(f"moe_lora_max_versions={max_versions}: inflight='switch' holds exactly one version "
                          "(the newest); use inflight='pin' to hold several")
+    if inflight == "pin" and max_versions < 2:
+        raise ValueError(f"moe_lora_max_versions={max_versions}: inflight='pin' holds the newest version beside "
+                         "those running requests use, so a commit needs at least 2 (one version: inflight='switch')")
     if inflight == "pin" and serving == "merged":
         raise ValueError("moe_lora_inflight='pin' needs moe_lora_serving='unmerged': merged serving holds one "
                          "version in vLLM's expert weights")
@@ -157,14 +161,16 @@ class VersionTable:
             raise ValueError(f"stale adapter version {version}: version {self.newest} is served")
         if not self.pin:
             return list(self.held)
-        refs = self.refs()
-        keep = [v for v in self.held if refs.get(v)]
+        free = self._unused()
+        keep = [v for v in self.held if v not in free]
         if len(keep) + 1 > self.config.max_versions:
-            used = ", ".join(f"{v} ({_plural(refs[v])})" for v in keep)
+            refs = self.refs()
+            used = ", ".join(f"{v} ({'newest, ' if v == self.newest else ''}{_plural(refs.get(v, 0))})"
+                             for v in keep)
             raise ValueError(f"cannot commit adapter version {version}: max_versions={self.config.max_versions} and "
-                             f"the held versions {used} are in use by running requests (a version is freed when "
-                             "its last request ends)")
-        return [v for v in self.held if v not in keep]
+                             f"the held versions {used} are in use (an older version is freed when its last "
+                             "request ends)")
+        return free
 
     def admit(self, version: int) -> list[int]:
         """Hold `version` as the newest; returns the versions freed for it."""
@@ -176,8 +182,7 @@ class VersionTable:
         """A commit of a newer version fits now (after freeing unused versions)."""
         if not self.pin:
             return True
-        refs = self.refs()
-        return sum(1 for v in self.held if refs.get(v)) + 1 <= self.config.max_versions
+        return len(self.held) - len(self._unused()) + 1 <= self.config.max_versions
 
     def clear(self) -> list[int]:
         """Serve the base model; a pin engine refuses while requests run on a held version."""

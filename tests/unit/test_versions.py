@@ -1,7 +1,7 @@
 """The version table of an engine (vllm/versions.py) without an engine: switch holds the newest version only; pin
-keeps a version while a tracked request runs on it, frees it with its last request, refuses a commit that does not
-fit (naming the version, max_versions and the versions in use with their request counts) and never evicts a version
-in use; the config check names the bad value."""
+holds the newest version and every older one a tracked request runs on, frees an older version with its last
+request, refuses a commit that does not fit (naming the version, max_versions and the held versions with their
+request counts) and never evicts a version in use; the config check names the bad value."""
 import pytest
 
 from moe_lora_rl.vllm.versions import (InflightConfig, VersionTable, cache_salt, check_inflight_config,
@@ -21,6 +21,7 @@ def test_config_defaults_and_bad_values_named():
                       (("unmerged", "pin", 2.0), r"moe_lora_max_versions=2\.0"),
                       (("unmerged", "pin", True), r"moe_lora_max_versions=True"),
                       (("unmerged", "switch", 3), r"moe_lora_max_versions=3: inflight='switch' holds exactly one"),
+                      (("unmerged", "pin", 1), r"moe_lora_max_versions=1: inflight='pin' .* at least 2"),
                       (("unmerged", "pin", 2, "drop"), r"moe_lora_on_full='drop'"),
                       (("merged", "pin"), r"moe_lora_inflight='pin' needs moe_lora_serving='unmerged'"),
                       (("fused",), r"moe_lora_serving='fused'")):
@@ -62,21 +63,36 @@ def test_pin_tracks_frees_and_refuses_when_full():
     with pytest.raises(ValueError) as e:
         t.admit(7)
     msg = str(e.value)
-    assert ("cannot commit adapter version 7: max_versions=2" in msg and "5 (2 requests), 6 (1 request)" in msg
-            and "\n" not in msg)
+    assert ("cannot commit adapter version 7: max_versions=2" in msg
+            and "5 (2 requests), 6 (newest, 1 request)" in msg and "\n" not in msg), msg
     assert t.held == [5, 6] and t.requests == {"r1": 5, "r2": 5, "r3": 6}    # the refused commit changed nothing
     assert t.release(["r1"]) == [] and t.held == [5, 6]                      # r2 still on 5
     assert t.release(["r2", "r2", "unknown"]) == [5] and t.held == [6]       # last request of 5: freed, idempotent
     assert t.can_commit()
     assert t.admit(7) == [] and t.held == [6, 7]                             # 6 runs r3: kept
     assert t.status() == {"inflight": "pin", "max_versions": 2, "on_full": "wait", "versions": [6, 7],
-                          "requests_per_version": {"6": 1}, "can_commit": True}   # 8 would replace 7 (unused)
-    assert t.admit(8) == [7] and t.held == [6, 8]
+                          "requests_per_version": {"6": 1}, "can_commit": False}
     t.release(["r3"])
-    assert t.held == [8]                                                     # the newest is kept without requests
+    assert t.held == [7] and t.can_commit()
 
 
-def test_pin_commit_frees_unused_versions_never_referenced_ones():
+def test_newest_counts_even_without_requests():
+    """The newest version serves every new request: a commit needs a slot beside it, also when no request runs on it
+    now; the previous newest left without requests is freed by the next release (or commit)."""
+    t = _pin(max_versions=2)
+    t.admit(1)
+    t.track([["a", None]])
+    t.admit(2)                                                                # no request on 2 (yet)
+    assert t.held == [1, 2] and not t.can_commit()
+    with pytest.raises(ValueError, match=r"version 3: max_versions=2 .* 1 \(1 request\), 2 \(newest, 0 requests\)"):
+        t.admit(3)
+    assert t.release(["a"]) == [1] and t.can_commit()
+    assert t.admit(3) == [] and t.held == [2, 3]                              # 2: older now, unused
+    assert t.plan_admit(4) == [2] and t.held == [2, 3]                        # planning changes nothing
+    assert t.release([]) == [2] and t.held == [3]
+
+
+def test_pin_never_evicts_a_referenced_version():
     t = _pin(max_versions=3)
     for v in (1, 2, 3):
         t.admit(v)
@@ -85,18 +101,15 @@ def test_pin_commit_frees_unused_versions_never_referenced_ones():
     assert t.held == [1, 3]
     t.track([["q4", 1]])                                                     # an explicit pin to a held version
     assert t.admit(4) == [] and t.held == [1, 3, 4]
+    with pytest.raises(ValueError, match=r"version 5: max_versions=3 .* 1 \(2 requests\), 3 \(1 request\), 4 "):
+        t.admit(5)                                                           # full: nothing in use is evicted
+    assert t.held == [1, 3, 4]
     t.release(["q3"])
-    assert t.held == [1, 4]
-    assert t.plan_admit(5) == [4] and t.held == [1, 4]                       # planning changes nothing
-    assert t.admit(5) == [4] and t.held == [1, 5]                            # 4: not the newest any more, unused
+    assert t.held == [1, 4] and t.admit(5) == [] and t.held == [1, 4, 5]
     t.track([["q5", None]])
-    assert t.admit(6) == [] and t.admit(7) == [6] and t.held == [1, 5, 7]
-    t.track([["q7", None]])
-    with pytest.raises(ValueError, match=r"version 8: max_versions=3 .* 1 \(2 requests\), 5 \(1 request\), 7 "):
-        t.admit(8)                                                           # full: nothing in use is evicted
-    assert t.held == [1, 5, 7]
+    assert t.admit(6) == [4] and t.held == [1, 5, 6]                          # 4: older, unused; 1 and 5 in use
     t.release(["q1", "q4"])
-    assert t.held == [5, 7] and t.admit(8) == [] and t.held == [5, 7, 8]
+    assert t.held == [5, 6]
 
 
 def test_pin_explicit_version_all_or_nothing():
@@ -114,17 +127,13 @@ def test_pin_explicit_version_all_or_nothing():
     assert t.track([["r1", 6], ["r2", None]]) == [6, 7]
 
 
-def test_pin_max_one_drains_and_base_requests_take_no_slot():
-    t = _pin(max_versions=1)
+def test_base_requests_take_no_slot_and_clear():
+    t = _pin(max_versions=2)
     assert t.track([["b", None]]) == [None]                                  # base model: no slot
     assert t.can_commit() and t.admit(1) == []
     assert t.serving("b") is None and t.status()["requests_per_version"] == {"None": 1}
     t.track([["r", None]])
-    assert not t.can_commit()
-    with pytest.raises(ValueError, match=r"max_versions=1 and the held versions 1 \(1 request\)"):
-        t.admit(2)
     with pytest.raises(ValueError, match=r"cannot clear the adapters: versions \[1\] are in use"):
         t.clear()
     t.release(["r"])
-    assert t.can_commit() and t.admit(2) == [1]
-    assert t.clear() == [2] and t.serving("b") is None                        # the base request is no obstacle
+    assert t.clear() == [1] and t.serving("b") is None                        # the base request is no obstacle
