@@ -157,6 +157,8 @@ class VersionTable:
     # -- commits -------------------------------------------------------------------------------------------
     def plan_admit(self, version: int) -> list[int]:
         """The versions a commit of `version` frees; ValueError (nothing changed) if it is stale or does not fit."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"adapter version must be a non-negative integer, got {version!r}")
         if self.newest is not None and version <= self.newest:
             raise ValueError(f"stale adapter version {version}: version {self.newest} is served")
         if not self.pin:

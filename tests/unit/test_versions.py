@@ -49,6 +49,8 @@ def test_switch_holds_the_newest_only():
     assert t.release(["a", "b", "c", "zz"]) == [] and t.held == [2]
     with pytest.raises(ValueError, match="stale adapter version 2: version 2 is served"):
         t.admit(2)
+    with pytest.raises(ValueError, match="adapter version must be a non-negative integer, got '3'"):
+        t.admit("3")
     assert t.clear() == [2] and t.newest is None
 
 
