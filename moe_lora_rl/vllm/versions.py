@@ -7,10 +7,12 @@
 Two policies per engine (additional_config "moe_lora_inflight"):
   switch   one version held, the newest; a commit applies to every running request from its next forward
   pin      a running request finishes on the version it was tracked with, new requests get the newest; at most
-           `max_versions` (>= 2) adapter versions are held: the newest (it serves every new request, whether or not
+           `max_versions` (>= 1) adapter versions are held: the newest (it serves every new request, whether or not
            one runs now) and the older versions running requests still use; an older version is freed when its
-           last request ends, and a commit that does not fit beside the versions held is refused (nothing is ever
-           evicted). The base model (version None) holds no weights of its own and takes no slot.
+           last request ends. A commit supersedes the newest, so it frees every held version no request runs on
+           (the newest too) and is refused if the versions still in use leave no slot for it (nothing in use is
+           ever evicted; max_versions=1: a commit waits for every running request to end). The base model
+           (version None) holds no weights of its own and takes no slot.
 Requests nobody tracked (direct `LLM.generate` callers) run on the newest version. The prefix cache is keyed by
 version (`cache_salt`), so a prompt cached under one version never serves another.
 """
@@ -51,9 +53,6 @@ def check_inflight_config(serving, inflight="switch", max_versions=None, on_full
     if inflight == "switch" and max_versions != 1:
         raise ValueError(f"moe_lora_max_versions={max_versions}: inflight='switch' holds exactly one version "
                          "(the newest); use inflight='pin' to hold several")
-    if inflight == "pin" and max_versions < 2:
-        raise ValueError(f"moe_lora_max_versions={max_versions}: inflight='pin' holds the newest version beside "
-                         "those running requests use, so a commit needs at least 2 (one version: inflight='switch')")
     if inflight == "pin" and serving == "merged":
         raise ValueError("moe_lora_inflight='pin' needs moe_lora_serving='unmerged': merged serving holds one "
                          "version in vLLM's expert weights")
@@ -150,6 +149,11 @@ class VersionTable:
         refs = self.refs()
         return [v for v in self.held[:-1] if not refs.get(v)]
 
+    def _superseded(self) -> list[int]:
+        """Held versions a commit frees: no request on them, the newest included (the commit replaces it)."""
+        refs = self.refs()
+        return [v for v in self.held if not refs.get(v)]
+
     def _drop(self, versions: list[int]) -> list[int]:
         self.held = [v for v in self.held if v not in versions]
         return versions
@@ -163,7 +167,7 @@ class VersionTable:
             raise ValueError(f"stale adapter version {version}: version {self.newest} is served")
         if not self.pin:
             return list(self.held)
-        free = self._unused()
+        free = self._superseded()
         keep = [v for v in self.held if v not in free]
         if len(keep) + 1 > self.config.max_versions:
             refs = self.refs()
@@ -184,7 +188,7 @@ class VersionTable:
         """A commit of a newer version fits now (after freeing unused versions)."""
         if not self.pin:
             return True
-        return len(self.held) - len(self._unused()) + 1 <= self.config.max_versions
+        return len(self.held) - len(self._superseded()) + 1 <= self.config.max_versions
 
     def clear(self) -> list[int]:
         """Serve the base model; a pin engine refuses while requests run on a held version."""

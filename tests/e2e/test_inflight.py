@@ -6,9 +6,9 @@ one shared KV cache, the captured routes forced).
 - switch: 4 requests streamed while two more versions are pushed from this thread; their per-token versions change
   mid-sequence, the recompute with those versions matches within INFLIGHT_LOGPROBS, the same recompute with one
   version for the whole sequence is off by > ADAPTER_MATTERS_MIN (negative control); routes complete;
-- pin (max_versions 2): a request started on v1 finishes on v1 while a request submitted after v2's commit runs on
-  v2 in the same steps; v1 is freed after its request; a third version is refused (on_full=refuse) or waits until
-  v1 is freed (on_full=wait);
+- pin (max_versions 2): a request A started on v1 finishes on v1 while a request B submitted after v2's commit runs
+  on v2 in the same steps; v1 is freed after A; a third version pushed while both decode is refused
+  (on_full=refuse) or waits (on_full=wait) until B's end leaves v2 unused (a commit supersedes an unused newest);
 - bad input: a request pinned to a version the engine does not hold, a stale commit: one-line errors, nothing
   served changes;
 - security: no token, a wrong token, a method off the allow-list, an oversized and a malformed body, a stage from an
@@ -196,23 +196,25 @@ def test_refusals_leave_the_served_adapter_unchanged(switch_engine, arch, adapte
 
 # -- pin ----------------------------------------------------------------------------------------------------------
 def run_pin(eng, arch, adapters, refs, third_push):
-    """v1 serves a long request A; v2 is committed while A decodes and serves a short request B submitted after
-    it; then third_push(eng) runs while A still decodes. Returns (A, B, status while both held, status after)."""
+    """v1 serves a long request A; v2 is committed while A decodes and serves a request B submitted after it; then
+    third_push(eng, a, b) runs while both decode. Returns (A, B, status with v1 and v2 held, status after both,
+    what third_push returned, when A and B finished)."""
     eng.transport.push(1, adapters[1], RANK, ALPHA)
     t0 = tokens(eng)
-    a = Streamer(eng, prompts(arch, 1, seed=21), seeds=[5], max_tokens=400, temperature=T)
+    a = Streamer(eng, prompts(arch, 1, seed=21), seeds=[5], max_tokens=420, temperature=T)
     a.start()
     wait_tokens(eng, t0 + 20)
     eng.transport.push(2, adapters[2], RANK, ALPHA)
     held = eng.status()
-    b = Streamer(eng, prompts(arch, 1, seed=22), seeds=[6], max_tokens=30, temperature=T)
+    t1 = tokens(eng)
+    b = Streamer(eng, prompts(arch, 1, seed=22), seeds=[6], max_tokens=120, temperature=T)
     b.start()
+    wait_tokens(eng, t1 + 20)                    # both decoding
+    extra = third_push(eng, a, b)
     [sb] = b.result()
-    assert a.is_alive(), "A finished before B: the two did not share engine steps (raise A's max_tokens)"
-    extra = third_push(eng, a)
     [sa] = a.result()
-    assert b.done_at[0] < a.done_at[0]
-    return sa, sb, held, eng.status(), extra, a.done_at[0]
+    assert b.done_at[0] < a.done_at[0], "A finished first: raise A's max_tokens"
+    return sa, sb, held, eng.status(), extra, (a.done_at[0], b.done_at[0])
 
 
 def check_pinned(sa, sb, held, after, refs):
@@ -225,16 +227,16 @@ def check_pinned(sa, sb, held, after, refs):
 def test_pin_refuses_a_third_version_while_both_serve(model, tmp_path_factory, arch, adapters, refs):
     eng = start(model, tmp_path_factory, inflight="pin", max_versions=2, on_full="refuse")
     try:
-        def third(eng, a):
+        def third(eng, a, b):
             before = eng.status()
-            with pytest.raises(ValueError, match=r"max_versions=2"):
+            assert a.is_alive() and b.is_alive() and before["requests_per_version"] == {"1": 1, "2": 1}, before
+            with pytest.raises(ValueError, match=r"cannot commit adapter version 3: max_versions=2"):
                 eng.transport.push(3, adapters[3], RANK, ALPHA)
             after = eng.status()
             assert (after["version"], after["checksum"], after["versions"]) == \
                 (before["version"], before["checksum"], before["versions"])
             with pytest.raises(ValueError, match=r"pinned to version 0"):
                 eng.generate(prompts(arch, 1), seeds=[1], max_tokens=2, temperature=T, versions=[0])
-            return None
 
         sa, sb, held, after, _, _ = run_pin(eng, arch, adapters, refs, third)
         check_pinned(sa, sb, held, after, refs)
@@ -253,21 +255,22 @@ def test_pin_refuses_a_third_version_while_both_serve(model, tmp_path_factory, a
 def test_pin_waits_for_a_version_to_free(model, tmp_path_factory, arch, adapters, refs):
     eng = start(model, tmp_path_factory, inflight="pin", max_versions=2, on_full="wait")
     try:
-        def third(eng, a):
+        def third(eng, a, b):
             pushed = {}
             th = threading.Thread(target=lambda: pushed.update(
                 res=eng.transport.push(3, adapters[3], RANK, ALPHA), at=time.time()), daemon=True)
             th.start()
-            time.sleep(0.5)
-            assert th.is_alive() and a.is_alive() and eng.status()["version"] == 2     # waiting, not refused
+            time.sleep(0.3)
+            assert th.is_alive() and b.is_alive() and eng.status()["version"] == 2     # waiting, not refused
             return th, pushed
 
-        sa, sb, held, after, (th, pushed), a_done = run_pin(eng, arch, adapters, refs, third)
+        sa, sb, held, after, (th, pushed), (a_done, b_done) = run_pin(eng, arch, adapters, refs, third)
         th.join(120)
         assert not th.is_alive() and pushed["res"].served["version"] == 3
-        assert pushed["at"] >= a_done - 0.05            # the commit landed when A's end freed v1
+        # the commit landed when B's end left v2 unused (superseded), while A still decoded on v1
+        assert b_done - 0.05 <= pushed["at"] <= a_done + 0.05
         check_pinned(sa, sb, held, after, refs)
         st = eng.status()
-        assert st["versions"] == [2, 3] and st["loop"]["commit_wait_s"] > 0.3, st
+        assert st["versions"] == [3] and st["loop"]["commit_wait_s"] > 0.2, st
     finally:
         eng.stop()

@@ -21,7 +21,6 @@ def test_config_defaults_and_bad_values_named():
                       (("unmerged", "pin", 2.0), r"moe_lora_max_versions=2\.0"),
                       (("unmerged", "pin", True), r"moe_lora_max_versions=True"),
                       (("unmerged", "switch", 3), r"moe_lora_max_versions=3: inflight='switch' holds exactly one"),
-                      (("unmerged", "pin", 1), r"moe_lora_max_versions=1: inflight='pin' .* at least 2"),
                       (("unmerged", "pin", 2, "drop"), r"moe_lora_on_full='drop'"),
                       (("merged", "pin"), r"moe_lora_inflight='pin' needs moe_lora_serving='unmerged'"),
                       (("fused",), r"moe_lora_serving='fused'")):
@@ -73,25 +72,37 @@ def test_pin_tracks_frees_and_refuses_when_full():
     assert t.can_commit()
     assert t.admit(7) == [] and t.held == [6, 7]                             # 6 runs r3: kept
     assert t.status() == {"inflight": "pin", "max_versions": 2, "on_full": "wait", "versions": [6, 7],
-                          "requests_per_version": {"6": 1}, "can_commit": False}
+                          "requests_per_version": {"6": 1}, "can_commit": True}    # 7 unused: superseded
     t.release(["r3"])
     assert t.held == [7] and t.can_commit()
 
 
-def test_newest_counts_even_without_requests():
-    """The newest version serves every new request: a commit needs a slot beside it, also when no request runs on it
-    now; the previous newest left without requests is freed by the next release (or commit)."""
+def test_a_commit_supersedes_an_unused_newest():
+    """The newest serves every new request, so a release keeps it; a commit replaces it, so a newest no request runs
+    on is freed by the commit and leaves its slot to the new version."""
     t = _pin(max_versions=2)
     t.admit(1)
     t.track([["a", None]])
     t.admit(2)                                                                # no request on 2 (yet)
-    assert t.held == [1, 2] and not t.can_commit()
-    with pytest.raises(ValueError, match=r"version 3: max_versions=2 .* 1 \(1 request\), 2 \(newest, 0 requests\)"):
-        t.admit(3)
-    assert t.release(["a"]) == [1] and t.can_commit()
-    assert t.admit(3) == [] and t.held == [2, 3]                              # 2: older now, unused
-    assert t.plan_admit(4) == [2] and t.held == [2, 3]                        # planning changes nothing
-    assert t.release([]) == [2] and t.held == [3]
+    assert t.release([]) == [] and t.held == [1, 2]                           # the newest stays for new requests
+    assert t.can_commit() and t.plan_admit(3) == [2] and t.held == [1, 2]     # planning changes nothing
+    assert t.admit(3) == [2] and t.held == [1, 3]                             # 1 still runs a
+    t.track([["b", None]])
+    assert not t.can_commit()
+    with pytest.raises(ValueError, match=r"version 4: max_versions=2 .* 1 \(1 request\), 3 \(newest, 1 request\)"):
+        t.admit(4)
+    assert t.release(["a"]) == [1] and t.held == [3]
+
+
+def test_pin_with_one_version_drains_before_a_commit():
+    t = _pin(max_versions=1)
+    t.admit(1)
+    t.track([["a", None]])
+    assert not t.can_commit()
+    with pytest.raises(ValueError, match=r"version 2: max_versions=1 .* 1 \(newest, 1 request\)"):
+        t.admit(2)
+    t.release(["a"])
+    assert t.admit(2) == [1] and t.held == [2]
 
 
 def test_pin_never_evicts_a_referenced_version():
@@ -103,15 +114,14 @@ def test_pin_never_evicts_a_referenced_version():
     assert t.held == [1, 3]
     t.track([["q4", 1]])                                                     # an explicit pin to a held version
     assert t.admit(4) == [] and t.held == [1, 3, 4]
+    t.track([["q5", None]])                                                  # on 4
     with pytest.raises(ValueError, match=r"version 5: max_versions=3 .* 1 \(2 requests\), 3 \(1 request\), 4 "):
         t.admit(5)                                                           # full: nothing in use is evicted
     assert t.held == [1, 3, 4]
     t.release(["q3"])
     assert t.held == [1, 4] and t.admit(5) == [] and t.held == [1, 4, 5]
-    t.track([["q5", None]])
-    assert t.admit(6) == [4] and t.held == [1, 5, 6]                          # 4: older, unused; 1 and 5 in use
-    t.release(["q1", "q4"])
-    assert t.held == [5, 6]
+    t.release(["q1", "q4", "q5"])
+    assert t.held == [5]
 
 
 def test_pin_explicit_version_all_or_nothing():
