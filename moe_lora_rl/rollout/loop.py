@@ -95,6 +95,7 @@ class Ticket:
 class _Command:
     def __init__(self, fn, method: str | None):
         self.fn, self.method, self.future = fn, method, Future()
+        self.waited_since: float | None = None         # deferred behind the barrier or a full engine since
 
 
 class EngineLoop:
@@ -216,7 +217,8 @@ class EngineLoop:
             if cmd.method in COMMIT_METHODS:
                 if not self._barrier_open() or (self.on_full == "wait" and cmd.method in ADDING_METHODS
                                                 and not self._rpc("moe_lora_status").get("can_commit", True)):
-                    cmd.waited_since = getattr(cmd, "waited_since", t0)
+                    if cmd.waited_since is None:
+                        cmd.waited_since = t0
                     deferred.append(cmd)
                     continue
             try:
@@ -228,7 +230,7 @@ class EngineLoop:
                 if cmd.method in COMMIT_METHODS:
                     self.served = self._rpc("moe_lora_status")["version"]
                     self.stats["commits"] += 1
-                    if hasattr(cmd, "waited_since"):
+                    if cmd.waited_since is not None:
                         self.stats["commit_wait_s"] += t0 - cmd.waited_since
         if busy and len(deferred) < len(commands):
             self.stats["stall_s"] += time.perf_counter() - t0
