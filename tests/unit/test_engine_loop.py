@@ -100,6 +100,8 @@ class LLM:
         return {"freed": []}
 
     def moe_lora_push(self, version):
+        if not self.can_commit:
+            raise ValueError(f"cannot commit adapter version {version}: max_versions=1 and the held versions ...")
         self.version = version
         self.llm_engine.log.append(("commit", version, self.llm_engine.steps))
         return {"version": version}
@@ -114,10 +116,10 @@ class LLM:
         return []
 
 
-def make(pin=False, budget=100, meta=None, step_s=0.002):
+def make(pin=False, budget=100, meta=None, step_s=0.002, on_full="wait"):
     eng = Engine(budget, step_s)
     llm = LLM(eng, pin)
-    return eng, llm, EngineLoop(llm, meta, inflight="pin" if pin else "switch").start()
+    return eng, llm, EngineLoop(llm, meta, inflight="pin" if pin else "switch", on_full=on_full).start()
 
 
 def test_switch_stamps_each_token_with_the_version_of_its_step():
@@ -176,6 +178,19 @@ def test_pin_full_commit_waits_for_room_then_lands():
         [g] = t.results()
         assert g.versions == [None] * 30                      # pin: the request keeps its version
         assert loop.stats["commit_wait_s"] > 0.05
+    finally:
+        loop.stop()
+
+
+def test_pin_full_commit_is_refused_at_once_with_on_full_refuse():
+    eng, llm, loop = make(pin=True, on_full="refuse")
+    try:
+        llm.can_commit = False
+        t = loop.submit([Request([1], Params(30))])
+        with pytest.raises(ValueError, match="cannot commit adapter version 3: max_versions=1"):
+            loop.rpc("moe_lora_push", (3,))
+        assert llm.version is None and eng.reqs                   # refused while the request still decodes
+        assert [g.versions for g in t.results()] == [[None] * 30]
     finally:
         loop.stop()
 
