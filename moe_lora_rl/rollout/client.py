@@ -2,10 +2,14 @@
 log file, generates samples with per-token logprobs and captured routes, exposes a ShmTransport for adapter pushes,
 and knows when the process died.
 
-    engine = RolloutEngine.start(model_dir, dtype="float32", log_dir=run_dir)
+    engine = RolloutEngine.start(model_dir, dtype="float32", log_dir=run_dir)    # inflight="pin", max_versions=...
     samples = engine.generate(prompts, seeds=seeds, max_tokens=64, temperature=1.0, stop_token_ids=[eos])
+    for i, sample in engine.stream(prompts, seeds=seeds, max_tokens=64, temperature=1.0): ...   # as they finish
     push_stream(model, arch, engine.transport, version, rank, alpha)      # or engine.transport.push(...)
     engine.busy_s                                                        # generate + push seconds so far
+
+Samples carry per-token adapter versions. Every call but /health carries the engine's token (generated per engine
+object, handed to the process in its environment). Several threads may generate, stream and push at once.
 
 Every call first checks the process: a dead engine is EngineDied (exit code and log tail), never a hang or a
 connection error. restart() starts a fresh process on the same port with the same settings: it serves the base
