@@ -9,7 +9,8 @@ and knows when the process died.
     engine.busy_s                                                        # generate + push seconds so far
 
 Samples carry per-token adapter versions. Every call but /health carries the engine's token (generated per engine
-object, handed to the process in its environment). Several threads may generate, stream and push at once.
+object, handed to the process in its environment). Several threads may generate and stream at once, beside one
+thread pushing.
 
 Every call first checks the process: a dead engine is EngineDied (exit code and log tail), never a hang or a
 connection error. restart() starts a fresh process on the same port with the same settings: it serves the base
