@@ -32,22 +32,6 @@ RANK, ALPHA = 4, 8.0
 
 
 @pytest.fixture(scope="module")
-def model():
-    from moe_lora_rl.models import get_model
-
-    return str(get_model("glm4_moe", "tiny"))
-
-
-@pytest.fixture(scope="module")
-def arch(model):
-    import transformers
-
-    from moe_lora_rl.models.arch import arch_from_hf_config
-
-    return arch_from_hf_config(transformers.AutoConfig.from_pretrained(model))
-
-
-@pytest.fixture(scope="module")
 def engine(model, tmp_path_factory):
     from moe_lora_rl.rollout.client import RolloutEngine
 
