@@ -147,7 +147,8 @@ class SegmentPool:
         return [s.name for s in self._segs.values()]
 
     def close(self) -> None:
-        self._finalizer()
+        """Remove every segment; the pool stays usable (a later write creates its segment again)."""
+        SegmentPool._close_all(self._segs)
 
     @staticmethod
     def _close_all(segs: dict[int, _Segment]) -> None:

@@ -238,8 +238,11 @@ class RolloutEngine:
                              f"log {self.log_path}, last lines:\n{self._log_tail()}")
 
     def stop(self) -> None:
-        """Stop the process (idempotent; also run at interpreter exit)."""
+        """Stop the process and remove this client's shared-memory segments (idempotent; also run at interpreter
+        exit)."""
         atexit.unregister(self.stop)
+        if self.transport is not None and hasattr(self.transport, "close"):
+            self.transport.close()
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return

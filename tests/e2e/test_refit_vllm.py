@@ -97,9 +97,10 @@ def test_server_process_push_over_http(trained, tmp_path):
         assert tr.status()["version"] == 1
         # shared memory: one segment, one RPC; same logprobs; the pooled segment is the only one of ours, it is
         # renamed by every push (the previous handle is stale) and removed by close()
-        mine = lambda: [p.name for p in shm.ROOT.glob(f"{shm.PREFIX}{os.getpid()}-*")]  # noqa: E731
+        others = {p.name for p in shm.ROOT.glob(f"{shm.PREFIX}{os.getpid()}-*")}       # other live clients' pools
+        mine = lambda: sorted({p.name for p in shm.ROOT.glob(f"{shm.PREFIX}{os.getpid()}-*")} - others)  # noqa: E731
         st = ShmTransport(server.url)
-        assert st.push(2, peft, CFG.rank, CFG.alpha).served["version"] == 2 and mine() == st.pool.handles()
+        assert st.push(2, peft, CFG.rank, CFG.alpha).served["version"] == 2 and mine() == sorted(st.pool.handles())
         got2 = torch.tensor(prompt_logprobs_http(server.url, data["eval"].tolist()), dtype=torch.float64)
         assert (got2 - want).abs().max().item() <= REFIT_LOGPROBS
         # a second push while version 3 is in flight: refused naming both versions, version 2 keeps serving
@@ -108,7 +109,7 @@ def test_server_process_push_over_http(trained, tmp_path):
             st.push(4, peft, CFG.rank, CFG.alpha)
         with pytest.raises(ValueError, match="bucket 0 of version 4: version 3 is staged"):
             tr._call("moe_lora_bucket_blob", 4, 0, encode_blob({}))
-        assert tr.status()["version"] == 2 and mine() == st.pool.handles()
+        assert tr.status()["version"] == 2 and mine() == sorted(st.pool.handles())
         tr._call("moe_lora_abort", 3)                   # the sender of version 3 gives up: the next push goes in
         old = st.pool.handles()
         assert st.push(4, peft, CFG.rank, CFG.alpha).served["version"] == 4

@@ -105,6 +105,10 @@ def test_pool_reuses_one_segment_per_size_with_a_fresh_handle(tmp_path, tensors)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([h2, h3])
     pool.close()
     assert not list(tmp_path.iterdir())
+    h4, d4 = pool.write(tensors, 4, 0)                                       # closed, then used again (a restart)
+    assert [p.name for p in tmp_path.iterdir()] == [h4] and d4 == d1
+    del pool                                                                 # garbage-collected: removed too
+    assert not list(tmp_path.iterdir())
 
 
 def test_receive_buffers_reused_only_once_nothing_views_them(tmp_path, tensors):
