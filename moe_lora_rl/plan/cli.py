@@ -1,11 +1,14 @@
-"""`moe-lora-rl plan` / `python -m moe_lora_rl.plan`: the layout planner's command line (table or --json)."""
+"""`moe-lora-rl plan` / `python -m moe_lora_rl.plan`: the layout planner's command line (table or --json).
+With --host-cores/--rollout-s/--train-s it prints the shared-host CPU prediction (shared_host.py) instead."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from .search import Plan, plan
+from .shared_host import HostPhases, predict
 from .specs import PRESETS, RLSettings, load_hardware, load_model
 
 _HW = {"memory_gb": "memory_GB", "usable_fraction": "usable_fraction", "bf16_tflops": "bf16_TFLOPs",
@@ -48,11 +51,89 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--train-weight-bytes", type=float, help="bytes per frozen base parameter in training "
                    "(default: the checkpoint's dtype)")
     r.add_argument("--rollout-weight-bytes", type=float, help="bytes per base parameter in the engines")
+    h = ap.add_argument_group("shared host (CPU: rollout engine and trainer on one host's cores; replaces the GPU "
+                              "plan, --staleness is the bound k)")
+    h.add_argument("--host-cores", metavar="C", help="cores the rollout engine and the trainer share")
+    h.add_argument("--rollout-s", metavar="R1,RC", help="rollout seconds per step on 1 core and on all C cores")
+    h.add_argument("--train-s", metavar="T1,TC", help="training seconds per step on 1 core and on all C cores")
+    h.add_argument("--refit-s", metavar="X", help="adapter push seconds per step (default 0)")
     return ap
 
 
-def run(argv=None) -> Plan:
+_HOST_FLAGS = ("host_cores", "rollout_s", "train_s", "refit_s")
+# HostPhases field (as its ValueError names it) -> the flag it came from
+_HOST_FIELD_FLAG = {"rollout_1": "--rollout-s", "rollout_c": "--rollout-s", "train_1": "--train-s",
+                    "train_c": "--train-s", "refit": "--refit-s", "cores": "--host-cores"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _seconds(name: str, text: str, n: int) -> list[float]:
+    parts = text.split(",")
+    try:
+        if len(parts) != n:
+            raise ValueError
+        return [float(x) for x in parts]
+    except ValueError:
+        want = "ONE_CORE,ALL_CORES seconds, e.g. 10.1,11.4" if n == 2 else "seconds, e.g. 0.5"
+        raise ValueError(f"{_flag(name)}={text!r}: expected {want}") from None
+
+
+def host_phases(a: argparse.Namespace) -> HostPhases:
+    """The shared-host flags as HostPhases; a partial set is refused naming what is missing."""
+    missing = [_flag(k) for k in _HOST_FLAGS[:3] if getattr(a, k) is None]
+    if missing:
+        given = [_flag(k) for k in _HOST_FLAGS if getattr(a, k) is not None]
+        raise ValueError(f"shared-host prediction ({', '.join(given)} given) needs --host-cores, --rollout-s and "
+                         f"--train-s; missing {', '.join(missing)}")
+    try:
+        cores = int(a.host_cores)
+    except ValueError:
+        raise ValueError(f"--host-cores={a.host_cores!r}: expected an integer >= 1") from None
+    r1, rc = _seconds("rollout_s", a.rollout_s, 2)
+    t1, tc = _seconds("train_s", a.train_s, 2)
+    refit = _seconds("refit_s", a.refit_s, 1)[0] if a.refit_s is not None else 0.0
+    try:
+        return HostPhases(rollout_1=r1, rollout_c=rc, train_1=t1, train_c=tc, cores=cores, refit=refit)
+    except ValueError as e:
+        raise ValueError(f"{_HOST_FIELD_FLAG.get(str(e).split('=')[0], 'shared host')}: {e}") from None
+
+
+def run_shared_host(a: argparse.Namespace) -> dict:
+    ph = host_phases(a)
+    try:
+        pred = predict(ph, a.staleness)
+    except ValueError as e:
+        raise ValueError(f"--staleness: {e}") from None
+    d = {"shared_host": asdict(ph), "max_staleness": a.staleness, **pred}
+    if a.json:
+        sys.stdout.write(json.dumps(d) + "\n")
+    else:
+        print(host_table(d))
+    return d
+
+
+def host_table(d: dict) -> str:
+    h = d["shared_host"]
+    rows = [
+        ("host", f"{h['cores']} cores shared by the rollout engine and the trainer, "
+                 f"max staleness {d['max_staleness']}"),
+        ("phases (s)", f"rollout {h['rollout_1']:g} on 1 core, {h['rollout_c']:g} on {h['cores']}; train "
+                       f"{h['train_1']:g} on 1 core, {h['train_c']:g} on {h['cores']}; refit {h['refit']:g}"),
+        ("step (s)", f"sync {d['sync_step_s']:.3g}, async {d['async_step_s']:.3g} (bound by {d['limit']})"),
+        ("steps/min", f"sync {d['sync_steps_per_min']:.3g}, async {d['async_steps_per_min']:.3g}"),
+        ("speedup", f"predicted {d['predicted_speedup']:.3g}, overlap bound {d['overlap_bound']:.3g}"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def run(argv=None) -> Plan | dict:
     a = parser().parse_args(argv)
+    if any(getattr(a, k) is not None for k in _HOST_FLAGS):
+        return run_shared_host(a)
     hw = load_hardware(a.hardware_json, **{v: getattr(a, k) for k, v in _HW.items()})
     rl = RLSettings(batch=a.batch, prompt_len=a.prompt_len, response_len=a.response_len, rank=a.rank,
                     adapter_layout=a.adapter_layout, mode=a.mode, staleness=a.staleness, micro_batch=a.micro_batch,

@@ -1,0 +1,85 @@
+"""Sync vs async RL steps/min when the rollout engine and the trainer SHARE one host's C CPU cores (the CPU main job:
+torchrun with the trainer ranks + one vLLM engine process on the same machine), from figures benches measure.
+
+Inputs, seconds per RL step: rollout on 1 core (r1) and on all C cores (rC), training on 1 core (t1) and on all C
+cores (tC), the adapter refit push (x, default 0), the core count C and the staleness bound k.
+
+- Sync: the phases take turns, each given every core: sync = rC + tC + x. That is the best synchronous run; the
+  rollout phase is single-threaded, so more cores barely help it (measured for 20 steps: 10.1 s on one core,
+  11.4 s on two), while training scales (28.5 s on one, 14.2 s on two).
+- Async (k >= 1): the producer may run a version ahead, so rollout of step n+1 overlaps training of step n and, in
+  steady state, the step is set by throughput, not by the chain. Three lower bounds, the largest wins:
+    cores:   (r1 + t1 + x) / C  the total single-core work spread perfectly over C cores;
+    rollout: r1                 rollout is single-threaded, no faster than on its one core;
+    train:   tC + x             training and its push run no faster than with every core.
+  async = max(cores, rollout, train). No staleness term at k >= 1: one version of lead already lets the phases
+  overlap fully; k = 0 would be the sync run and is refused (ValueError), as the GPU planner refuses it in async mode.
+  Ties name the phase (rollout, then train) before cores: adding cores would not shorten the step.
+- overlap_bound = sync / ((r1 + t1) / C), as the issue defines it: the sync step over the work of both phases
+  spread over the cores, refit left out of the denominator. (11.4 + 14.2) / ((10.1 + 28.5) / 2) = 1.33.
+- predicted speedup = sync / async; steps/min = 60 / step. With C = 1 the C-core figures are the 1-core figures
+  (refused otherwise), async = r1 + t1 + x = sync and the speedup is 1: on one core nothing can overlap.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostPhases:
+    """Seconds per RL step of each phase on one host: `_1` on one core, `_c` on all `cores` cores."""
+    rollout_1: float
+    rollout_c: float
+    train_1: float
+    train_c: float
+    cores: int
+    refit: float = 0.0
+
+    def __post_init__(self):
+        for name in ("rollout_1", "rollout_c", "train_1", "train_c"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}={v!r}: must be a finite number of seconds > 0")
+        r = self.refit
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+            raise ValueError(f"refit={r!r}: must be a finite number of seconds >= 0")
+        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
+            raise ValueError(f"cores={self.cores!r}: must be an integer >= 1")
+        if self.cores == 1 and (self.rollout_c != self.rollout_1 or self.train_c != self.train_1):
+            raise ValueError(f"cores=1: the all-core figures are the one-core figures, got rollout "
+                             f"{self.rollout_1!r} vs {self.rollout_c!r}, train {self.train_1!r} vs {self.train_c!r}")
+
+
+def sync_step_s(p: HostPhases) -> float:
+    """The phases take turns, each with every core."""
+    return p.rollout_c + p.train_c + p.refit
+
+
+def async_bounds_s(p: HostPhases) -> dict[str, float]:
+    """The three lower bounds on the async step, keyed by what sets each (see the module docstring)."""
+    return {"cores": (p.rollout_1 + p.train_1 + p.refit) / p.cores, "rollout": p.rollout_1,
+            "train": p.train_c + p.refit}
+
+
+def async_step_s(p: HostPhases, max_staleness: int) -> tuple[float, str]:
+    """The async step and what bounds it ("cores" | "rollout" | "train"); k >= 1 adds no staleness term."""
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
+        raise ValueError(f"max_staleness={max_staleness!r}: asynchronous RL needs an integer >= 1 (0 is the sync run)")
+    b = async_bounds_s(p)
+    step = max(b.values())
+    return step, next(k for k in ("rollout", "train", "cores") if b[k] == step)
+
+
+def overlap_bound(p: HostPhases) -> float:
+    """sync / ((r1 + t1) / C), exactly as the issue defines it (refit not in the denominator)."""
+    return sync_step_s(p) / ((p.rollout_1 + p.train_1) / p.cores)
+
+
+def predict(phases: HostPhases, max_staleness: int) -> dict:
+    """Sync and async steps/min on the shared host, the predicted speedup, the overlap bound and the async limit."""
+    sync = sync_step_s(phases)
+    step, limit = async_step_s(phases, max_staleness)
+    return {"sync_step_s": sync, "async_step_s": step, "sync_steps_per_min": 60.0 / sync,
+            "async_steps_per_min": 60.0 / step, "predicted_speedup": sync / step,
+            "overlap_bound": overlap_bound(phases), "limit": limit}
