@@ -1,7 +1,8 @@
 """verl's RL algorithm pieces, reached from one place: GRPO outcome advantages, the registered policy losses,
-loss aggregation and rollout correction (truncated importance sampling).
+loss aggregation and rollout correction (truncated importance sampling, or masked importance sampling: rejection).
 
     rewards -> grpo_advantages -> policy_loss(old, new, adv, mask, [tis_weights]) -> scalar for backward
+    rollout correction: TIS rollout_correction -> tis_weights | MIS rollout_rejection -> mask (rejected tokens out)
 
 The policy losses read their settings from a verl ``ActorConfig``; ``actor_config`` builds the one they need from
 our few settings, including ``global_batch_info`` so that token-mean normalises by the tokens of the whole global
@@ -133,3 +134,25 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
         old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask.float(),
         rollout_is=level, rollout_is_threshold=threshold)
     return weights.batch["rollout_is_weights"], metrics
+
+
+def rollout_rejection(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                      *, threshold: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """Masked importance sampling (verl's token-level rejection sampling, rollout_rs="token_k1"): the response mask
+    with every token whose ratio pi_train / pi_rollout = exp(old - rollout) lies outside [1/threshold, threshold]
+    (bounds included in the kept range) set to False, in response_mask's dtype; kept tokens are not reweighted.
+    Padding stays out whatever its logprobs. Plus verl's rejection and mismatch metrics (prefixed rollout_corr/,
+    e.g. rollout_corr/rollout_rs_masked_fraction: the rejected share of the valid tokens).
+
+    The caller replaces its loss mask with the result, as verl's trainer replaces response_mask, so rejected tokens
+    leave the token-mean normaliser too."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    if not threshold > 1:
+        raise ValueError(f"rollout rejection threshold={threshold} must be > 1")
+    # verl's k1 statistic is -log ratio, kept within [log lower, log upper]: a symmetric pair is the ratio band
+    bounds = f"{1.0 / float(threshold)!r}_{float(threshold)!r}"
+    _, kept, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask.float(),
+        rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold=bounds)
+    return (kept > 0).to(response_mask.dtype), metrics

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..algos import GlobalBatch, PolicyLossSettings, aggregate, kl_penalty, policy_loss, rollout_correction
+from ..algos import (GlobalBatch, PolicyLossSettings, aggregate, kl_penalty, policy_loss, rollout_correction,
+                     rollout_rejection)
 from ..lora import LoRAConfig
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
@@ -33,7 +34,7 @@ __all__ = ["Policy", "PolicyBatch", "LogprobResult"]
 
 LOGPROB_REPLAY = ("r3", "record", "off")
 UPDATE_REPLAY = ("r3", "r2", "off")      # r3: `routes` if given, else batch.routes; r2: `routes` (recorded) required
-ROLLOUT_IS = ("token", "sequence", None)
+ROLLOUT_IS = ("token", "sequence", "mis", None)    # TIS per token / per sequence, MIS (rejection), none
 _ADAPTER_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -154,10 +155,23 @@ class Policy:
                rollout_is: str | None = "token", rollout_is_threshold: float = 2.0) -> dict:
         """One AdamW step of the adapters over the global batch. replay: "r3" replays `routes` if given, else
         batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
-        Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (a non-finite grad norm: no step, the
-        version unchanged; policy/step.py), "pg_clipfrac", "kl" (verl's low-variance KL to ref_logprobs aggregated
-        like the loss; 0 without them), "lr"}, the same on every rank. rollout_is None: no rollout correction (also
-        when batch.rollout_logprobs is None)."""
+        Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (no step, the version unchanged: a
+        non-finite grad norm, policy/step.py, or every token rejected by "mis"), "pg_clipfrac", "kl" (verl's
+        low-variance KL to ref_logprobs aggregated like the loss; 0 without them), "lr", "rollout_rejected_frac"},
+        the same on every rank.
+
+        Rollout correction, from the proximal policy (old_logprobs) to the behaviour policy (batch.rollout_logprobs),
+        ratio = exp(old - rollout) per token: "token" / "sequence" weight the loss by the truncated ratio
+        min(ratio, rollout_is_threshold) (TIS); "mis" (masked IS, verl's token_k1 rejection) drops every token with
+        ratio outside [1/threshold, threshold] from the loss and keeps the rest at weight 1. As in verl, the rejected
+        tokens leave the loss mask itself, so they leave the normalisers too: token-mean divides by the kept tokens
+        of the global batch, the seq-mean modes count the rows with a kept token, and pg_clipfrac and the KL term
+        are over the kept tokens. "rollout_rejected_frac" is the rejected share of the loss_mask tokens (0.0 for
+        the other modes). When EVERY token is rejected the step is SKIPPED, not raised (a badly off-policy batch is
+        a training event, like a non-finite norm, not a user error): no forward, no step, adapters, optimizer
+        state and version unchanged, and {"loss": 0, "grad_norm": 0, "pg_clipfrac": 0, "kl": 0} (nothing is in
+        the loss) with "skipped": True and "rollout_rejected_frac": 1.0. rollout_is None: no rollout correction
+        (also when batch.rollout_logprobs is None)."""
         from megatron.core import parallel_state as ps
 
         if replay not in UPDATE_REPLAY:
@@ -179,15 +193,22 @@ class Policy:
             raise ValueError("replay='r2' needs routes= (the RoutesBatch recorded by logprobs(replay='record'))")
         routes = (routes if routes is not None else batch.routes) if replay != "off" else None   # checked in run
         mask = batch.loss_mask
-        n_tokens = int(mask.sum())
-        if n_tokens == 0:
+        n_valid = int(mask.sum())
+        if n_valid == 0:
             raise ValueError("loss_mask selects no token: nothing to train on")
-        gb = GlobalBatch(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=int((mask.sum(-1) > 0).sum()))
         old = old_logprobs.float()
         weights = None
-        if rollout_is is not None and batch.rollout_logprobs is not None:
+        if rollout_is == "mis" and batch.rollout_logprobs is not None:
+            mask, _ = rollout_rejection(old, batch.rollout_logprobs.float(), mask, threshold=rollout_is_threshold)
+        elif rollout_is is not None and batch.rollout_logprobs is not None:
             weights, _ = rollout_correction(old, batch.rollout_logprobs.float(), mask, level=rollout_is,
                                             threshold=rollout_is_threshold)
+        n_tokens = int(mask.sum())
+        rejected_frac = (n_valid - n_tokens) / n_valid
+        if n_tokens == 0:                           # every token rejected (mis): skip, see the docstring
+            return {"loss": 0.0, "grad_norm": 0.0, "clipped": False, "skipped": True, "pg_clipfrac": 0.0, "kl": 0.0,
+                    "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac}
+        gb = GlobalBatch(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=int((mask.sum(-1) > 0).sum()))
         s = batch.seq_len
         advantages = batch.advantages.float()
 
@@ -217,7 +238,7 @@ class Policy:
         step = self.core.step(self.grad_clip)
         return {"loss": float(stats[0]), "grad_norm": step.grad_norm, "clipped": step.clipped,
                 "skipped": step.skipped, "pg_clipfrac": float(stats[2]) / n_tokens, "kl": float(stats[1]),
-                "lr": float(self.optimizer.param_groups[0]["lr"])}
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac}
 
     # -- refit -----------------------------------------------------------------------------------------------------
     def push(self, transport, version: int, *, collect_to: int | None = 0):

@@ -9,7 +9,15 @@ with verl's ppo_loss).
 - The replayer is left empty after an engine step with R3 routes, also when the step fails between microbatches
   (a loss function raising on the second microbatch): queue, recompute_queue, measure_queue, recorded and disagree
   of every router, mode DISABLED. Control: at the failure the queues did hold the later microbatches' routes.
+- Masked importance sampling (Policy.update rollout_is="mis"): rollout logprobs pushed outside the [1/2, 2] ratio
+  band for some tokens (others moved inside it, off ratio 1) give exactly the update of rollout_is=None with those
+  tokens taken out of loss_mask: loss, grad norm, clip fraction, every adapter gradient and the adapters after the
+  step (the same float ops on the same inputs: compared bitwise). Controls: truncated IS ("token") on the same
+  logprobs gives another loss; a wide band (threshold 1e3) rejects nothing and equals rollout_is=None on the full
+  mask. Every token rejected: the step is skipped (adapters, optimizer state, version unchanged).
 """
+import copy
+import dataclasses
 import math
 import os
 from functools import partial
@@ -193,3 +201,67 @@ def test_replayer_is_empty_after_an_engine_step(drivers):
     assert _leftovers(eng.replayer) == empty
     grad_norm, skipped = _engine_call(eng, routes=True)()          # the next step replays cleanly
     assert math.isfinite(grad_norm) and not skipped and _leftovers(eng.replayer) == empty
+
+
+def _snapshot(core):
+    return [p.detach().clone() for p in core.params], copy.deepcopy(core.optimizer.state_dict()), core.version
+
+
+def _restore(core, snap):
+    params, opt, version = snap
+    with torch.no_grad():
+        for p, q in zip(core.params, params):
+            p.copy_(q)
+    core.optimizer.load_state_dict(copy.deepcopy(opt))     # deep copy: the step updates the state in place
+    core.version = version
+
+
+def _update(pol, batch, old, snap, **kw):
+    """One update from the snapshot: (returned stats, grads, adapters after); the snapshot restored after."""
+    _restore(pol.core, snap)
+    u = pol.update(batch, old, replay="r3", **kw)
+    out = u, [p.grad.clone() for p in pol.core.params], [p.detach().clone() for p in pol.core.params]
+    _restore(pol.core, snap)
+    return out
+
+
+def test_mis_rejection_is_masking_the_tokens_out(drivers):
+    from moe_lora_rl.checks.policy_update_worker import make_batch
+
+    pol, _ = drivers
+    arch = pol.arch
+    batch, _ = make_batch(arch.vocab_size, tuple(arch.moe_layer_ids), arch.num_experts, arch.topk)
+    old = pol.logprobs(batch, replay="off").logprobs
+    mask = batch.loss_mask
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(mask.shape, generator=g)
+    sign = torch.where(torch.rand(mask.shape, generator=g) < 0.5, 1.0, -1.0)
+    out = mask & (u < 0.25)                                   # log ratio +-1: ratio e or 1/e, rejected
+    inside = mask & (u >= 0.25) & (u < 0.6)                   # log ratio +-0.4: ratio 1.49 or 0.67, kept at weight 1
+    log_ratio = sign * (1.0 * out + 0.4 * inside)
+    rollout = (old - log_ratio) * mask                        # the batch's convention: 0 outside loss_mask
+    assert 0 < int(out.sum()) < int(mask.sum()) and int(inside.sum()) > 0
+    snap = _snapshot(pol.core)
+    mis = _update(pol, dataclasses.replace(batch, rollout_logprobs=rollout), old, snap, rollout_is="mis")
+    ctrl = _update(pol, dataclasses.replace(batch, loss_mask=mask & ~out), old, snap, rollout_is=None)
+    assert mis[0]["rollout_rejected_frac"] == int(out.sum()) / int(mask.sum()) and not mis[0]["skipped"]
+    assert ctrl[0]["rollout_rejected_frac"] == 0.0
+    for k in ("loss", "grad_norm", "pg_clipfrac", "kl", "clipped"):
+        assert mis[0][k] == ctrl[0][k], (k, mis[0][k], ctrl[0][k])
+    assert all(torch.equal(a, b) for a, b in zip(mis[1], ctrl[1])) and any(bool(a.any()) for a in mis[1])
+    assert all(torch.equal(a, b) for a, b in zip(mis[2], ctrl[2]))
+    # controls: TIS reweights instead (another loss); a wide band rejects nothing and is no correction at all
+    tis = _update(pol, dataclasses.replace(batch, rollout_logprobs=rollout), old, snap, rollout_is="token")
+    assert abs(tis[0]["loss"] - mis[0]["loss"]) > 1e-4 and tis[0]["rollout_rejected_frac"] == 0.0
+    wide = _update(pol, dataclasses.replace(batch, rollout_logprobs=rollout), old, snap, rollout_is="mis",
+                   rollout_is_threshold=1e3)
+    plain = _update(pol, batch, old, snap, rollout_is=None)
+    assert wide[0]["rollout_rejected_frac"] == 0.0 and wide[0]["loss"] == plain[0]["loss"] != mis[0]["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(wide[1], plain[1]))
+    # every token rejected: skipped, nothing moves
+    gone = dataclasses.replace(batch, rollout_logprobs=(old - 2.0) * mask)
+    before, state = [p.detach().clone() for p in pol.core.params], _state(pol.core.optimizer)
+    u = pol.update(gone, old, replay="r3", rollout_is="mis")
+    assert u["skipped"] and u["rollout_rejected_frac"] == 1.0 and pol.core.version == snap[2]
+    assert all(torch.equal(p, q) for p, q in zip(pol.core.params, before))
+    assert _same_state(_state(pol.core.optimizer), state)

@@ -1,4 +1,4 @@
-"""verl's GRPO advantages, policy losses, aggregation and rollout correction through integration/verl/algos.py,
+"""verl's GRPO advantages, policy losses, aggregation and rollout correction through moe_lora_rl/algos.py,
 checked against values computed by hand on small tensors (exact up to float32 rounding: tol 1e-6)."""
 import math
 
@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("verl")
 
 from moe_lora_rl.algos import (GlobalBatch, PolicyLossSettings, aggregate, grpo_advantages,  # noqa: E402
-                                                 policy_loss, rollout_correction)
+                                                 policy_loss, rollout_correction, rollout_rejection)
 
 TOL = dict(rtol=0, atol=1e-6)
 
@@ -128,6 +128,35 @@ def test_rollout_correction_truncated_is_by_hand():
     torch.testing.assert_close(ws[1], torch.tensor([1.0, 1.0, 0.0]), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="level"):
         rollout_correction(old, rollout, mask, level="tok")
+
+
+def test_rollout_rejection_mis_by_hand():
+    """MIS: tokens with ratio exp(old - rollout) outside [1/2, 2] leave the mask (and the token-mean normaliser),
+    kept tokens are not reweighted, padding is never counted."""
+    old, new, adv = _tensors()
+    ln2, eps = math.log(2.0), 1e-3
+    log_ratio = torch.tensor([[ln2 - eps, ln2 + eps, -ln2 + eps],        # 1.998 kept, 2.002 out, 0.5005 kept
+                              [-ln2 - eps, 0.3, 5.0]])                   # 0.4995 out, 1.35 kept, padding (e^5)
+    rollout = old - log_ratio
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    keep, metrics = rollout_rejection(old, rollout, mask, threshold=2.0)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [[True, False, True], [False, True, False]]
+    # rejected share of the 5 valid tokens: 2/5 (3/6 if the padding's e^5 were counted)
+    assert abs(metrics["rollout_corr/rollout_rs_masked_fraction"] - 2 / 5) < 1e-6
+    # the loss over the kept tokens, unweighted (TIS would weigh token 0 by 1.998), normalised by the 3 kept tokens
+    per_tok = [_vanilla_by_hand(r, a) for r, a in CASES]
+    loss, _ = policy_loss(old, new, adv, keep, PolicyLossSettings(), GlobalBatch(batch_num_tokens=int(keep.sum())))
+    assert abs(loss.item() - (per_tok[0] + per_tok[2] + per_tok[4]) / 3) < 1e-6
+    full, _ = policy_loss(old, new, adv, mask, PolicyLossSettings())
+    assert abs(full.item() - loss.item()) > 0.1                          # the rejection changed the loss
+    # negative control: a wide band rejects nothing and gives the loss without rollout correction, exactly
+    wide, metrics = rollout_rejection(old, rollout, mask, threshold=1e3)
+    assert torch.equal(wide, mask) and metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    loss_wide, _ = policy_loss(old, new, adv, wide, PolicyLossSettings())
+    assert torch.equal(loss_wide, full)
+    with pytest.raises(ValueError, match="threshold=1.0"):
+        rollout_rejection(old, rollout, mask, threshold=1.0)
 
 
 def test_settings_validation():
