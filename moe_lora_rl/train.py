@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    from .rl.run import GRPORun
+    from .rl.run import run_class
 
     try:
-        summary = GRPORun(cfg, world).run()
+        summary = run_class(cfg)(cfg, world).run()
     except ValueError as e:           # a refused checkpoint or input found once the run started: every rank has it
         if os.environ.get("RANK", "0") == "0":
             print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)

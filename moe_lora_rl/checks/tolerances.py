@@ -34,6 +34,7 @@ REFIT_LOGPROBS = 1e-3
 # vLLM logprobs of tokens decoded across adapter commits vs HF run position by position with each position's version
 # and the captured routes forced (fp32, tests/e2e/test_inflight.py).
 INFLIGHT_LOGPROBS = 1e-4
+TRAINED_SERVED_LOGPROBS = 1e-5      # mode=async: a trained token's engine logprob vs HF with its version's adapter
 ADAPTER_MATTERS_MIN = 1e-2           # base vs LoRA logprobs: the adapter must move them by more than this
 
 # LoRA training peak RSS / full fine-tuning peak RSS (bench lora, medium model): frozen base, no base grads or moments.

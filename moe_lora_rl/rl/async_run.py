@@ -1,0 +1,151 @@
+"""mode=async: the engine keeps generating the next steps' groups (rl/pipeline.py on rank 0) while the trainer takes
+finished ones, P whole groups per update, and pushes each new version in flight (inflight=switch|pin). Every
+trained sample is within max_staleness versions; a group over it is dropped and counted. The loss is the decoupled
+PPO of rl/step.py (behaviour = the engine's per-token logprobs, proximal = the trainer before the update).
+
+Evaluation runs on the engine while production goes on: the trainer waits for it, so no push lands meanwhile and
+every evaluated token is of one version (pin engines are also asked for that version). A checkpoint records which
+groups were trained on or dropped; `resume=true` regenerates the rest (samples in flight at the checkpoint are
+generated again: resume continues the run, bit-exactness is promised for mode=sync only). An engine crash restarts
+the engine, pushes the current version and generates again what it lost.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from .groups import StalenessGate, staleness
+from .run import GRPORun, _broadcast
+
+
+class AsyncGRPORun(GRPORun):
+    def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
+        cfg, a = self.cfg, self.cfg.algo
+        done = set(state.get("groups_done", ())) if cfg.resume else set()
+        self.pipe = None
+        if self.rank == 0:
+            from .pipeline import Pipeline
+
+            gate = StalenessGate(a.prompts_per_step, cfg.max_staleness, version=self.policy.version)
+            self.pipe = Pipeline(self.prod, gate, self.group, done=done, delay_s=cfg.delay.rollout_s)
+            self.pipe.start()
+        self.trained_samples = self.dropped_samples = self.consumed_tokens = 0
+        self.engine_step_s0 = self._engine_step_s()
+        try:
+            for step in range(start, cfg.steps):
+                m = self.async_step(step)
+                if step + 1 == cfg.steps and self.rank == 0:
+                    self.pipe.stop()          # nothing more to produce: the last evaluation has the engine
+                if self.eval_due(step + 1):
+                    evals[step + 1] = m["eval"] = self.evaluate(self._eval_version())
+                m["wall_s"] = time.perf_counter() - self.t_rl
+                history.append(m)
+                self.log.log(step + 1, m)
+                if self.checkpoint_due(step + 1):
+                    self.save(step + 1, history, evals,
+                              groups_done=sorted(_broadcast(self.pipe.done if self.rank == 0 else None)))
+        finally:
+            if self.pipe is not None:
+                self.pipe.stop()
+
+    def async_step(self, step: int) -> dict:
+        cfg, a = self.cfg, self.cfg.algo
+        version = self.policy.version
+        got = self._on_engine(f"the groups of step {step + 1}",
+                              lambda: self._take(a.prompts_per_step, version), after_restart=self.pipe_recover)
+        groups, dropped, wait_s = got
+        plans = [grp[0] for grp in groups]
+        samples = [s for grp in groups for s in grp[1]]
+        m, batch = self.train(samples, plans)
+        proximal = m.pop("_proximal")
+        if self.served is not None:
+            self.served.record(step + 1, samples)
+        pushed = 0
+        if not m.get("skipped"):
+            pushed = self.push(after_restart=self.pipe_recover)     # in flight: the engine keeps generating
+            if self.rank == 0:
+                self.pipe.serve(self.policy.version)
+        return {**m, **self.step_metrics(samples, dropped, version, batch, proximal, wait_s),
+                "refit_bytes": pushed, "version": self.policy.version}
+
+    def _take(self, n: int, version: int):
+        """Rank 0: n groups within the bound (plans and samples, picklable), the dropped groups' sample count and
+        the seconds waited."""
+        w0 = self.pipe.wait_s
+        ok, dropped = self.pipe.take(n, version)
+        return [(g.plan, g.samples) for g in ok], sum(len(g.samples) for g in dropped), self.pipe.wait_s - w0
+
+    def transport(self):
+        return self.engine.transport if self.served is None else self.served.wrap(self.engine.transport)
+
+    @property
+    def served(self):
+        """keep_served (rank 0): the kept adapters and the trained samples' record (rl/served.py)."""
+        if self.rank != 0 or not self.cfg.keep_served:
+            return None
+        if getattr(self, "_served", None) is None:
+            from .served import ServedAdapters
+
+            self._served = ServedAdapters(self.out, keep=self.cfg.max_staleness + 1)
+        return self._served
+
+    def pipe_recover(self) -> None:
+        self.pipe.recover()
+
+    def _eval_version(self) -> int | None:
+        return self.policy.version if self.cfg.inflight == "pin" and self.policy.version > 0 else None
+
+    def _engine_step_s(self) -> float:
+        """Seconds the engine's loop has spent stepping (rank 0; 0 elsewhere)."""
+        if self.rank != 0:
+            return 0.0
+        try:
+            return float(self.engine.status()["loop"]["step_s"])
+        except Exception:  # noqa: BLE001 - a figure for the metrics only; a dead engine is handled by the loop
+            return 0.0
+
+    def step_metrics(self, samples, dropped: int, version: int, batch, proximal, wait_s: float) -> dict:
+        from .step import effective_sample_size
+
+        stale = [staleness(version, s.versions) for s in samples]
+        hist = Counter(stale)
+        self.trained_samples += len(samples)
+        self.dropped_samples += dropped
+        self.consumed_tokens += sum(len(s.response) for s in samples)
+        wall = time.perf_counter() - self.t_rl
+        out = {"staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
+               "staleness_hist": {str(k): hist.get(k, 0) for k in range(self.cfg.max_staleness + 1)},
+               "multi_version_frac": sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
+               "dropped": dropped,
+               "dropped_frac": self.dropped_samples / max(1, self.dropped_samples + self.trained_samples),
+               "ess": effective_sample_size(proximal, batch.rollout_logprobs, batch.loss_mask),
+               "train_wait_s": wait_s, "tokens_consumed_per_s": self.consumed_tokens / wall}
+        if self.rank == 0:
+            try:
+                st = self.engine.status()
+            except Exception:  # noqa: BLE001 - the engine died meanwhile: the next take finds it and recovers
+                return out
+            out["versions_live"] = len(st.get("versions") or [st.get("version")])
+            out["tokens_produced_per_s"] = self.pipe.produced_tokens / wall
+            out["groups_in_flight"] = self.pipe.in_flight()
+            out["ahead_max"] = self.pipe.gate.ahead_max
+            busy = float(st["loop"]["step_s"]) - self.engine_step_s0
+            out["rollout_idle_frac"] = max(0.0, 1.0 - busy / wall)
+            out["train_idle_frac"] = self.pipe.wait_s / wall
+        return out
+
+    def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
+        out = super().summary(history, evals, wall)
+        last = history[-1] if history else {}
+        out.update({"max_staleness": self.cfg.max_staleness, "inflight": self.cfg.inflight,
+                    "staleness_max": max((r["staleness_max"] for r in history), default=0),
+                    "staleness_mean": sum(r["staleness_mean"] for r in history) / max(1, len(history)),
+                    "dropped_frac": last.get("dropped_frac", 0.0),
+                    "samples_trained": self.trained_samples,
+                    "multi_version_frac": sum(r["multi_version_frac"] for r in history) / max(1, len(history)),
+                    "ess_mean": sum(r["ess"] for r in history) / max(1, len(history)),
+                    "rollout_idle_frac": last.get("rollout_idle_frac"), "train_idle_frac": last.get("train_idle_frac"),
+                    "ahead_max": last.get("ahead_max")})
+        if last.get("rollout_idle_frac") is not None:     # the engine's own stepping time, not the trainer's view
+            out["rollout_busy_frac"] = 1.0 - last["rollout_idle_frac"]
+        return out

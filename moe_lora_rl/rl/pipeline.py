@@ -1,0 +1,172 @@
+"""The asynchronous producer, on rank 0: keeps the engine full with whole GRPO groups under the staleness gate
+(rl/groups.py) while the trainer takes finished groups, P per update.
+
+    pipe = Pipeline(producer, gate, plan_of=lambda g: group_plan(...), done=set_of_trained_or_dropped_groups)
+    pipe.start()
+    groups, dropped = pipe.take(P, trainer_version)   # finished groups in finishing order; over the bound: dropped
+    pipe.serve(version)                               # after each in-flight push: the gate opens further
+    pipe.recover()                                    # after an engine restart: groups it lost are generated again
+    pipe.stop()
+
+One thread admits groups while the gate allows and hands each batch of admitted groups to a streaming thread
+(RolloutEngine.stream): samples are filed under their group as they finish, and a group is offered to the trainer
+only once all its samples are in. A group is never trained on in part. When the engine dies, every streaming thread
+fails; their unfinished groups are kept (already admitted) and generated again, first, after recover().
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .groups import GroupPlan, StalenessGate
+
+
+@dataclass
+class FinishedGroup:
+    plan: GroupPlan
+    samples: list
+    finished_at: float = field(default_factory=time.perf_counter)
+
+
+class Pipeline:
+    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset(),
+                 delay_s: float = 0.0):
+        self.prod, self.gate, self.plan_of = producer, gate, plan_of
+        self.done = set(done)                # trained on or dropped (a resumed run's included): never generated
+        self.delay_s = delay_s               # seconds added before each group is submitted (tests, benches)
+        self.group_size = producer.cfg.algo.group_size
+        self.cond = threading.Condition()
+        self.next_g = 0
+        self.retry: deque[GroupPlan] = deque()
+        self.partial: dict[int, list] = {}
+        self.plans: dict[int, GroupPlan] = {}
+        self.finished: deque[FinishedGroup] = deque()
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.streams: list[threading.Thread] = []
+        self.produced_tokens = self.produced_samples = 0
+        self.wait_s = 0.0                    # trainer seconds spent waiting in take()
+        self._thread = threading.Thread(target=self._admit_loop, name="producer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- producer side ------------------------------------------------------------------------------------------
+    def _next_plan(self) -> GroupPlan:
+        while self.next_g in self.done:
+            self.next_g += 1
+        plan = self.plan_of(self.next_g)
+        self.next_g += 1
+        return plan
+
+    def _admit_loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopping or (self.error is None and
+                                                             (self.retry or self.gate.may_admit())))
+                if self.stopping:
+                    return
+                plans = list(self.retry)
+                self.retry.clear()
+                while self.gate.may_admit():
+                    self.gate.admit()
+                    plans.append(self._next_plan())
+                for p in plans:
+                    self.partial[p.index] = [None] * self.group_size
+                    self.plans[p.index] = p
+            if self.delay_s:
+                time.sleep(self.delay_s * len(plans))
+            t = threading.Thread(target=self._stream, args=(plans,), name="producer-stream", daemon=True)
+            with self.cond:
+                self.streams = [s for s in self.streams if s.is_alive()] + [t]
+            t.start()
+
+    def _stream(self, plans: list[GroupPlan]) -> None:
+        g = self.group_size
+        try:
+            for i, sample in self.prod.engine.stream(**self.prod.requests(plans), **self.prod.sampling()):
+                plan = plans[i // g]
+                with self.cond:
+                    if self.stopping:
+                        return
+                    slots = self.partial[plan.index]
+                    slots[i % g] = sample
+                    self.produced_tokens += len(sample.response)
+                    self.produced_samples += 1
+                    if all(s is not None for s in slots):
+                        del self.partial[plan.index]
+                        self.finished.append(FinishedGroup(self.plans.pop(plan.index), slots))
+                        self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which decides
+            with self.cond:
+                if self.stopping:
+                    return
+                for p in plans:                      # unfinished groups: generated again after recover()
+                    if self.partial.pop(p.index, None) is not None:
+                        self.plans.pop(p.index, None)
+                        self.retry.append(p)
+                if self.error is None:
+                    self.error = e
+                self.cond.notify_all()
+
+    # -- trainer side -------------------------------------------------------------------------------------------
+    def take(self, n: int, trainer_version: int) -> tuple[list[FinishedGroup], list[FinishedGroup]]:
+        """n finished groups, in finishing order, whose every sample is within the bound at trainer_version; the
+        groups found over it on the way are dropped (returned second, their places freed). The producer's error
+        (e.g. EngineDied) is raised here."""
+        t0 = time.perf_counter()
+        ok, dropped = [], []
+        try:
+            with self.cond:
+                while len(ok) < n:
+                    self.cond.wait_for(lambda: self.finished or self.error is not None)
+                    if self.error is not None:
+                        for grp in reversed(ok):          # not consumed: offered again after recover()
+                            self.finished.appendleft(grp)
+                        raise self.error
+                    grp = self.finished.popleft()
+                    worst = max(self.gate.staleness(trainer_version, s.versions) for s in grp.samples)
+                    if worst > self.gate.k:
+                        dropped.append(grp)
+                        self.done.add(grp.plan.index)
+                        self.gate.dropped()
+                        self.cond.notify_all()
+                    else:
+                        ok.append(grp)
+                for grp in ok:
+                    self.done.add(grp.plan.index)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        return ok, dropped
+
+    def serve(self, version: int) -> None:
+        with self.cond:
+            self.gate.serve(version)
+            self.cond.notify_all()
+
+    def recover(self, timeout: float = 60.0) -> None:
+        """The engine was restarted (and the current version pushed): once every stream to the dead engine has
+        ended (and filed its unfinished groups), generate the lost groups again."""
+        with self.cond:
+            old = list(self.streams)
+        for t in old:
+            t.join(timeout)
+        with self.cond:
+            self.error = None
+            self.cond.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """No more groups; streams end at their next sample (the engine aborts what a closed stream left)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self._thread.join(timeout)
+        for t in self.streams:
+            t.join(timeout)
+
+    def in_flight(self) -> int:
+        """Groups admitted and not yet finished."""
+        with self.cond:
+            return len(self.partial) + len(self.retry)
