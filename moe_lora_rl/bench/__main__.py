@@ -15,6 +15,7 @@ BENCHES = {
     "e2e": "moe_lora_rl.bench.e2e",
     "rollout": "moe_lora_rl.bench.rollout",
     "verl": "moe_lora_rl.bench.verl",
+    "async": "moe_lora_rl.bench.async_rl",
 }
 
 

@@ -32,11 +32,12 @@ def train_command(nproc: int, overrides: list[str]) -> list[str]:
             "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "moe_lora_rl.train", *overrides]
 
 
-def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float) -> dict:
+def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float, prefix=()) -> dict:
+    """The job's summary; prefix: a command to run torchrun under (e.g. taskset -c 0)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "driver.log"
     with open(log, "w") as f:
-        proc = subprocess.run(train_command(nproc, [*overrides, f"out_dir={out_dir}"]), env=worker_env(),
+        proc = subprocess.run([*prefix, *train_command(nproc, [*overrides, f"out_dir={out_dir}"])], env=worker_env(),
                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     summary = out_dir / "summary.json"
     if proc.returncode != 0 or not summary.exists():

@@ -34,7 +34,11 @@ REFIT_LOGPROBS = 1e-3
 # vLLM logprobs of tokens decoded across adapter commits vs HF run position by position with each position's version
 # and the captured routes forced (fp32, tests/e2e/test_inflight.py).
 INFLIGHT_LOGPROBS = 1e-4
-TRAINED_SERVED_LOGPROBS = 1e-5      # mode=async: a trained token's engine logprob vs HF with its version's adapter
+# mode=async: a trained token's engine logprob vs HF with its version's adapter and the replayed routes (fp32, tiny
+# model): the vLLM-vs-HF fp32 kernel noise alone reaches 1.6e-5 on single-version samples of the base model; the
+# per-sample k3 KL stays ~1e-11 (tests/e2e/test_async.py).
+TRAINED_SERVED_LOGPROBS = 3e-5
+TRAINED_SERVED_K3 = 1e-10
 ADAPTER_MATTERS_MIN = 1e-2           # base vs LoRA logprobs: the adapter must move them by more than this
 
 # LoRA training peak RSS / full fine-tuning peak RSS (bench lora, medium model): frozen base, no base grads or moments.

@@ -27,10 +27,11 @@ class AsyncGRPORun(GRPORun):
             from .pipeline import Pipeline
 
             gate = StalenessGate(a.prompts_per_step, cfg.max_staleness, version=self.policy.version)
-            self.pipe = Pipeline(self.prod, gate, self.group, done=done, delay_s=cfg.delay.rollout_s)
+            self.pipe = Pipeline(self.prod, gate, self.group, done=done)
             self.pipe.start()
         self.trained_samples = self.dropped_samples = self.consumed_tokens = 0
-        self.engine_step_s0 = self._engine_step_s()
+        self._engine_step_s_seen = self._engine_step_s()
+        self.engine_busy_s = 0.0          # the engine's stepping seconds in this loop, across restarts
         try:
             for step in range(start, cfg.steps):
                 m = self.async_step(step)
@@ -129,8 +130,10 @@ class AsyncGRPORun(GRPORun):
             out["tokens_produced_per_s"] = self.pipe.produced_tokens / wall
             out["groups_in_flight"] = self.pipe.in_flight()
             out["ahead_max"] = self.pipe.gate.ahead_max
-            busy = float(st["loop"]["step_s"]) - self.engine_step_s0
-            out["rollout_idle_frac"] = max(0.0, 1.0 - busy / wall)
+            cur = float(st["loop"]["step_s"])     # a restarted engine counts from 0
+            self.engine_busy_s += cur - self._engine_step_s_seen if cur >= self._engine_step_s_seen else cur
+            self._engine_step_s_seen = cur
+            out["rollout_idle_frac"] = min(1.0, max(0.0, 1.0 - self.engine_busy_s / wall))
             out["train_idle_frac"] = self.pipe.wait_s / wall
         return out
 

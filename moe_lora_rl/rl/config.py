@@ -221,12 +221,12 @@ class DelaySettings:
     """Seconds added on purpose, to test and measure the asynchronous pipeline's back-pressure (0: none)."""
     train_s: float = 0.0
     """After every update."""
-    rollout_s: float = 0.0
-    """Before every group the asynchronous producer submits."""
+    engine_step_s: float = 0.0
+    """After every step of the rollout engine (a slower engine: generation takes longer per token)."""
 
     def __post_init__(self):
         _positive("delay.train_s", self.train_s, zero_ok=True)
-        _positive("delay.rollout_s", self.rollout_s, zero_ok=True)
+        _positive("delay.engine_step_s", self.engine_step_s, zero_ok=True)
 
 
 @dataclass

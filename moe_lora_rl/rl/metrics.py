@@ -39,8 +39,13 @@ BAR = (("reward", (REWARD,)), ("kl", (KL_R3, KL_NO_R3)), ("dis", (DISAGREEMENT,)
 PANELS = (("Reward (train)", (REWARD,), False), ("Held-out success", (EVAL_SUCCESS,), False),
           ("Train-inference KL", (KL_R3, KL_NO_R3), True), ("Router disagreement", (DISAGREEMENT,), False))
 """plot's panels: (title, keys, log scale)."""
+ASYNC_PANELS = (("Staleness (versions)", ("staleness_max", "staleness_mean"), False),
+                ("Dropped, ESS, idle", ("dropped_frac", "ess", "rollout_idle_frac", "train_idle_frac"), False))
+"""plot's extra row for a mode=async run (rl/async_run.py's per-step keys)."""
 LABELS = {REWARD: "reward", EVAL_SUCCESS: "held-out success", KL_R3: "with R3", KL_NO_R3: "without R3",
-          DISAGREEMENT: "training vs rollout top-k"}
+          DISAGREEMENT: "training vs rollout top-k", "staleness_max": "max", "staleness_mean": "mean",
+          "dropped_frac": "dropped (cumulative)", "ess": "ESS of IS weights", "rollout_idle_frac": "engine idle",
+          "train_idle_frac": "trainer idle"}
 
 
 def flatten(metrics: dict, prefix: str = "") -> dict:
@@ -158,17 +163,20 @@ class MetricsLogger:
 
 def plot(jsonl_path, png_path, *, title: str | None = None) -> Path:
     """Reward, held-out success, train-inference KL with and without R3, and router disagreement over steps, as a
-    2x2 PNG (a panel whose keys were never logged says so)."""
+    2x2 PNG (a panel whose keys were never logged says so); a mode=async run adds a row: staleness, and the dropped
+    fraction, effective sample size and idle fractions."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     records = read_jsonl(jsonl_path)
     if not records:
         raise ValueError(f"{jsonl_path}: no metrics records to plot")
-    fig = Figure(figsize=(10, 7), dpi=100)
+    panels = PANELS + (ASYNC_PANELS if any("staleness_max" in r for r in records) else ())
+    rows = len(panels) // 2
+    fig = Figure(figsize=(10, 3.5 * rows), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2).ravel()
-    for ax, (name, keys, log) in zip(axes, PANELS):
+    axes = fig.subplots(rows, 2).ravel()
+    for ax, (name, keys, log) in zip(axes, panels):
         drawn = 0
         for k in keys:
             pts = [(r["step"], r[k]) for r in records if _scalar(r.get(k)) is not None and math.isfinite(r[k])]

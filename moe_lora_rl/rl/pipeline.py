@@ -31,11 +31,9 @@ class FinishedGroup:
 
 
 class Pipeline:
-    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset(),
-                 delay_s: float = 0.0):
+    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset()):
         self.prod, self.gate, self.plan_of = producer, gate, plan_of
         self.done = set(done)                # trained on or dropped (a resumed run's included): never generated
-        self.delay_s = delay_s               # seconds added before each group is submitted (tests, benches)
         self.group_size = producer.cfg.algo.group_size
         self.cond = threading.Condition()
         self.next_g = 0
@@ -76,8 +74,6 @@ class Pipeline:
                 for p in plans:
                     self.partial[p.index] = [None] * self.group_size
                     self.plans[p.index] = p
-            if self.delay_s:
-                time.sleep(self.delay_s * len(plans))
             t = threading.Thread(target=self._stream, args=(plans,), name="producer-stream", daemon=True)
             with self.cond:
                 self.streams = [s for s in self.streams if s.is_alive()] + [t]

@@ -41,6 +41,9 @@ def check(cfg: TrainConfig, world_size: int):
         raise ValueError(f"replay={cfg.replay!r}: the model has no MoE layer to replay routes in; use replay=off")
     n = cfg.algo.group_size * cfg.algo.prompts_per_step
     dp = world_size // (layout.tp * layout.pp)
+    if n % dp:
+        raise ValueError(f"algo.group_size*prompts_per_step={n}: the batch of whole groups does not split over "
+                         f"data-parallel size {dp} (world {world_size} / tp {layout.tp} / pp {layout.pp})")
     if n % (dp * cfg.algo.micro_batch_size):
         raise ValueError(f"algo.micro_batch_size={cfg.algo.micro_batch_size}: the batch of {n} responses does not "
                          f"split into microbatches over data-parallel size {dp}")

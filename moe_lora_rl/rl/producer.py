@@ -35,9 +35,9 @@ class Producer:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         where = plan_placement(node=cfg.rollout.node, gpus=cfg.rollout.gpus, this_host=socket.gethostname())
-        kw = {}
+        kw = {"step_delay_s": cfg.delay.engine_step_s}
         if cfg.mode == "async":          # the engine keeps generating while versions change
-            kw = {"inflight": cfg.inflight, "on_full": "wait",
+            kw |= {"inflight": cfg.inflight, "on_full": "wait",
                   "max_versions": cfg.max_staleness + 1 if cfg.inflight == "pin" else None}
         self.engine = RolloutEngine.start(str(self.path), dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                           log_dir=self.out, seed=cfg.seed, placement=where, **kw)

@@ -82,7 +82,8 @@ class GRPORun:
         rc = run_config(cfg)
         prepare_host(rc)
         if rc.device == "cpu":                    # the ranks of this host share its cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+            cores = len(os.sched_getaffinity(0))  # those this process may use (taskset), not the machine's
+            torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         init_distributed(cfg.layout.layout(), rc)
         self.path, self.warmup = _broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
@@ -143,9 +144,9 @@ class GRPORun:
                 raise value if self.rank == 0 else RuntimeError(f"rank 0 failed during {what}: {value}")
             self._restart(what, value, attempt, after_restart)
 
-    def _restart(self, what: str, why: str, attempt: int, after_restart=None) -> None:
+    def _restart(self, what: str, why: str, attempt: int, after_restart=None) -> int:
         """Every rank: restart the dead engine (rank 0), push the current version, after_restart() on rank 0; or
-        give up once engine_restarts is spent."""
+        give up once engine_restarts is spent. The bytes pushed."""
         if attempt == self.cfg.engine_restarts:
             raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
                                f"(engine_restarts={self.cfg.engine_restarts}); giving up: {why}")
@@ -155,10 +156,10 @@ class GRPORun:
         self.engine_restarts += 1
         if self.rank == 0:
             self.engine.restart()
-        if self.policy.version > 0:
-            self.push(restarts=False)
+        pushed = self.push(restarts=False) if self.policy.version > 0 else 0
         if self.rank == 0 and after_restart is not None:
             after_restart()
+        return pushed
 
     # -- the trainer side ---------------------------------------------------------------------------------------
     def train(self, samples, plans) -> tuple[dict, object]:
@@ -199,25 +200,24 @@ class GRPORun:
         during the push is restarted and the version pushed again (restarts=False: the caller restarts)."""
         from ..rollout.client import EngineDied
 
-        for attempt in range(self.cfg.engine_restarts + 1):
-            t0 = time.perf_counter()
-            tr = _Survivor(self.transport()) if self.rank == 0 else None
-            result = None
-            try:
-                res = self.policy.push(tr, self.policy.version)
-                if self.rank == 0:
-                    result = ("ok", res.bytes)
-            except EngineDied as e:           # the begin's failure reaches every rank; the rest only rank 0
-                result = ("died", " ".join(str(e).split())[:300])
+        t0 = time.perf_counter()
+        tr = _Survivor(self.transport()) if self.rank == 0 else None
+        result = None
+        try:
+            res = self.policy.push(tr, self.policy.version)
             if self.rank == 0:
-                self.busy["rollout"] += time.perf_counter() - t0
-            kind, value = _broadcast(result)
-            if kind == "ok":
-                return value
-            if not restarts:
-                raise RuntimeError(f"the rollout engine died again while version {self.policy.version} was pushed "
-                                   f"to the restarted engine: {value}")
-            self._restart(f"the push of version {self.policy.version}", value, attempt, after_restart)
+                result = ("ok", res.bytes)
+        except EngineDied as e:               # the begin's failure reaches every rank; the rest only rank 0
+            result = ("died", " ".join(str(e).split())[:300])
+        if self.rank == 0:
+            self.busy["rollout"] += time.perf_counter() - t0
+        kind, value = _broadcast(result)
+        if kind == "ok":
+            return value
+        if not restarts:
+            raise RuntimeError(f"the rollout engine died again while version {self.policy.version} was pushed "
+                               f"to the restarted engine: {value}")
+        return self._restart(f"the push of version {self.policy.version}", value, 0, after_restart)  # it pushes
 
     def transport(self):
         return self.engine.transport

@@ -100,12 +100,13 @@ class _Command:
 
 class EngineLoop:
     def __init__(self, llm, meta: dict | None = None, *, inflight: str = "switch", on_full: str = "wait",
-                 pad_routes: bool = False):
+                 pad_routes: bool = False, step_delay_s: float = 0.0):
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         if core is not None and getattr(core, "batch_queue", None) is not None:
             raise ValueError("the engine loop needs one batch in flight at a time (vLLM batch queue is enabled)")
         self.llm, self.engine, self.meta = llm, llm.llm_engine, meta
         self.inflight, self.on_full, self.pad = inflight, on_full, pad_routes
+        self.step_delay_s = step_delay_s      # added after every step: a slower engine (tests, benches)
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._pending: list[tuple[Ticket, list[Request], bool]] = []
@@ -274,6 +275,8 @@ class EngineLoop:
             traceback.print_exc()
             self._fail_live(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
             return
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         self.stats["steps"] += 1
         self.stats["step_s"] += time.perf_counter() - t0
         finished = []

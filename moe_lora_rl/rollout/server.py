@@ -60,7 +60,8 @@ class Engine:
                                enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.meta = start_capture(self.llm) if a.capture else None
-        self.loop = EngineLoop(self.llm, self.meta, inflight=a.inflight, on_full=a.on_full).start()
+        self.loop = EngineLoop(self.llm, self.meta, inflight=a.inflight, on_full=a.on_full,
+                               step_delay_s=a.step_delay_s).start()
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
         self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
@@ -286,6 +287,8 @@ def parse_args(argv=None):
                     help="adapter versions held at once (pin; default 2; switch holds 1)")
     ap.add_argument("--on-full", default="wait", choices=("wait", "refuse"),
                     help="a commit that would exceed --max-versions waits for a version to free, or is refused")
+    ap.add_argument("--step-delay-s", type=float, default=0.0,
+                    help="seconds added after every engine step: a slower engine, to test and measure back-pressure")
     ap.add_argument("--token-file", default=None,
                     help=f"file holding the shared secret (mode 600); default: ${guard.TOKEN_ENV}")
     ap.add_argument("--max-body-mb", type=float, default=guard.DEFAULT_MAX_BODY / (1 << 20),
@@ -298,6 +301,8 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.threads is not None and a.threads < 1:
         ap.error(f"--threads must be >= 1, got {a.threads}")
+    if a.step_delay_s < 0:
+        ap.error(f"--step-delay-s must be >= 0, got {a.step_delay_s}")
     if a.max_body_mb <= 0:
         ap.error(f"--max-body-mb must be positive, got {a.max_body_mb}")
     from ..vllm.versions import check_inflight_config

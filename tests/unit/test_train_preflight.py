@@ -22,9 +22,24 @@ def test_layout_against_world_and_model():
     assert arch.num_experts == 16 and any(arch.moe_layers)
 
 
+def test_async_refusals():
+    for overrides, world, needle in (
+            (["mode=async", "max_staleness=0"], 2, "max_staleness=0"),
+            (["mode=async", "inflight=pin", "serving=merged"], 2, "inflight=pin with serving=merged"),
+            (["mode=async", "inflight=pin", "max_staleness=4"], 2, "rollout.max_versions=4"),
+            (["mode=async", "algo.group_size=3", "algo.prompts_per_step=3", "algo.micro_batch_size=1"], 2,
+             "does not split over data-parallel size 2"),
+            (["mode=async", "delay.train_s=-1"], 2, "delay.train_s=-1")):
+        with pytest.raises(ValueError, match=needle):
+            check(overrides, world)
+    check(["mode=async", "inflight=pin", "max_staleness=3"], 2)          # 4 versions fit rollout.max_versions=4
+    assert config.load(["mode=async", "max_staleness=0", "mode=sync"]).mode == "sync"  # the bound is async's only
+
+
 def test_cli_one_line_errors():
     for args, needle in ((["lora.rnk=4"], "unknown config key"), (["replay=r4"], "replay='r4'"),
-                         (["data.train_file=/nonexistent.parquet"], "/nonexistent.parquet")):
+                         (["data.train_file=/nonexistent.parquet"], "/nonexistent.parquet"),
+                         (["mode=async", "max_staleness=0"], "max_staleness=0")):
         p = subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *args], capture_output=True, text=True,
                            timeout=120)
         assert p.returncode == 2, p.stderr

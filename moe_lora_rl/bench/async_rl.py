@@ -1,0 +1,124 @@
+"""async: the main job in mode=async against the best synchronous run on the same cores, side by side in one run,
+and the shared-host planner's prediction of the speedup from phase figures measured in the same run.
+
+    python -m moe_lora_rl.bench async --json [--model DIR] [--layouts tp1ep1pp1] [--steps 20] [--seeds 0,1]
+        [--sync-nproc 2,1] [--async-nproc 2] [--max-staleness 1] [--inflight switch] [--out DIR] [-- k=v ...]
+
+Runs, each a whole job under torchrun (evaluation at the start and the end only; its seconds are left out of the
+rates, since evaluation is the same work in both modes):
+- sync, for each --sync-nproc (trainer ranks; each rank's torch threads = cores / ranks), seed 0: the best of them
+  (steps/min) is the synchronous side, "each phase given every core it can use";
+- sync with every process pinned to one core (taskset -c 0, the best sync nproc): the one-core phase figures;
+- async, seed 0; then, for every further seed, sync (best nproc) and async again (held-out success after the same
+  number of trained samples).
+steps_per_min = steps * 60 / (wall - evaluation seconds). Phase seconds per step: rollout = rollout busy (generation
+and pushes) minus evaluation, train = train busy, from the sync summaries. overlap_bound = (rollout_C + train_C) /
+((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py.
+--model, --layouts and the overrides after `--` reach every run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from ..megatron.layout import parse_layouts
+from .common import emit
+from .e2e import _preflight, run_job
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}={text!r}: expected comma-separated integers") from None
+    if not out:
+        raise ValueError(f"{what}={text!r}: expected at least one value")
+    return out
+
+
+def rate(s: dict) -> float:
+    return s["steps"] * 60.0 / (s["wall_s"] - s["eval_s"])
+
+
+def phases(s: dict) -> tuple[float, float]:
+    """(rollout, train) seconds per step of a synchronous run, evaluation left out."""
+    return ((s["rollout_busy_frac"] * s["wall_s"] - s["eval_s"]) / s["steps"],
+            s["train_busy_frac"] * s["wall_s"] / s["steps"])
+
+
+def main(argv=None) -> dict:
+    from ..plan.shared_host import HostPhases, predict
+
+    argv = list(argv or [])
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench async", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in warm-started model)")
+    ap.add_argument("--layouts", default="tp1ep1pp1", help="the one layout of every run")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seeds", default="0,1", help="comma-separated run seeds (the first also measures phases)")
+    ap.add_argument("--sync-nproc", default="2,1", help="trainer ranks tried for the synchronous side")
+    ap.add_argument("--async-nproc", type=int, default=2, help="trainer ranks of the async runs")
+    ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument("--inflight", default="switch", choices=("switch", "pin"))
+    ap.add_argument("--out", default=None, help="keep the runs' outputs here (default: a temporary folder)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    a = ap.parse_args(argv)
+    layouts = parse_layouts(a.layouts)
+    if len(layouts) != 1:
+        raise ValueError(f"--layouts={a.layouts!r}: async runs one layout, got {len(layouts)}")
+    seeds, sync_nproc = _ints(a.seeds, "--seeds"), _ints(a.sync_nproc, "--sync-nproc")
+    if a.steps < 1 or a.async_nproc < 1 or min(sync_nproc) < 1 or a.timeout <= 0 or a.max_staleness < 1:
+        raise ValueError(f"--steps={a.steps}, --async-nproc={a.async_nproc}, --sync-nproc={a.sync_nproc}, "
+                         f"--max-staleness={a.max_staleness}, --timeout={a.timeout}: must be >= 1 (positive)")
+    if a.model is not None and not (Path(a.model) / "config.json").is_file():
+        raise ValueError(f"--model={a.model!r} is not an HF checkpoint directory")
+    cores = len(os.sched_getaffinity(0))
+    lay = layouts[0]
+    base = [f"layout.tp={lay.tp}", f"layout.ep={lay.ep}", f"layout.etp={lay.etp}", f"layout.pp={lay.pp}",
+            f"steps={a.steps}", "eval_every=0", *([f"model.path={a.model}"] if a.model else []), *extra]
+    asyn = ["mode=async", f"max_staleness={a.max_staleness}", f"inflight={a.inflight}"]
+    for n in {*sync_nproc, a.async_nproc}:
+        _preflight([*base, *asyn], n)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(a.out or tmp)
+
+        def job(name, nproc, over, seed, prefix=()):
+            return run_job(nproc, [*base, *over, f"seed={seed}"], root / f"{name}-s{seed}", a.timeout, prefix)
+
+        tried = {n: job(f"sync-n{n}", n, [], seeds[0]) for n in sync_nproc}
+        best_n = max(tried, key=lambda n: rate(tried[n]))
+        one_core = job(f"sync1core-n{best_n}", best_n, [], seeds[0], prefix=("taskset", "-c", "0"))
+        sync = {seeds[0]: tried[best_n]}
+        runs = {seeds[0]: job("async", a.async_nproc, asyn, seeds[0])}
+        for s in seeds[1:]:
+            sync[s] = job(f"sync-n{best_n}", best_n, [], s)
+            runs[s] = job("async", a.async_nproc, asyn, s)
+    s0, a0 = sync[seeds[0]], runs[seeds[0]]
+    (r1, t1), (rc, tc) = phases(one_core), phases(s0)
+    pred = predict(HostPhases(rollout_1=r1, rollout_c=rc, train_1=t1, train_c=tc, cores=cores), a.max_staleness)
+    speedup = rate(a0) / rate(s0)
+    out = {"sync_steps_per_min": rate(s0), "async_steps_per_min": rate(a0), "speedup": speedup,
+           "eval_sync": s0["eval_end"], "eval_async": a0["eval_end"],
+           "eval_by_seed": {str(s): {"sync": sync[s]["eval_end"], "async": runs[s]["eval_end"],
+                                     "start": sync[s]["eval_start"]} for s in seeds},
+           "samples_trained": a0["samples_trained"], "staleness_max": max(r["staleness_max"] for r in runs.values()),
+           "staleness_bound": a.max_staleness, "dropped_frac": a0["dropped_frac"], "ess_mean": a0["ess_mean"],
+           "multi_version_frac": a0["multi_version_frac"],
+           "rollout_idle_sync": 1.0 - rc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
+           "train_idle_sync": 1.0 - tc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
+           "rollout_idle_async": a0["rollout_idle_frac"], "train_idle_async": a0["train_idle_frac"],
+           "overlap_bound": pred["overlap_bound"], "predicted_speedup": pred["predicted_speedup"],
+           "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
+           "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc, "cores": cores},
+           "sync_tried": {str(n): rate(s) for n, s in tried.items()}, "sync_nproc": best_n,
+           "async_nproc": a.async_nproc, "inflight": a.inflight, "steps": a.steps, "layout": lay.name,
+           "bench_wall_s": round(time.time() - t0, 1)}
+    emit(out, a.json)
+    return out

@@ -1,0 +1,123 @@
+"""The async producer's pure parts and its threads against a scripted engine: the staleness gate (back-pressure at
+exactly max_staleness updates ahead), whole groups only, groups over the bound dropped and replaced, an engine
+failure handed to the trainer and the lost groups generated again after recover()."""
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from moe_lora_rl.rl.groups import StalenessGate, group_plan, staleness
+from moe_lora_rl.rl.pipeline import Pipeline
+from moe_lora_rl.rl.schedule import prompt_indices, sample_seed
+
+
+def test_group_plan_is_the_sync_order():
+    for step in (0, 3):
+        idx = prompt_indices(40, 4, step, 7)
+        plans = [group_plan(40, 4, 3, 7, g) for g in range(step * 4, step * 4 + 4)]
+        assert [p.problem for p in plans] == idx and all(p.step == step for p in plans)
+        assert [list(p.seeds) for p in plans] == [[sample_seed(7, step, i, j) for j in range(3)] for i in idx]
+
+
+def test_gate_admits_exactly_max_staleness_updates_ahead():
+    gate = StalenessGate(prompts_per_step=2, max_staleness=1, version=5)
+    planned = [gate.admit() for _ in range(4)]                 # updates 0 and 1 from the loop's start
+    assert planned == [0, 0, 1, 1] and not gate.may_admit() and gate.ahead_max == 1
+    with pytest.raises(RuntimeError, match="past the bound"):
+        gate.admit()
+    gate.dropped()                                             # a dropped group frees its place
+    assert gate.may_admit() and gate.admit() == 1 and not gate.may_admit()
+    gate.serve(6)
+    assert [gate.admit(), gate.admit()] == [2, 2] and not gate.may_admit() and gate.ahead_max == 1
+    with pytest.raises(ValueError, match="went back from 6 to 5"):
+        gate.serve(5)
+    with pytest.raises(ValueError, match="max_staleness=0"):
+        StalenessGate(2, 0, 0)
+    assert staleness(3, [None, None, 1]) == 3 and staleness(3, [2, 3]) == 1
+    with pytest.raises(ValueError, match="without token versions"):
+        staleness(1, [])
+
+
+class ScriptedEngine:
+    """stream(): one sample per request, in reverse order, versions from `version_of(seed)`; fails after `fail_after`
+    samples once if set."""
+
+    def __init__(self, version_of, fail_after=None):
+        self.version_of, self.fail_after, self.calls = version_of, fail_after, []
+        self.lock = threading.Lock()
+
+    def stream(self, prompts, seeds, **kw):
+        with self.lock:
+            self.calls.append(list(seeds))
+            fail, self.fail_after = self.fail_after, None
+        for n, i in enumerate(reversed(range(len(prompts)))):
+            if fail is not None and n == fail:
+                raise RuntimeError("engine died")
+            yield i, SimpleNamespace(seed=seeds[i], response=[1, 2], versions=[self.version_of(seeds[i])] * 2)
+
+
+def producer(engine, g=2):
+    return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(group_size=g)), engine=engine,
+                           requests=lambda plans: {"prompts": [[1]] * (g * len(plans)),
+                                                   "seeds": [s for p in plans for s in p.seeds]},
+                           sampling=lambda: {})
+
+
+def plan_of(g):
+    return SimpleNamespace(index=g, seeds=(10 * g, 10 * g + 1))
+
+
+def wait_idle(pipe, admitted):
+    """Until the producer has admitted `admitted` groups and they all finished."""
+    import time
+
+    t0 = time.time()
+    while (pipe.gate.admitted != admitted or pipe.in_flight()) and time.time() - t0 < 10:
+        time.sleep(0.01)
+
+
+def test_whole_groups_bound_and_drops():
+    # the version each group was generated with: groups 0-3 admitted at version 1, 4-5 at 2 (group 4 comes back at
+    # version 0, as if it had been stuck), 6 and later at 3
+    eng = ScriptedEngine(lambda seed: {0: 1, 1: 1, 2: 1, 3: 1, 4: 0, 5: 2}.get(seed // 10, 3))
+    gate = StalenessGate(prompts_per_step=2, max_staleness=1, version=1)
+    pipe = Pipeline(producer(eng), gate, plan_of)
+    pipe.start()
+    try:
+        ok, dropped = pipe.take(2, trainer_version=1)
+        assert [g.plan.index for g in ok] == [3, 2] and not dropped            # in finishing order
+        assert all(len(g.samples) == 2 for g in ok)
+        assert {s.seed for g in ok for s in g.samples} == {30, 31, 20, 21}
+        wait_idle(pipe, 4)
+        assert pipe.in_flight() == 0 and gate.admitted == 4 and not gate.may_admit()   # held: 2 updates' worth
+        pipe.serve(2)
+        wait_idle(pipe, 6)
+        ok, dropped = pipe.take(2, trainer_version=2)
+        assert [g.plan.index for g in ok] == [1, 0] and not dropped
+        pipe.serve(3)
+        ok, dropped = pipe.take(2, trainer_version=3)    # group 4 (version 0) is 3 versions old: dropped
+        assert [g.plan.index for g in dropped] == [4] and ok[0].plan.index == 5 and len(ok) == 2, \
+            ([g.plan.index for g in ok], [[s.versions for s in g.samples] for g in ok])
+        assert all(staleness(3, s.versions) <= 1 for g in ok for s in g.samples)
+        assert 4 in pipe.done and gate.ahead_max == 1
+    finally:
+        pipe.stop()
+
+
+def test_failure_reaches_the_trainer_and_lost_groups_come_back():
+    eng = ScriptedEngine(lambda seed: 1, fail_after=1)  # the first stream dies after one sample
+    pipe = Pipeline(producer(eng), StalenessGate(2, 1, version=1), plan_of)
+    pipe.start()
+    try:
+        with pytest.raises(RuntimeError, match="engine died"):
+            while True:
+                pipe.take(1, trainer_version=1)
+        pipe.recover()
+        ok = []
+        while len(ok) < 4:
+            ok += pipe.take(1, trainer_version=1)[0]
+        assert sorted(g.plan.index for g in ok) == [0, 1, 2, 3]     # every admitted group, whole
+        assert all(len(g.samples) == 2 and None not in g.samples for g in ok)
+        assert eng.calls[1] == eng.calls[0]                        # the lost groups resubmitted as they were
+    finally:
+        pipe.stop()
