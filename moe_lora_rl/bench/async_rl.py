@@ -115,6 +115,8 @@ def main(argv=None) -> dict:
            "train_idle_sync": 1.0 - tc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
            "rollout_idle_async": a0["rollout_idle_frac"], "train_idle_async": a0["train_idle_frac"],
            "overlap_bound": pred["overlap_bound"], "predicted_speedup": pred["predicted_speedup"],
+           "predicted_sync_steps_per_min": pred["sync_steps_per_min"],
+           "predicted_async_steps_per_min": pred["async_steps_per_min"],
            "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc, "cores": cores},
            "sync_tried": {str(n): rate(s) for n, s in tried.items()}, "sync_nproc": best_n,

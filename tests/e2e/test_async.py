@@ -11,6 +11,7 @@ the tiny engine is otherwise so fast that every group finishes before the next p
   never more), nothing trained is over it, each sample is of one version and recomputes exactly.
 - switch, slow engine, engine SIGKILLed after step 1: the trainer waits (idle), trains only whole groups, the log
   reports the restart and the run finishes; resume=true then continues from the step-4 checkpoint to step 6.
+- bench async on the tiny model, 2 steps: its figures agree with the runs it made.
 """
 import json
 
@@ -121,3 +122,32 @@ def test_slowed_producer_engine_crash_and_resume(tmp_path):
     assert "resumed from the checkpoint of step 4" in log2
     assert [r["step"] for r in rows2] == [1, 2, 3, 4, 5, 6] and summary2["steps"] == 6
     assert rows2[4]["version"] == 5 and rows2[5]["version"] == 6
+
+
+def test_bench_async_smoke(tmp_path):
+    """The bench end to end on the tiny model (2 steps, one seed, one rank): its figures are consistent with the
+    runs it made (the learning comparison is the bench's own, on the default job)."""
+    import subprocess
+    import sys
+
+    from moe_lora_rl.checks.launch import worker_env
+    from moe_lora_rl.models import get_model
+
+    model = get_model("glm4_moe", "tiny")
+    p = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", "async", "--json", "--model", str(model),
+                        "--steps", "2", "--seeds", "0", "--sync-nproc", "1", "--async-nproc", "1",
+                        "--out", str(tmp_path), "--", "data.n_eval=8", "data.eval_samples=1",
+                        "algo.prompts_per_step=2", "algo.group_size=4", "algo.micro_batch_size=4"],
+                       capture_output=True, text=True, env=worker_env(), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    runs = {d.name for d in tmp_path.iterdir()}
+    assert runs == {"sync-n1-s0", "sync1core-n1-s0", "async-s0"}, runs
+    s, a = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sync-n1-s0", "async-s0"))
+    assert a["mode"] == "async" and s["mode"] == "sync" and a["samples_trained"] == r["samples_trained"] == 16
+    assert r["speedup"] == pytest.approx(r["async_steps_per_min"] / r["sync_steps_per_min"])
+    assert r["staleness_max"] <= r["staleness_bound"] == 1
+    ph = r["phases_s_per_step"]
+    assert r["overlap_bound"] == pytest.approx((ph["rollout_c"] + ph["train_c"]) /
+                                               ((ph["rollout_1"] + ph["train_1"]) / ph["cores"]))
+    assert r["prediction_error"] == pytest.approx(abs(r["predicted_speedup"] - r["speedup"]) / r["speedup"])

@@ -20,6 +20,11 @@ from moe_lora_rl.megatron.layout import Layout
     (["e2e", "--layouts", "tp2ep2", "--nproc", "1"], "world size"),
     (["e2e", "--", "algo.lr=-1"], "algo.lr=-1"),
     (["e2e", "--", "lora.rnk=4"], "unknown config key"),
+    (["async", "--layouts", "tp2ep2,pp2"], "async runs one layout"),
+    (["async", "--seeds", "0,x"], "--seeds='0,x'"),
+    (["async", "--max-staleness", "0"], "--max-staleness=0"),
+    (["async", "--sync-nproc", "2,1", "--layouts", "tp2ep2"], "world size"),
+    (["async", "--inflight", "pin", "--max-staleness", "4"], "rollout.max_versions=4"),
 
     (["verl", "--layouts", "tp2ep3"], "ep=3 does not divide num_experts="),
     (["verl", "--layouts", "pp2ep4"], "--layouts 'pp2ep4': runs on 8 ranks; this bench launches 4"),
