@@ -41,7 +41,7 @@ def run(out, extra, kill_after=None):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     return {"switch": run(root / "switch", ["inflight=switch", "keep_served=true", "steps=6",
-                                            "delay.engine_step_s=0.15"]),
+                                            "delay.engine_step_s=0.3"]),
             "pin": run(root / "pin", ["inflight=pin", "keep_served=true", "steps=4", "delay.train_s=1.5"]),
             "root": root}
 
