@@ -106,7 +106,8 @@ class EngineLoop:
             raise ValueError("the engine loop needs one batch in flight at a time (vLLM batch queue is enabled)")
         self.llm, self.engine, self.meta = llm, llm.llm_engine, meta
         self.inflight, self.on_full, self.pad = inflight, on_full, pad_routes
-        self.step_delay_s = step_delay_s      # added after every step: a slower engine (tests, benches)
+        self.step_delay_s = step_delay_s      # a slower engine (tests, benches): the next step waits this long, while
+        self._next_step_at = 0.0              # commands (pushes, status) are still served as between two steps
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._pending: list[tuple[Ticket, list[Request], bool]] = []
@@ -202,6 +203,12 @@ class EngineLoop:
             for ticket, reqs, reset in pending:
                 self._admit(ticket, reqs, reset)
             if self._live:
+                wait = self._next_step_at - time.perf_counter()
+                if wait > 0:
+                    with self._lock:               # deferred commands wait for the step; new ones run now
+                        if len(self._commands) <= len(deferred) and not self._stop:
+                            self._lock.wait(wait)
+                    continue
                 self._step()
             elif deferred:
                 time.sleep(0.001)
@@ -275,10 +282,10 @@ class EngineLoop:
             traceback.print_exc()
             self._fail_live(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
             return
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
         self.stats["steps"] += 1
-        self.stats["step_s"] += time.perf_counter() - t0
+        self.stats["step_s"] += time.perf_counter() - t0 + self.step_delay_s     # the delay counts as busy
+        if self.step_delay_s:
+            self._next_step_at = time.perf_counter() + self.step_delay_s
         finished = []
         for out in outs:
             live = self._live.get(out.request_id)

@@ -1,0 +1,42 @@
+"""bench async without launching jobs: the runs it asks for (sync at each --sync-nproc, the best one again pinned to
+one core, async; sync and async again per further seed), the overrides each gets, and its figures computed from the
+jobs' summaries (rates without evaluation seconds, phases, the overlap bound, the planner's prediction)."""
+import pytest
+
+from moe_lora_rl.bench import async_rl
+
+
+def summary(steps, wall, eval_s, rollout_frac, train_frac, eval_end, **kw):
+    return {"steps": steps, "wall_s": wall, "eval_s": eval_s, "rollout_busy_frac": rollout_frac,
+            "train_busy_frac": train_frac, "eval_end": eval_end, "eval_start": 0.2, **kw}
+
+
+ASYNC = dict(samples_trained=160, staleness_max=1, dropped_frac=0.0, ess_mean=0.99, multi_version_frac=0.0,
+             rollout_idle_frac=0.5, train_idle_frac=0.01)
+
+
+def test_runs_and_figures(monkeypatch, tmp_path):
+    calls = []
+    # sync on all cores: 10 steps in 30 s (10 s evaluation): rollout 0.55*30-10 = 6.5 s, train 0.4*30 = 12 s
+    canned = {"sync-n2": summary(10, 30.0, 10.0, 0.55, 0.4, 0.35), "sync-n1": summary(10, 40.0, 10.0, 0.4, 0.5, 0.3),
+              "sync1core-n2": summary(10, 50.0, 12.0, 0.4, 0.6, 0.35), "async": summary(10, 26.0, 10.0, 0.5, 0.6, 0.36, **ASYNC)}
+
+    def run_job(nproc, overrides, out_dir, timeout, prefix=()):
+        calls.append((out_dir.name, nproc, tuple(prefix), [o for o in overrides if o.startswith(("seed=", "mode="))]))
+        return canned[out_dir.name.rsplit("-s", 1)[0]]
+
+    monkeypatch.setattr(async_rl, "run_job", run_job)
+    r = async_rl.main(["--steps", "10", "--seeds", "0,1", "--out", str(tmp_path), "--", "data.n_eval=8"])
+    assert calls == [("sync-n2-s0", 2, (), ["seed=0"]), ("sync-n1-s0", 1, (), ["seed=0"]),
+                     ("sync1core-n2-s0", 2, ("taskset", "-c", "0"), ["seed=0"]),
+                     ("async-s0", 2, (), ["mode=async", "seed=0"]),
+                     ("sync-n2-s1", 2, (), ["seed=1"]), ("async-s1", 2, (), ["mode=async", "seed=1"])]
+    assert r["sync_steps_per_min"] == pytest.approx(10 * 60 / 20) and r["async_steps_per_min"] == pytest.approx(37.5)
+    assert r["speedup"] == pytest.approx(1.25) and r["sync_nproc"] == 2
+    ph = r["phases_s_per_step"]
+    assert (ph["rollout_c"], ph["train_c"]) == pytest.approx((0.65, 1.2))
+    assert (ph["rollout_1"], ph["train_1"]) == pytest.approx(((0.4 * 50 - 12) / 10, 3.0))
+    assert r["overlap_bound"] == pytest.approx((0.65 + 1.2) / ((0.8 + 3.0) / ph["cores"]))
+    assert r["prediction_error"] == pytest.approx(abs(r["predicted_speedup"] - 1.25) / 1.25)
+    assert r["eval_by_seed"]["1"] == {"sync": 0.35, "async": 0.36, "start": 0.2}
+    assert r["rollout_idle_sync"] == pytest.approx(1 - 6.5 / 20) and r["train_idle_sync"] == pytest.approx(1 - 12 / 20)
