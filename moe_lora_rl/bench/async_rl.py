@@ -18,15 +18,13 @@ and pushes) minus evaluation, train = train busy, from the sync summaries. overl
 """
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
 from pathlib import Path
 
-from ..megatron.layout import parse_layouts
 from .common import emit
-from .e2e import _preflight, run_job
+from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -52,36 +50,22 @@ def phases(s: dict) -> tuple[float, float]:
 def main(argv=None) -> dict:
     from ..plan.shared_host import HostPhases, predict
 
-    argv = list(argv or [])
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench async", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", action="store_true", help="print one JSON line")
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in warm-started model)")
-    ap.add_argument("--layouts", default="tp1ep1pp1", help="the one layout of every run")
+    argv, extra = split_overrides(argv)
+    ap = job_parser("async", __doc__, "every run")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seeds", default="0,1", help="comma-separated run seeds (the first also measures phases)")
     ap.add_argument("--sync-nproc", default="2,1", help="trainer ranks tried for the synchronous side")
     ap.add_argument("--async-nproc", type=int, default=2, help="trainer ranks of the async runs")
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--inflight", default="switch", choices=("switch", "pin"))
-    ap.add_argument("--out", default=None, help="keep the runs' outputs here (default: a temporary folder)")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     a = ap.parse_args(argv)
-    layouts = parse_layouts(a.layouts)
-    if len(layouts) != 1:
-        raise ValueError(f"--layouts={a.layouts!r}: async runs one layout, got {len(layouts)}")
+    lay, layout_over, model_over = job_layout(a, "async")
     seeds, sync_nproc = _ints(a.seeds, "--seeds"), _ints(a.sync_nproc, "--sync-nproc")
     if a.steps < 1 or a.async_nproc < 1 or min(sync_nproc) < 1 or a.timeout <= 0 or a.max_staleness < 1:
         raise ValueError(f"--steps={a.steps}, --async-nproc={a.async_nproc}, --sync-nproc={a.sync_nproc}, "
                          f"--max-staleness={a.max_staleness}, --timeout={a.timeout}: must be >= 1 (positive)")
-    if a.model is not None and not (Path(a.model) / "config.json").is_file():
-        raise ValueError(f"--model={a.model!r} is not an HF checkpoint directory")
     cores = len(os.sched_getaffinity(0))
-    lay = layouts[0]
-    base = [f"layout.tp={lay.tp}", f"layout.ep={lay.ep}", f"layout.etp={lay.etp}", f"layout.pp={lay.pp}",
-            f"steps={a.steps}", "eval_every=0", *([f"model.path={a.model}"] if a.model else []), *extra]
+    base = [*layout_over, f"steps={a.steps}", "eval_every=0", *model_over, *extra]
     asyn = ["mode=async", f"max_staleness={a.max_staleness}", f"inflight={a.inflight}"]
     for n in {*sync_nproc, a.async_nproc}:
         _preflight([*base, *asyn], n)

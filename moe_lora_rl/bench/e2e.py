@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ..megatron.layout import parse_layouts
-from ..checks.launch import free_port, worker_env
+from ..checks.launch import worker_env
+from ..checks.train_runs import train_command
 from .common import emit
 
 KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3", "kl_mean_no_r3",
@@ -27,17 +27,12 @@ KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "ev
         "train_busy_frac", "steps")
 
 
-def train_command(nproc: int, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "moe_lora_rl.train", *overrides]
-
-
 def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float, prefix=()) -> dict:
     """The job's summary; prefix: a command to run torchrun under (e.g. taskset -c 0)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "driver.log"
     with open(log, "w") as f:
-        proc = subprocess.run([*prefix, *train_command(nproc, [*overrides, f"out_dir={out_dir}"])], env=worker_env(),
+        proc = subprocess.run([*prefix, *train_command(out_dir, overrides, nproc)], env=worker_env(),
                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     summary = out_dir / "summary.json"
     if proc.returncode != 0 or not summary.exists():
@@ -46,31 +41,48 @@ def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float, pre
     return json.loads(summary.read_text())
 
 
-def main(argv=None) -> dict:
-    argv = list(argv or [])
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench e2e", description=__doc__,
+def job_parser(name: str, doc: str, runs: str) -> argparse.ArgumentParser:
+    """The arguments every bench of whole jobs takes (--json, --model, --layouts, --out, --timeout); `runs` names
+    the runs in the help."""
+    ap = argparse.ArgumentParser(prog=f"python -m moe_lora_rl.bench {name}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in warm-started model)")
-    ap.add_argument("--layouts", default="tp1ep1pp1", help="one layout for both runs")
-    ap.add_argument("--nproc", type=int, default=2, help="torchrun processes per run")
-    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
-    ap.add_argument("--out", default=None, help="keep both runs' outputs here (default: a temporary folder)")
+    ap.add_argument("--layouts", default="tp1ep1pp1", help=f"the one layout of {runs}")
+    ap.add_argument("--out", default=None, help=f"keep {runs}' outputs here (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def split_overrides(argv) -> tuple[list[str], list[str]]:
+    """(the bench's own arguments, the hydra overrides after `--`)."""
+    argv = list(argv or [])
+    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
+def job_layout(a: argparse.Namespace, name: str) -> tuple[object, list[str], list[str]]:
+    """The one layout of job_parser's --layouts, its overrides and the --model override; ValueError naming a bad
+    value."""
     layouts = parse_layouts(a.layouts)
     if len(layouts) != 1:
-        raise ValueError(f"--layouts={a.layouts!r}: e2e runs one layout, got {len(layouts)}")
-    if a.nproc < 1 or a.timeout <= 0 or (a.steps is not None and a.steps < 1):
-        raise ValueError(f"--nproc={a.nproc}, --steps={a.steps}, --timeout={a.timeout}: must be positive")
+        raise ValueError(f"--layouts={a.layouts!r}: {name} runs one layout, got {len(layouts)}")
     if a.model is not None and not (Path(a.model) / "config.json").is_file():
         raise ValueError(f"--model={a.model!r} is not an HF checkpoint directory")
     lay = layouts[0]
-    overrides = [f"layout.tp={lay.tp}", f"layout.ep={lay.ep}", f"layout.etp={lay.etp}", f"layout.pp={lay.pp}", *extra]
-    if a.model:
-        overrides.append(f"model.path={a.model}")
+    return (lay, [f"layout.tp={lay.tp}", f"layout.ep={lay.ep}", f"layout.etp={lay.etp}", f"layout.pp={lay.pp}"],
+            [f"model.path={a.model}"] if a.model else [])
+
+
+def main(argv=None) -> dict:
+    argv, extra = split_overrides(argv)
+    ap = job_parser("e2e", __doc__, "both runs")
+    ap.add_argument("--nproc", type=int, default=2, help="torchrun processes per run")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
+    a = ap.parse_args(argv)
+    lay, layout_over, model_over = job_layout(a, "e2e")
+    if a.nproc < 1 or a.timeout <= 0 or (a.steps is not None and a.steps < 1):
+        raise ValueError(f"--nproc={a.nproc}, --steps={a.steps}, --timeout={a.timeout}: must be positive")
+    overrides = [*layout_over, *extra, *model_over]
     if a.steps:
         overrides.append(f"steps={a.steps}")
     _preflight(overrides, a.nproc)

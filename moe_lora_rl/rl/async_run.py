@@ -19,6 +19,14 @@ from .run import GRPORun, _broadcast
 
 
 class AsyncGRPORun(GRPORun):
+    def __init__(self, cfg, world_size: int):
+        super().__init__(cfg, world_size)
+        self.served = None                # keep_served (rank 0): rl/served.py's record of what was trained on
+        if self.rank == 0 and cfg.keep_served:
+            from .served import ServedAdapters
+
+            self.served = ServedAdapters(self.out, keep=cfg.max_staleness + 1)
+
     def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
         cfg, a = self.cfg, self.cfg.algo
         done = set(state.get("groups_done", ())) if cfg.resume else set()
@@ -50,15 +58,14 @@ class AsyncGRPORun(GRPORun):
                 self.pipe.stop()
 
     def async_step(self, step: int) -> dict:
-        cfg, a = self.cfg, self.cfg.algo
+        a = self.cfg.algo
         version = self.policy.version
         got = self._on_engine(f"the groups of step {step + 1}",
                               lambda: self._take(a.prompts_per_step, version), after_restart=self.pipe_recover)
         groups, dropped, wait_s = got
         plans = [grp[0] for grp in groups]
         samples = [s for grp in groups for s in grp[1]]
-        m, batch = self.train(samples, plans)
-        proximal = m.pop("_proximal")
+        m, batch, proximal = self.train(samples, plans)
         if self.served is not None:
             self.served.record(step + 1, samples)
         pushed = 0
@@ -78,17 +85,6 @@ class AsyncGRPORun(GRPORun):
 
     def transport(self):
         return self.engine.transport if self.served is None else self.served.wrap(self.engine.transport)
-
-    @property
-    def served(self):
-        """keep_served (rank 0): the kept adapters and the trained samples' record (rl/served.py)."""
-        if self.rank != 0 or not self.cfg.keep_served:
-            return None
-        if getattr(self, "_served", None) is None:
-            from .served import ServedAdapters
-
-            self._served = ServedAdapters(self.out, keep=self.cfg.max_staleness + 1)
-        return self._served
 
     def pipe_recover(self) -> None:
         self.pipe.recover()

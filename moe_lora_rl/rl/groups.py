@@ -3,7 +3,7 @@
     plan = group_plan(n_train, prompts_per_step, group_size, seed, g)   # group g: its problem and its seeds
     gate = StalenessGate(prompts_per_step, max_staleness, version=v0)
     while gate.may_admit(): gate.admit(g)                              # producer: back-pressure
-    gate.staleness(trainer_version, sample_versions) <= k or drop       # trainer: per sample
+    staleness(trainer_version, sample_versions) <= k or drop            # trainer: per sample
 
 Groups are numbered across the run: group g is prompt g % P of step g // P, so the synchronous run's step s is
 groups s*P .. s*P+P-1, in the same order, with the same seeds.
@@ -71,8 +71,6 @@ class StalenessGate:
             raise ValueError(f"served version went back from {self.served} to {version}")
         self.served = version
 
-    def staleness(self, trainer_version: int, versions) -> int:
-        return staleness(trainer_version, versions)
 
 
 def staleness(trainer_version: int, versions) -> int:

@@ -18,16 +18,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .groups import GroupPlan, StalenessGate
+from .groups import GroupPlan, StalenessGate, staleness
 
 
 @dataclass
 class FinishedGroup:
     plan: GroupPlan
     samples: list
-    finished_at: float = field(default_factory=time.perf_counter)
 
 
 class Pipeline:
@@ -123,7 +122,7 @@ class Pipeline:
                             self.finished.appendleft(grp)
                         raise self.error
                     grp = self.finished.popleft()
-                    worst = max(self.gate.staleness(trainer_version, s.versions) for s in grp.samples)
+                    worst = max(staleness(trainer_version, s.versions) for s in grp.samples)
                     if worst > self.gate.k:
                         dropped.append(grp)
                         self.done.add(grp.plan.index)

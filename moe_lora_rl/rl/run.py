@@ -134,7 +134,7 @@ class GRPORun:
                 try:
                     result = ("ok", fn())
                 except EngineDied as e:
-                    result = ("died", " ".join(str(e).split())[:300])
+                    result = _died(e)
                 except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
                     result = ("error", e)
             kind, value = _broadcast(result)
@@ -162,8 +162,8 @@ class GRPORun:
         return pushed
 
     # -- the trainer side ---------------------------------------------------------------------------------------
-    def train(self, samples, plans) -> tuple[dict, object]:
-        """One update on whole groups (every rank); its metrics and the batch."""
+    def train(self, samples, plans) -> tuple[dict, object, torch.Tensor]:
+        """One update on whole groups (every rank); its metrics, the batch and the proximal logprobs."""
         from .step import train_on
 
         a, arch = self.cfg.algo, self.policy.arch
@@ -172,13 +172,13 @@ class GRPORun:
         t0 = time.perf_counter()
         batch = policy_batch(samples, rewards, group_ids, self.tok.pad_token_id, moe_layers=self.moe_layers,
                              num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std)
-        m, skipped = train_on(self.policy, self.cfg, batch)
+        m, skipped, proximal = train_on(self.policy, self.cfg, batch)
         if self.cfg.delay.train_s:
             time.sleep(self.cfg.delay.train_s)
         self.busy["train"] += time.perf_counter() - t0
         resp_len = sum(len(s.response) for s in samples) / len(samples)
         return {"reward": sum(rewards) / len(rewards), "response_len": resp_len, **m,
-                **({"skipped": True} if skipped else {})}, batch
+                **({"skipped": True} if skipped else {})}, batch, proximal
 
     def sync_step(self, step: int) -> dict:
         plans = self.plans(step)
@@ -190,8 +190,7 @@ class GRPORun:
             return out
 
         samples = self._on_engine(f"the rollout of step {step + 1}", generate)
-        m, _ = self.train(samples, plans)
-        m.pop("_proximal")
+        m, _, _ = self.train(samples, plans)
         pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
         return {**m, "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples)}
 
@@ -208,7 +207,7 @@ class GRPORun:
             if self.rank == 0:
                 result = ("ok", res.bytes)
         except EngineDied as e:               # the begin's failure reaches every rank; the rest only rank 0
-            result = ("died", " ".join(str(e).split())[:300])
+            result = _died(e)
         if self.rank == 0:
             self.busy["rollout"] += time.perf_counter() - t0
         kind, value = _broadcast(result)
@@ -344,6 +343,11 @@ class GRPORun:
             with safe_open(f, "pt") as h:
                 n += sum(_numel(h.get_slice(k).get_shape()) for k in h.keys())
         return n * per
+
+
+def _died(e: BaseException) -> tuple[str, str]:
+    """What every rank learns of a dead engine: one line of its message."""
+    return "died", " ".join(str(e).split())[:300]
 
 
 class _Survivor:

@@ -3,7 +3,7 @@ logprob pass (the proximal policy: the trainer before the update, R3 routes of w
 token), the optional reference pass, the update (decoupled PPO: clip on policy / proximal, rollout correction on
 proximal / behaviour, behaviour being the engine's per-token logprobs) and the mismatch diagnostics.
 
-    metrics, skipped = train_on(policy, cfg, batch)       # batch = policy_batch(samples, rewards, group_ids, ...)
+    metrics, skipped, proximal = train_on(policy, cfg, batch)   # batch = policy_batch(samples, rewards, ...)
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from .diagnostics import step_diagnostics
 
 
-def train_on(policy, cfg, batch) -> tuple[dict, bool]:
+def train_on(policy, cfg, batch) -> tuple[dict, bool, torch.Tensor]:
+    """The step's metrics, whether it was skipped, and the proximal logprobs it used."""
     a = cfg.algo
     replayed = policy.logprobs(batch, replay="r3")              # R3: the rollout's routes
     unreplayed = policy.logprobs(batch, replay="record" if cfg.replay == "r2" else "off")
@@ -26,7 +27,7 @@ def train_on(policy, cfg, batch) -> tuple[dict, bool]:
     skipped = upd.pop("skipped")            # a non-finite grad norm: no step, the version unchanged
     diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
                             unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement)
-    return {**upd, **diag, "_proximal": old.logprobs}, skipped
+    return {**upd, **diag}, skipped, old.logprobs
 
 
 def effective_sample_size(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> float:

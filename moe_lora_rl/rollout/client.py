@@ -246,7 +246,7 @@ class RolloutEngine:
         """Stop the process and remove this client's shared-memory segments (idempotent; also run at interpreter
         exit)."""
         atexit.unregister(self.stop)
-        if self.transport is not None and hasattr(self.transport, "close"):
+        if self.transport is not None:
             self.transport.close()
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
