@@ -143,3 +143,70 @@ def test_staging_next_version_while_pinned_requests_run():
     table.release(["r1"])                                           # 5 freed: the waiting commit fits now
     assert table.held == [6] and table.can_commit()
     assert push(7) == [] and table.held == [6, 7] and table.serving("r2") == 6
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _timed(timeout_s=10.0):
+    clock, seen = Clock(), []
+    st = Staging(timeout_s=timeout_s, clock=clock, on_expire=lambda stage, idle: seen.append((stage.version, idle)))
+    return st, clock, seen
+
+
+def test_stage_expires_after_timeout_and_not_before():
+    st, clock, seen = _timed()
+    _stage(st, 5)
+    clock.t += 9.9
+    assert st.expire() is None and st.version == 5 and st.idle_s() == pytest.approx(9.9)
+    clock.t += 0.1
+    assert st.expire() == 5 and st.version is None and st.expired == 1
+    assert seen == [(5, pytest.approx(10.0))]
+    assert st.expire() is None                                # nothing staged: nothing to expire
+    assert Staging().expire() is None and Staging().idle_s() is None
+
+
+def test_buckets_reset_the_clock_and_late_ones_still_land():
+    st, clock, seen = _timed()
+    _stage(st, 5, n=3)
+    for i in range(2):
+        clock.t += 8.0
+        st.bucket(5, i, {f"t{i}": i})                         # progress: 16 s since begin, never 10 s idle
+        assert st.expire() is None
+    clock.t += 12.0                                           # idle past the timeout, but not yet expired:
+    st.bucket(5, 2, {"t2": 2})                                # the stage is open until the engine aborts it
+    assert st.commit(5).tensors == {"t0": 0, "t1": 1, "t2": 2} and seen == []
+
+
+def test_expired_stage_replaced_by_another_version_fresh_one_refused():
+    st, clock, seen = _timed()
+    _stage(st, 5)
+    st.bucket(5, 0, {"a": 1})
+    clock.t += 9.0                                            # negative control: fresh, no pid: still refused
+    with pytest.raises(ValueError, match=r"cannot begin version 6: version 5 is staged.*let it expire: 10 s"):
+        _stage(st, 6, served=4)
+    assert st.version == 5 and st.expired == 0
+    clock.t += 1.0
+    assert _stage(st, 6, served=4) == {"staging": 6, "replaced": 5}
+    assert seen == [(5, pytest.approx(10.0))] and st.expired == 1
+    with pytest.raises(ValueError, match="bucket 1 of version 5: version 6 is staged"):
+        st.bucket(5, 1, {"b": 2})                             # the dead sender's late bucket
+    st.bucket(6, 0, {"a": 1})
+    st.bucket(6, 1, {"b": 2})
+    assert st.commit(6).version == 6
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, float("nan"), "600", None, True])
+def test_stage_timeout_must_be_a_positive_number(bad):
+    from moe_lora_rl.vllm.staging import check_stage_timeout
+
+    with pytest.raises(ValueError, match=r"^stage_timeout_s must be > 0, got "):
+        Staging(timeout_s=bad)
+    with pytest.raises(ValueError, match=r"^--stage-timeout-s must be > 0, got "):
+        check_stage_timeout(bad, "--stage-timeout-s")
+    assert check_stage_timeout(2) == 2.0 and check_stage_timeout(float("inf")) == float("inf")
