@@ -3,6 +3,7 @@ log file, generates samples with per-token logprobs and captured routes, exposes
 and knows when the process died.
 
     engine = RolloutEngine.start(model_dir, dtype="float32", log_dir=run_dir)    # inflight="pin", max_versions=...
+                                                                              # stage_timeout_s=600.0 (the default)
     samples = engine.generate(prompts, seeds=seeds, max_tokens=64, temperature=1.0, stop_token_ids=[eos])
     for i, sample in engine.stream(prompts, seeds=seeds, max_tokens=64, temperature=1.0): ...   # as they finish
     push_stream(model, arch, engine.transport, version, rank, alpha)      # or engine.transport.push(...)
@@ -15,6 +16,9 @@ thread pushing.
 Every call first checks the process: a dead engine is EngineDied (exit code and log tail), never a hang or a
 connection error. restart() starts a fresh process on the same port with the same settings: it serves the base
 model (push the current adapter again). Bad arguments are a ValueError before anything is sent.
+
+stage_timeout_s: an adapter stage with no begin or bucket for that long (its sender died mid-push) is aborted by the
+engine itself, so later pushes are not refused forever (vllm/staging.py; default DEFAULT_STAGE_TIMEOUT_S, 600 s).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
+from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from .engine import engine_env
 from .placement import Placement
 from .guard import TOKEN_ENV, auth_header, new_token
@@ -127,7 +132,8 @@ class RolloutEngine:
                  log_dir=".", max_model_len=512, seed=0, startup_timeout=300.0, block_size=32,
                  threads: int | None = None, port: int | None = None, request_timeout=600.0,
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
-                 on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0):
+                 on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
+                 stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -145,11 +151,12 @@ class RolloutEngine:
         check_inflight_config(serving, inflight, max_versions, on_full)
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
+        stage_timeout_s = check_stage_timeout(stage_timeout_s)
         self.model_dir, self.log_dir = str(model_dir), Path(log_dir)
         self.settings = dict(dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
                              max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads,
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
-                             step_delay_s=step_delay_s)
+                             step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s)
         self.token = new_token()             # per engine object: every call but /health carries it
         self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
         self.generate_s = self.push_s = 0.0
@@ -183,7 +190,7 @@ class RolloutEngine:
                "--seed", str(s["seed"]), "--parent-pid", str(os.getpid() if pl.watch_parent else 0),
                "--prefix-caching" if s["prefix_caching"] else "--no-prefix-caching",
                "--capture" if s["capture"] else "--no-capture", "--inflight", s["inflight"],
-               "--on-full", s["on_full"]]
+               "--on-full", s["on_full"], "--stage-timeout-s", repr(s["stage_timeout_s"])]
         if s["threads"] is not None:
             cmd += ["--threads", str(s["threads"])]
         if s["max_versions"] is not None:

@@ -36,11 +36,12 @@ def set_engine_env(threads: int | None = None) -> None:
 def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 512,
                 prefix_caching: bool | None = None, serving: str | None = None, block_size: int | None = None,
                 max_num_seqs: int | None = None, load_format: str = "auto", extension: str = WORKER_EXTENSION,
-                **llm_kw):
+                stage_timeout_s: float | None = None, **llm_kw):
     """vLLM's `LLM` over `model`, eager (no graph capture: seconds to start on CPU), with `extension` as the worker
     extension (integration/verl passes its subclass). None: vLLM's default. serving: the expert-adapter serving
-    mode the extension starts in (None: its default, unmerged; moe_lora_set_mode changes it later). llm_kw: any
-    other EngineArgs field, passed through."""
+    mode the extension starts in (None: its default, unmerged; moe_lora_set_mode changes it later).
+    stage_timeout_s: seconds without progress after which the extension aborts an open adapter stage (None: its
+    default, vllm/staging.DEFAULT_STAGE_TIMEOUT_S). llm_kw: any other EngineArgs field, passed through."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("make_engine needs the engine core in this process: call set_engine_env() in main() "
                            "before vLLM is imported")
@@ -48,6 +49,11 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
         if serving not in SERVING_MODES:
             raise ValueError(f"serving={serving!r}: expected one of {SERVING_MODES}")
         llm_kw["additional_config"] = {**llm_kw.get("additional_config", {}), "moe_lora_serving": serving}
+    if stage_timeout_s is not None:
+        from ..vllm.staging import check_stage_timeout
+
+        llm_kw["additional_config"] = {**llm_kw.get("additional_config", {}),
+                                       "moe_lora_stage_timeout_s": check_stage_timeout(stage_timeout_s)}
     from vllm import LLM
 
     return LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,

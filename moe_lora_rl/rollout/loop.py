@@ -42,6 +42,9 @@ COMMIT_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_s
                             "moe_lora_clear", "moe_lora_set_mode"})
 # of those, the ones that add a version (the only ones that can find the engine full)
 ADDING_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob"})
+# housekeeping skipped (answered None) while a commit waits behind the barrier or a full engine: the stage that commit
+# closes is not abandoned, however long it waits
+SKIPPED_WHILE_COMMITS_WAIT = frozenset({"moe_lora_expire"})
 
 
 @dataclass
@@ -175,6 +178,10 @@ class EngineLoop:
         with self._lock:
             return len(self._live) + sum(len(r) for _, r, _ in self._pending)
 
+    def running(self) -> bool:
+        """Commands and submissions are taken (not stopped, and the engine thread, once started, is alive)."""
+        return not self._stop and (self._thread is None or self._thread.is_alive())
+
     def _check_running(self) -> None:
         if self._stop:
             raise RuntimeError("the engine loop is stopped")
@@ -222,6 +229,9 @@ class EngineLoop:
         busy = bool(self._live)
         t0 = time.perf_counter()
         for cmd in commands:
+            if cmd.method in SKIPPED_WHILE_COMMITS_WAIT and deferred:    # waiting commits come first in a batch
+                cmd.future.set_result(None)
+                continue
             if cmd.method in COMMIT_METHODS:
                 if not self._barrier_open() or (self.on_full == "wait" and cmd.method in ADDING_METHODS
                                                 and not self._rpc("moe_lora_status").get("can_commit", True)):

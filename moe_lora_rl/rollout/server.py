@@ -10,10 +10,15 @@ pushes land between two engine steps while other requests decode.
     POST /collective_rpc         {"method", "args"} -> {"results": [...]}: the moe_lora_* methods of the adapter
                                  transports only (guard.RPC_METHODS), run between two engine steps
     POST /reset_prefix_cache     -> {"success": bool}: a no-op while requests run (the cache is keyed by version)
-    GET  /status                 served versions and mode, capture meta, engine settings, loop counters
+    GET  /status                 served versions and mode, the open stage (staged, stage_idle_s, stage_timeout_s,
+                                 stages_expired), capture meta, engine settings, loop counters
 
     python -m moe_lora_rl.rollout.server --model DIR --port P [--dtype float32] [--serving unmerged]
-        [--inflight switch|pin] [--max-versions N] [--on-full wait|refuse] [--token-file F] ...
+        [--inflight switch|pin] [--max-versions N] [--on-full wait|refuse] [--stage-timeout-s S] [--token-file F] ...
+
+An adapter stage with no begin or bucket for --stage-timeout-s seconds (a sender that died mid-push) is aborted by
+the engine: a thread here asks the worker to expire it between two engine steps every min(S/4, 1) s (skipped while
+a commit waits), one line in this log per expiry; the served version is untouched and the next push goes in.
 
 Every endpoint but /health needs "Authorization: Bearer <token>" when the engine has a token (guard.py; given by
 MOE_LORA_ENGINE_TOKEN or --token-file; required to bind a non-loopback address): refused with 401 and no detail.
@@ -32,10 +37,12 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from . import guard
 from .engine import make_engine, set_engine_env
 from .generate import start_capture
@@ -54,6 +61,7 @@ class Engine:
         self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
                                prefix_caching=a.prefix_caching, serving=a.serving, block_size=a.block_size,
                                logprobs_mode="processed_logprobs", additional_config=extra,
+                               stage_timeout_s=a.stage_timeout_s,
                                # a prompt is never split over engine steps: vLLM's sampler rewinds a seeded
                                # request's generator after a partial prefill (Generator.set_offset), which CPU
                                # generators refuse; and the commit barrier of loop.py counts a prefill as one step
@@ -66,6 +74,20 @@ class Engine:
         t0 = time.perf_counter()
         self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
         print(f"warm-up generate: {time.perf_counter() - t0:.2f} s", flush=True)
+        self.expire_every_s = min(a.stage_timeout_s / 4, 1.0)
+        threading.Thread(target=self._expire_stages, name="stage-expiry", daemon=True).start()
+        print(f"adapter stages expire after {a.stage_timeout_s:g} s without progress (stage_timeout_s; checked "
+              f"every {self.expire_every_s:g} s)", flush=True)
+
+    def _expire_stages(self) -> None:
+        """Abandoned stages are aborted without waiting for a push: moe_lora_expire between two engine steps."""
+        while self.loop.running():
+            time.sleep(self.expire_every_s)
+            try:
+                self.loop.rpc("moe_lora_expire")
+            except Exception:  # noqa: BLE001 - reported; the next check tries again
+                if self.loop.running():
+                    traceback.print_exc()
 
     def rpc(self, method: str, args=(), kwargs=None):
         return [self.loop.rpc(guard.check_rpc(method), args, kwargs)]
@@ -289,6 +311,9 @@ def parse_args(argv=None):
                     help="a commit that would exceed --max-versions waits for a version to free, or is refused")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
                     help="seconds added after every engine step: a slower engine, to test and measure back-pressure")
+    ap.add_argument("--stage-timeout-s", type=float, default=DEFAULT_STAGE_TIMEOUT_S,
+                    help="an adapter stage with no begin or bucket for this long (its sender died) is aborted by the "
+                         "engine, so the next push goes in (default %(default)g)")
     ap.add_argument("--token-file", default=None,
                     help=f"file holding the shared secret (mode 600); default: ${guard.TOKEN_ENV}")
     ap.add_argument("--max-body-mb", type=float, default=guard.DEFAULT_MAX_BODY / (1 << 20),
@@ -305,6 +330,10 @@ def parse_args(argv=None):
         ap.error(f"--step-delay-s must be >= 0, got {a.step_delay_s}")
     if a.max_body_mb <= 0:
         ap.error(f"--max-body-mb must be positive, got {a.max_body_mb}")
+    try:
+        check_stage_timeout(a.stage_timeout_s, "--stage-timeout-s")
+    except ValueError as e:
+        ap.error(str(e))
     from ..vllm.versions import check_inflight_config
 
     try:

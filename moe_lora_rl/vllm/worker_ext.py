@@ -9,6 +9,9 @@ Engine settings come from vLLM's additional_config: moe_lora_serving ("unmerged"
 ("switch" | "pin"), moe_lora_max_versions, moe_lora_on_full ("wait" | "refuse"); checked by
 versions.check_inflight_config on the first moe_lora_* call that needs them. With pin, the engine loop tracks each
 request's version before adding it (moe_lora_track) and releases it when it ended (moe_lora_release).
+moe_lora_stage_timeout_s (default staging.DEFAULT_STAGE_TIMEOUT_S): an open stage with no begin or bucket for that
+long is aborted by the engine (moe_lora_expire, called periodically by the engine server, or the next begin), with
+one line in the engine's log.
 """
 from __future__ import annotations
 
@@ -87,8 +90,7 @@ class MoELoRAWorkerExtension:
 
     def _moe_lora_one_shot(self, version, checksum, rank, alpha, read, sender_pid=None, verified=False) -> dict:
         staging = self._moe_lora_staging()
-        staging.begin(version, checksum, rank, alpha, 1, served=self._moe_lora_runtime().status()["version"],
-                      sender_pid=sender_pid)
+        self._moe_lora_begin(version, checksum, rank, alpha, 1, sender_pid)
         try:
             staging.bucket(version, 0, read())
         except BaseException:
@@ -121,19 +123,37 @@ class MoELoRAWorkerExtension:
     def _moe_lora_staging(self):
         st = getattr(self, "_moe_lora_stage", None)
         if st is None:
-            from .staging import Staging
+            from .staging import DEFAULT_STAGE_TIMEOUT_S, Staging
 
-            st = self._moe_lora_stage = Staging()
+            extra = getattr(self.vllm_config, "additional_config", None) or {}
+            timeout = extra.get("moe_lora_stage_timeout_s", DEFAULT_STAGE_TIMEOUT_S)
+            st = self._moe_lora_stage = Staging(timeout_s=timeout, on_expire=self._moe_lora_log_expiry)
         return st
+
+    def _moe_lora_log_expiry(self, stage, idle_s: float) -> None:
+        served = self._moe_lora_runtime().status()["version"]
+        print(f"moe_lora: stage of adapter version {stage.version} expired: no progress for {idle_s:.1f} s "
+              f"(stage_timeout_s {self._moe_lora_staging().timeout_s:g}, {len(stage.buckets)}/{stage.num_buckets} "
+              f"buckets received); aborted, version {served} stays served", flush=True)
+
+    def _moe_lora_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid) -> dict:
+        staging = self._moe_lora_staging()
+        staging.expire()                      # an abandoned stage is logged and dropped before this push is judged
+        served = self._moe_lora_runtime().status()["version"]
+        return staging.begin(version, checksum, rank, alpha, num_buckets, served=served, sender_pid=sender_pid)
 
     @entry
     def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int,
                        sender_pid: int | None = None) -> dict:
         """Open the stage of `version`; refused while another version's push is in flight (vllm/staging.py).
         sender_pid: a sender on this host, whose stage may be replaced once that process is gone."""
-        served = self._moe_lora_runtime().status()["version"]
-        return self._moe_lora_staging().begin(version, checksum, rank, alpha, num_buckets, served=served,
-                                              sender_pid=sender_pid)
+        return self._moe_lora_begin(version, checksum, rank, alpha, num_buckets, sender_pid)
+
+    @entry
+    def moe_lora_expire(self) -> dict:
+        """Abort the open stage if it made no progress for stage_timeout_s (logged); the served version is
+        untouched. Called between engine steps by the engine server, so an abandoned stage goes without a new push."""
+        return {"expired": self._moe_lora_staging().expire()}
 
     @entry
     def moe_lora_bucket(self, version: int, index: int, tensors: dict) -> dict:
@@ -226,8 +246,11 @@ class MoELoRAWorkerExtension:
     def moe_lora_status(self) -> dict:
         """version (the newest held), checksum, num_tensors, mode; inflight, max_versions, on_full, versions (held,
         sorted), requests_per_version ({str(version): tracked requests}, "None" for the base model), can_commit (a
-        newer version fits now)."""
-        return self._moe_lora_runtime().status()
+        newer version fits now); staged (the open stage's version or None), stage_idle_s, stage_timeout_s,
+        stages_expired."""
+        st = self._moe_lora_staging()
+        return {**self._moe_lora_runtime().status(), "staged": st.version, "stage_idle_s": st.idle_s(),
+                "stage_timeout_s": st.timeout_s, "stages_expired": st.expired}
 
     @entry
     def moe_lora_clear(self) -> dict:

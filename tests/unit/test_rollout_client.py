@@ -101,3 +101,70 @@ def test_client_takes_integer_arrays_and_refuses_floats_before_sending(tmp_path)
                                temperature=1.0)
     with pytest.raises(ValueError, match="prompts\\[0\\] has a token id"):
         never_started.generate([[1.0, 2.0]], seeds=None, max_tokens=2, temperature=1.0)
+
+
+@pytest.mark.parametrize("bad", [0, -2.0, float("nan"), "600"])
+def test_stage_timeout_refused_in_one_line_before_anything_starts(tmp_path, bad):
+    from moe_lora_rl.rollout.client import RolloutEngine
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"^stage_timeout_s must be > 0, got {bad!r}$"):
+        RolloutEngine(tmp_path, log_dir=tmp_path, stage_timeout_s=bad)
+    assert RolloutEngine(tmp_path, log_dir=tmp_path).settings["stage_timeout_s"] == 600.0     # the default
+
+
+@pytest.mark.parametrize("value,needle", [("0", "--stage-timeout-s must be > 0, got 0.0"),
+                                          ("-1", "--stage-timeout-s must be > 0, got -1.0"),
+                                          ("nan", "--stage-timeout-s must be > 0, got nan"),
+                                          ("soon", "argument --stage-timeout-s: invalid float value: 'soon'")])
+def test_server_refuses_a_bad_stage_timeout(tmp_path, capsys, value, needle):
+    from moe_lora_rl.rollout.server import parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(tmp_path), "--port", "1", "--stage-timeout-s", value])
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert e.value.code == 2 and needle in err[-1], err
+    assert parse_args(["--model", str(tmp_path), "--port", "1"]).stage_timeout_s == 600.0
+    assert parse_args(["--model", str(tmp_path), "--port", "1", "--stage-timeout-s", "2.5"]).stage_timeout_s == 2.5
+
+
+def test_stage_expiry_is_skipped_while_a_commit_waits():
+    """The engine loop answers moe_lora_expire with None, without calling the worker, while a commit waits for room
+    (pin, on_full=wait): the stage that commit closes is not abandoned. Once the commit landed, expiry runs again."""
+    import threading
+    import time
+
+    from moe_lora_rl.rollout.loop import EngineLoop
+
+    class LLM:                                              # a worker with no requests: commands only
+        llm_engine = object()
+
+        def __init__(self):
+            self.version, self.can_commit, self.calls = None, False, []
+
+        def collective_rpc(self, method, args=(), kwargs=None):
+            self.calls.append(method)
+            if method == "moe_lora_push":
+                self.version = args[0]
+                return [{"version": args[0]}]
+            if method == "moe_lora_expire":
+                return [{"expired": None}]
+            return [{"version": self.version, "can_commit": self.can_commit}]
+
+    llm = LLM()
+    loop = EngineLoop(llm, inflight="pin", on_full="wait").start()
+    try:
+        assert loop.rpc("moe_lora_expire") == {"expired": None}            # control: nothing waits, it runs
+        push = threading.Thread(target=loop.rpc, args=("moe_lora_push", (3,)))
+        push.start()
+        while llm.calls.count("moe_lora_status") < 2:                      # the push found no room: deferred
+            time.sleep(0.005)
+        assert push.is_alive() and loop.rpc("moe_lora_expire", timeout=10) is None
+        assert llm.calls.count("moe_lora_expire") == 1 and llm.version is None
+        llm.can_commit = True
+        push.join(10)
+        assert llm.version == 3 and loop.rpc("moe_lora_expire") == {"expired": None}
+        assert llm.calls.count("moe_lora_expire") == 2
+    finally:
+        loop.stop()
