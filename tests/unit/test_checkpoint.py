@@ -1,6 +1,7 @@
 """Training checkpoints in one process: round trip of adapters + AdamW state + run state, exact next step, the
 refusals (no checkpoint, truncated file, wrong checksum, another model, another LoRA config) with nothing changed,
-a crash mid-save leaving the previous checkpoint loadable, and the reshard read plan (pure).
+a failed rename mid-save leaving the previous checkpoint loadable, and the reshard read plan (pure). Kills at every
+crash point, corruption fallbacks and full disks: test_checkpoint_crash.py.
 
 The model is a stand-in holding adapter factors with their sharding metadata (what the checkpoint reads); the
 Megatron model at several layouts is tests/distributed/test_checkpoint_resume.py."""
@@ -8,40 +9,12 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from moe_lora_rl.lora.config import LoRAConfig
-from moe_lora_rl.lora.layers import FactorMeta, make_factor
+from moe_lora_rl.lora.layers import FactorMeta
 from moe_lora_rl.checkpoint import store as ck
+from moe_lora_rl.checks.checkpoint_crash import make, step
 from moe_lora_rl.checkpoint.plan import Piece, plan_reads
-
-
-class Toy(nn.Module):
-    def __init__(self, cfg: LoRAConfig, seed: int = 0):
-        super().__init__()
-        self.lora_config = cfg
-        r = cfg.rank
-        self.A = make_factor(FactorMeta("layers.0.qkv.lora_A", (r, 6), None, None, ()), 0, 1, init="kaiming",
-                             seed=seed, dtype=torch.float32)
-        self.B = make_factor(FactorMeta("layers.0.qkv.lora_B", (2, 5, r), 1, None, (), glu=True), 0, 1,
-                             init="zeros", seed=seed, dtype=torch.float32)
-
-    def loss(self, x):
-        return ((x @ self.A.t() @ self.B.t()) - 1.0).pow(2).mean()
-
-
-X = torch.linspace(-1, 1, 24).reshape(4, 6)
-
-
-def step(model, opt):
-    opt.zero_grad()
-    model.loss(X).backward()
-    opt.step()
-
-
-def make(cfg=LoRAConfig(rank=4, alpha=8.0), lr=0.05):
-    m = Toy(cfg)
-    return m, torch.optim.AdamW([m.A, m.B], lr=lr, weight_decay=0.01)
 
 
 @pytest.fixture
@@ -224,7 +197,7 @@ def test_refuses_shape_mismatch_before_copying(saved, model_dir):
     refused(path.parent, m, opt, meta, "global shape")
 
 
-def test_crash_mid_save_keeps_previous(saved, monkeypatch):
+def test_failed_rename_keeps_previous(saved, monkeypatch):
     m, opt, meta, path = saved
     step(m, opt)
     real = ck.os.rename
@@ -232,10 +205,10 @@ def test_crash_mid_save_keeps_previous(saved, monkeypatch):
     def crash(src, dst):
         raise OSError("killed")
     monkeypatch.setattr(ck.os, "rename", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"^checkpoint: cannot write .*step-00000004: killed$"):
         ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 4})
     monkeypatch.setattr(ck.os, "rename", real)
-    assert (path.parent / ".tmp-step-00000004").is_dir() and ck.latest_step(path.parent) == 3
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step-00000003"]      # rolled back
     assert ck.load_checkpoint(path.parent, *make(), run_meta=meta)["step"] == 3
     ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 4})
     assert not list(path.parent.glob(".tmp-*")) and ck.latest_step(path.parent) == 4
