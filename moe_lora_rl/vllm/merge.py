@@ -1,10 +1,11 @@
 """The merged serving mode: expert adapters folded into the weights vLLM's own MoE kernel reads, so the MoE path
 runs no Python of ours.
 
-    stage    from the pristine base copy (serving dtype, read once from the checkpoint): W = W_base + B @ A (scale
+    stage    from the pristine base copy (the checkpoint's values and dtype, read once): W = W_base + B @ A (scale
              folded into B) in fp32, rounded once to the serving dtype (never accumulated onto the previous
-             version: repeated merging on a bf16 grid drifts), checked finite, then padded and prepacked by the
-             kernel's own process_weights_after_loading on a scratch holder
+             version: repeated merging on a bf16 grid drifts; never from a base already rounded to it: an fp32
+             checkpoint would be rounded twice), checked finite, then padded and prepacked by the kernel's own
+             process_weights_after_loading on a scratch holder
     commit   copy the prepacked tensors into the layer's existing parameters (the kernel keeps its references)
 
 Every layer is staged before any is committed, so a failed merge leaves the previous version serving. The engine
@@ -28,7 +29,7 @@ def experts_layer(block):
 def merge_fp32(base: BaseExperts, lora: ExpertLoRA | None, dtype: torch.dtype, layer: int):
     """Unpacked merged (w13, w2) in the serving dtype; ValueError if the merge overflows it."""
     if lora is None:
-        return base.w13, base.w2
+        return base.w13.to(dtype), base.w2.to(dtype)
     r = lora.b1.shape[2]
     d13 = torch.cat([torch.bmm(lora.b1.float(), lora.a13[:, :r].float()),
                      torch.bmm(lora.b3.float(), lora.a13[:, r:].float())], 1)

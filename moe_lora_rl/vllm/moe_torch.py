@@ -1,9 +1,17 @@
 """Routed experts with per-expert LoRA in plain torch, batched (the unmerged serving mode: for engines whose MoE
 kernels have no expert LoRA, vLLM's CPU MoE backend and expert parallelism on GPU; several adapter versions can
-be held at once and served in one batch: all tokens routed together, the expert MLP run per version group). Tokens are sorted by expert into an [experts, capacity, hidden] batch and every projection is one
-bmm over all experts, base and LoRA factors alike, in the serving dtype. Routing reproduces the HF/Megatron math of
-the family (softmax top-k, or sigmoid + expert bias + group-limited top-k + routed scaling) on vLLM's router
-logits. Base expert weights are a copy read once from the checkpoint (vLLM's kernel holds them prepacked)."""
+be held at once and served in one batch: all tokens routed together, the expert MLP run per version group). Tokens
+are sorted by expert into an [experts, capacity, hidden] batch and every projection is one bmm over all experts,
+base and LoRA factors alike. Routing reproduces the HF/Megatron math of the family (softmax top-k, or sigmoid +
+expert bias + group-limited top-k + routed scaling) on vLLM's router logits. Base expert weights are a copy read
+once from the checkpoint (vLLM's kernel holds them prepacked).
+
+Numerics follow vLLM's CPU fused-MoE kernel (csrc/cpu/cpu_fused_moe.cpp), so serving an adapter unmerged costs no
+more bf16 error than the kernel's own: both projections accumulate and stay in fp32 (the gate/up output before the
+activation, the down output before the gate weighting), the activation is rounded once to the serving dtype (the
+down projection's input), the gate-weighted sum over the top-k experts is fp32 and rounded once. The LoRA delta
+(fp32 factors) is added to the fp32 projection before any rounding. A bf16 GEMM cannot write fp32 on CPU, so the
+copy and the factors are fp32 (exact for bf16/fp16 checkpoints) and the GEMMs run in fp32."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,23 +27,23 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass
 class BaseExperts:
-    w13: torch.Tensor                  # [E, 2I, H] gate rows then up rows (vLLM's w13 layout), serving dtype
+    w13: torch.Tensor                  # [E, 2I, H] gate rows then up rows (vLLM's w13 layout)
     w2: torch.Tensor                   # [E, H, I]
     bias: torch.Tensor | None          # [E] expert score correction bias (fp32)
 
 
-def load_base_experts(ckpt, arch: MoEArch, layer: int, dtype: torch.dtype) -> BaseExperts:
-    """ckpt: anything with .get(name) -> tensor (safetensors reader)."""
+def load_base_experts(ckpt, arch: MoEArch, layer: int, dtype: torch.dtype | None) -> BaseExperts:
+    """ckpt: anything with .get(name) -> tensor (safetensors reader); dtype None: the checkpoint's own."""
     naming = naming_for(arch)
     names = [naming.expert_weights(layer, e) for e in range(arch.num_experts)]
-    stack = lambda i: torch.stack([ckpt.get(n[i]) for n in names]).to(dtype)  # noqa: E731
+    stack = lambda i: torch.stack([ckpt.get(n[i]) for n in names]).to(dtype or ckpt.get(names[0][i]).dtype)  # noqa: E731
     bias = ckpt.get(naming.router_weights(layer)[1]).float() if arch.expert_bias else None
     return BaseExperts(torch.cat([stack(0), stack(1)], 1).contiguous(), stack(2).contiguous(), bias)
 
 
 @dataclass
 class ExpertLoRA:
-    """One layer's expert adapters stacked over experts, in the serving dtype; missing projections are zeros."""
+    """One layer's expert adapters stacked over experts (fp32); missing projections are zeros."""
     a13: torch.Tensor                  # [E, 2r, H]  gate A rows then up A rows
     b1: torch.Tensor                   # [E, I, r]
     b3: torch.Tensor                   # [E, I, r]
@@ -118,9 +126,11 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arc
 
 def _expert_mlp(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, base: BaseExperts,
                 lora: ExpertLoRA | None) -> torch.Tensor:
-    """Tokens x [T, H] routed to experts ids [T, k] with weights w [T, k] -> sum_k w * expert(x) [T, H] in fp32."""
+    """Tokens x [T, H] routed to experts ids [T, k] with weights w [T, k] -> sum_k w * expert(x) [T, H] in fp32, in
+    the order of vLLM's fused-MoE kernel (module docstring); GEMMs in base's dtype (fp32)."""
     T, k = ids.shape
     E, I = base.w13.shape[0], base.w2.shape[2]
+    cd = base.w13.dtype
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
@@ -128,19 +138,18 @@ def _expert_mlp(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, base: BaseE
     cap = int(counts.max())
     slot = torch.arange(T * k, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
     tok = order // k
-    xp = x.new_zeros(E, cap, x.shape[1])
-    xp[expert, slot] = x[tok]
-    # matmuls in the serving dtype (fp32 accumulation inside), activations combined in fp32 and rounded once
-    h13 = torch.bmm(xp, base.w13.transpose(1, 2)).float()                   # [E, C, 2I]
+    xp = x.new_zeros(E, cap, x.shape[1], dtype=cd)
+    xp[expert, slot] = x[tok].to(cd)
+    h13 = torch.bmm(xp, base.w13.transpose(1, 2))                           # [E, C, 2I], kept unrounded
     if lora is not None:
         r = lora.b1.shape[2]
-        t = torch.bmm(xp, lora.a13.transpose(1, 2))                          # [E, C, 2r]
-        h13 = h13 + torch.cat([torch.bmm(t[..., :r], lora.b1.transpose(1, 2)),
-                               torch.bmm(t[..., r:], lora.b3.transpose(1, 2))], -1).float()
-    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(x.dtype)
-    y = torch.bmm(h, base.w2.transpose(1, 2)).float()                        # [E, C, H]
+        t = torch.bmm(xp, lora.a13.to(cd).transpose(1, 2))                  # [E, C, 2r]
+        h13[..., :I] += torch.bmm(t[..., :r], lora.b1.to(cd).transpose(1, 2))
+        h13[..., I:] += torch.bmm(t[..., r:], lora.b3.to(cd).transpose(1, 2))
+    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(x.dtype).to(cd)            # the kernel's one rounding inside
+    y = torch.bmm(h, base.w2.transpose(1, 2))                               # [E, C, H], kept unrounded
     if lora is not None:
-        y = y + torch.bmm(torch.bmm(h, lora.a2.transpose(1, 2)), lora.b2.transpose(1, 2)).float()
+        y += torch.bmm(torch.bmm(h, lora.a2.to(cd).transpose(1, 2)), lora.b2.to(cd).transpose(1, 2))
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, tok, y[expert, slot] * w.reshape(-1)[order, None])
+    out.index_add_(0, tok, (y[expert, slot] * w.reshape(-1)[order, None]).float())
     return out

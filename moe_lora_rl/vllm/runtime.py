@@ -117,7 +117,8 @@ class LoRARuntime:
         self.adapters: dict[int, AdapterSet] = {}                 # held versions
         self._loras: dict[int, dict[int, ExpertLoRA]] = {}        # version -> layer -> stacked expert factors
         self._step: TokenGroups | None = None                      # this forward's versions, when not all newest
-        self._base: dict[int, BaseExperts] = {}
+        self._base: dict[int, BaseExperts] = {}                    # unmerged: fp32 copies the batched experts run on
+        self._pristine: dict[int, BaseExperts] = {}                # merged: checkpoint values every merge starts from
         self._merged: MergedExperts | None = None
         self._merged_version: int | None = None
 
@@ -127,17 +128,28 @@ class LoRARuntime:
         v = self.table.newest
         return None if v is None else self.adapters[v]
 
-    # -- base expert weights, read once from the served checkpoint (the pristine copy of the merged mode) ------
+    # -- base expert weights, read once from the served checkpoint -------------------------------------------
+    # unmerged: fp32, the dtype its GEMMs accumulate and stay in (moe_torch.py: vLLM's kernel order); merged: the
+    # checkpoint's own dtype, so W + s*B@A is rounded to the serving dtype once (an fp32 checkpoint read in bf16 first
+    # would be rounded twice)
+    def _load(self, layer: int, dtype: torch.dtype | None) -> BaseExperts:
+        if not hasattr(self, "_ckpt"):
+            self._ckpt = HFCheckpoint(self.model_dir)
+        return load_base_experts(self._ckpt, self.arch, layer, dtype)
+
     def _base_experts(self, layer: int) -> BaseExperts:
         if layer not in self._base:
-            if not hasattr(self, "_ckpt"):
-                self._ckpt = HFCheckpoint(self.model_dir)
-            self._base[layer] = load_base_experts(self._ckpt, self.arch, layer, self.dtype)
+            self._base[layer] = self._load(layer, torch.float32)
         return self._base[layer]
+
+    def _pristine_experts(self, layer: int) -> BaseExperts:
+        if layer not in self._pristine:
+            self._pristine[layer] = self._load(layer, None)
+        return self._pristine[layer]
 
     def _merger(self) -> MergedExperts:
         if self._merged is None:
-            self._merged = MergedExperts(self.blocks, {l: self._base_experts(l) for l in self.blocks}, self.dtype)
+            self._merged = MergedExperts(self.blocks, {l: self._pristine_experts(l) for l in self.blocks}, self.dtype)
         return self._merged
 
     # -- hooks -------------------------------------------------------------------------------------------
@@ -261,6 +273,10 @@ class LoRARuntime:
         if mode != self.mode and self.active is not None:
             raise ValueError(f"cannot switch the serving mode to {mode!r} while adapter version "
                              f"{self.active.version} is served in {self.mode!r} mode (moe_lora_clear first)")
+        if mode != self.mode:                          # the other mode's copy of the base experts is not needed
+            if self._merged_version is None:
+                self._pristine, self._merged = {}, None
+            self._base = {}
         self.mode = mode
 
     def activate(self, adapter: AdapterSet) -> dict:
@@ -270,16 +286,18 @@ class LoRARuntime:
 
         self.table.plan_admit(adapter.version)          # stale, or pin and full: refused before any work
         t0 = time.perf_counter()
-        dtype = torch.float32 if self.mode == "merged" else self.dtype
         loras = {}
         for li, mods in adapter.layers.items():
-            lora = stack_expert_lora(mods, self.arch, adapter.rank, adapter.scale, dtype)
+            lora = stack_expert_lora(mods, self.arch, adapter.rank, adapter.scale, torch.float32)
             if lora is not None:
                 if li not in self.blocks:
                     raise ValueError(f"adapter version {adapter.version}: expert factors for layer {li}, which has "
                                      "no routed experts in the served model")
                 loras[li] = lora
-                self._base_experts(li)                 # read base expert weights before switching
+                if self.mode == "merged":               # read base expert weights before switching
+                    self._pristine_experts(li)
+                else:
+                    self._base_experts(li)
         if self.mode == "merged":
             merger = self._merger()
             staged = merger.stage(loras)

@@ -1,0 +1,219 @@
+"""python -m moe_lora_rl.checks.serve_numerics --model DIR [--seeds 0,1,2]: where the bf16 serving modes' KL to the
+fp32 reference comes from (bench serve's decomposition; one process, one bf16 engine).
+
+Exact KL(engine || reference) per token from full distributions (prompt logprobs over the whole vocabulary),
+teacher-forced on the same sequences for every configuration (random prompts + continuations sampled by the base
+engine), so the configurations are compared pairwise and the only sampling noise is the choice of sequences:
+
+    base_kernel      no adapter, vLLM's MoE kernel                         vs HF fp32 base
+    base_torch       an adapter with B = 0 served unmerged (our experts)   vs HF fp32 base
+    merged           W + s*B@A rounded to bf16 in vLLM's kernel             vs HF fp32 W + s*B@A
+    merged_kernel    the same engine                                        vs HF fp32 on the served bf16 weights
+    merged_rounding  HF fp32 on the served bf16 weights                     vs HF fp32 W + s*B@A (no engine)
+    unmerged         our experts, LoRA factors unmerged                     vs HF fp32 W + s*B@A
+    unmerged_rounded the same with the pre-fix arithmetic (expert_mlp_rounded_outputs, the negative control)
+    base_torch_rounded  base_torch with it
+
+Also the Monte-Carlo estimate bench serve reports (kl_mc_*: mean log p_engine - log p_ref over engine-sampled
+tokens) for the same seeds, to show its spread. Prints one line "RESULT <json>"."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..rollout.engine import make_engine, set_engine_env
+from ..rollout.generate import captured_generate
+
+
+def expert_mlp_rounded_outputs(x, w, ids, base, lora):
+    """The unmerged experts before they followed vLLM's kernel order (the negative control): bf16 GEMMs whose
+    outputs are rounded to the serving dtype before the activation and before the gate weighting, and the LoRA delta
+    through bf16 factors with two more rounded GEMM outputs, added to the rounded base projection."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = x.dtype
+    w13, w2 = base.w13.to(dt), base.w2.to(dt)
+    T, k = ids.shape
+    E, I = w13.shape[0], w2.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = torch.bincount(flat, minlength=E)
+    slot = torch.arange(T * k) - (torch.cumsum(counts, 0) - counts)[expert]
+    tok = order // k
+    xp = x.new_zeros(E, int(counts.max()), x.shape[1])
+    xp[expert, slot] = x[tok]
+    h13 = torch.bmm(xp, w13.transpose(1, 2)).float()
+    if lora is not None:
+        a13, b1, b3, a2, b2 = (t.to(dt) for t in (lora.a13, lora.b1, lora.b3, lora.a2, lora.b2))
+        r = b1.shape[2]
+        t = torch.bmm(xp, a13.transpose(1, 2))
+        h13 = h13 + torch.cat([torch.bmm(t[..., :r], b1.transpose(1, 2)),
+                               torch.bmm(t[..., r:], b3.transpose(1, 2))], -1).float()
+    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(dt)
+    y = torch.bmm(h, w2.transpose(1, 2)).float()
+    if lora is not None:
+        y = y + torch.bmm(torch.bmm(h, a2.transpose(1, 2)), b2.transpose(1, 2)).float()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32)
+    out.index_add_(0, tok, y[expert, slot] * w.reshape(-1)[order, None])
+    return out
+
+
+def full_logprobs(llm, seqs: list[list[int]], vocab: int):
+    """Engine log-probabilities [n, len - 1, vocab] of every next token of each sequence (teacher-forced)."""
+    import torch
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
+    res = torch.full((len(seqs), len(seqs[0]) - 1, vocab), float("-inf"), dtype=torch.float64)
+    for i, o in enumerate(outs):
+        for j, d in enumerate(o.prompt_logprobs[1:]):
+            for t, lp in d.items():
+                res[i, j, t] = lp.logprob
+    return res
+
+
+def hf_logprobs(model, seqs: list[list[int]]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor(seqs)).logits.double(), -1)[:, :-1]
+
+
+def kl(p_log, q_log, start: int) -> float:
+    """Mean over positions >= start of KL(p || q) (natural log)."""
+    p, q = p_log[:, start:], q_log[:, start:]
+    term = p.exp() * (p - q)
+    return float(term.nan_to_num(0.0).sum(-1).mean())
+
+
+def served_expert_weights(model: str, arch, peft, rank: int, alpha: float, dtype):
+    """{layer: (w13, w2)} exactly as the merged mode serves them (merge.merge_fp32 of the runtime's base copy)."""
+    import torch
+
+    from ..models.checkpoint import HFCheckpoint
+    from ..vllm.adapter_set import build_adapter_set
+    from ..vllm.merge import merge_fp32
+    from ..vllm.moe_torch import load_base_experts, stack_expert_lora
+
+    ck = HFCheckpoint(model)
+    ad = build_adapter_set(peft, arch, rank=rank, alpha=alpha, version=1)
+    out = {}
+    for layer, mods in ad.layers.items():
+        base = load_base_experts(ck, arch, layer, dtype)
+        lora = stack_expert_lora(mods, arch, rank, ad.scale, torch.float32)
+        out[layer] = merge_fp32(base, lora, dtype, layer)
+    return out
+
+
+def with_expert_weights(hf, weights: dict):
+    """HF model (fp32) with its routed experts' weights replaced (values as given, computed in fp32)."""
+    for layer, (w13, w2) in weights.items():
+        ex = hf.model.layers[layer].mlp.experts
+        ex.gate_up_proj.data.copy_(w13.float())
+        ex.down_proj.data.copy_(w2.float())
+    return hf
+
+
+def mc_kl(llm, ref, prompts, gen_len: int, seed: int) -> float:
+    """bench serve's estimate: mean of log p_engine - log p_ref over tokens the engine sampled."""
+    import torch
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=seed, logprobs=0,
+                        ignore_eos=True)
+    diffs = []
+    for g in captured_generate(llm, prompts, sp):
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(input_ids=torch.tensor([g.tokens])).logits.double()[0], -1)
+        diffs += [e - lp[len(g.prompt) - 1 + j, tok].item() for j, (tok, e) in enumerate(zip(g.response, g.logprobs))]
+    return float(sum(diffs) / len(diffs))
+
+
+def main(argv=None) -> dict:
+    set_engine_env()
+    import torch
+
+    from ..models.arch import load_arch
+    from ..refit.transports import InprocTransport
+    from ..vllm import moe_torch
+    from .route_reference import merged_hf_model, random_expert_adapter
+    from .serve_capture import ENGINE
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--std", type=float, default=0.2)
+    ap.add_argument("--n", type=int, default=8, help="sequences per seed")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--mc-prompts", type=int, default=4, help="prompts of bench serve's Monte-Carlo KL (0: off)")
+    ap.add_argument("--negative-control", action="store_true",
+                    help="also serve unmerged with the pre-fix arithmetic (expert_mlp_rounded_outputs)")
+    a = ap.parse_args(argv)
+    arch = load_arch(a.model)
+    rank, alpha = a.rank, 2.0 * a.rank
+    V = arch.vocab_size
+    llm = make_engine(a.model, prefix_caching=False, max_logprobs=V, **ENGINE)
+    from vllm import SamplingParams
+
+    base_ref = merged_hf_model(a.model, None, 1.0, torch.float32)
+    rows = []
+    for seed in [int(s) for s in a.seeds.split(",")]:
+        g = torch.Generator().manual_seed(1000 + seed)
+        prompts = torch.randint(0, V, (a.n, a.prompt_len), generator=g).tolist()
+        peft = random_expert_adapter(arch, rank, seed=seed, std=a.std)
+        zero = {k: (torch.zeros_like(v) if ".lora_B." in k else v) for k, v in peft.items()}
+        ref = merged_hf_model(a.model, peft, alpha / rank, torch.float32)
+        ref_served = with_expert_weights(merged_hf_model(a.model, peft, alpha / rank, torch.float32),
+                                         served_expert_weights(a.model, arch, peft, rank, alpha, torch.bfloat16))
+        llm.collective_rpc("moe_lora_clear")
+        sp = SamplingParams(max_tokens=a.gen_len, min_tokens=a.gen_len, temperature=1.0, seed=seed, ignore_eos=True)
+        seqs = [p + list(o.outputs[0].token_ids) for p, o in
+                zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False))]
+        start = a.prompt_len - 1                       # positions predicting the continuation
+        lp_ref, lp_base, lp_served = hf_logprobs(ref, seqs), hf_logprobs(base_ref, seqs), hf_logprobs(ref_served, seqs)
+        row = {"seed": seed, "base_kernel": kl(full_logprobs(llm, seqs, V), lp_base, start),
+               "merged_rounding": kl(lp_served, lp_ref, start)}
+        version = 10 * seed + 1
+        for mode in ("merged", "unmerged"):
+            llm.collective_rpc("moe_lora_clear")
+            llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+            if mode == "unmerged":
+                InprocTransport(llm).push(version, zero, rank, alpha)
+                version += 1
+                row["base_torch"] = kl(full_logprobs(llm, seqs, V), lp_base, start)
+            InprocTransport(llm).push(version, peft, rank, alpha)
+            version += 1
+            got = full_logprobs(llm, seqs, V)
+            row[mode] = kl(got, lp_ref, start)
+            if mode == "merged":
+                row["merged_kernel"] = kl(got, lp_served, start)
+            if a.mc_prompts:
+                row[f"kl_mc_{mode}"] = mc_kl(llm, ref, prompts[:a.mc_prompts], a.gen_len, seed + 1)
+            if mode == "unmerged" and a.negative_control:
+                fixed = moe_torch._expert_mlp
+                moe_torch._expert_mlp = expert_mlp_rounded_outputs
+                try:
+                    row["unmerged_rounded"] = kl(full_logprobs(llm, seqs, V), lp_ref, start)
+                    llm.collective_rpc("moe_lora_clear")
+                    InprocTransport(llm).push(version, zero, rank, alpha)
+                    version += 1
+                    row["base_torch_rounded"] = kl(full_logprobs(llm, seqs, V), lp_base, start)
+                finally:
+                    moe_torch._expert_mlp = fixed
+        rows.append(row)
+        print("ROW " + json.dumps(row), flush=True)
+    keys = [k for k in rows[0] if k != "seed"]
+    summary = {k: {"mean": sum(r[k] for r in rows) / len(rows), "min": min(r[k] for r in rows),
+                   "max": max(r[k] for r in rows)} for k in keys}
+    res = {"model": a.model, "rows": rows, "summary": summary}
+    print("RESULT " + json.dumps(res), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
