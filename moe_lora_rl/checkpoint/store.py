@@ -220,11 +220,11 @@ def _write_rank_files(tmp: Path, rank: int, model, optimizer, groups, state: dic
     """This rank's adapter-, optim- and state-RANK files (each fsynced): their digests and the optimizer summary."""
     from safetensors.torch import save_file
 
-    def safetensors(tensors_index):
-        return lambda f: save_file(tensors_index[0], str(f), metadata={_META_KEY: json.dumps(tensors_index[1])})
+    def safetensors(tensors, index):
+        return lambda f: save_file(tensors, str(f), metadata={_META_KEY: json.dumps(index)})
 
     mine = [tmp / f"adapter-{rank:05d}.safetensors"]
-    _write(mine[0], safetensors(_owned_slices([p for _, p in adapter_factors(model)], None, lambda p: p)))
+    _write(mine[0], safetensors(*_owned_slices([p for _, p in adapter_factors(model)], None, lambda p: p)))
     _crash_point("between_shards")
     opt_local = None
     if optimizer is not None:
@@ -239,7 +239,7 @@ def _write_rank_files(tmp: Path, rank: int, model, optimizer, groups, state: dic
             tensors.update(t)
             index.update(i)
         mine.append(tmp / f"optim-{rank:05d}.safetensors")
-        _write(mine[-1], safetensors((tensors, index)))
+        _write(mine[-1], safetensors(tensors, index))
         opt_local = {"names": [[p.lora_meta.global_name for p in g] for g in groups], "steps": steps,
                      "has_state": any(optimizer.state.get(p) for g in groups for p in g)}
     mine.append(tmp / f"state-{rank:05d}.pt")
@@ -559,7 +559,16 @@ def load_checkpoint(root, model, optimizer, *, run_meta: dict, step: int | None 
     verifies: IntegrityError. Refusals are one-line ValueErrors; either is raised on every rank, nothing changed."""
     root = Path(root)
     rank, _ = _rank_world()
-    names = [step_dir_name(step)] if step is not None else _gather(_candidates(root))[0]   # rank 0's list for all
+    if step is not None:
+        names = [step_dir_name(step)]
+    else:                                            # rank 0's list for all (a failure too: no rank left waiting)
+        try:
+            names = _candidates(root) if rank == 0 else None
+        except OSError as e:
+            names = f"{root}: cannot list the checkpoints: {_line(e)}"
+        names = _gather(names)[0]
+        if isinstance(names, str):
+            raise IntegrityError(names)
     if not names:
         raise ValueError(f"{root / LATEST}: no checkpoint to resume from (no '{LATEST}' file in {root})")
     first = None

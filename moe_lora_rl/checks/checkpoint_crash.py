@@ -10,7 +10,9 @@ A fork starts in milliseconds with the parent's model and optimizer as they are;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import io
 import json
 import os
 import sys
@@ -156,7 +158,10 @@ def _two_ranks(out: Path) -> dict:
         flip_byte(root / "step-00000002" / names[1])
     dist.barrier()
     fresh, fopt = make()
-    r["fallback"] = [ck.load_checkpoint(root, fresh, fopt, run_meta=meta)["tag"], equal(adapters(fresh), v1)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        r["fallback"] = [ck.load_checkpoint(root, fresh, fopt, run_meta=meta)["tag"], equal(adapters(fresh), v1)]
+    r["fallback_err"] = err.getvalue().splitlines()
     return r
 
 
