@@ -5,7 +5,8 @@
 Configuration: recipes/train.yaml (hydra, strict keys; schema and help in moe_lora_rl/rl/config.py), e.g.
 layout.tp=2 layout.ep=2 lora.rank=16 replay=r2 serving=merged algo.lr=0 steps=10. A bad key or value, a layout
 that does not fit the world size or the model, or a data file that does not parse is a one-line error before any
-process group or engine starts.
+process group or engine starts. The console shows our lines, the progress bar and real errors; dependencies'
+warnings that say nothing to the user go to out_dir/warnings-rank*.log only (rl/console.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .rl.console import log_warnings_to, route_warnings
+
+    route_warnings()                  # dependencies' noise to out_dir's log only (rl/console.py)
     from .rl import config, preflight
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -28,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"train: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    from pathlib import Path
+
+    log_warnings_to(Path(cfg.out_dir) / f"warnings-rank{os.environ.get('RANK', '0')}.log")
     from .rl.run import run_class
 
     try:

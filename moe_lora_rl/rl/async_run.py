@@ -5,7 +5,7 @@ PPO of rl/step.py (behaviour = the engine's per-token logprobs, proximal = the t
 
 Evaluation runs on the engine while production goes on: the trainer waits for it, so no push lands meanwhile and
 every evaluated token is of one version (pin engines are also asked for that version). A checkpoint records which
-groups were trained on or dropped; `resume=true` regenerates the rest (samples in flight at the checkpoint are
+groups were trained on or dropped; `resume=true|auto` regenerates the rest (samples in flight at the checkpoint are
 generated again: resume continues the run, bit-exactness is promised for mode=sync only). An engine crash restarts
 the engine, pushes the current version and generates again what it lost.
 """
@@ -29,7 +29,7 @@ class AsyncGRPORun(GRPORun):
 
     def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
         cfg, a = self.cfg, self.cfg.algo
-        done = set(state.get("groups_done", ())) if cfg.resume else set()
+        done = set(state.get("groups_done", ()))      # a resumed run's trained and dropped groups
         self.pipe = None
         if self.rank == 0:
             from .pipeline import Pipeline
@@ -83,21 +83,22 @@ class AsyncGRPORun(GRPORun):
         ok, dropped = self.pipe.take(n, version)
         return [(g.plan, g.samples) for g in ok], sum(len(g.samples) for g in dropped), self.pipe.wait_s - w0
 
-    def transport(self):
-        return self.engine.transport if self.served is None else self.served.wrap(self.engine.transport)
+    def transport(self, engines=None):
+        tr = self.engines.transport(engines)
+        return tr if self.served is None else self.served.wrap(tr)
 
-    def pipe_recover(self) -> None:
-        self.pipe.recover()
+    def pipe_recover(self, index: int) -> None:
+        self.pipe.recover(index)
 
     def _eval_version(self) -> int | None:
         return self.policy.version if self.cfg.inflight == "pin" and self.policy.version > 0 else None
 
     def _engine_step_s(self) -> float:
-        """Seconds the engine's loop has spent stepping (rank 0; 0 elsewhere)."""
+        """Seconds the engines' loops have spent stepping, per engine (rank 0; 0 elsewhere)."""
         if self.rank != 0:
             return 0.0
         try:
-            return float(self.engine.status()["loop"]["step_s"])
+            return sum(float(st["loop"]["step_s"]) for st in self.engines.status()) / len(self.engines)
         except Exception:  # noqa: BLE001 - a figure for the metrics only; a dead engine is handled by the loop
             return 0.0
 
@@ -119,14 +120,14 @@ class AsyncGRPORun(GRPORun):
                "train_wait_s": wait_s, "tokens_consumed_per_s": self.consumed_tokens / wall}
         if self.rank == 0:
             try:
-                st = self.engine.status()
-            except Exception:  # noqa: BLE001 - the engine died meanwhile: the next take finds it and recovers
+                sts = self.engines.status()
+            except Exception:  # noqa: BLE001 - an engine died meanwhile: the next take finds it and recovers
                 return out
-            out["versions_live"] = len(st.get("versions") or [st.get("version")])
+            out["versions_live"] = max(len(st.get("versions") or [st.get("version")]) for st in sts)
             out["tokens_produced_per_s"] = self.pipe.produced_tokens / wall
             out["groups_in_flight"] = self.pipe.in_flight()
             out["ahead_max"] = self.pipe.gate.ahead_max
-            cur = float(st["loop"]["step_s"])     # a restarted engine counts from 0
+            cur = sum(float(st["loop"]["step_s"]) for st in sts) / len(sts)  # a restarted engine counts from 0
             self.engine_busy_s += cur - self._engine_step_s_seen if cur >= self._engine_step_s_seen else cur
             self._engine_step_s_seen = cur
             out["rollout_idle_frac"] = min(1.0, max(0.0, 1.0 - self.engine_busy_s / wall))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
 from ..lora.config import DTYPES as LORA_DTYPES
@@ -116,6 +116,9 @@ class DataSettings:
     eval_samples: int = 4
     """Responses per held-out problem at each evaluation (sampled at the training temperature, seeds fixed for the
     run); success is their mean."""
+    prompt_template: str = "auto"
+    """How problems become prompts (rl/prompting.py): chat (the tokenizer's chat template), plain (the question text
+    and a newline, for checkpoints without a chat template), auto (chat if the tokenizer has one, else plain)."""
     train_file: Optional[str] = None
     """A parquet file in verl's row format to train on instead of the generated task."""
     eval_file: Optional[str] = None
@@ -124,6 +127,9 @@ class DataSettings:
         from .task import TaskSpec
 
         TaskSpec(length=self.length, n_eval=self.n_eval)
+        from .prompting import TEMPLATES
+
+        _choice("data.prompt_template", self.prompt_template, TEMPLATES)
         if not isinstance(self.eval_samples, int) or isinstance(self.eval_samples, bool) or self.eval_samples < 1:
             raise ValueError(f"data.eval_samples={self.eval_samples!r} must be an integer >= 1")
         from .dataset import read_rows
@@ -199,21 +205,31 @@ class AlgoSettings:
 
 @dataclass
 class RolloutSettings:
-    node: Optional[str] = None
-    """Host of the rollout engine (a node of the slurm allocation, started there with srun --overlap and reached
-    over HTTP); null: rank 0's host (shared-memory refit)."""
+    engines: int = 1
+    """Rollout engine processes (replicas): each step's groups are spread over them, a whole group on one engine;
+    every push goes to every engine; one engine's death restarts that engine only."""
+    node: Any = None
+    """Host of the rollout engines (a node of the slurm allocation, started there with srun --overlap and reached
+    over HTTP), or a list of hosts (engine i on node[i % len]); null: rank 0's host (shared-memory refit)."""
     gpus: list = field(default_factory=list)
-    """Device ids the engine may use (CUDA_VISIBLE_DEVICES); empty: the engine's default."""
+    """Device ids the engines may use (CUDA_VISIBLE_DEVICES), split evenly between the engines of a host; empty: the
+    engine's default."""
     max_versions: int = 4
     """Adapter versions the engine may hold at once (mode=async with inflight=pin needs max_staleness + 1); each
     costs one adapter's memory in the engine."""
+    stage_timeout_s: float = 600.0
+    """An engine aborts a staged push that made no progress for this long (its sender died); the served version
+    stays, and the next push proceeds."""
 
     def __post_init__(self):
-        from ..rollout.placement import plan_placement
+        from ..rollout.placement import plan_placements
 
         if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
             raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")
-        plan_placement(node=self.node, gpus=self.gpus, this_host="")
+        if self.node is not None and not isinstance(self.node, str):
+            self.node = list(self.node)             # a ListConfig from hydra
+        plan_placements(self.engines, nodes=self.node, gpus=self.gpus, this_host="")
+        _positive("rollout.stage_timeout_s", self.stage_timeout_s)
 
 
 @dataclass
@@ -262,8 +278,10 @@ class TrainConfig:
     """Held-out evaluation every N steps (and at the start and the end); 0: only start and end."""
     checkpoint_every: int = 0
     """Checkpoint every N steps; 0: none."""
-    resume: bool = False
-    """Continue from the latest checkpoint in out_dir/checkpoints (the engine restarts and gets that version)."""
+    resume: Any = False
+    """true: continue from the latest complete checkpoint in out_dir/checkpoints (the engines restart and get that
+    version); auto: the same if a checkpoint exists, else start fresh (for torchrun --max-restarts / requeued slurm
+    jobs: a restarted run continues by itself); false: start fresh."""
     engine_restarts: int = 2
     """If the rollout engine process dies, restart it (and repeat the interrupted rollout) up to this many times."""
     out_dir: str = "outputs/train"
@@ -291,8 +309,14 @@ class TrainConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{k}={v!r} must be an integer >= 0")
+        if isinstance(self.resume, str) and self.resume.lower() in ("true", "false"):
+            self.resume = self.resume.lower() == "true"
+        if self.resume not in (True, False, "auto") or isinstance(self.resume, (int, float)) \
+                and not isinstance(self.resume, bool):
+            raise ValueError(f"resume={self.resume!r}; choose one of (true, false, 'auto')")
         if self.resume and self.checkpoint_every == 0:
-            raise ValueError("resume=true needs checkpoint_every > 0 (a run without checkpoints cannot resume)")
+            raise ValueError(f"resume={str(self.resume).lower()} needs checkpoint_every > 0 (a run without "
+                             "checkpoints cannot resume)")
 
 
 SCHEMA_NAME = "moe_lora_rl_train_schema"

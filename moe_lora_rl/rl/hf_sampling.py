@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from .reward import compute_score
-from .task import DATA_SOURCE, Problem, messages
+from .task import DATA_SOURCE, Problem
 
 
-def prompt_ids(tokenizer, problems: list[Problem]) -> list[list[int]]:
-    out = tokenizer.apply_chat_template([messages(p) for p in problems], add_generation_prompt=True, tokenize=True)
-    return [list(x) for x in (out["input_ids"] if hasattr(out, "keys") else out)]
+def prompt_ids(tokenizer, problems: list[Problem], template: str = "chat") -> list[list[int]]:
+    """The prompts' token ids (rl/prompting.py: the chat template, or plain)."""
+    from .prompting import encode_prompts
+
+    return encode_prompts(tokenizer, problems, template)
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,13 +5,14 @@
     pipe.start()
     groups, dropped = pipe.take(P, trainer_version)   # finished groups in finishing order; over the bound: dropped
     pipe.serve(version)                               # after each in-flight push: the gate opens further
-    pipe.recover()                                    # after an engine restart: groups it lost are generated again
+    pipe.recover(i)                                   # after engine i's restart: groups it lost are generated again
     pipe.stop()
 
-One thread admits groups while the gate allows and hands each batch of admitted groups to a streaming thread
-(RolloutEngine.stream): samples are filed under their group as they finish, and a group is offered to the trainer
-only once all its samples are in. A group is never trained on in part. When the engine dies, every streaming thread
-fails; their unfinished groups are kept (already admitted) and generated again, first, after recover().
+One thread admits groups while the gate allows and hands each batch of admitted groups to streaming threads
+(RolloutEngine.stream), each group to the engine replica with the fewest groups in flight: samples are filed under
+their group as they finish, and a group is offered to the trainer only once all its samples are in. A group is never
+trained on in part. When an engine dies, its streaming threads fail; their unfinished groups are kept (already
+admitted) and generated again, first, after recover(i); the other engines' streams go on.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Pipeline:
         self.finished: deque[FinishedGroup] = deque()
         self.error: BaseException | None = None
         self.stopping = False
-        self.streams: list[threading.Thread] = []
+        self.streams: list[tuple[int, threading.Thread]] = []      # (engine, its thread)
+        self.load = [0] * len(producer.engines)                       # groups in flight per engine
         self.produced_tokens = self.produced_samples = 0
         self.wait_s = 0.0                    # trainer seconds spent waiting in take()
         self._thread = threading.Thread(target=self._admit_loop, name="producer", daemon=True)
@@ -70,18 +72,24 @@ class Pipeline:
                 while self.gate.may_admit():
                     self.gate.admit()
                     plans.append(self._next_plan())
+                per: dict[int, list[GroupPlan]] = {}
                 for p in plans:
                     self.partial[p.index] = [None] * self.group_size
                     self.plans[p.index] = p
-            t = threading.Thread(target=self._stream, args=(plans,), name="producer-stream", daemon=True)
-            with self.cond:
-                self.streams = [s for s in self.streams if s.is_alive()] + [t]
-            t.start()
+                    e = min(range(len(self.load)), key=lambda j: (self.load[j], j))
+                    self.load[e] += 1
+                    per.setdefault(e, []).append(p)
+                started = [(e, threading.Thread(target=self._stream, args=(e, ps), name=f"producer-stream-{e}",
+                                                daemon=True)) for e, ps in per.items()]
+                self.streams = [(e, t) for e, t in self.streams if t.is_alive()] + started
+            for _, t in started:
+                t.start()
 
-    def _stream(self, plans: list[GroupPlan]) -> None:
+    def _stream(self, e: int, plans: list[GroupPlan]) -> None:
         g = self.group_size
         try:
-            for i, sample in self.prod.engine.stream(**self.prod.requests(plans), **self.prod.sampling()):
+            engine = self.prod.engines[e]
+            for i, sample in engine.stream(**self.prod.requests(plans), **self.prod.sampling()):
                 plan = plans[i // g]
                 with self.cond:
                     if self.stopping:
@@ -92,9 +100,10 @@ class Pipeline:
                     self.produced_samples += 1
                     if all(s is not None for s in slots):
                         del self.partial[plan.index]
+                        self.load[e] -= 1
                         self.finished.append(FinishedGroup(self.plans.pop(plan.index), slots))
                         self.cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which decides
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer thread, which decides
             with self.cond:
                 if self.stopping:
                     return
@@ -102,8 +111,9 @@ class Pipeline:
                     if self.partial.pop(p.index, None) is not None:
                         self.plans.pop(p.index, None)
                         self.retry.append(p)
+                        self.load[e] -= 1
                 if self.error is None:
-                    self.error = e
+                    self.error = _on_engine(e, err)
                 self.cond.notify_all()
 
     # -- trainer side -------------------------------------------------------------------------------------------
@@ -141,11 +151,11 @@ class Pipeline:
             self.gate.serve(version)
             self.cond.notify_all()
 
-    def recover(self, timeout: float = 60.0) -> None:
-        """The engine was restarted (and the current version pushed): once every stream to the dead engine has
-        ended (and filed its unfinished groups), generate the lost groups again."""
+    def recover(self, engine: int, timeout: float = 60.0) -> None:
+        """Engine `engine` was restarted (and the current version pushed): once every stream to it has ended (and
+        filed its unfinished groups), generate the lost groups again."""
         with self.cond:
-            old = list(self.streams)
+            old = [t for e, t in self.streams if e == engine]
         for t in old:
             t.join(timeout)
         with self.cond:
@@ -158,10 +168,18 @@ class Pipeline:
             self.stopping = True
             self.cond.notify_all()
         self._thread.join(timeout)
-        for t in self.streams:
+        for _, t in self.streams:
             t.join(timeout)
 
     def in_flight(self) -> int:
         """Groups admitted and not yet finished."""
         with self.cond:
             return len(self.partial) + len(self.retry)
+
+
+def _on_engine(e: int, err: BaseException) -> BaseException:
+    """A dead engine's error names its replica (rl/run.py restarts only that one)."""
+    from ..rollout.client import EngineDied
+    from ..rollout.replicas import ReplicaDied
+
+    return ReplicaDied(e, err) if isinstance(err, EngineDied) and not isinstance(err, ReplicaDied) else err

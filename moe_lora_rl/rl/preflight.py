@@ -47,11 +47,42 @@ def check(cfg: TrainConfig, world_size: int):
     if n % (dp * cfg.algo.micro_batch_size):
         raise ValueError(f"algo.micro_batch_size={cfg.algo.micro_batch_size}: the batch of {n} responses does not "
                          f"split into microbatches over data-parallel size {dp}")
-    if cfg.resume:
-        from ..checkpoint.store import latest_step
+    check_prompts(cfg)
+    if cfg.resume is True:
+        from ..checkpoint.store import resumable_step
 
         root = Path(cfg.out_dir) / "checkpoints"
-        if latest_step(root) is None:
-            raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first)")
+        if resumable_step(root) is None:
+            raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first, or "
+                             "resume=auto to start fresh when there is none)")
+    if cfg.runtime.device == "cpu":
+        check_engine_cores(cfg)
     run_config(cfg).check_host()
     return arch
+
+
+def check_engine_cores(cfg: TrainConfig) -> None:
+    """CPU engines on rank 0's host need a core each (their threads split the cores this process may use)."""
+    import os
+    import socket
+
+    from ..rollout.placement import plan_placements
+
+    here = [p for p in plan_placements(cfg.rollout.engines, nodes=cfg.rollout.node, gpus=cfg.rollout.gpus,
+                                       this_host=socket.gethostname()) if p.transport == "shm"]
+    cores = len(os.sched_getaffinity(0))
+    if len(here) > cores:
+        raise ValueError(f"rollout.engines={cfg.rollout.engines}: {len(here)} CPU engines on this host need a core "
+                         f"each; this process may use {cores}")
+
+
+def check_prompts(cfg: TrainConfig) -> None:
+    """The tokenizer can make the prompts asked for and stop responses (rl/prompting.py)."""
+    import transformers
+
+    from .prompting import check_tokenizer, resolve_template
+
+    where = str(base_model_dir(cfg))
+    tok = transformers.AutoTokenizer.from_pretrained(where)
+    resolve_template(tok, cfg.data.prompt_template, where=where)
+    check_tokenizer(tok, where)

@@ -1,10 +1,10 @@
-"""The rollout side of a run, on rank 0: the engine process, prompts, whole GRPO groups, rewards and the held-out
-evaluation. Every rank has one (labels and rewards are computed everywhere); the engine lives on rank 0. Both
-loops use it: the synchronous one asks for a step's groups and waits; the asynchronous one
-(rl/pipeline.py) streams groups while the trainer works.
+"""The rollout side of a run, on rank 0: the engine processes (rollout.engines replicas, rollout/replicas.py),
+prompts, whole GRPO groups, rewards and the held-out evaluation. Every rank has one (labels and rewards are computed
+everywhere); the engines live on rank 0. Both loops use it: the synchronous one asks for a step's groups and waits;
+the asynchronous one (rl/pipeline.py) streams groups while the trainer works.
 
     prod = Producer(cfg, tok, path, train_problems, eval_problems, out_dir); prod.start()
-    samples = prod.generate(plans); problems, group_ids = prod.labels(plans)   # plans: group_plan(...) of step s
+    samples = prod.generate(plans, keep); problems, group_ids = prod.labels(plans)   # plans: group_plan(...)
     prod.evaluate(version=None) -> held-out success;  prod.rewards(samples, problems)
 """
 from __future__ import annotations
@@ -18,29 +18,39 @@ from .task import DATA_SOURCE
 
 
 class Producer:
-    def __init__(self, cfg, tok, path, train_problems, eval_problems, out_dir):
+    def __init__(self, cfg, tok, path, train_problems, eval_problems, out_dir, template: str = "chat"):
         self.cfg, self.tok, self.path = cfg, tok, Path(path)
+        self.template = template            # rl/prompting.py: chat or plain
         self.train_problems, self.eval_problems = train_problems, eval_problems
         self.out = Path(out_dir)
-        self.engine = None
+        self.engines = None                 # rollout/replicas.py's Replicas
         self._prompt_cache: dict[int, list[int]] = {}
         self._eval_prompts = None
 
     def start(self) -> None:
+        import os
         import socket
 
-        from ..rollout.client import RolloutEngine
-        from ..rollout.placement import plan_placement
+        from ..rollout.placement import plan_placements
+        from ..rollout.replicas import Replicas
 
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        where = plan_placement(node=cfg.rollout.node, gpus=cfg.rollout.gpus, this_host=socket.gethostname())
-        kw = {"step_delay_s": cfg.delay.engine_step_s}
+        n = cfg.rollout.engines
+        where = plan_placements(n, nodes=cfg.rollout.node, gpus=cfg.rollout.gpus, this_host=socket.gethostname())
+        kw = {"step_delay_s": cfg.delay.engine_step_s, "stage_timeout_s": cfg.rollout.stage_timeout_s}
         if cfg.mode == "async":          # the engine keeps generating while versions change
             kw |= {"inflight": cfg.inflight, "on_full": "wait",
                   "max_versions": cfg.max_staleness + 1 if cfg.inflight == "pin" else None}
-        self.engine = RolloutEngine.start(str(self.path), dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
-                                          log_dir=self.out, seed=cfg.seed, placement=where, **kw)
+        if n > 1 and cfg.runtime.device == "cpu":      # replicas on this host share its cores
+            kw["threads"] = max(1, len(os.sched_getaffinity(0)) // n)
+        self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
+                                      log_dir=self.out, seed=cfg.seed, **kw)
+
+    @property
+    def engine(self):
+        """The first engine (the only one unless rollout.engines > 1)."""
+        return self.engines[0] if self.engines is not None else None
 
     # -- prompts and groups -------------------------------------------------------------------------------------
     def prompt(self, problem: int) -> list[int]:
@@ -48,7 +58,7 @@ class Producer:
         from .hf_sampling import prompt_ids
 
         if problem not in self._prompt_cache:
-            self._prompt_cache[problem] = prompt_ids(self.tok, [self.train_problems[problem]])[0]
+            self._prompt_cache[problem] = prompt_ids(self.tok, [self.train_problems[problem]], self.template)[0]
         return self._prompt_cache[problem]
 
     def requests(self, plans: list[GroupPlan]) -> dict:
@@ -62,9 +72,18 @@ class Producer:
         return {"max_tokens": a.max_response_tokens, "temperature": a.temperature,
                 "stop_token_ids": [self.tok.eos_token_id]}
 
-    def generate(self, plans: list[GroupPlan]):
-        """The samples of whole groups, in order (waiting for all)."""
-        return self.engine.generate(**self.requests(plans), **self.sampling())
+    def generate(self, plans: list[GroupPlan], keep: dict | None = None):
+        """The samples of whole groups, in order (waiting for all), the groups spread over the engines. keep: the
+        finished engines' samples, kept across a restart of a dead one (then only its groups are generated again)."""
+        from ..rollout.replicas import gather, spread
+
+        parts = spread(len(plans), len(self.engines))
+        done = self.engines.map(lambda i, e: e.generate(**self.requests([plans[k] for k in parts[i]]),
+                                                        **self.sampling()),
+                                [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
+        g = self.cfg.algo.group_size
+        groups = gather(parts, {i: [s[j:j + g] for j in range(0, len(s), g)] for i, s in done.items()}, len(plans))
+        return [s for grp in groups for s in grp]
 
     def labels(self, plans: list[GroupPlan]):
         """The problem and the group id (position in `plans`) of each sample of whole groups (any rank)."""
@@ -81,18 +100,24 @@ class Producer:
         """Held-out success rate: data.eval_samples responses per problem, sampled at the training temperature with
         seeds fixed for the run. version (a pin engine): every request served with that held version, while other
         requests go on."""
+        from ..rollout.replicas import spread
         from .hf_sampling import prompt_ids
 
         k = self.cfg.data.eval_samples
-        problems = [p for p in self.eval_problems for _ in range(k)]
         if self._eval_prompts is None:
-            self._eval_prompts = prompt_ids(self.tok, self.eval_problems)
-        prompts = [ids for ids in self._eval_prompts for _ in range(k)]
-        seeds = [eval_seed(self.cfg.seed, i, j) for i in range(len(self.eval_problems)) for j in range(k)]
-        out = self.engine.generate(prompts, seeds=seeds, **self.sampling(),
-                                   versions=None if version is None else [version] * len(prompts))
-        return sum(self.rewards(out, problems)) / len(out)
+            self._eval_prompts = prompt_ids(self.tok, self.eval_problems, self.template)
+
+        def run(i, engine):          # a problem's k samples on one engine (its prompt computed once)
+            mine = parts[i]
+            out = engine.generate([self._eval_prompts[q] for q in mine for _ in range(k)],
+                                  seeds=[eval_seed(self.cfg.seed, q, j) for q in mine for j in range(k)],
+                                  **self.sampling(), versions=None if version is None else [version] * len(mine) * k)
+            return sum(self.rewards(out, [self.eval_problems[q] for q in mine for _ in range(k)]))
+
+        parts = spread(len(self.eval_problems), len(self.engines))
+        done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {})
+        return sum(done.values()) / (len(self.eval_problems) * k)
 
     def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
+        if self.engines is not None:
+            self.engines.stop()

@@ -20,6 +20,7 @@ from ..megatron.run_config import prepare_host
 from .batch import policy_batch
 from .config import TrainConfig
 from .preflight import base_model_dir, run_config
+from .prompting import resolve_template
 from .groups import group_plan
 from .task import TaskSpec, make_split
 
@@ -87,8 +88,10 @@ class GRPORun:
         init_distributed(cfg.layout.layout(), rc)
         self.path, self.warmup = _broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
+        self.template = resolve_template(self.tok, cfg.data.prompt_template, where=str(self.path))
         self.train_problems, self.eval_problems = load_problems(cfg)
-        self.prod = Producer(cfg, self.tok, self.path, self.train_problems, self.eval_problems, self.out)
+        self.prod = Producer(cfg, self.tok, self.path, self.train_problems, self.eval_problems, self.out,
+                             template=self.template)
         a = cfg.algo
         self.policy = Policy(str(self.path), cfg.layout.layout(), rc, cfg.lora.lora_config(init_seed=cfg.seed),
                              lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
@@ -109,8 +112,9 @@ class GRPORun:
         self.setup_s += time.perf_counter() - t0
 
     @property
-    def engine(self):
-        return self.prod.engine if self.prod is not None else None
+    def engines(self):
+        """rank 0's engine replicas (rollout/replicas.py)."""
+        return self.prod.engines if self.prod is not None else None
 
     def plans(self, step: int):
         """The GroupPlans of a step in the synchronous order."""
@@ -123,9 +127,10 @@ class GRPORun:
 
     # -- the engine, with crash recovery ------------------------------------------------------------------------
     def _on_engine(self, what: str, fn, after_restart=None):
-        """fn() on rank 0's engine, its result on every rank. If the engine process died, it is restarted, the
-        current adapter version pushed again (every rank takes part), after_restart() run on rank 0 and fn
-        repeated, up to engine_restarts times."""
+        """fn() on rank 0's engines, its result on every rank. If an engine process died, that engine is restarted,
+        the current adapter version pushed to it again (every rank takes part), after_restart() run on rank 0 and fn
+        repeated (fn keeps what the other engines finished), up to engine_restarts times. after_restart(index): rank 0,
+        once the restarted engine serves the current version."""
         from ..rollout.client import EngineDied
 
         for attempt in range(self.cfg.engine_restarts + 1):
@@ -144,22 +149,32 @@ class GRPORun:
                 raise value if self.rank == 0 else RuntimeError(f"rank 0 failed during {what}: {value}")
             self._restart(what, value, attempt, after_restart)
 
-    def _restart(self, what: str, why: str, attempt: int, after_restart=None) -> int:
-        """Every rank: restart the dead engine (rank 0), push the current version, after_restart() on rank 0; or
-        give up once engine_restarts is spent. The bytes pushed."""
+    def _restart(self, what: str, died: tuple, attempt: int, after_restart=None) -> int:
+        """Every rank: restart the dead engine (rank 0; died = (why, its index)), push the current version to every
+        engine that does not serve it (the restarted one; after a failed push, those it did not reach), then
+        after_restart() on rank 0; or give up once engine_restarts is spent. The bytes pushed."""
+        why, index = died
         if attempt == self.cfg.engine_restarts:
             raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
                                f"(engine_restarts={self.cfg.engine_restarts}); giving up: {why}")
-        self.log.note(f"rollout engine died during {what}: {why}; restarting it "
+        which = f"rollout engine {index}" if self.cfg.rollout.engines > 1 else "rollout engine"
+        self.log.note(f"{which} died during {what}: {why}; restarting it "
                       f"({attempt + 1}/{self.cfg.engine_restarts}), pushing adapter version "
                       f"{self.policy.version}, repeating {what}")
         self.engine_restarts += 1
         if self.rank == 0:
-            self.engine.restart()
-        pushed = self.push(restarts=False) if self.policy.version > 0 else 0
+            self.engines.restart(index)
+        pushed = self.push(restarts=False, engines=self._lagging()) if self.policy.version > 0 else 0
         if self.rank == 0 and after_restart is not None:
-            after_restart()
+            after_restart(index)
         return pushed
+
+    def _lagging(self) -> list[int]:
+        """The engines that do not serve the current version (rank 0 asks them; every rank learns)."""
+        out = None
+        if self.rank == 0:
+            out = [i for i, e in enumerate(self.engines) if e.status().get("version") != self.policy.version]
+        return _broadcast(out)
 
     # -- the trainer side ---------------------------------------------------------------------------------------
     def train(self, samples, plans) -> tuple[dict, object, torch.Tensor]:
@@ -182,25 +197,28 @@ class GRPORun:
 
     def sync_step(self, step: int) -> dict:
         plans = self.plans(step)
+        keep: dict = {}                 # the engines' finished groups, kept if another engine dies
 
         def generate():
             t0 = time.perf_counter()
-            out = self.prod.generate(plans)
+            out = self.prod.generate(plans, keep)
             self.busy["rollout"] += time.perf_counter() - t0
             return out
 
         samples = self._on_engine(f"the rollout of step {step + 1}", generate)
         m, _, _ = self.train(samples, plans)
         pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
-        return {**m, "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples)}
+        return {**m, "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples),
+                "rollout_versions": token_versions(samples)}
 
-    def push(self, restarts: bool = True, after_restart=None) -> int:
-        """LoRA-only refit of the current version (collective); the bytes sent, on every rank. An engine that dies
-        during the push is restarted and the version pushed again (restarts=False: the caller restarts)."""
+    def push(self, restarts: bool = True, after_restart=None, engines=None) -> int:
+        """LoRA-only refit of the current version to every engine (or those listed), collective; the bytes sent
+        per engine, on every rank. An engine that dies during the push is restarted and the version pushed to every
+        engine that does not serve it yet (an open stage of it is replaced); restarts=False: the caller restarts."""
         from ..rollout.client import EngineDied
 
         t0 = time.perf_counter()
-        tr = _Survivor(self.transport()) if self.rank == 0 else None
+        tr = _Survivor(self.transport(engines)) if self.rank == 0 else None
         result = None
         try:
             res = self.policy.push(tr, self.policy.version)
@@ -215,11 +233,11 @@ class GRPORun:
             return value
         if not restarts:
             raise RuntimeError(f"the rollout engine died again while version {self.policy.version} was pushed "
-                               f"to the restarted engine: {value}")
+                               f"to the restarted engine: {value[0]}")
         return self._restart(f"the push of version {self.policy.version}", value, 0, after_restart)  # it pushes
 
-    def transport(self):
-        return self.engine.transport
+    def transport(self, engines=None):
+        return self.engines.transport(engines)
 
     def evaluate(self, version: int | None = None) -> float:
         """Held-out success rate (Producer.evaluate on rank 0; the result on every rank)."""
@@ -250,6 +268,15 @@ class GRPORun:
                                                          "rng": rng_state(), "history": history, "evals": evals,
                                                          "mode": self.cfg.mode, **extra})
 
+    def resumes(self) -> bool:
+        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns)."""
+        if self.cfg.resume != "auto":
+            return bool(self.cfg.resume)
+        from ..checkpoint.store import resumable_step
+
+        found = resumable_step(self.out / "checkpoints") if self.rank == 0 else None
+        return _broadcast(found) is not None
+
     def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
         that adapter version. Returns (step, history, evals, the whole saved state)."""
@@ -267,12 +294,19 @@ class GRPORun:
 
         cfg = self.cfg
         self.setup()
-        start, history, evals, state = self.resume() if cfg.resume else (0, [], {}, {})
+        self.resuming = self.resumes()
+        start, history, evals, state = self.resume() if self.resuming else (0, [], {}, {})
         self.start_engine()
         self.log = MetricsLogger(self.out, total_steps=cfg.steps, enabled=self.rank == 0,
-                                 resumed_at=start if cfg.resume else None)
-        if cfg.resume:
-            self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version})")
+                                 resumed_at=start if self.resuming else None)
+        if self.resuming:
+            self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version}, "
+                          f"{self.out / 'checkpoints'}, resume={str(cfg.resume).lower()})")
+        elif cfg.resume == "auto":
+            self.log.note(f"resume=auto: no checkpoint in {self.out / 'checkpoints'}; starting fresh")
+        if cfg.data.prompt_template == "auto" and self.template == "plain":
+            self.log.note(f"the tokenizer of {self.path} has no chat template: prompts use the plain template "
+                          "(data.prompt_template=auto; set it to plain to silence this)")
         self.t_rl = time.perf_counter()
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.eval_s = 0.0
@@ -345,9 +379,9 @@ class GRPORun:
         return n * per
 
 
-def _died(e: BaseException) -> tuple[str, str]:
-    """What every rank learns of a dead engine: one line of its message."""
-    return "died", " ".join(str(e).split())[:300]
+def _died(e: BaseException) -> tuple[str, tuple[str, int]]:
+    """What every rank learns of a dead engine: one line of its message, and which engine (rollout/replicas.py)."""
+    return "died", (" ".join(str(e).split())[:300], getattr(e, "index", 0))
 
 
 class _Survivor:
@@ -389,6 +423,11 @@ def _numel(shape) -> int:
     for d in shape:
         out *= int(d)
     return out
+
+
+def token_versions(samples) -> list[int]:
+    """The adapter versions that produced the samples' tokens (0: the base model); one in a synchronous step."""
+    return sorted({0 if v is None else int(v) for s in samples for v in (s.versions or [None])})
 
 
 def samples_digest(samples) -> str:

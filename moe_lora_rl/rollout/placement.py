@@ -2,6 +2,7 @@
 a slurm allocation (started with `srun --overlap` on that node, reached over HTTP), optionally on given GPUs.
 
     placement = plan_placement(node=cfg.rollout.node, gpus=cfg.rollout.gpus, this_host=socket.gethostname())
+    placements = plan_placements(2, nodes=["n1", "n2"], gpus=[0, 1], this_host=...)   # engine replicas
 """
 from __future__ import annotations
 
@@ -32,3 +33,30 @@ def plan_placement(*, node: str | None, gpus: list | tuple, this_host: str) -> P
         launcher += (f"--gpus={len(devices)}",)
     return Placement(launcher=launcher, bind_host="0.0.0.0", connect_host=node, env=env, transport="http",
                      watch_parent=False)
+
+
+def plan_placements(n: int, *, nodes, gpus: list | tuple, this_host: str) -> list[Placement]:
+    """Where each of n engine replicas runs: engine i on nodes[i % len(nodes)] (nodes: None or one host for all,
+    or a list), each node's gpus split evenly between the engines placed on it (none: the engines share the
+    host's devices). Ports are chosen per engine, so replicas may share a host."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"rollout.engines={n!r} must be an integer >= 1")
+    hosts = [None] if nodes is None or isinstance(nodes, str) and nodes == "" else \
+        [nodes] if isinstance(nodes, str) else list(nodes)
+    if not hosts:
+        raise ValueError("rollout.node=[]: name at least one host, or null for rank 0's host")
+    on = [hosts[i % len(hosts)] for i in range(n)]
+    devices = list(gpus)
+    out = []
+    for i, host in enumerate(on):
+        peers = [j for j, h in enumerate(on) if h == host]
+        mine: list = []
+        if devices:
+            if len(devices) % len(peers):
+                raise ValueError(f"rollout.gpus={devices}: {len(devices)} devices do not split evenly over the "
+                                 f"{len(peers)} engines on host {host or this_host!r} (rollout.engines={n})")
+            k = len(devices) // len(peers)
+            at = peers.index(i)
+            mine = devices[at * k:(at + 1) * k]
+        out.append(plan_placement(node=host, gpus=mine, this_host=this_host))
+    return out

@@ -56,8 +56,8 @@ class ScriptedEngine:
             yield i, SimpleNamespace(seed=seeds[i], response=[1, 2], versions=[self.version_of(seeds[i])] * 2)
 
 
-def producer(engine, g=2):
-    return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(group_size=g)), engine=engine,
+def producer(engine, g=2, more=()):
+    return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(group_size=g)), engines=[engine, *more],
                            requests=lambda plans: {"prompts": [[1]] * (g * len(plans)),
                                                    "seeds": [s for p in plans for s in p.seeds]},
                            sampling=lambda: {})
@@ -112,12 +112,45 @@ def test_failure_reaches_the_trainer_and_lost_groups_come_back():
         with pytest.raises(RuntimeError, match="engine died"):
             while True:
                 pipe.take(1, trainer_version=1)
-        pipe.recover()
+        pipe.recover(0)
         ok = []
         while len(ok) < 4:
             ok += pipe.take(1, trainer_version=1)[0]
         assert sorted(g.plan.index for g in ok) == [0, 1, 2, 3]     # every admitted group, whole
         assert all(len(g.samples) == 2 and None not in g.samples for g in ok)
         assert eng.calls[1] == eng.calls[0]                        # the lost groups resubmitted as they were
+    finally:
+        pipe.stop()
+
+
+def test_replicas_share_groups_and_one_engine_dies_alone():
+    from moe_lora_rl.rollout.client import EngineDied
+    from moe_lora_rl.rollout.replicas import ReplicaDied
+
+    class Dying(ScriptedEngine):
+        def stream(self, prompts, seeds, **kw):
+            for n, item in enumerate(super().stream(prompts, seeds, **kw)):
+                if self.die and n == 1:
+                    self.die = False
+                    raise EngineDied("engine 1 was killed")
+                yield item
+
+    a, b = ScriptedEngine(lambda seed: 1), Dying(lambda seed: 1)
+    b.die = True
+    pipe = Pipeline(producer(a, more=[b]), StalenessGate(2, 1, version=1), plan_of)
+    pipe.start()
+    try:
+        with pytest.raises(ReplicaDied, match="engine 1: engine 1 was killed") as got:
+            while True:
+                pipe.take(1, trainer_version=1)
+        assert got.value.index == 1
+        pipe.recover(1)
+        ok = []
+        while len(ok) < 4:
+            ok += pipe.take(1, trainer_version=1)[0]
+        assert sorted(g.plan.index for g in ok) == [0, 1, 2, 3]
+        assert a.calls[0] == [0, 1, 20, 21] and b.calls[0] == [10, 11, 30, 31]   # least loaded: groups alternate
+        again = sorted(s for c in a.calls[1:] + b.calls[1:] for s in c)
+        assert again == [10, 11, 30, 31]              # only the dead engine's groups, whole, spread again
     finally:
         pipe.stop()
