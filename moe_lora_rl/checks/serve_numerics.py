@@ -14,6 +14,15 @@ engine), so the configurations are compared pairwise and the only sampling noise
     unmerged_rounded the same with the pre-fix arithmetic (expert_mlp_rounded_outputs, the negative control)
     base_torch_rounded  base_torch with it
 
+The expert part alone, no engine (expert_*): HF fp32 everywhere except the routed experts, which run in bf16
+arithmetic on bf16 inputs (the MoE block's input rounded, the output rounded once), vs the same references:
+
+    expert_kernel_base           vLLM's kernel on the bf16 base weights
+    expert_torch_base            our experts (moe_torch._expert_mlp), no adapter
+    expert_merged                vLLM's kernel on the merged bf16 weights (kernel + rounding part)
+    expert_unmerged              our experts with the adapter unmerged
+    expert_*_rounded             ours with the pre-fix arithmetic (negative control)
+
 Also the Monte-Carlo estimate bench serve reports (kl_mc_*: mean log p_engine - log p_ref over engine-sampled
 tokens) for the same seeds, to show its spread. Prints one line "RESULT <json>"."""
 from __future__ import annotations
@@ -90,7 +99,8 @@ def kl(p_log, q_log, start: int) -> float:
 
 
 def served_expert_weights(model: str, arch, peft, rank: int, alpha: float, dtype):
-    """{layer: (w13, w2)} exactly as the merged mode serves them (merge.merge_fp32 of the runtime's base copy)."""
+    """{layer: (w13, w2)} exactly as the merged mode serves them (merge.merge_fp32 of the runtime's pristine copy:
+    the checkpoint's values)."""
     import torch
 
     from ..models.checkpoint import HFCheckpoint
@@ -102,7 +112,7 @@ def served_expert_weights(model: str, arch, peft, rank: int, alpha: float, dtype
     ad = build_adapter_set(peft, arch, rank=rank, alpha=alpha, version=1)
     out = {}
     for layer, mods in ad.layers.items():
-        base = load_base_experts(ck, arch, layer, dtype)
+        base = load_base_experts(ck, arch, layer, None)
         lora = stack_expert_lora(mods, arch, rank, ad.scale, torch.float32)
         out[layer] = merge_fp32(base, lora, dtype, layer)
     return out
@@ -117,8 +127,61 @@ def with_expert_weights(hf, weights: dict):
     return hf
 
 
+def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: int, lp_base, lp_ref,
+                negative_control: bool = True) -> dict:
+    """The expert_* KLs of the module docstring (vLLM's CPU kernel called directly, as its MoE layer calls it)."""
+    import torch
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    from ..models.checkpoint import HFCheckpoint
+    from ..vllm import moe_torch
+    from ..vllm.adapter_set import build_adapter_set
+    from .route_reference import merged_hf_model
+
+    ck = HFCheckpoint(model)
+    ad = build_adapter_set(peft, arch, rank=rank, alpha=alpha, version=1)
+    moe = [l for l, m in enumerate(arch.moe_layers) if m]
+    base = {l: moe_torch.load_base_experts(ck, arch, l, torch.float32) for l in moe}
+    lora = {l: moe_torch.stack_expert_lora(ad.layers[l], arch, rank, ad.scale, torch.float32) for l in moe}
+    served = served_expert_weights(model, arch, peft, rank, alpha, torch.bfloat16)
+    hf = merged_hf_model(model, None, 1.0, torch.float32)
+
+    def kernel(weights):
+        packed = {l: (cpu_prepack_moe_weight(w13.to(torch.bfloat16).contiguous(), "vec"),
+                      cpu_prepack_moe_weight(w2.to(torch.bfloat16).contiguous(), "vec")) for l, (w13, w2) in weights.items()}
+
+        def f(l, h, ids, w):
+            out = torch.empty(h.shape, dtype=torch.bfloat16)
+            cpu_fused_moe(out, h.to(torch.bfloat16), *packed[l], None, None, w.float().contiguous(), ids.to(torch.int32),
+                          "silu", "vec")
+            return out
+        return f
+
+    def torch_experts(fn, with_lora):
+        return lambda l, h, ids, w: fn(h.to(torch.bfloat16), w.float(), ids, base[l],
+                                       lora[l] if with_lora else None).to(torch.bfloat16)
+
+    def run(f, want):
+        for l in moe:
+            hf.model.layers[l].mlp.experts.forward = lambda h, ids, w, l=l: f(l, h, ids, w).float()
+        try:
+            return kl(hf_logprobs(hf, seqs), want, start)
+        finally:
+            for l in moe:
+                del hf.model.layers[l].mlp.experts.forward
+    res = {"expert_kernel_base": run(kernel({l: (b.w13, b.w2) for l, b in base.items()}), lp_base),
+           "expert_torch_base": run(torch_experts(moe_torch._expert_mlp, False), lp_base),
+           "expert_merged": run(kernel(served), lp_ref),
+           "expert_unmerged": run(torch_experts(moe_torch._expert_mlp, True), lp_ref)}
+    if negative_control:
+        res["expert_torch_base_rounded"] = run(torch_experts(expert_mlp_rounded_outputs, False), lp_base)
+        res["expert_unmerged_rounded"] = run(torch_experts(expert_mlp_rounded_outputs, True), lp_ref)
+    return res
+
+
 def mc_kl(llm, ref, prompts, gen_len: int, seed: int) -> float:
-    """bench serve's estimate: mean of log p_engine - log p_ref over tokens the engine sampled."""
+    """bench serve's estimate, (mean, its standard error): log p_engine - log p_ref over tokens the engine
+    sampled."""
     import torch
     from vllm import SamplingParams
 
@@ -129,7 +192,67 @@ def mc_kl(llm, ref, prompts, gen_len: int, seed: int) -> float:
         with torch.no_grad():
             lp = torch.log_softmax(ref(input_ids=torch.tensor([g.tokens])).logits.double()[0], -1)
         diffs += [e - lp[len(g.prompt) - 1 + j, tok].item() for j, (tok, e) in enumerate(zip(g.response, g.logprobs))]
-    return float(sum(diffs) / len(diffs))
+    d = torch.tensor(diffs, dtype=torch.float64)
+    return float(d.mean()), float(d.std() / len(d) ** 0.5)
+
+
+def kl_decomposition(llm, model: str, arch, peft, rank: int, alpha: float, prompts: list[list[int]], gen_len: int,
+                     seed: int, first_version: int, base_ref=None, negative_control: bool = False) -> dict:
+    """One adapter, one set of prompts: the exact KLs of the module docstring on the prompts' continuations sampled
+    by the base engine (bf16 engine made with max_logprobs >= vocab). Leaves the engine unmerged, serving `peft`."""
+    import torch
+    from vllm import SamplingParams
+
+    from ..refit.transports import InprocTransport
+    from ..vllm import moe_torch
+    from .route_reference import merged_hf_model
+
+    V = arch.vocab_size
+    scale = alpha / rank
+    base_ref = base_ref if base_ref is not None else merged_hf_model(model, None, 1.0, torch.float32)
+    zero = {k: (torch.zeros_like(v) if ".lora_B." in k else v) for k, v in peft.items()}
+    ref = merged_hf_model(model, peft, scale, torch.float32)
+    ref_served = with_expert_weights(merged_hf_model(model, peft, scale, torch.float32),
+                                     served_expert_weights(model, arch, peft, rank, alpha, torch.bfloat16))
+    llm.collective_rpc("moe_lora_clear")
+    llm.reset_prefix_cache()
+    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=seed, ignore_eos=True)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in
+            zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False))]
+    start = len(prompts[0]) - 1                        # positions predicting the continuation
+    lp_ref, lp_base, lp_served = hf_logprobs(ref, seqs), hf_logprobs(base_ref, seqs), hf_logprobs(ref_served, seqs)
+
+    def engine():
+        llm.reset_prefix_cache()
+        return full_logprobs(llm, seqs, V)
+    row = {"base_kernel": kl(engine(), lp_base, start), "merged_rounding": kl(lp_served, lp_ref, start),
+           **expert_part(model, arch, peft, rank, alpha, seqs, start, lp_base, lp_ref, negative_control)}
+    version = first_version
+    for mode in ("merged", "unmerged"):
+        llm.collective_rpc("moe_lora_clear")
+        llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+        if mode == "unmerged":
+            InprocTransport(llm).push(version, zero, rank, alpha)
+            version += 1
+            row["base_torch"] = kl(engine(), lp_base, start)
+            if negative_control:
+                fixed = moe_torch._expert_mlp
+                moe_torch._expert_mlp = expert_mlp_rounded_outputs
+                try:
+                    row["base_torch_rounded"] = kl(engine(), lp_base, start)
+                    InprocTransport(llm).push(version, peft, rank, alpha)
+                    version += 1
+                    row["unmerged_rounded"] = kl(engine(), lp_ref, start)
+                finally:
+                    moe_torch._expert_mlp = fixed
+        InprocTransport(llm).push(version, peft, rank, alpha)
+        version += 1
+        got = engine()
+        row[mode] = kl(got, lp_ref, start)
+        if mode == "merged":
+            row["merged_kernel"] = kl(got, lp_served, start)
+    row["refs"] = (ref, base_ref)
+    return row
 
 
 def main(argv=None) -> dict:
@@ -138,7 +261,6 @@ def main(argv=None) -> dict:
 
     from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
-    from ..vllm import moe_torch
     from .route_reference import merged_hf_model, random_expert_adapter
     from .serve_capture import ENGINE
 
@@ -158,53 +280,23 @@ def main(argv=None) -> dict:
     rank, alpha = a.rank, 2.0 * a.rank
     V = arch.vocab_size
     llm = make_engine(a.model, prefix_caching=False, max_logprobs=V, **ENGINE)
-    from vllm import SamplingParams
-
     base_ref = merged_hf_model(a.model, None, 1.0, torch.float32)
     rows = []
     for seed in [int(s) for s in a.seeds.split(",")]:
         g = torch.Generator().manual_seed(1000 + seed)
         prompts = torch.randint(0, V, (a.n, a.prompt_len), generator=g).tolist()
         peft = random_expert_adapter(arch, rank, seed=seed, std=a.std)
-        zero = {k: (torch.zeros_like(v) if ".lora_B." in k else v) for k, v in peft.items()}
-        ref = merged_hf_model(a.model, peft, alpha / rank, torch.float32)
-        ref_served = with_expert_weights(merged_hf_model(a.model, peft, alpha / rank, torch.float32),
-                                         served_expert_weights(a.model, arch, peft, rank, alpha, torch.bfloat16))
-        llm.collective_rpc("moe_lora_clear")
-        sp = SamplingParams(max_tokens=a.gen_len, min_tokens=a.gen_len, temperature=1.0, seed=seed, ignore_eos=True)
-        seqs = [p + list(o.outputs[0].token_ids) for p, o in
-                zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False))]
-        start = a.prompt_len - 1                       # positions predicting the continuation
-        lp_ref, lp_base, lp_served = hf_logprobs(ref, seqs), hf_logprobs(base_ref, seqs), hf_logprobs(ref_served, seqs)
-        row = {"seed": seed, "base_kernel": kl(full_logprobs(llm, seqs, V), lp_base, start),
-               "merged_rounding": kl(lp_served, lp_ref, start)}
-        version = 10 * seed + 1
-        for mode in ("merged", "unmerged"):
-            llm.collective_rpc("moe_lora_clear")
-            llm.collective_rpc("moe_lora_set_mode", args=(mode,))
-            if mode == "unmerged":
-                InprocTransport(llm).push(version, zero, rank, alpha)
-                version += 1
-                row["base_torch"] = kl(full_logprobs(llm, seqs, V), lp_base, start)
-            InprocTransport(llm).push(version, peft, rank, alpha)
-            version += 1
-            got = full_logprobs(llm, seqs, V)
-            row[mode] = kl(got, lp_ref, start)
-            if mode == "merged":
-                row["merged_kernel"] = kl(got, lp_served, start)
-            if a.mc_prompts:
-                row[f"kl_mc_{mode}"] = mc_kl(llm, ref, prompts[:a.mc_prompts], a.gen_len, seed + 1)
-            if mode == "unmerged" and a.negative_control:
-                fixed = moe_torch._expert_mlp
-                moe_torch._expert_mlp = expert_mlp_rounded_outputs
-                try:
-                    row["unmerged_rounded"] = kl(full_logprobs(llm, seqs, V), lp_ref, start)
-                    llm.collective_rpc("moe_lora_clear")
-                    InprocTransport(llm).push(version, zero, rank, alpha)
-                    version += 1
-                    row["base_torch_rounded"] = kl(full_logprobs(llm, seqs, V), lp_base, start)
-                finally:
-                    moe_torch._expert_mlp = fixed
+        row = kl_decomposition(llm, a.model, arch, peft, rank, alpha, prompts, a.gen_len, seed, 100 * seed + 1,
+                               base_ref, a.negative_control)
+        ref, _ = row.pop("refs")
+        if a.mc_prompts:
+            for mode in ("merged", "unmerged"):
+                llm.collective_rpc("moe_lora_clear")
+                llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+                InprocTransport(llm).push(100 * seed + 50 + len(mode), peft, rank, alpha)
+                row[f"kl_mc_{mode}"], row[f"kl_mc_se_{mode}"] = mc_kl(llm, ref, prompts[:a.mc_prompts], a.gen_len,
+                                                                      seed + 1)
+        row = {"seed": seed, **row}
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
     keys = [k for k in rows[0] if k != "seed"]
