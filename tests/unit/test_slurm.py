@@ -137,7 +137,20 @@ def test_dry_run_runs_nothing(slurm):
     assert "--nproc-per-node=4" in proc.stdout and "rollout.gpus=\\[0\\,1\\,2\\,3\\]" in proc.stdout
 
 
+def test_max_restarts_resume_by_themselves(slurm):
+    """--max-restarts=K reaches torchrun, and the run gets resume=auto unless the user chose a resume= value."""
+    proc, calls = slurm("--nodes=2", str(SCRIPT), "--max-restarts=3", "steps=3", "checkpoint_every=1")
+    assert proc.returncode == 0, proc.stderr
+    srun = calls[2]
+    assert "--max-restarts=3" in srun and srun[-3:] == ["steps=3", "checkpoint_every=1", "resume=auto"], srun
+    proc, calls = slurm("--nodes=2", str(SCRIPT), "--max-restarts=1", "resume=true", "checkpoint_every=1")
+    assert calls[2][-2:] == ["resume=true", "checkpoint_every=1"] and "resume=auto" not in calls[2]
+    proc, calls = slurm("--nodes=2", str(SCRIPT), "steps=3")
+    assert "--max-restarts=0" in calls[2] and "resume=auto" not in calls[2]     # the default: no restarts
+
+
 @pytest.mark.parametrize("args,nodes,msg", [
+    (["--max-restarts=-1"], 2, "--max-restarts=-1 must be an integer >= 0"),
     (["--rollout=gpus", "--rollout-gpus=8"], 2, "--rollout-gpus=8 < --gpus-per-node=8"),
     (["--rollout-gpus=9"], 2, "--rollout-gpus=9 exceeds --gpus-per-node=8"),
     ([], 1, "--rollout=node needs at least 2 nodes"),

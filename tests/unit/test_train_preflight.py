@@ -45,3 +45,44 @@ def test_cli_one_line_errors():
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and "Traceback" not in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_replicas_prompt_template_and_resume_refusals(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from moe_lora_rl.models import get_model
+
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=f"rollout.engines={cores + 1}: {cores + 1} CPU engines on this host"):
+        check([f"rollout.engines={cores + 1}"], 2)
+    check([f"rollout.engines={cores}", "rollout.node=elsewhere"], 2)   # engines on another node: not this host's
+    # a checkpoint whose tokenizer has no chat template (most base models)
+    base = tmp_path / "base"
+    shutil.copytree(get_model("glm4_moe", "small"), base)
+    (base / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match="data.prompt_template=chat: the tokenizer of .* has no chat template"):
+        check([f"model.path={base}", "data.prompt_template=chat"], 2)
+    check([f"model.path={base}", "data.prompt_template=auto"], 2)
+    with pytest.raises(ValueError, match="resume=true: no checkpoint"):
+        check([f"out_dir={tmp_path / 'run'}", "resume=true", "checkpoint_every=1"], 2)
+    check([f"out_dir={tmp_path / 'run'}", "resume=auto", "checkpoint_every=1"], 2)     # nothing there: fresh
+
+
+def test_plain_prompt_template():
+    import transformers
+
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.rl.prompting import encode_prompts, plain_text, resolve_template
+    from moe_lora_rl.rl.task import TaskSpec, make_split
+
+    tok = transformers.AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
+    problems = make_split(TaskSpec(length=5, n_eval=4), "eval")[:2]
+    assert resolve_template(tok, "auto") == "chat" and resolve_template(tok, "plain") == "plain"
+    chat, plain = encode_prompts(tok, problems, "chat"), encode_prompts(tok, problems, "plain")
+    assert tok.decode(plain[0]) == plain_text(problems[0]) == problems[0].question + "\n"
+    assert "<|im_start|>" in tok.decode(chat[0]) and "<|im_start|>" not in tok.decode(plain[0])
+    tok.chat_template = None
+    assert resolve_template(tok, "auto") == "plain"
+    with pytest.raises(ValueError, match="has no chat template"):
+        resolve_template(tok, "chat")
