@@ -11,6 +11,7 @@ engine), so the configurations are compared pairwise and the only sampling noise
     merged_kernel    the same engine                                        vs HF fp32 on the served bf16 weights
     merged_rounding  HF fp32 on the served bf16 weights                     vs HF fp32 W + s*B@A (no engine)
     unmerged         our experts, LoRA factors unmerged                     vs HF fp32 W + s*B@A
+    *_fp32           base_torch / unmerged with expert_precision="fp32" (the kernel's numerics)
     unmerged_rounded the same with the pre-fix arithmetic (expert_mlp_rounded_outputs, the negative control)
     base_torch_rounded  base_torch with it
 
@@ -18,9 +19,10 @@ The expert part alone, no engine (expert_*): HF fp32 everywhere except the route
 arithmetic on bf16 inputs (the MoE block's input rounded, the output rounded once), vs the same references:
 
     expert_kernel_base           vLLM's kernel on the bf16 base weights
-    expert_torch_base            our experts (moe_torch._expert_mlp), no adapter
+    expert_torch_base            our experts (moe_torch._expert_mlp, expert_precision "serving"), no adapter
     expert_merged                vLLM's kernel on the merged bf16 weights (kernel + rounding part)
     expert_unmerged              our experts with the adapter unmerged
+    expert_*_fp32                ours with expert_precision "fp32"
     expert_*_rounded             ours with the pre-fix arithmetic (negative control)
 
 Also the Monte-Carlo estimate bench serve reports (kl_mc_*: mean log p_engine - log p_ref over engine-sampled
@@ -141,7 +143,8 @@ def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: in
     ck = HFCheckpoint(model)
     ad = build_adapter_set(peft, arch, rank=rank, alpha=alpha, version=1)
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
-    base = {l: moe_torch.load_base_experts(ck, arch, l, torch.float32) for l in moe}
+    base = {l: moe_torch.load_base_experts(ck, arch, l, torch.bfloat16) for l in moe}
+    base32 = {l: moe_torch.load_base_experts(ck, arch, l, torch.float32) for l in moe}
     lora = {l: moe_torch.stack_expert_lora(ad.layers[l], arch, rank, ad.scale, torch.float32) for l in moe}
     served = served_expert_weights(model, arch, peft, rank, alpha, torch.bfloat16)
     hf = merged_hf_model(model, None, 1.0, torch.float32)
@@ -157,8 +160,8 @@ def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: in
             return out
         return f
 
-    def torch_experts(fn, with_lora):
-        return lambda l, h, ids, w: fn(h.to(torch.bfloat16), w.float(), ids, base[l],
+    def torch_experts(fn, with_lora, copy=base):
+        return lambda l, h, ids, w: fn(h.to(torch.bfloat16), w.float(), ids, copy[l],
                                        lora[l] if with_lora else None).to(torch.bfloat16)
 
     def run(f, want):
@@ -172,7 +175,9 @@ def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: in
     res = {"expert_kernel_base": run(kernel({l: (b.w13, b.w2) for l, b in base.items()}), lp_base),
            "expert_torch_base": run(torch_experts(moe_torch._expert_mlp, False), lp_base),
            "expert_merged": run(kernel(served), lp_ref),
-           "expert_unmerged": run(torch_experts(moe_torch._expert_mlp, True), lp_ref)}
+           "expert_unmerged": run(torch_experts(moe_torch._expert_mlp, True), lp_ref),
+           "expert_torch_base_fp32": run(torch_experts(moe_torch._expert_mlp, False, base32), lp_base),
+           "expert_unmerged_fp32": run(torch_experts(moe_torch._expert_mlp, True, base32), lp_ref)}
     if negative_control:
         res["expert_torch_base_rounded"] = run(torch_experts(expert_mlp_rounded_outputs, False), lp_base)
         res["expert_unmerged_rounded"] = run(torch_experts(expert_mlp_rounded_outputs, True), lp_ref)
@@ -251,6 +256,19 @@ def kl_decomposition(llm, model: str, arch, peft, rank: int, alpha: float, promp
         row[mode] = kl(got, lp_ref, start)
         if mode == "merged":
             row["merged_kernel"] = kl(got, lp_served, start)
+    rt = llm.collective_rpc("_moe_lora_runtime")[0]             # the in-process engine's runtime object
+    llm.collective_rpc("moe_lora_clear")
+    precision = rt.expert_precision
+    rt.set_expert_precision("fp32")
+    try:
+        InprocTransport(llm).push(version, zero, rank, alpha)
+        row["base_torch_fp32"] = kl(engine(), lp_base, start)
+        InprocTransport(llm).push(version + 1, peft, rank, alpha)
+        row["unmerged_fp32"] = kl(engine(), lp_ref, start)
+    finally:
+        llm.collective_rpc("moe_lora_clear")
+        rt.set_expert_precision(precision)
+    InprocTransport(llm).push(version + 2, peft, rank, alpha)
     row["refs"] = (ref, base_ref)
     return row
 

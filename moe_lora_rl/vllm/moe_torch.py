@@ -6,12 +6,16 @@ base and LoRA factors alike. Routing reproduces the HF/Megatron math of the fami
 expert bias + group-limited top-k + routed scaling) on vLLM's router logits. Base expert weights are a copy read
 once from the checkpoint (vLLM's kernel holds them prepacked).
 
-Numerics follow vLLM's CPU fused-MoE kernel (csrc/cpu/cpu_fused_moe.cpp), so serving an adapter unmerged costs no
-more bf16 error than the kernel's own: both projections accumulate and stay in fp32 (the gate/up output before the
-activation, the down output before the gate weighting), the activation is rounded once to the serving dtype (the
-down projection's input), the gate-weighted sum over the top-k experts is fp32 and rounded once. The LoRA delta
-(fp32 factors) is added to the fp32 projection before any rounding. A bf16 GEMM cannot write fp32 on CPU, so the
-copy and the factors are fp32 (exact for bf16/fp16 checkpoints) and the GEMMs run in fp32."""
+Numerics, in the order of vLLM's CPU fused-MoE kernel (csrc/cpu/cpu_fused_moe.cpp): the activation is rounded once
+to the serving dtype (the down projection's input), the gate-weighted sum over the top-k experts is fp32 (routed
+scaling folded into the fp32 weights) and rounded once; the LoRA delta (fp32 factors) is computed in fp32 and added
+to the projection before the activation / the weighting. The GEMMs run in the base copy's dtype (EXPERT_PRECISION):
+
+    serving   the copy in the serving dtype: the bf16 GEMMs accumulate in fp32 but torch on CPU writes their
+              outputs in bf16, so the gate/up output is rounded before the activation and the down output before
+              the weighting, where the kernel keeps fp32: ~1.65x the kernel's relative error per MoE layer
+    fp32      an fp32 copy (exact for bf16/fp16 checkpoints; an fp32 checkpoint's own values): the kernel's numerics,
+              at twice the weight bytes per GEMM (the unmerged mode's tokens/s -41% on the medium model, CPU)"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from ..models.arch import MoEArch
 from ..models.naming import naming_for
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PRECISION = {"serving": None, "fp32": torch.float32}   # -> the base copy's dtype (None: the serving dtype)
 
 
 @dataclass
@@ -127,7 +132,8 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, base: BaseExperts, arc
 def _expert_mlp(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, base: BaseExperts,
                 lora: ExpertLoRA | None) -> torch.Tensor:
     """Tokens x [T, H] routed to experts ids [T, k] with weights w [T, k] -> sum_k w * expert(x) [T, H] in fp32, in
-    the order of vLLM's fused-MoE kernel (module docstring); GEMMs in base's dtype (fp32)."""
+    the order of vLLM's fused-MoE kernel (module docstring); base GEMMs in base's dtype, their outputs, the LoRA
+    delta and the sums in fp32."""
     T, k = ids.shape
     E, I = base.w13.shape[0], base.w2.shape[2]
     cd = base.w13.dtype
@@ -140,16 +146,17 @@ def _expert_mlp(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, base: BaseE
     tok = order // k
     xp = x.new_zeros(E, cap, x.shape[1], dtype=cd)
     xp[expert, slot] = x[tok].to(cd)
-    h13 = torch.bmm(xp, base.w13.transpose(1, 2))                           # [E, C, 2I], kept unrounded
+    h13 = torch.bmm(xp, base.w13.transpose(1, 2)).float()                   # [E, C, 2I]
     if lora is not None:
+        f32 = lambda t: t.float()                                           # noqa: E731  (no-op on fp32)
         r = lora.b1.shape[2]
-        t = torch.bmm(xp, lora.a13.to(cd).transpose(1, 2))                  # [E, C, 2r]
-        h13[..., :I] += torch.bmm(t[..., :r], lora.b1.to(cd).transpose(1, 2))
-        h13[..., I:] += torch.bmm(t[..., r:], lora.b3.to(cd).transpose(1, 2))
-    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(x.dtype).to(cd)            # the kernel's one rounding inside
-    y = torch.bmm(h, base.w2.transpose(1, 2))                               # [E, C, H], kept unrounded
+        t = torch.bmm(f32(xp), f32(lora.a13).transpose(1, 2))               # [E, C, 2r]
+        h13[..., :I] += torch.bmm(t[..., :r], f32(lora.b1).transpose(1, 2))
+        h13[..., I:] += torch.bmm(t[..., r:], f32(lora.b3).transpose(1, 2))
+    h = (F.silu(h13[..., :I]) * h13[..., I:]).to(x.dtype)                   # the kernel's one rounding inside
+    y = torch.bmm(h.to(cd), base.w2.transpose(1, 2)).float()                # [E, C, H]
     if lora is not None:
-        y += torch.bmm(torch.bmm(h, lora.a2.to(cd).transpose(1, 2)), lora.b2.to(cd).transpose(1, 2))
+        y += torch.bmm(torch.bmm(f32(h), f32(lora.a2).transpose(1, 2)), f32(lora.b2).transpose(1, 2))
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, tok, (y[expert, slot] * w.reshape(-1)[order, None]).float())
+    out.index_add_(0, tok, y[expert, slot] * w.reshape(-1)[order, None].float())
     return out

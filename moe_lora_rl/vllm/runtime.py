@@ -8,7 +8,9 @@ under expert parallelism):
         merged        W_base + s * B @ A folded into the weights of vLLM's own MoE kernel at each commit (merge.py);
                       the MoE path runs vLLM's code only
         unmerged      the MoE block's forward replaced by batched routed experts in plain torch (moe_torch.py) +
-                      vLLM's shared experts (with their hooks); routing capture is fed from our router
+                      vLLM's shared experts (with their hooks); routing capture is fed from our router; its GEMMs
+                      run in the serving dtype or in fp32 (expert_precision, moe_torch.EXPERT_PRECISION: fp32 has
+                      the numerics of vLLM's own MoE kernel, at twice the weight bytes)
 
 Adapter versions (versions.py holds the policy): `switch` holds one version, the newest, for every token;
 `pin` (unmerged only) holds up to max_versions versions at once and serves each request on the version it was
@@ -34,7 +36,8 @@ from ..models.checkpoint import HFCheckpoint
 from ..models.naming import naming_for
 from .adapter_set import AdapterSet
 from .merge import MergedExperts
-from .moe_torch import BaseExperts, ExpertLoRA, load_base_experts, routed_experts, stack_expert_lora
+from .moe_torch import (EXPERT_PRECISION, BaseExperts, ExpertLoRA, load_base_experts, routed_experts,
+                        stack_expert_lora)
 from .versions import (UNTRACKED_SALT, VersionTable, cache_salt, check_inflight_config, check_mode,
                        external_id)
 
@@ -92,9 +95,16 @@ class TokenGroups:
         return self._cache[key]
 
 
+def _check_precision(p: str) -> str:
+    if p not in EXPERT_PRECISION:
+        raise ValueError(f"expert_precision={p!r}: expected one of {sorted(EXPERT_PRECISION)}")
+    return p
+
+
 class LoRARuntime:
     def __init__(self, model, model_dir: str | Path, mode: str = "unmerged", dtype: torch.dtype | None = None,
-                 inflight: str = "switch", max_versions: int | None = None, on_full: str = "wait"):
+                 inflight: str = "switch", max_versions: int | None = None, on_full: str = "wait",
+                 expert_precision: str = "serving"):
         import transformers
 
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -106,6 +116,7 @@ class LoRARuntime:
         self.mode = check_mode(mode)
         self.table = VersionTable(check_inflight_config(mode, inflight, max_versions, on_full))
         self.dtype = dtype or next(model.parameters()).dtype
+        self.expert_precision = _check_precision(expert_precision)
         self.arch: MoEArch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(str(self.model_dir)))
         self.layers = model.model.layers
         self.blocks = {li: layer.mlp for li, layer in enumerate(self.layers) if self.arch.moe_layers[li]}
@@ -129,9 +140,8 @@ class LoRARuntime:
         return None if v is None else self.adapters[v]
 
     # -- base expert weights, read once from the served checkpoint -------------------------------------------
-    # unmerged: fp32, the dtype its GEMMs accumulate and stay in (moe_torch.py: vLLM's kernel order); merged: the
-    # checkpoint's own dtype, so W + s*B@A is rounded to the serving dtype once (an fp32 checkpoint read in bf16 first
-    # would be rounded twice)
+    # unmerged: the dtype its GEMMs run in (expert_precision); merged: the checkpoint's own dtype, so W + s*B@A is
+    # rounded to the serving dtype once (an fp32 checkpoint read in bf16 first would be rounded twice)
     def _load(self, layer: int, dtype: torch.dtype | None) -> BaseExperts:
         if not hasattr(self, "_ckpt"):
             self._ckpt = HFCheckpoint(self.model_dir)
@@ -139,7 +149,7 @@ class LoRARuntime:
 
     def _base_experts(self, layer: int) -> BaseExperts:
         if layer not in self._base:
-            self._base[layer] = self._load(layer, torch.float32)
+            self._base[layer] = self._load(layer, EXPERT_PRECISION[self.expert_precision] or self.dtype)
         return self._base[layer]
 
     def _pristine_experts(self, layer: int) -> BaseExperts:
@@ -279,6 +289,16 @@ class LoRARuntime:
             self._base = {}
         self.mode = mode
 
+    def set_expert_precision(self, precision: str) -> None:
+        """The unmerged experts' GEMM precision (moe_torch.EXPERT_PRECISION); only while no adapter is served."""
+        _check_precision(precision)
+        if precision != self.expert_precision and self.active is not None:
+            raise ValueError(f"cannot change the expert precision to {precision!r} while adapter version "
+                             f"{self.active.version} is served (moe_lora_clear first)")
+        if precision != self.expert_precision:
+            self._base = {}
+        self.expert_precision = precision
+
     def activate(self, adapter: AdapterSet) -> dict:
         """Hold `adapter` as the newest version (switch: instead of the previous one; pin: beside the versions
         running requests use); returns timings. Nothing changes unless every step before the swap succeeded."""
@@ -343,4 +363,5 @@ class LoRARuntime:
     def status(self) -> dict:
         a = self.active
         return {"version": a.version if a else None, "checksum": a.checksum if a else None,
-                "num_tensors": a.num_tensors if a else 0, "mode": self.mode, **self.table.status()}
+                "num_tensors": a.num_tensors if a else 0, "mode": self.mode, "expert_precision": self.expert_precision,
+                **self.table.status()}
