@@ -30,7 +30,8 @@ def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(**process_group_kwargs(rc))
+        kw = process_group_kwargs(rc)
+        dist.init_process_group(**kw, **restart_store(kw["timeout"]))
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
@@ -38,6 +39,21 @@ def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, **parallel_state_kwargs(rc))
+
+
+def restart_store(timeout) -> dict:
+    """Under torchrun with the agent's store (static and c10d rendezvous alike), the store of this restart attempt:
+    the agent's TCPStore outlives a restart (--max-restarts), and gloo would read the dead ranks' addresses left
+    there by the previous attempt (connection refused, or a hang); its keys are prefixed by the attempt instead.
+    Outside torchrun: {} (init_process_group's env:// default)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"moe_lora_rl/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world}
 
 
 def teardown() -> None:
