@@ -164,7 +164,8 @@ class GRPORun:
         self.engine_restarts += 1
         if self.rank == 0:
             self.engines.restart(index)
-        pushed = self.push(restarts=False, engines=self._lagging()) if self.policy.version > 0 else 0
+        lagging = self._lagging() if self.policy.version > 0 else []
+        pushed = self.push(restarts=False, engines=lagging) if lagging else 0
         if self.rank == 0 and after_restart is not None:
             after_restart(index)
         return pushed
