@@ -7,7 +7,7 @@ import json
 import time
 
 from ..rollout.engine import make_engine, set_engine_env
-from ..rollout.generate import captured_generate, capturing, start_capture
+from ..rollout.generate import capturing, start_capture
 
 
 def _tps(llm, prompts, gen_len: int, repeats: int) -> float:
@@ -21,28 +21,31 @@ def _tps(llm, prompts, gen_len: int, repeats: int) -> float:
     return repeats * len(prompts) * gen_len / (time.perf_counter() - t0)
 
 
-def _kl_to_reference(llm, model, arch, peft, scale, prompts, gen_len: int) -> float:
-    """Monte-Carlo KL(engine || reference) per generated token: mean of log p_engine - log p_ref over tokens
-    sampled by the engine; reference = HF transformers fp32 with the adapter merged."""
+def _kl_to_reference(llm, model, arch, peft, scale, prompts, gen_len: int) -> tuple[float, float]:
+    """Monte-Carlo KL(engine || reference) per generated token and its standard error: mean of log p_engine -
+    log p_ref over tokens sampled by the engine; reference = HF transformers fp32 with the adapter merged."""
     import torch
-    from vllm import SamplingParams
 
     from ..checks.route_reference import merged_hf_model
+    from ..checks.serve_numerics import mc_kl
 
-    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, seed=1, logprobs=0,
-                        ignore_eos=True)
-    ref = merged_hf_model(model, peft, scale, torch.float32)
-    diffs = []
-    for g in captured_generate(llm, prompts, sp):
-        with torch.no_grad():
-            lp = torch.log_softmax(ref(input_ids=torch.tensor([g.tokens])).logits.double()[0], -1)
-        diffs += [e - lp[len(g.prompt) - 1 + j, tok].item() for j, (tok, e) in enumerate(zip(g.response, g.logprobs))]
-    return float(sum(diffs) / len(diffs))
+    return mc_kl(llm, merged_hf_model(model, peft, scale, torch.float32), prompts, gen_len, seed=1)
+
+
+# exact decomposition fields (checks/serve_numerics.py) -> bench field
+EXACT = {"merged": "kl_exact_bf16_merged", "unmerged": "kl_exact_bf16_unmerged",
+         "unmerged_fp32": "kl_exact_bf16_unmerged_fp32", "base_kernel": "kl_exact_base_kernel",
+         "base_torch": "kl_exact_base_torch", "base_torch_fp32": "kl_exact_base_torch_fp32",
+         "merged_kernel": "kl_exact_merged_kernel", "merged_rounding": "kl_exact_merged_rounding",
+         **{f"expert_{k}": f"kl_exact_expert_{k}" for k in ("kernel_base", "torch_base", "torch_base_fp32", "merged",
+                                                              "unmerged", "unmerged_fp32")}}
+MAX_EXACT_VOCAB = 8192        # full prompt distributions per position: the tiny and medium models' vocabularies
 
 
 def _rounding_loss(model: str, arch, peft, rank: int, scale: float) -> float:
     """||(bf16(W + delta) - W) - delta|| / ||delta|| over every adapted expert weight: how much of the update the
-    bf16 grid of the merged weights drops (W_base read in bf16, the merge in fp32)."""
+    bf16 grid of the merged weights drops (W_base as the merged mode holds it, the checkpoint's values; the merge in
+    fp32)."""
     import torch
 
     from ..models.checkpoint import HFCheckpoint
@@ -54,7 +57,7 @@ def _rounding_loss(model: str, arch, peft, rank: int, scale: float) -> float:
     ad = build_adapter_set(peft, arch, rank=rank, alpha=scale * rank, version=1)
     lost = total = 0.0
     for layer, mods in ad.layers.items():
-        base = load_base_experts(ck, arch, layer, torch.bfloat16)
+        base = load_base_experts(ck, arch, layer, None)
         lora = stack_expert_lora(mods, arch, rank, ad.scale, torch.float32)
         w13, w2 = merge_fp32(base, lora, torch.bfloat16, layer)
         exact13, exact2 = merge_fp32(base, lora, torch.float32, layer)
@@ -116,7 +119,9 @@ def main(argv=None) -> dict:
     import gc
     gc.collect()
     # bf16 engine, prefix caching and capture on: throughput, commit, KL, complete routes for groups of 4
-    llm = make_engine(a.model, prefix_caching=True, disable_log_stats=False, **ENGINE)
+    exact = arch.vocab_size <= MAX_EXACT_VOCAB
+    llm = make_engine(a.model, prefix_caching=True, disable_log_stats=False,
+                      **({"max_logprobs": arch.vocab_size} if exact else {}), **ENGINE)
     res["tps_base"] = _tps(llm, prompts, a.gen_len, a.repeats)
     capture_ok, hits = {}, 0
     for version, mode in enumerate(("merged", "unmerged"), 1):
@@ -126,7 +131,8 @@ def main(argv=None) -> dict:
         res[f"first_commit_s_{mode}"] = tr.push(10 * version, peft, a.rank, alpha).served["commit_s"]
         res[f"commit_s_{mode}"] = tr.push(10 * version + 1, peft, a.rank, alpha).served["commit_s"]
         res[f"tps_{mode}"] = _tps(llm, prompts, a.gen_len, a.repeats)
-        res[f"kl_bf16_{mode}"] = _kl_to_reference(llm, a.model, arch, peft, alpha / a.rank, prompts[:4], a.gen_len)
+        res[f"kl_bf16_{mode}"], res[f"kl_bf16_se_{mode}"] = _kl_to_reference(llm, a.model, arch, peft, alpha / a.rank,
+                                                                             prompts[:4], a.gen_len)
         group_prompts = torch.randint(0, arch.vocab_size, (2, 72), generator=g).tolist()
         with capturing(llm) as meta:
             try:
@@ -137,6 +143,15 @@ def main(argv=None) -> dict:
                 res[f"capture_error_{mode}"] = str(e)
             hits += start_capture(llm)["prefix_route_hits"]
     vllm_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    # the bf16 KL of each mode decomposed, exact (full distributions) on the same sequences; leaves it unmerged
+    if exact:
+        from ..checks.serve_numerics import kl_decomposition
+
+        parts = kl_decomposition(llm, a.model, arch, peft, a.rank, alpha, prompts[:8], a.gen_len, seed=1,
+                                 first_version=50)
+        res.update({field: parts[key] for key, field in EXACT.items()})
+    else:
+        res.update({field: None for field in EXACT.values()})
     # the engine loop (unmerged, the mode pin needs): its overhead on the same requests, and pushes while it runs
     from ..rollout.loop import EngineLoop
     from .serve_inflight import inflight_pushes, loop_vs_batch_call
