@@ -52,7 +52,8 @@ class MoELoRAWorkerExtension:
 
         extra = getattr(self.vllm_config, "additional_config", None) or {}
         cfg = {"mode": extra.get("moe_lora_serving", "unmerged"), "inflight": extra.get("moe_lora_inflight", "switch"),
-               "max_versions": extra.get("moe_lora_max_versions"), "on_full": extra.get("moe_lora_on_full", "wait")}
+               "max_versions": extra.get("moe_lora_max_versions"), "on_full": extra.get("moe_lora_on_full", "wait"),
+               "expert_precision": extra.get("moe_lora_expert_precision", "serving")}
         check_inflight_config(cfg["mode"], cfg["inflight"], cfg["max_versions"], cfg["on_full"])
         return cfg
 
