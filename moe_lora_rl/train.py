@@ -16,9 +16,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .rl.console import log_warnings_to, route_warnings
+    from .rl.console import log_warnings_to, quiet_progress, route_warnings
 
     route_warnings()                  # dependencies' noise to out_dir's log only (rl/console.py)
+    quiet_progress()
     from .rl import config, preflight
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -3,6 +3,7 @@ the run (a dependency telling it has no Apex or Transformer Engine on CPU, depre
 kept out of it by rules on their source module; every warning, shown or not, goes in full to the run's log file.
 
     route_warnings()                        # first thing in main(): warnings are held until a log file is given
+    quiet_progress()                        # transformers' per-file bars (building and warm-starting the model)
     log_warnings_to(out_dir / "warnings-rank0.log")
 
 Called by the entry point only (never at import): a program that imports this package keeps its own warnings.
@@ -104,3 +105,16 @@ def log_warnings_to(path) -> Path:
         _router.file.flush()
         _router.held.clear()
     return path
+
+
+def quiet_progress() -> None:
+    """No progress bars from transformers / huggingface_hub (writing and loading the built-in model's shards at
+    its first build and warm start): the run's own bar is the one that says something."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:
+        return
+    disable_progress_bars()
