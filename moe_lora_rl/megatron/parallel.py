@@ -42,13 +42,15 @@ def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
 
 
 def restart_store(timeout) -> dict:
-    """Under torchrun with the agent's store (static and c10d rendezvous alike), the store of this restart attempt:
-    the agent's TCPStore outlives a restart (--max-restarts), and gloo would read the dead ranks' addresses left
-    there by the previous attempt (connection refused, or a hang); its keys are prefixed by the attempt instead.
-    Outside torchrun: {} (init_process_group's env:// default)."""
+    """Under a single-node torchrun with the agent's store (static and c10d rendezvous alike), the store of this
+    restart attempt: the agent's TCPStore outlives a restart (--max-restarts), and gloo would read the dead ranks'
+    addresses left there by the previous attempt (connection refused, or a hang); its keys are prefixed by the
+    attempt instead. Several nodes (GROUP_WORLD_SIZE > 1), whose agents count restarts differently, and runs outside
+    torchrun: {} (init_process_group's env:// default)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
+            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return {}         # several torchrun agents: a healthy node's agent restarts without counting (torch's agent)
     world = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timeout)

@@ -39,14 +39,14 @@ class AsyncGRPORun(GRPORun):
             self.pipe.start()
         self.trained_samples = self.dropped_samples = self.consumed_tokens = 0
         self._engine_step_s_seen = self._engine_step_s()
-        self.engine_busy_s = 0.0          # the engine's stepping seconds in this loop, across restarts
+        self.engine_busy_s = 0.0          # the engines' stepping seconds in this loop (per engine), across restarts
         try:
             for step in range(start, cfg.steps):
                 m = self.async_step(step)
                 if step + 1 == cfg.steps and self.rank == 0:
                     self.pipe.stop()          # nothing more to produce: the last evaluation has the engine
                 if self.eval_due(step + 1):
-                    evals[step + 1] = m["eval"] = self.evaluate(self._eval_version())
+                    evals[step + 1] = m["eval"] = self.evaluate(self._eval_version(), after_restart=self.pipe_recover)
                 m["wall_s"] = time.perf_counter() - self.t_rl
                 history.append(m)
                 self.log.log(step + 1, m)
@@ -93,14 +93,14 @@ class AsyncGRPORun(GRPORun):
     def _eval_version(self) -> int | None:
         return self.policy.version if self.cfg.inflight == "pin" and self.policy.version > 0 else None
 
-    def _engine_step_s(self) -> float:
-        """Seconds the engines' loops have spent stepping, per engine (rank 0; 0 elsewhere)."""
+    def _engine_step_s(self) -> list[float]:
+        """Seconds each engine's loop has spent stepping (rank 0; [] elsewhere)."""
         if self.rank != 0:
-            return 0.0
+            return []
         try:
-            return sum(float(st["loop"]["step_s"]) for st in self.engines.status()) / len(self.engines)
+            return [float(st["loop"]["step_s"]) for st in self.engines.status()]
         except Exception:  # noqa: BLE001 - a figure for the metrics only; a dead engine is handled by the loop
-            return 0.0
+            return [0.0] * len(self.engines)
 
     def step_metrics(self, samples, dropped: int, version: int, batch, proximal, wait_s: float) -> dict:
         from .step import effective_sample_size
@@ -127,8 +127,9 @@ class AsyncGRPORun(GRPORun):
             out["tokens_produced_per_s"] = self.pipe.produced_tokens / wall
             out["groups_in_flight"] = self.pipe.in_flight()
             out["ahead_max"] = self.pipe.gate.ahead_max
-            cur = sum(float(st["loop"]["step_s"]) for st in sts) / len(sts)  # a restarted engine counts from 0
-            self.engine_busy_s += cur - self._engine_step_s_seen if cur >= self._engine_step_s_seen else cur
+            cur = [float(st["loop"]["step_s"]) for st in sts]
+            for now, seen in zip(cur, self._engine_step_s_seen):      # a restarted engine counts from 0
+                self.engine_busy_s += (now - seen if now >= seen else now) / len(cur)
             self._engine_step_s_seen = cur
             out["rollout_idle_frac"] = min(1.0, max(0.0, 1.0 - self.engine_busy_s / wall))
             out["train_idle_frac"] = self.pipe.wait_s / wall

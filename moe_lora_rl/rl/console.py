@@ -71,7 +71,10 @@ class _Router:
         self._log(text)
         if quiet(filename, str(message), category) is None:
             self.shown += 1
-            (file or sys.stderr).write(text)
+            try:
+                (file or sys.stderr).write(text)
+            except OSError:       # a closed stream: as Python's own showwarning, the warning is not an error
+                pass
 
     def _log(self, text: str) -> None:
         self.logged += 1

@@ -42,8 +42,9 @@ class Producer:
         if cfg.mode == "async":          # the engine keeps generating while versions change
             kw |= {"inflight": cfg.inflight, "on_full": "wait",
                   "max_versions": cfg.max_staleness + 1 if cfg.inflight == "pin" else None}
-        if n > 1 and cfg.runtime.device == "cpu":      # replicas on this host share its cores
-            kw["threads"] = max(1, len(os.sched_getaffinity(0)) // n)
+        here = sum(p.transport == "shm" for p in where)
+        if here > 1 and cfg.runtime.device == "cpu":   # replicas on this host share its cores
+            kw["threads"] = max(1, len(os.sched_getaffinity(0)) // here)
         self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                       log_dir=self.out, seed=cfg.seed, **kw)
 
@@ -96,10 +97,10 @@ class Producer:
                 for s, p in zip(samples, problems)]
 
     # -- evaluation ---------------------------------------------------------------------------------------------
-    def evaluate(self, version: int | None = None) -> float:
+    def evaluate(self, version: int | None = None, keep: dict | None = None) -> float:
         """Held-out success rate: data.eval_samples responses per problem, sampled at the training temperature with
-        seeds fixed for the run. version (a pin engine): every request served with that held version, while other
-        requests go on."""
+        seeds fixed for the run, the problems spread over the engines. version (a pin engine): every request served
+        with that held version, while other requests go on. keep: as in generate."""
         from ..rollout.replicas import spread
         from .hf_sampling import prompt_ids
 
@@ -115,7 +116,7 @@ class Producer:
             return sum(self.rewards(out, [self.eval_problems[q] for q in mine for _ in range(k)]))
 
         parts = spread(len(self.eval_problems), len(self.engines))
-        done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {})
+        done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
         return sum(done.values()) / (len(self.eval_problems) * k)
 
     def stop(self) -> None:

@@ -44,8 +44,9 @@ def plain_text(problem: Problem) -> str:
 
 
 def encode_prompts(tokenizer, problems: list[Problem], template: str = "chat") -> list[list[int]]:
-    if template == "plain":
-        return [list(tokenizer(plain_text(p), add_special_tokens=True)["input_ids"]) for p in problems]
+    if template == "plain":                 # no special tokens but a BOS (some tokenizers would append an EOS)
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        return [bos + list(tokenizer(plain_text(p), add_special_tokens=False)["input_ids"]) for p in problems]
     if template != "chat":
         raise ValueError(f"template={template!r}: expected 'chat' or 'plain'")
     out = tokenizer.apply_chat_template([messages(p) for p in problems], add_generation_prompt=True, tokenize=True)

@@ -150,9 +150,10 @@ class GRPORun:
             self._restart(what, value, attempt, after_restart)
 
     def _restart(self, what: str, died: tuple, attempt: int, after_restart=None) -> int:
-        """Every rank: restart the dead engine (rank 0; died = (why, its index)), push the current version to every
-        engine that does not serve it (the restarted one; after a failed push, those it did not reach), then
-        after_restart() on rank 0; or give up once engine_restarts is spent. The bytes pushed."""
+        """Every rank: restart the dead engine (rank 0; died = (why, its index)) and any other engine found dead,
+        push the current version to every engine that does not serve it (the restarted ones; after a failed push,
+        those it did not reach), then after_restart(i) on rank 0 for each restarted engine; or give up once
+        engine_restarts is spent. The bytes pushed."""
         why, index = died
         if attempt == self.cfg.engine_restarts:
             raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
@@ -162,20 +163,40 @@ class GRPORun:
                       f"({attempt + 1}/{self.cfg.engine_restarts}), pushing adapter version "
                       f"{self.policy.version}, repeating {what}")
         self.engine_restarts += 1
-        if self.rank == 0:
-            self.engines.restart(index)
-        lagging = self._lagging() if self.policy.version > 0 else []
+        lagging, restarted = self._revive(index)
         pushed = self.push(restarts=False, engines=lagging) if lagging else 0
         if self.rank == 0 and after_restart is not None:
-            after_restart(index)
+            for i in restarted:
+                after_restart(i)
         return pushed
 
-    def _lagging(self) -> list[int]:
-        """The engines that do not serve the current version (rank 0 asks them; every rank learns)."""
-        out = None
+    def _revive(self, index: int) -> tuple[list[int], list[int]]:
+        """Rank 0 restarts engine `index` and every other engine that no longer answers; every rank learns which
+        engines do not serve the current version and which were restarted (or rank 0's error, raised everywhere)."""
+        from ..rollout.client import EngineDied
+
+        result = None
         if self.rank == 0:
-            out = [i for i, e in enumerate(self.engines) if e.status().get("version") != self.policy.version]
-        return _broadcast(out)
+            try:
+                self.engines.restart(index)
+                restarted, lagging = [index], []
+                for i, e in enumerate(self.engines):
+                    try:
+                        served = e.status().get("version")
+                    except EngineDied:
+                        self.log.note(f"rollout engine {i} is gone too; restarting it")
+                        e.restart()
+                        restarted.append(i)
+                        served = None
+                    if self.policy.version > 0 and served != self.policy.version:
+                        lagging.append(i)
+                result = ("ok", (lagging, restarted))
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
+                result = ("error", e)
+        kind, value = _broadcast(result)
+        if kind == "error":
+            raise value if self.rank == 0 else RuntimeError(f"rank 0 failed to restart the rollout engine: {value}")
+        return value
 
     # -- the trainer side ---------------------------------------------------------------------------------------
     def train(self, samples, plans) -> tuple[dict, object, torch.Tensor]:
@@ -227,11 +248,16 @@ class GRPORun:
                 result = ("ok", res.bytes)
         except EngineDied as e:               # the begin's failure reaches every rank; the rest only rank 0
             result = _died(e)
+        except Exception as e:  # noqa: BLE001 - e.g. a refused commit on rank 0: every rank must learn it
+            result = ("error", e)
         if self.rank == 0:
             self.busy["rollout"] += time.perf_counter() - t0
         kind, value = _broadcast(result)
         if kind == "ok":
             return value
+        if kind == "error":
+            raise value if self.rank == 0 else RuntimeError(f"rank 0 failed to push version "
+                                                            f"{self.policy.version}: {value}")
         if not restarts:
             raise RuntimeError(f"the rollout engine died again while version {self.policy.version} was pushed "
                                f"to the restarted engine: {value[0]}")
@@ -240,16 +266,19 @@ class GRPORun:
     def transport(self, engines=None):
         return self.engines.transport(engines)
 
-    def evaluate(self, version: int | None = None) -> float:
-        """Held-out success rate (Producer.evaluate on rank 0; the result on every rank)."""
+    def evaluate(self, version: int | None = None, after_restart=None) -> float:
+        """Held-out success rate (Producer.evaluate on rank 0; the result on every rank). An engine's death repeats
+        only that engine's share."""
+        keep: dict = {}
+
         def run_eval():
             t0 = time.perf_counter()
-            out = self.prod.evaluate(version)
+            out = self.prod.evaluate(version, keep)
             self.eval_s += time.perf_counter() - t0
             self.busy["rollout"] += time.perf_counter() - t0
             return out
 
-        return self._on_engine("the held-out evaluation", run_eval)
+        return self._on_engine("the held-out evaluation", run_eval, after_restart)
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def run_meta(self) -> dict:
@@ -297,9 +326,9 @@ class GRPORun:
         self.setup()
         self.resuming = self.resumes()
         start, history, evals, state = self.resume() if self.resuming else (0, [], {}, {})
-        self.start_engine()
         self.log = MetricsLogger(self.out, total_steps=cfg.steps, enabled=self.rank == 0,
                                  resumed_at=start if self.resuming else None)
+        self.start_engine()
         if self.resuming:
             self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version}, "
                           f"{self.out / 'checkpoints'}, resume={str(cfg.resume).lower()})")

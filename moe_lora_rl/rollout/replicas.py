@@ -20,9 +20,18 @@ from .client import EngineDied, RolloutEngine
 class ReplicaDied(EngineDied):
     """Engine `index` of the replicas is gone (its message and log tail in the text)."""
 
-    def __init__(self, index: int, cause: BaseException):
+    def __init__(self, index: int, cause):
         super().__init__(f"engine {index}: {cause}")
         self.index = index
+
+    def __reduce__(self):                # it travels to the other ranks (a push's broadcast of the begin's failure)
+        return _replica_died, (self.index, str(self))
+
+
+def _replica_died(index: int, message: str) -> "ReplicaDied":
+    e = ReplicaDied(index, "")
+    e.args = (message,)
+    return e
 
 
 def spread(n_units: int, n_engines: int) -> list[list[int]]:

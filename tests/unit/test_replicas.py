@@ -30,6 +30,15 @@ class FakeEngine:
         return self.name
 
 
+def test_replica_died_travels_to_other_ranks():
+    """A push's begin failure is broadcast to every rank (pickled): it must arrive whole, index included."""
+    import pickle
+
+    e = pickle.loads(pickle.dumps(ReplicaDied(1, EngineDied("exited with code -9"))))
+    assert isinstance(e, ReplicaDied) and isinstance(e, EngineDied) and e.index == 1
+    assert str(e) == "engine 1: exited with code -9"
+
+
 def test_map_keeps_finished_engines_and_names_the_dead_one():
     engines = Replicas([FakeEngine("e0"), FakeEngine("e1", die=True), FakeEngine("e2")])
     keep = {}
