@@ -48,11 +48,6 @@ class Producer:
         self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                       log_dir=self.out, seed=cfg.seed, **kw)
 
-    @property
-    def engine(self):
-        """The first engine (the only one unless rollout.engines > 1)."""
-        return self.engines[0] if self.engines is not None else None
-
     # -- prompts and groups -------------------------------------------------------------------------------------
     def prompt(self, problem: int) -> list[int]:
         """The prompt ids of a training problem (tokenised once)."""

@@ -19,34 +19,12 @@ from ..megatron.parallel import init_distributed
 from ..megatron.run_config import prepare_host
 from .batch import policy_batch
 from .config import TrainConfig
-from .preflight import base_model_dir, run_config
+from .preflight import run_config
 from .prompting import resolve_template
 from .groups import group_plan
-from .task import TaskSpec, make_split
-
-
-def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
-    """The checkpoint the run starts from, and its warm start: the seconds it took (measured now, or recorded when
-    it was trained, if cached) and whether it was cached."""
-    if cfg.model.path is not None or not cfg.model.warm_start:
-        return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
-    from .warm_start import warm_started
-
-    t0 = time.perf_counter()
-    path = warm_started(cfg.model.family, cfg.model.size)
-    took = time.perf_counter() - t0
-    recorded = json.loads((path / "moe_lora_rl_warm_start.json").read_text())["train_wall_s"]
-    cached = took < 0.5 * recorded
-    return path, {"warmup_s": recorded if cached else took, "warmup_cached": cached, "warm_start": True}
-
-
-def load_problems(cfg: TrainConfig):
-    from .dataset import problems_from_rows, read_rows
-
-    spec = TaskSpec(length=cfg.data.length, n_eval=cfg.data.n_eval)
-    train = problems_from_rows(read_rows(cfg.data.train_file)) if cfg.data.train_file else make_split(spec, "train")
-    held = problems_from_rows(read_rows(cfg.data.eval_file)) if cfg.data.eval_file else make_split(spec, "eval")
-    return train, held
+from .inputs import load_problems, model_dir
+from .samples import _numel, samples_digest, token_versions
+from .survivor import _Survivor, _died
 
 
 def _broadcast(obj, src: int = 0):
@@ -409,62 +387,9 @@ class GRPORun:
         return n * per
 
 
-def _died(e: BaseException) -> tuple[str, tuple[str, int]]:
-    """What every rank learns of a dead engine: one line of its message, and which engine (rollout/replicas.py)."""
-    return "died", (" ".join(str(e).split())[:300], getattr(e, "index", 0))
-
-
-class _Survivor:
-    """Rank 0's transport during a collective push: once the engine is found dead, the remaining buckets are not
-    sent (the other ranks still stream theirs to the end) and the commit raises EngineDied, so that every rank
-    leaves the push together and learns of it."""
-
-    def __init__(self, inner):
-        self._inner, self._died = inner, None
-
-    def _send_bucket(self, version, index, tensors):
-        from ..rollout.client import EngineDied
-
-        if self._died is None:
-            try:
-                return self._inner._send_bucket(version, index, tensors)
-            except EngineDied as e:
-                self._died = e
-
-    def _call(self, method, *args):
-        if self._died is not None:
-            raise self._died
-        return self._inner._call(method, *args)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def run_class(cfg: TrainConfig):
     if cfg.mode == "async":
         from .async_run import AsyncGRPORun
 
         return AsyncGRPORun
     return GRPORun
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
-
-
-def token_versions(samples) -> list[int]:
-    """The adapter versions that produced the samples' tokens (0: the base model); one in a synchronous step."""
-    return sorted({0 if v is None else int(v) for s in samples for v in (s.versions or [None])})
-
-
-def samples_digest(samples) -> str:
-    """sha256 of the step's prompts and sampled tokens, in order (equal runs draw equal samples)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for smp in samples:
-        h.update(json.dumps([list(smp.prompt), list(smp.response)]).encode())
-    return h.hexdigest()

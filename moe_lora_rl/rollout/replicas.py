@@ -156,6 +156,3 @@ class FanOut:
 
     def _reset_prefix_cache(self) -> None:
         self._each(lambda t: t._reset_prefix_cache())
-
-    def status(self) -> dict:
-        return self._call("moe_lora_status")
