@@ -16,6 +16,7 @@ BENCHES = {
     "rollout": "moe_lora_rl.bench.rollout",
     "verl": "moe_lora_rl.bench.verl",
     "async": "moe_lora_rl.bench.async_rl",
+    "r3_ab": "moe_lora_rl.bench.r3_ab",
 }
 
 

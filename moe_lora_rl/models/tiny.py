@@ -39,11 +39,19 @@ SPECS: dict[tuple[str, str], dict] = {
         moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
         use_qk_norm=False, num_mtp_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    ("glm4_moe", "small"): dict(      # the RL default: learns the synthetic task in minutes on 2 CPU cores
+    ("glm4_moe", "small"): dict(      # the former RL default: learns the synthetic task in minutes on 2 CPU cores
         architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, n_routed_experts=16,
         n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         moe_intermediate_size=128, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
+        use_qk_norm=False, num_mtp_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    ("glm4_moe", "wide"): dict(       # the RL default: 128 fine-grained experts, top-8 in 4 of 8 groups (DeepSeek-V3's
+        # routing at a small scale), a shared expert; as many active routed parameters per token as "small"
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, n_routed_experts=128,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        moe_intermediate_size=64, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
         use_qk_norm=False, num_mtp_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     ("qwen3_moe", "medium"): dict(
@@ -60,8 +68,26 @@ SPECS: dict[tuple[str, str], dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 FAMILIES = sorted({f for f, _ in SPECS})
-SIZES = ("tiny", "small", "medium")
-_DTYPE = {"tiny": "float32", "small": "float32", "medium": "bfloat16"}
+SIZES = ("tiny", "small", "wide", "medium")
+_DTYPE = {"tiny": "float32", "small": "float32", "wide": "float32", "medium": "bfloat16"}
+
+
+def check_routing(family: str, size: str, spec: dict) -> None:
+    """The routing of a spec is one the model and the Megatron builder can run: experts split evenly into groups,
+    topk_group groups of n_group, top-k within the experts those groups hold. ValueError naming the value."""
+    experts = spec.get("n_routed_experts", spec.get("num_experts"))
+    topk = spec["num_experts_per_tok"]
+    groups, topk_group = spec.get("n_group", 1) or 1, spec.get("topk_group", 1) or 1
+    where = f"model {family!r}/{size!r}"
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{where}: routed experts={experts!r} must be a positive integer")
+    if experts % groups:
+        raise ValueError(f"{where}: n_group={groups} does not divide the {experts} routed experts")
+    if not 1 <= topk_group <= groups:
+        raise ValueError(f"{where}: topk_group={topk_group} must be in 1..n_group={groups}")
+    if not 1 <= topk <= topk_group * (experts // groups):
+        raise ValueError(f"{where}: num_experts_per_tok={topk} is more than the {topk_group} of {groups} groups "
+                         f"allow ({topk_group} x {experts // groups} experts)")
 
 
 def cache_root() -> Path:
@@ -93,6 +119,7 @@ def build_hf_config(family: str, size: str):
 
     if (family, size) not in SPECS:
         raise ValueError(f"no model spec {family!r}/{size!r}; known: {sorted(SPECS)}")
+    check_routing(family, size, SPECS[(family, size)])
     spec = {**_COMMON, **SPECS[(family, size)]}
     cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__
     cfg = cls(**spec)

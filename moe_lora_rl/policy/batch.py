@@ -64,3 +64,4 @@ class LogprobResult:
     logprobs: torch.Tensor                      # [N, S-1] fp32 on every rank (0 where the label is padding)
     disagreement: dict[int, float] | None       # r3: per global MoE layer, fraction of routed-token decisions
     recorded: RoutesBatch | None                # record: this pass's routes in the capture format
+    token_disagreement: float | None = None     # r3: fraction of routed tokens differing in >= 1 MoE layer

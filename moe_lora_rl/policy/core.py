@@ -147,7 +147,7 @@ class Policy:
                 full[ids] = lp.float()
         dist.all_reduce(full)                   # one contributor per row: the last stage's TP rank 0 of its DP rank
         full = torch.where(batch.label_mask(), full, torch.zeros(()))
-        return LogprobResult(full, res.disagreement, res.recorded)
+        return LogprobResult(full, res.disagreement, res.recorded, res.token_disagreement)
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
     def update(self, batch: PolicyBatch, old_logprobs: torch.Tensor, *, replay: str = "r3",

@@ -24,7 +24,8 @@ from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
-from ..router_replay.staging import check_routes, disagreement, gather_recorded, queue_routes, stage_view
+from ..router_replay.staging import (check_routes, disagreement, gather_recorded, queue_routes, stage_view,
+                                     token_disagreement)
 from .model import build_from_hf
 from .step import StepResult, adapter_step
 
@@ -36,6 +37,7 @@ class PassResult:
     outputs: list                               # on_output's results (last pipeline stage; empty elsewhere)
     disagreement: dict[int, float] | None       # replay with measure: per global MoE layer (every rank)
     recorded: RoutesBatch | None                # record: the pass's routes in the capture format (every rank)
+    token_disagreement: float | None = None     # replay with measure: routed tokens differing in >= 1 layer
 
 
 class TrainingCore:
@@ -81,9 +83,11 @@ class TrainingCore:
                 outs = run_schedule(self.model, microbatches, forward_only=forward_only, on_output=on_output,
                                     seq_length=seq_length, micro_batch_size=micro_batch_size)
             self.replayer.check_consumed()
-            dis = disagreement(self.replayer, self.arch.num_layers) if replay == "replay" and measure else None
+            measured = replay == "replay" and measure
+            dis = disagreement(self.replayer, self.arch.num_layers) if measured else None
+            tok = token_disagreement(self.replayer) if measured else None
             rec = gather_recorded(self.replayer, rows, lengths, seq_length, self.view) if replay == "record" else None
-            return PassResult(list(outs), dis, rec)
+            return PassResult(list(outs), dis, rec, tok)
         finally:
             self.replayer.clear()
 

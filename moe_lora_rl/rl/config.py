@@ -44,8 +44,9 @@ def _positive(where: str, value, *, zero_ok: bool = False) -> None:
 class ModelSettings:
     family: str = "glm4_moe"
     """Model family of the built-in checkpoints (moe_lora_rl.models)."""
-    size: str = "small"
-    """Built-in size: tiny, small (the RL default), medium."""
+    size: str = "wide"
+    """Built-in size: tiny, small (the former RL default: 16 experts, top-4), wide (the RL default: 128 experts, top-8,
+    routing as fragile as a real MoE's), medium."""
     path: Optional[str] = None
     """An HF checkpoint directory to use instead of the built-in model (no warm start is run for it)."""
     warm_start: bool = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..router_replay.metrics import k3_kl, ratio_exceeds
+from ..router_replay.metrics import k3_kl, ratio_exceeds, routes_disagreement
 
 
 def mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *, prefix: str) -> dict:
@@ -15,9 +15,15 @@ def mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tenso
 
 
 def step_diagnostics(rollout_lp: torch.Tensor, mask: torch.Tensor, *, replayed: torch.Tensor | None,
-                     unreplayed: torch.Tensor | None, disagreement: dict[int, float] | None) -> dict:
+                     unreplayed: torch.Tensor | None, disagreement: dict[int, float] | None,
+                     token_disagreement: float | None = None, free_routes=None, rollout_routes=None) -> dict:
     """replayed: training logprobs under R3 (None when the run does not replay rollout routes); unreplayed: the
-    recompute without replay of the same rows."""
+    recompute without replay of the same rows; disagreement: per MoE layer, the fraction of router decisions where
+    the trainer's own top-k differs from the rollout's (at each layer, on the rollout's routes upstream);
+    token_disagreement: the fraction of tokens with such a decision in at least one layer; free_routes: the
+    trainer's own routes without replay (every layer routing freely, so a flip upstream changes what follows), with
+    rollout_routes: the R3 paper's router- and token-level disagreement (free_disagreement,
+    free_token_disagreement)."""
     out: dict = {}
     if replayed is not None:
         out.update(mismatch(replayed, rollout_lp, mask, prefix="r3_"))
@@ -26,4 +32,9 @@ def step_diagnostics(rollout_lp: torch.Tensor, mask: torch.Tensor, *, replayed: 
     if disagreement:
         out["disagreement"] = sum(disagreement.values()) / len(disagreement)
         out.update({f"disagreement_layer{l}": v for l, v in sorted(disagreement.items())})
+    if token_disagreement is not None:
+        out["token_disagreement"] = token_disagreement
+    if free_routes is not None and rollout_routes is not None:
+        free = routes_disagreement(free_routes, rollout_routes)
+        out["free_disagreement"], out["free_token_disagreement"] = free["decisions"], free["tokens"]
     return out

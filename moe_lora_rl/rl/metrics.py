@@ -31,19 +31,27 @@ KL_NO_R3 = "no_r3_kl"
 """The same KL with the training router choosing its own experts."""
 DISAGREEMENT = "disagreement"
 """Fraction of the training router's top-k choices not among the rollout's, mean over MoE layers."""
+TOKEN_DISAGREEMENT = "token_disagreement"
+"""Fraction of tokens where the training router differs from the rollout's in at least one MoE layer."""
 
 JSONL = "metrics.jsonl"
 TB_DIR = "tb"
-BAR = (("reward", (REWARD,)), ("kl", (KL_R3, KL_NO_R3)), ("dis", (DISAGREEMENT,)))
+BAR = (("reward", (REWARD,)), ("kl", (KL_R3, KL_NO_R3)), ("dis", ("free_disagreement", DISAGREEMENT)))
 """Progress-bar fields: the first of the keys present in the latest record."""
 PANELS = (("Reward (train)", (REWARD,), False), ("Held-out success", (EVAL_SUCCESS,), False),
-          ("Train-inference KL", (KL_R3, KL_NO_R3), True), ("Router disagreement", (DISAGREEMENT,), False))
+          ("Train-inference KL", (KL_R3, KL_NO_R3), True),
+          ("Router disagreement", ("free_disagreement", "free_token_disagreement", DISAGREEMENT), False),
+          ("Tokens with ratio > 2, F(2)", ("r3_ratio_gt2", "no_r3_ratio_gt2"), False),
+          ("Update", ("grad_norm", "pg_clipfrac"), False))
 """plot's panels: (title, keys, log scale)."""
 ASYNC_PANELS = (("Staleness (versions)", ("staleness_max", "staleness_mean"), False),
                 ("Dropped, ESS, idle", ("dropped_frac", "ess", "rollout_idle_frac", "train_idle_frac"), False))
 """plot's extra row for a mode=async run (rl/async_run.py's per-step keys)."""
 LABELS = {REWARD: "reward", EVAL_SUCCESS: "held-out success", KL_R3: "with R3", KL_NO_R3: "without R3",
-          DISAGREEMENT: "training vs rollout top-k", "staleness_max": "max", "staleness_mean": "mean",
+          DISAGREEMENT: "decisions, on replayed routes", TOKEN_DISAGREEMENT: "tokens (>= 1 layer), on replayed routes",
+          "free_disagreement": "decisions", "free_token_disagreement": "tokens (>= 1 layer)", "r3_ratio_gt2": "with R3",
+          "no_r3_ratio_gt2": "without R3", "grad_norm": "grad norm", "pg_clipfrac": "clip fraction",
+          "staleness_max": "max", "staleness_mean": "mean",
           "dropped_frac": "dropped (cumulative)", "ess": "ESS of IS weights", "rollout_idle_frac": "engine idle",
           "train_idle_frac": "trainer idle"}
 
@@ -162,8 +170,9 @@ class MetricsLogger:
 
 
 def plot(jsonl_path, png_path, *, title: str | None = None) -> Path:
-    """Reward, held-out success, train-inference KL with and without R3, and router disagreement over steps, as a
-    2x2 PNG (a panel whose keys were never logged says so); a mode=async run adds a row: staleness, and the dropped
+    """Reward, held-out success, train-inference KL with and without R3, router disagreement (decisions and
+    tokens), the fraction of tokens with ratio > 2 with and without R3, grad norm and clip fraction over steps, as a
+    3x2 PNG (a panel whose keys were never logged says so); a mode=async run adds a row: staleness, and the dropped
     fraction, effective sample size and idle fractions."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -16,7 +16,7 @@ def train_on(policy, cfg, batch) -> tuple[dict, bool, torch.Tensor]:
     """The step's metrics, whether it was skipped, and the proximal logprobs it used."""
     a = cfg.algo
     replayed = policy.logprobs(batch, replay="r3")              # R3: the rollout's routes
-    unreplayed = policy.logprobs(batch, replay="record" if cfg.replay == "r2" else "off")
+    unreplayed = policy.logprobs(batch, replay="record")       # the trainer's own routing, recorded
     old = {"r3": replayed, "r2": unreplayed, "off": unreplayed}[cfg.replay]
     ref = policy.logprobs(batch, replay="r3" if cfg.replay == "r3" else "off", adapter=False).logprobs \
         if a.kl_coef > 0 else None
@@ -26,7 +26,9 @@ def train_on(policy, cfg, batch) -> tuple[dict, bool, torch.Tensor]:
                         rollout_is_threshold=a.rollout_is_threshold)
     skipped = upd.pop("skipped")            # a non-finite grad norm: no step, the version unchanged
     diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
-                            unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement)
+                            unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement,
+                            token_disagreement=replayed.token_disagreement,
+                            free_routes=unreplayed.recorded, rollout_routes=batch.routes)
     return {**upd, **diag}, skipped, old.logprobs
 
 

@@ -37,6 +37,11 @@ class WarmStartSpec:
     lr: float = 2e-3
     warmup_steps: int = 20
     seed: int = 0
+    router_lr_scale: float = 1.0
+    """The routers' learning rate relative to lr (0: routers frozen at their initialisation)."""
+    bias_update: float = 0.0
+    """Aux-loss-free load balancing (DeepSeek-V3): after every step each MoE layer's expert bias moves by this much
+    towards balance (down for an expert above the mean load, up below it); 0: off."""
 
     def __post_init__(self):
         for k in ("steps", "batch_size"):
@@ -44,9 +49,16 @@ class WarmStartSpec:
                 raise ValueError(f"warm start {k}={getattr(self, k)} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"warm start lr={self.lr} must be > 0")
+        if not self.router_lr_scale >= 0 or not self.bias_update >= 0:
+            raise ValueError(f"warm start router_lr_scale={self.router_lr_scale}, bias_update={self.bias_update}: "
+                             "must be >= 0")
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "v": WARM_START_VERSION}, sort_keys=True)
+        fields = asdict(self)
+        for k, default in (("router_lr_scale", 1.0), ("bias_update", 0.0)):   # keys of earlier specs unchanged
+            if fields[k] == default:
+                del fields[k]
+        blob = json.dumps({**fields, "v": WARM_START_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -71,7 +83,18 @@ def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
     problems = make_split(spec.task, "train")
     rng = random.Random(f"warm_start:{spec.seed}")
     torch.manual_seed(spec.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    router_params = {id(m.weight) for m in routers}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in router_params], "lr": spec.lr}]
+    if routers and spec.router_lr_scale > 0:
+        groups.append({"params": [m.weight for m in routers], "lr": spec.lr * spec.router_lr_scale})
+    for m in routers:
+        m.weight.requires_grad_(spec.router_lr_scale > 0)
+    if not routers:
+        groups[0]["params"] = list(model.parameters())
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
+    real = {}                                                      # the current batch's real-token mask
+    loads, hooks = _load_counters(routers, spec.bias_update > 0, real)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / spec.warmup_steps))
     model.train()
     wall = cpu = 0.0
@@ -80,25 +103,62 @@ def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         ids, mask, labels = sft_batch(tokenizer, [problems[rng.randrange(len(problems))]
                                                   for _ in range(spec.batch_size)])
+        real["mask"] = mask.reshape(-1).bool()
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
+        _balance(routers, loads, spec.bias_update)
         wall += time.perf_counter() - t0
         cpu += time.process_time() - c0
         if on_step is not None:
             on_step(step, loss.item())
+    for h in hooks:
+        h.remove()
     return {"steps": spec.steps, "final_loss": loss.item(), "train_wall_s": wall, "train_cpu_s": cpu}
 
 
-def warm_started(family: str = "glm4_moe", size: str = "small", spec: WarmStartSpec = WarmStartSpec(),
+def default_spec(size: str) -> WarmStartSpec:
+    """The warm start of a built-in size. "wide" keeps its routers at their initialisation and balances their
+    load with the expert bias: its routers' top-k margins stay as small as a load-balanced trained router's, where
+    bf16 rounding in the rollout flips decisions as often as in real MoE models (training the routers on this
+    task sharpens them until almost nothing flips)."""
+    return WarmStartSpec(router_lr_scale=0.0, bias_update=0.01) if size == "wide" else WarmStartSpec()
+
+
+def _load_counters(routers, on: bool, real: dict) -> tuple[list[torch.Tensor], list]:
+    """Per router, a tensor counting the real tokens (real["mask"]) routed to each expert, filled by forward
+    hooks; and the hooks' handles."""
+    loads = [torch.zeros(m.e_score_correction_bias.numel()) for m in routers]
+    hooks = []
+    if not on:
+        return loads, hooks
+    for m, load in zip(routers, loads):
+        def hook(mod, args, out, load=load):
+            idx = out[2][real["mask"]]
+            load += torch.bincount(idx.reshape(-1), minlength=load.numel()).to(load.dtype)
+        hooks.append(m.register_forward_hook(hook))
+    return loads, hooks
+
+
+@torch.no_grad()
+def _balance(routers, loads: list[torch.Tensor], speed: float) -> None:
+    """DeepSeek-V3's bias update: bias_i += speed * sign(mean load - load_i); the counters restart."""
+    for m, load in zip(routers, loads):
+        if speed > 0 and load.sum() > 0:
+            m.e_score_correction_bias += speed * torch.sign(load.mean() - load).to(m.e_score_correction_bias.dtype)
+        load.zero_()
+
+
+def warm_started(family: str = "glm4_moe", size: str = "wide", spec: WarmStartSpec | None = None,
                  model_seed: int = 0) -> Path:
     """Path of the cached warm-started checkpoint (base model get_model(family, size, model_seed)), training it
     first if needed; its moe_lora_rl_warm_start.json records the spec and the measured training time."""
     import transformers
 
+    spec = default_spec(size) if spec is None else spec
     base = get_model(family, size, model_seed)
     root = cache_root()
     out = root / f"{spec_key(family, size, model_seed)}-warm-{spec.key()}"

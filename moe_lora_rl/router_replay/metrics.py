@@ -31,3 +31,24 @@ def router_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     same = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)
     return float(1.0 - same.double().mean())
+
+
+def routes_disagreement(a, b) -> dict:
+    """Two RoutesBatch of the same samples (e.g. the trainer's own routing, recorded, and the rollout's): the
+    fraction of router decisions (token x layer x top-k slot) of `a` whose expert is not among `b`'s, and the
+    fraction of tokens with such a decision in at least one MoE layer (the R3 paper's router- and token-level
+    disagreement)."""
+    if tuple(a.layer_ids) != tuple(b.layer_ids) or a.topk != b.topk or len(a.samples) != len(b.samples):
+        raise ValueError(f"routes of layers {list(a.layer_ids)} top-{a.topk} for {len(a.samples)} samples cannot be "
+                         f"compared with layers {list(b.layer_ids)} top-{b.topk} for {len(b.samples)} samples")
+    bad = tokens = bad_tokens = 0
+    for i, (x, y) in enumerate(zip(a.samples, b.samples)):
+        if x.shape != y.shape:
+            raise ValueError(f"sample {i}: routes of shapes {x.shape} and {y.shape} cannot be compared")
+        x, y = torch.from_numpy(x.astype("int64")), torch.from_numpy(y.astype("int64"))
+        differs = ~(x.unsqueeze(-1) == y.unsqueeze(-2)).any(-1)          # [tokens, layers, k]
+        bad += int(differs.sum())
+        tokens += x.shape[0]
+        bad_tokens += int(differs.flatten(1).any(-1).sum())
+    decisions = tokens * len(a.layer_ids) * a.topk
+    return {"decisions": bad / decisions if decisions else 0.0, "tokens": bad_tokens / tokens if tokens else 0.0}

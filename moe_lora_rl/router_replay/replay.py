@@ -42,6 +42,7 @@ class RouteReplay:
         self.recorded: list[torch.Tensor] = []
         self.measure_queue: deque[torch.Tensor | None] = deque()   # per queued microbatch: real-token mask or None
         self.disagree = [0, 0]             # [decisions the router would have made differently, decisions measured]
+        self.token_flags: list[torch.Tensor] = []   # per measured microbatch: real token differs in >= 1 decision
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if self.mode is Mode.DISABLED:
@@ -84,6 +85,7 @@ class RouteReplay:
         chosen = (got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1)
         self.disagree[0] += int((~chosen).sum())
         self.disagree[1] += chosen.numel()
+        self.token_flags.append((~chosen).any(-1).cpu())
 
 
 class RouterReplayer:
@@ -140,6 +142,19 @@ class RouterReplayer:
             r.disagree = [0, 0]
         return out
 
+    def pop_token_flags(self) -> torch.Tensor | None:
+        """Per measured real token of this stage (microbatches in schedule order), whether the router of any of
+        this stage's layers would have chosen differently; None on a stage without MoE layers."""
+        if not self.replays:
+            return None
+        per_layer = [torch.cat(r.token_flags) if r.token_flags else torch.zeros(0, dtype=torch.bool)
+                     for r in self.replays]
+        for r in self.replays:
+            r.token_flags = []
+        if len({t.numel() for t in per_layer}) != 1:
+            raise AssertionError(f"layers measured different token counts: {[t.numel() for t in per_layer]}")
+        return torch.stack(per_layer).any(0)
+
     def check_consumed(self) -> None:
         """Every queued route used exactly once (and every recompute copy too)."""
         left = {r.layer: (len(r.queue), len(r.recompute_queue)) for r in self.replays
@@ -158,6 +173,7 @@ class RouterReplayer:
         for r in self.replays:
             r.queue.clear(), r.recompute_queue.clear(), r.measure_queue.clear()
             r.recorded, r.disagree, r.mode, r.keep_replayed = [], [0, 0], Mode.DISABLED, False
+            r.token_flags = []
 
     def detach(self) -> None:
         for router in self.routers:

@@ -89,6 +89,25 @@ def disagreement(replayer: RouterReplayer, num_layers: int) -> dict[int, float]:
     return {l: float(counts[l, 0] / counts[l, 1]) for l in range(num_layers) if counts[l, 1] > 0}
 
 
+def token_disagreement(replayer: RouterReplayer) -> float:
+    """Fraction of routed tokens where the router's own top-k differs from the replayed route in at least one MoE
+    layer, over the whole global batch and every pipeline stage's layers (collective over the world)."""
+    from megatron.core import parallel_state as ps
+
+    flags = replayer.pop_token_flags()
+    stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, flags, group=ps.get_pipeline_model_parallel_group())
+    stages = [f for f in stages if f is not None]               # the same tokens in the same order on every stage
+    if len({f.numel() for f in stages}) != 1:
+        raise AssertionError(f"pipeline stages measured different token counts: {[f.numel() for f in stages]}")
+    any_layer = torch.stack(stages).any(0)
+    counts = torch.tensor([float(any_layer.sum()), float(any_layer.numel())], dtype=torch.float64)
+    if ps.get_pipeline_model_parallel_rank() != 0:
+        counts.zero_()                  # one stage counts; DP ranks add other samples, SP ranks other positions
+    dist.all_reduce(counts)             # (TP ranks without sequence parallelism count the same tokens twice)
+    return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+
+
 def gather_recorded(replayer: RouterReplayer, microbatches: list[list[int]], lengths: list[int], padded_len: int,
                     view: StageView) -> RoutesBatch:
     """R2: the routes this pass recorded on every rank, as one RoutesBatch in the capture format (collective)."""

@@ -120,7 +120,7 @@ def test_plot_png(run, tmp_path):
     out, _ = run
     png = M.plot(out / M.JSONL, tmp_path / "plot.png")
     img = imread(png)
-    assert img.shape[:2] == (700, 1000) and png.stat().st_size > 20_000
+    assert img.shape[:2] == (1050, 1000) and png.stat().st_size > 20_000
     rgb = img[..., :3].reshape(-1, 3)
     colors = {tuple(c) for c in np.round(rgb, 2)}
     assert len(colors) > 50, len(colors)                          # lines, text and axes, not a blank canvas

@@ -1,10 +1,11 @@
 """The project's model factories: deterministic, cached, loadable in HF transformers, of the sizes promised."""
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
 
 from moe_lora_rl.models import get_model
-from moe_lora_rl.models.tiny import _write, build_hf_config
+from moe_lora_rl.models.tiny import SPECS, _write, build_hf_config
 
 
 def _params(family, size):
@@ -51,3 +52,34 @@ def test_glm_checkpoint_has_deepseek_routing_tensors():
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in w
     bias = w["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.shape == (16,) and bias.abs().max() > 0
+
+
+def test_wide_is_the_realistic_routing_default():
+    """128 fine-grained routed experts, top-8 within 4 of 8 groups and a shared expert (DeepSeek-V3's routing at a
+    small scale), as many active routed parameters per token as "small", small enough for 2 CPU cores."""
+    from moe_lora_rl.models.arch import arch_from_hf_config
+    from moe_lora_rl.rl.config import ModelSettings
+
+    arch = arch_from_hf_config(build_hf_config("glm4_moe", "wide"))
+    small = arch_from_hf_config(build_hf_config("glm4_moe", "small"))
+    assert (arch.num_experts, arch.topk, arch.num_groups, arch.group_topk) == (128, 8, 8, 4)
+    assert arch.score_function == "sigmoid" and arch.expert_bias and arch.shared_expert_ffn > 0
+    assert arch.topk * arch.moe_ffn_hidden_size == small.topk * small.moe_ffn_hidden_size
+    assert 10e6 < _params("glm4_moe", "wide") < 25e6
+    assert ModelSettings().size == "wide" and ("glm4_moe", "small") in SPECS     # the former default, by name
+
+
+def test_routing_spec_errors_name_the_value():
+    from moe_lora_rl.models.tiny import check_routing
+
+    wide = SPECS[("glm4_moe", "wide")]
+    for bad, match in (({"num_experts_per_tok": 65}, r"num_experts_per_tok=65 is more than the 4 of 8 groups allow "
+                                                     r"\(4 x 16 experts\)"),
+                       ({"n_group": 6}, "n_group=6 does not divide the 128 routed experts"),
+                       ({"topk_group": 9}, r"topk_group=9 must be in 1..n_group=8"),
+                       ({"n_routed_experts": 0}, "routed experts=0 must be a positive integer")):
+        with pytest.raises(ValueError, match=match):
+            check_routing("glm4_moe", "x", {**wide, **bad})
+    check_routing("glm4_moe", "wide", {**wide, "num_experts_per_tok": 64})           # the most 4 groups hold
+    with pytest.raises(ValueError, match=r"no model spec 'glm4_moe'/'huge'"):
+        build_hf_config("glm4_moe", "huge")

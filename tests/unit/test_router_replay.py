@@ -218,3 +218,46 @@ def test_real_token_mask_and_unalign_invert_align():
         unalign_microbatch(torch.zeros(5, 2), 2, padded_len=6)
     with pytest.raises(ValueError, match="sequence length 5 does not split over 2 sequence-parallel ranks"):
         real_token_mask([5], padded_len=5, tp_rank=0, tp_size=2, sequence_parallel=True)
+
+
+def test_token_flags_or_over_a_stages_layers():
+    from moe_lora_rl.router_replay.replay import RouterReplayer
+
+    a, b = (RouteReplay(layer=l, num_experts=8, topk=2, recompute=False) for l in (1, 2))
+    rr = RouterReplayer.__new__(RouterReplayer)
+    rr.replays, rr.routers = [a, b], []
+    rr.set_mode(Mode.REPLAY)
+    scores = torch.tensor([[9., 8, 0, 0, 0, 0, 0, 0]] * 4)                         # own top-2: {0, 1}
+    ok, bad = torch.tensor([[0, 1]]), torch.tensor([[0, 7]])
+    # token 0: differs in layer 1 only; token 1: in layer 2 only; token 2: nowhere; token 3: padding (differs)
+    rr.queue_microbatch([torch.cat([bad, ok, ok, bad]), torch.cat([ok, bad, ok, bad])],
+                        real=torch.tensor([True, True, True, False]))
+    for r in (a, b):
+        r.get_replay_topk(scores, 2, default_compute_topk=_default_topk)
+    assert rr.pop_token_flags().tolist() == [True, True, False]
+    assert rr.pop_token_flags().tolist() == []                                      # popped
+    assert rr.pop_disagreement() == {1: (1, 6), 2: (1, 6)}
+    empty = RouterReplayer.__new__(RouterReplayer)
+    empty.replays, empty.routers = [], []
+    assert empty.pop_token_flags() is None                                          # a stage without MoE layers
+
+
+def test_routes_disagreement_decisions_and_tokens():
+    from moe_lora_rl.router_replay.metrics import routes_disagreement
+
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(n * 2)]).reshape(n, 2, 4).numpy()
+               for n in (5, 7)]
+    rollout = RoutesBatch(samples, layer_ids=(1, 3), num_experts=16, topk=4)
+    same = RoutesBatch([s[:, :, ::-1].copy() for s in samples], (1, 3), 16, 4)     # order within top-k ignored
+    assert routes_disagreement(same, rollout) == {"decisions": 0.0, "tokens": 0.0}
+    changed = [s.copy() for s in samples]
+    for s, (t, l, k) in zip(changed, ((0, 0, 1), (6, 1, 3))):                       # one new expert in each sample
+        s[t, l, k] = next(e for e in range(16) if e not in s[t, l])
+    changed[1][2, 0, 0] = next(e for e in range(16) if e not in changed[1][2, 0])  # and one more token
+    got = routes_disagreement(RoutesBatch(changed, (1, 3), 16, 4), rollout)
+    assert got == {"decisions": 3 / (12 * 2 * 4), "tokens": 3 / 12}
+    with pytest.raises(ValueError, match=r"layers \[1, 3\] top-4 for 2 samples cannot be compared with layers"):
+        routes_disagreement(rollout, RoutesBatch(samples, (1, 2), 16, 4))
+    with pytest.raises(ValueError, match=r"sample 0: routes of shapes \(5, 2, 4\) and \(4, 2, 4\)"):
+        routes_disagreement(rollout, RoutesBatch([samples[0][:4], samples[1]], (1, 3), 16, 4))

@@ -52,3 +52,58 @@ def test_spec_validation():
     with pytest.raises(ValueError, match="steps=0"):
         WarmStartSpec(steps=0)
     assert WarmStartSpec().key() != WarmStartSpec(steps=401).key()
+
+
+def test_frozen_routers_and_bias_balancing(tiny):
+    """router_lr_scale=0 leaves the routers' weights as initialised while everything else trains; bias_update moves
+    each expert bias by exactly that much per step, down for the experts above the mean load (DeepSeek-V3's
+    aux-loss-free balancing). Control: without balancing the biases stay put."""
+    import transformers
+
+    path, tok = tiny
+    spec = WarmStartSpec(task=TaskSpec(length=5, n_eval=64), steps=2, batch_size=4, router_lr_scale=0.0,
+                         bias_update=0.01)
+    init = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    torch.set_num_threads(1)
+    train(model, tok, spec)
+    before = dict(init.named_parameters())
+    for name, p in model.named_parameters():
+        frozen = name.endswith("mlp.gate.weight")
+        assert torch.equal(p, before[name]) == frozen, name
+    bias0 = dict(init.named_buffers())
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            steps = (b - bias0[name]) / 0.01
+            assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 2 + 1e-4 and steps.abs().max() > 0.5
+    assert len(routers[0]._forward_hooks) == 0                   # train() removed its own hooks
+    control = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    train(control, tok, dataclasses.replace(spec, bias_update=0.0))
+    assert all(torch.equal(b, bias0[n]) for n, b in control.named_buffers() if n.endswith("e_score_correction_bias"))
+
+
+def test_balance_moves_bias_against_load():
+    from moe_lora_rl.rl.warm_start import _balance
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("e_score_correction_bias", torch.zeros(4))
+
+    r = Router()
+    load = torch.tensor([5.0, 1.0, 3.0, 3.0])                      # mean 3
+    _balance([r], [load], 0.1)
+    assert r.e_score_correction_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+    assert load.sum() == 0                                          # the counters restart
+
+
+def test_default_spec_keys_are_stable():
+    """Adding the router options did not change the cache key of the former default's warm start."""
+    from moe_lora_rl.rl.warm_start import default_spec
+
+    assert WarmStartSpec().key() == "09ae454a10" == default_spec("small").key()
+    wide = default_spec("wide")
+    assert (wide.router_lr_scale, wide.bias_update) == (0.0, 0.01) and wide.key() != WarmStartSpec().key()
+    with pytest.raises(ValueError, match="router_lr_scale=-1"):
+        WarmStartSpec(router_lr_scale=-1)

@@ -1,0 +1,117 @@
+"""r3_ab: the main job with R3 (replay=r3) and without it (replay=off) at the same seeds, side by side in one run,
+in a stress setting, with the held-out success, train-inference KL, grad norm and clip fraction curves as a PNG.
+
+    python -m moe_lora_rl.bench r3_ab --json [--model DIR] [--layouts tp1ep1pp1] [--setting stress] [--seeds 0,1]
+        [--steps N] [--png FILE] [--out DIR] [-- k=v ...]
+
+--setting: a named set of overrides (SETTINGS below; "default" is the main job as it is). Each seed runs both
+replay modes on the same rollouts seeds. kl_r3 / kl_off: the train-inference k3 KL of the policy each run trains
+(R3: the trainer on the rollout's routes; off: the trainer routing itself), mean over steps and seeds. A run has
+collapsed when its final held-out success is below its start, or fell by more than 0.1 from its best.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from ..rl.metrics import read_jsonl
+from .async_rl import _ints
+from .common import emit
+from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+
+SETTINGS = {
+    "default": [],
+    "stress": ["algo.lr=1e-2", "algo.rollout_is=off"],
+}
+"""Named settings: hydra overrides added to both replay modes."""
+CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)), ("Grad norm", ("grad_norm",)),
+          ("Clip fraction", ("pg_clipfrac",)))
+
+
+def collapsed(evals: dict) -> bool:
+    vals = [evals[k] for k in sorted(evals, key=int)]
+    return vals[-1] < vals[0] or max(vals) - vals[-1] > 0.1
+
+
+def curve(records: list[dict], replay: str) -> list[dict]:
+    """Per step: held-out success (where evaluated), the trained policy's KL, grad norm and clip fraction."""
+    kl = "r3_kl" if replay == "r3" else "no_r3_kl"
+    return [{"step": r["step"], **({"eval": r["eval"]} if "eval" in r else {}),
+             **({"kl": r[kl]} if kl in r else {}), **{k: r[k] for k in ("grad_norm", "pg_clipfrac") if k in r}}
+            for r in records]
+
+
+def plot(curves: dict, png: Path, title: str) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 7), dpi=100)
+    FigureCanvasAgg(fig)
+    for ax, (name, (key,)) in zip(fig.subplots(2, 2).ravel(), CURVES):
+        for (replay, seed), rows in sorted(curves.items()):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, color="C0" if replay == "r3" else "C3", ls="-" if seed == min(s for _, s in curves)
+                        else "--", marker="o" if key == "eval" else None, ms=3, label=f"{replay} seed {seed}")
+        if key == "kl":
+            ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    return png
+
+
+def main(argv=None) -> dict:
+    argv, extra = split_overrides(argv)
+    ap = job_parser("r3_ab", __doc__, "every run")
+    ap.add_argument("--setting", default="stress", help=f"one of {sorted(SETTINGS)}")
+    ap.add_argument("--seeds", default="0,1", help="comma-separated seeds; each runs with and without R3")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
+    ap.add_argument("--png", default=None, help="write the curves here (default: OUT/r3_ab.png with --out)")
+    a = ap.parse_args(argv)
+    if a.setting not in SETTINGS:
+        raise ValueError(f"--setting={a.setting!r} is not one of {sorted(SETTINGS)}")
+    seeds = _ints(a.seeds, "--seeds")
+    lay, layout_over, model_over = job_layout(a, "r3_ab")
+    if a.timeout <= 0 or (a.steps is not None and a.steps < 1):
+        raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}: must be positive")
+    base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
+    for replay in ("r3", "off"):
+        _preflight([*base, f"replay={replay}"], 2)
+    t0 = time.time()
+    runs, curves = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(a.out or tmp)
+        for seed in seeds:
+            for replay in ("r3", "off"):
+                out = root / f"{replay}-s{seed}"
+                runs[replay, seed] = run_job(2, [*base, f"replay={replay}", f"seed={seed}"], out, a.timeout)
+                curves[replay, seed] = curve(read_jsonl(out / "metrics.jsonl"), replay)
+        png = Path(a.png) if a.png else (root / "r3_ab.png" if a.out else None)
+        if png is not None:
+            plot(curves, png, f"R3 vs no replay, setting {a.setting!r}, seeds {seeds}")
+
+    def mean(replay, key):
+        return sum(runs[replay, s][key] for s in seeds) / len(seeds)
+
+    out = {"eval_start": mean("r3", "eval_start"), "eval_end_r3": mean("r3", "eval_end"),
+           "eval_end_off": mean("off", "eval_end"), "kl_r3": mean("r3", "kl_mean_r3"),
+           "kl_off": mean("off", "kl_mean_no_r3"), "ratio_gt2_r3": mean("r3", "ratio_gt2"),
+           "ratio_gt2_off": mean("off", "ratio_gt2_no_r3"), "grad_norm_r3": mean("r3", "grad_norm_mean"),
+           "grad_norm_off": mean("off", "grad_norm_mean"), "clipfrac_r3": mean("r3", "clipfrac_mean"),
+           "clipfrac_off": mean("off", "clipfrac_mean"),
+           "collapsed_r3": sum(collapsed(runs["r3", s]["evals"]) for s in seeds),
+           "collapsed_off": sum(collapsed(runs["off", s]["evals"]) for s in seeds),
+           "evals": {f"{r}-s{s}": runs[r, s]["evals"] for r, s in sorted(runs)},
+           "setting": " ".join(SETTINGS[a.setting] + extra) or "default", "seeds": seeds,
+           "steps": runs["r3", seeds[0]]["steps"], "layout": lay.name, "png": str(png) if png else None,
+           "bench_wall_s": round(time.time() - t0, 1)}
+    emit(out, a.json)
+    return out
