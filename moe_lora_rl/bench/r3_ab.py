@@ -22,9 +22,11 @@ from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
 
 SETTINGS = {
     "default": [],
-    "stress": ["algo.lr=1e-2", "algo.rollout_is=off"],
+    "lr3e-3_no_is": ["algo.lr=3e-3", "algo.rollout_is=off"],
+    "lr1e-2_no_is": ["algo.lr=1e-2", "algo.rollout_is=off"],
 }
-"""Named settings: hydra overrides added to both replay modes."""
+"""Named settings: hydra overrides added to both replay modes. default: the main job as it is; the others are the
+stresses tried (README, "What R3 changes"): a larger learning rate without the rollout correction."""
 CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)), ("Grad norm", ("grad_norm",)),
           ("Clip fraction", ("pg_clipfrac",)))
 
@@ -71,7 +73,7 @@ def plot(curves: dict, png: Path, title: str) -> Path:
 def main(argv=None) -> dict:
     argv, extra = split_overrides(argv)
     ap = job_parser("r3_ab", __doc__, "every run")
-    ap.add_argument("--setting", default="stress", help=f"one of {sorted(SETTINGS)}")
+    ap.add_argument("--setting", default="default", help=f"one of {sorted(SETTINGS)}")
     ap.add_argument("--seeds", default="0,1", help="comma-separated seeds; each runs with and without R3")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/r3_ab.png with --out)")
@@ -79,6 +81,9 @@ def main(argv=None) -> dict:
     if a.setting not in SETTINGS:
         raise ValueError(f"--setting={a.setting!r} is not one of {sorted(SETTINGS)}")
     seeds = _ints(a.seeds, "--seeds")
+    own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("replay", "seed", "out_dir")]
+    if own:
+        raise ValueError(f"override {own[0]!r}: r3_ab sets replay, seed and out_dir itself (--seeds, --out)")
     lay, layout_over, model_over = job_layout(a, "r3_ab")
     if a.timeout <= 0 or (a.steps is not None and a.steps < 1):
         raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}: must be positive")
