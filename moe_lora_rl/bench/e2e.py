@@ -6,7 +6,9 @@ a control; each under torchrun on this machine.
 --model: an HF checkpoint to train instead of the built-in warm-started model (model.path=DIR, no warm start).
 --layouts: the one layout both runs use. Anything after `--` is passed to both runs as hydra overrides.
 Targets on 2 cores: wall_s <= 600 (warmup_s <= 300, reported separately), eval_start in [0.10, 0.40],
-eval_end - eval_start >= 0.15, |eval_end_lr0 - eval_start| <= 0.03, kl_mean_r3 <= 0.5 * kl_mean_no_r3.
+eval_end - eval_start >= 0.15, |eval_end_lr0 - eval_start| <= 0.03, kl_mean_r3 <= kl_mean_no_r3 / 3, ratio_gt2 <=
+ratio_gt2_no_r3 / 3; on the default model free_disagreement_mean >= 0.03 and free_token_disagreement_mean >= 0.30
+(the trainer routing freely vs the bf16 rollout's routes: decisions, tokens with one in >= 1 MoE layer).
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from ..checks.launch import worker_env
 from ..checks.train_runs import train_command
 from .common import emit
 
-KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3", "kl_mean_no_r3",
-        "ratio_gt2", "ratio_gt5", "disagreement_mean", "refit_bytes_per_step", "full_bytes", "rollout_busy_frac",
-        "train_busy_frac", "steps")
+KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3",
+        "kl_mean_no_r3", "ratio_gt2", "ratio_gt5", "ratio_gt2_no_r3", "ratio_gt5_no_r3", "disagreement_mean",
+        "token_disagreement_mean", "free_disagreement_mean", "free_token_disagreement_mean", "refit_bytes_per_step",
+        "full_bytes", "rollout_busy_frac", "train_busy_frac", "steps")
 
 
 def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float, prefix=()) -> dict:

@@ -1,5 +1,6 @@
 """r3_ab: the main job with R3 (replay=r3) and without it (replay=off) at the same seeds, side by side in one run,
-in a stress setting, with the held-out success, train-inference KL, grad norm and clip fraction curves as a PNG.
+in a named setting (the main job as it is, or a stress), with the held-out success, train-inference KL, grad norm
+and clip fraction curves as a PNG (--png, or OUT/r3_ab.png with --out).
 
     python -m moe_lora_rl.bench r3_ab --json [--model DIR] [--layouts tp1ep1pp1] [--setting stress] [--seeds 0,1]
         [--steps N] [--png FILE] [--out DIR] [-- k=v ...]
@@ -81,9 +82,13 @@ def main(argv=None) -> dict:
     if a.setting not in SETTINGS:
         raise ValueError(f"--setting={a.setting!r} is not one of {sorted(SETTINGS)}")
     seeds = _ints(a.seeds, "--seeds")
-    own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("replay", "seed", "out_dir")]
+    if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds={a.seeds!r}: expected distinct seeds >= 0")
+    own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("replay", "seed", "out_dir", "steps", "model.path")
+           or o.lstrip("+").startswith("layout.")]
     if own:
-        raise ValueError(f"override {own[0]!r}: r3_ab sets replay, seed and out_dir itself (--seeds, --out)")
+        raise ValueError(f"override {own[0]!r}: r3_ab sets replay, seed, out_dir, steps, layout.* and model.path "
+                         "itself (--seeds, --out, --steps, --layouts, --model)")
     lay, layout_over, model_over = job_layout(a, "r3_ab")
     if a.timeout <= 0 or (a.steps is not None and a.steps < 1):
         raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}: must be positive")
@@ -115,7 +120,7 @@ def main(argv=None) -> dict:
            "collapsed_r3": sum(collapsed(runs["r3", s]["evals"]) for s in seeds),
            "collapsed_off": sum(collapsed(runs["off", s]["evals"]) for s in seeds),
            "evals": {f"{r}-s{s}": runs[r, s]["evals"] for r, s in sorted(runs)},
-           "setting": " ".join(SETTINGS[a.setting] + extra) or "default", "seeds": seeds,
+           "setting": a.setting, "overrides": SETTINGS[a.setting] + extra, "seeds": seeds,
            "steps": runs["r3", seeds[0]]["steps"], "layout": lay.name, "png": str(png) if png else None,
            "bench_wall_s": round(time.time() - t0, 1)}
     emit(out, a.json)

@@ -88,6 +88,10 @@ def check_routing(family: str, size: str, spec: dict) -> None:
     if not 1 <= topk <= topk_group * (experts // groups):
         raise ValueError(f"{where}: num_experts_per_tok={topk} is more than the {topk_group} of {groups} groups "
                          f"allow ({topk_group} x {experts // groups} experts)")
+    if family == "glm4_moe" and groups > 1 and topk != 2 * topk_group:
+        raise ValueError(f"{where}: num_experts_per_tok={topk} with topk_group={topk_group}: HF scores a group by its "
+                         "top-2 experts, megatron-core by its top (top-k // topk_group), so they agree only when "
+                         "top-k == 2 * topk_group")
 
 
 def cache_root() -> Path:

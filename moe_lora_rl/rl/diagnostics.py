@@ -23,7 +23,8 @@ def step_diagnostics(rollout_lp: torch.Tensor, mask: torch.Tensor, *, replayed: 
     token_disagreement: the fraction of tokens with such a decision in at least one layer; free_routes: the
     trainer's own routes without replay (every layer routing freely, so a flip upstream changes what follows), with
     rollout_routes: the R3 paper's router- and token-level disagreement (free_disagreement,
-    free_token_disagreement)."""
+    free_token_disagreement) over every routed token of the batch, prompt tokens included (once per sample); in
+    mode=async a token's rollout route may come from an older adapter version, which adds staleness to the figure."""
     out: dict = {}
     if replayed is not None:
         out.update(mismatch(replayed, rollout_lp, mask, prefix="r3_"))

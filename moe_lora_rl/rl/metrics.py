@@ -40,7 +40,8 @@ BAR = (("reward", (REWARD,)), ("kl", (KL_R3, KL_NO_R3)), ("dis", ("free_disagree
 """Progress-bar fields: the first of the keys present in the latest record."""
 PANELS = (("Reward (train)", (REWARD,), False), ("Held-out success", (EVAL_SUCCESS,), False),
           ("Train-inference KL", (KL_R3, KL_NO_R3), True),
-          ("Router disagreement", ("free_disagreement", "free_token_disagreement", DISAGREEMENT), False),
+          ("Router disagreement", ("free_disagreement", "free_token_disagreement", DISAGREEMENT, TOKEN_DISAGREEMENT),
+           False),
           ("Tokens with ratio > 2, F(2)", ("r3_ratio_gt2", "no_r3_ratio_gt2"), False),
           ("Update", ("grad_norm", "pg_clipfrac"), False))
 """plot's panels: (title, keys, log scale)."""

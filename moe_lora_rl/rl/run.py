@@ -8,6 +8,7 @@ mode=async runs rl/async_run.py's loop on the same pieces.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -358,7 +359,7 @@ class GRPORun:
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         def mean(key, rows):
-            vals = [r[key] for r in rows if key in r]
+            vals = [r[key] for r in rows if key in r and math.isfinite(r[key])]   # a skipped step's grad norm
             return sum(vals) / len(vals) if vals else None
 
         k = min(5, len(history))

@@ -1,10 +1,12 @@
 """Supervised warm start of a built-in model on the synthetic task, so RL starts from a low but non-zero success rate.
 
-    path = warm_started("glm4_moe", "small", WarmStartSpec())   # HF checkpoint dir, cached like get_model
+    path = warm_started("glm4_moe", "wide")          # the size's default_spec; HF checkpoint dir, cached like get_model
+    path = warm_started("glm4_moe", "small", WarmStartSpec(steps=100))
 
-Plain HF transformers training on CPU: full fine-tuning of every weight on the training split's prompt -> answer
-pairs (loss on the answer tokens and the end-of-turn token), a fixed number of steps from a fixed seed, one thread
-(deterministic; several threads change reduction order). The held-out split is never seen.
+Plain HF transformers training on CPU: fine-tuning on the training split's prompt -> answer pairs (loss on the answer
+tokens and the end-of-turn token), a fixed number of steps from a fixed seed, one thread (deterministic; several
+threads change reduction order). Every weight trains, except the routers when router_lr_scale=0; bias_update
+balances the experts' load through the expert bias. The held-out split is never seen.
 """
 from __future__ import annotations
 
@@ -84,14 +86,15 @@ def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
     rng = random.Random(f"warm_start:{spec.seed}")
     torch.manual_seed(spec.seed)
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    if not routers and (spec.router_lr_scale != 1.0 or spec.bias_update > 0):
+        raise ValueError(f"warm start router_lr_scale={spec.router_lr_scale}, bias_update={spec.bias_update}: "
+                         f"{type(model).__name__} has no router with an expert bias (DeepSeek-V3-style routing)")
     router_params = {id(m.weight) for m in routers}
     groups = [{"params": [p for p in model.parameters() if id(p) not in router_params], "lr": spec.lr}]
     if routers and spec.router_lr_scale > 0:
         groups.append({"params": [m.weight for m in routers], "lr": spec.lr * spec.router_lr_scale})
     for m in routers:
         m.weight.requires_grad_(spec.router_lr_scale > 0)
-    if not routers:
-        groups[0]["params"] = list(model.parameters())
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     real = {}                                                      # the current batch's real-token mask
     loads, hooks = _load_counters(routers, spec.bias_update > 0, real)
@@ -99,33 +102,39 @@ def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
     model.train()
     wall = cpu = 0.0
     loss = torch.tensor(float("nan"))
-    for step in range(1, spec.steps + 1):
-        t0, c0 = time.perf_counter(), time.process_time()
-        ids, mask, labels = sft_batch(tokenizer, [problems[rng.randrange(len(problems))]
-                                                  for _ in range(spec.batch_size)])
-        real["mask"] = mask.reshape(-1).bool()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        _balance(routers, loads, spec.bias_update)
-        wall += time.perf_counter() - t0
-        cpu += time.process_time() - c0
-        if on_step is not None:
-            on_step(step, loss.item())
-    for h in hooks:
-        h.remove()
+    try:
+        for step in range(1, spec.steps + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            ids, mask, labels = sft_batch(tokenizer, [problems[rng.randrange(len(problems))]
+                                                      for _ in range(spec.batch_size)])
+            real["mask"] = mask.reshape(-1).bool()
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            _balance(routers, loads, spec.bias_update)
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            if on_step is not None:
+                on_step(step, loss.item())
+    finally:
+        for h in hooks:
+            h.remove()
     return {"steps": spec.steps, "final_loss": loss.item(), "train_wall_s": wall, "train_cpu_s": cpu}
 
 
+SIZE_WARM_STARTS = {"wide": dict(router_lr_scale=0.0, bias_update=0.01)}
+"""Per built-in size, how its warm start differs from WarmStartSpec's defaults. "wide" keeps its routers at their
+initialisation and balances their load with the expert bias: its routers' top-k margins stay as narrow as a
+load-balanced trained router's, where bf16 rounding in the rollout flips decisions about as often as in real MoE
+models (training the routers on this task sharpens them until almost nothing flips)."""
+
+
 def default_spec(size: str) -> WarmStartSpec:
-    """The warm start of a built-in size. "wide" keeps its routers at their initialisation and balances their
-    load with the expert bias: its routers' top-k margins stay as small as a load-balanced trained router's, where
-    bf16 rounding in the rollout flips decisions as often as in real MoE models (training the routers on this
-    task sharpens them until almost nothing flips)."""
-    return WarmStartSpec(router_lr_scale=0.0, bias_update=0.01) if size == "wide" else WarmStartSpec()
+    """The warm start of a built-in size (SIZE_WARM_STARTS)."""
+    return WarmStartSpec(**SIZE_WARM_STARTS.get(size, {}))
 
 
 def _load_counters(routers, on: bool, real: dict) -> tuple[list[torch.Tensor], list]:

@@ -98,6 +98,8 @@ def token_disagreement(replayer: RouterReplayer) -> float:
     stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, flags, group=ps.get_pipeline_model_parallel_group())
     stages = [f for f in stages if f is not None]               # the same tokens in the same order on every stage
+    if not stages:
+        return 0.0                                              # no MoE layer measured anywhere
     if len({f.numel() for f in stages}) != 1:
         raise AssertionError(f"pipeline stages measured different token counts: {[f.numel() for f in stages]}")
     any_layer = torch.stack(stages).any(0)

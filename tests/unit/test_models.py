@@ -80,6 +80,8 @@ def test_routing_spec_errors_name_the_value():
                        ({"n_routed_experts": 0}, "routed experts=0 must be a positive integer")):
         with pytest.raises(ValueError, match=match):
             check_routing("glm4_moe", "x", {**wide, **bad})
-    check_routing("glm4_moe", "wide", {**wide, "num_experts_per_tok": 64})           # the most 4 groups hold
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=64 with topk_group=4: HF scores a group by its top-2"):
+        check_routing("glm4_moe", "x", {**wide, "num_experts_per_tok": 64})      # fits the groups, not the builder
+    check_routing("glm4_moe", "x", {**wide, "num_experts_per_tok": 4, "topk_group": 2})
     with pytest.raises(ValueError, match=r"no model spec 'glm4_moe'/'huge'"):
         build_hf_config("glm4_moe", "huge")

@@ -76,7 +76,8 @@ def test_frozen_routers_and_bias_balancing(tiny):
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             steps = (b - bias0[name]) / 0.01
-            assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 2 + 1e-4 and steps.abs().max() > 0.5
+            assert torch.allclose(steps, steps.round(), atol=1e-4)       # whole steps of 0.01
+            assert 0.5 < steps.abs().max() <= 2 + 1e-4
     assert len(routers[0]._forward_hooks) == 0                   # train() removed its own hooks
     control = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     train(control, tok, dataclasses.replace(spec, bias_update=0.0))
@@ -107,3 +108,15 @@ def test_default_spec_keys_are_stable():
     assert (wide.router_lr_scale, wide.bias_update) == (0.0, 0.01) and wide.key() != WarmStartSpec().key()
     with pytest.raises(ValueError, match="router_lr_scale=-1"):
         WarmStartSpec(router_lr_scale=-1)
+
+
+def test_router_options_refused_without_biased_routers():
+    import transformers
+
+    from moe_lora_rl.models import get_model
+
+    path = get_model("qwen3_moe", "tiny")                         # softmax routers: no expert bias to balance
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"bias_update=0.01: Qwen3MoeForCausalLM has no router with an expert bias"):
+        train(model, tok, WarmStartSpec(steps=1, batch_size=2, bias_update=0.01))
