@@ -85,6 +85,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
     out["own_vs_off"] = float((own.logprobs - off.logprobs).abs().max())
     out["off_vs_record"] = float((rec.logprobs - off.logprobs).abs().max())
     out["random_disagreement"] = rnd.disagreement
+    out["own_token_disagreement"], out["random_token_disagreement"] = own.token_disagreement, rnd.token_disagreement
     out["random_vs_off"] = float((rnd.logprobs - off.logprobs).abs().max())
     out["ref_vs_r3"] = float((ref.logprobs - rnd.logprobs).abs().max())
     out["logprobs"] = {"off": off.logprobs, "r3": rnd.logprobs, "ref": ref.logprobs}
@@ -250,6 +251,9 @@ def compare(res: dict, layouts: list[str]) -> dict:
             "own_disagreement": r["own_disagreement"], "own_vs_off": r["own_vs_off"],
             "off_vs_record": r["off_vs_record"],
             "random_disagreement": r["random_disagreement"], "random_vs_off": r["random_vs_off"],
+            "own_token_disagreement": r["own_token_disagreement"],
+            "random_token_disagreement": r["random_token_disagreement"],
+            "random_token_disagreement_vs_ref": abs(r["random_token_disagreement"] - ref["random_token_disagreement"]),
             "ref_vs_r3": r["ref_vs_r3"], "logprobs_same_on_every_rank": r["same_on_every_rank"],
             "stats_same_on_every_rank": r["stats_same_on_every_rank"],
             "logprob_max_diff": {k: float((r["logprobs"][k] - ref["logprobs"][k]).abs().max())

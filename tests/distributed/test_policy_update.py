@@ -16,7 +16,8 @@ Negative control: the same update replaying the routes shuffled over tokens (thr
 routes=...)) differs by > 10% of the gradient scale (measured 164%).
 R3 with the model's own recorded routes: disagreement exactly 0 and the logprobs of replay "off" (<= 5e-5, padding
 positions route differently and fp32 GEMMs over different token sets differ in the last bits); random routes:
-disagreement > 0.5 (expected 1 - 4/16 = 0.75).
+disagreement > 0.5 (expected 1 - 4/16 = 0.75); the fraction of tokens with a differing decision in any layer is 0 for
+the own routes and, for the random ones, the same at every layout.
 """
 import importlib.util
 
@@ -95,6 +96,11 @@ def test_replay_of_own_routes_and_of_random_routes(rep):
         assert r["own_vs_off"] <= 5e-5 and r["off_vs_record"] == 0.0, key
         assert min(r["random_disagreement"].values()) > 0.5, (key, r["random_disagreement"])
         assert r["random_vs_off"] > 0.1, key
+        # tokens with a differing decision in >= 1 MoE layer: counted once whatever the layout (pp2: layers on two
+        # stages; tp2 with sequence parallelism: each rank its slice of positions); at least any layer's fraction
+        assert r["own_token_disagreement"] == 0.0, key
+        assert max(r["random_disagreement"].values()) <= r["random_token_disagreement"] <= 1.0, key
+        assert r["random_token_disagreement_vs_ref"] == 0.0, (key, r["random_token_disagreement"])
 
 
 def test_push_sends_the_adapters(rep):

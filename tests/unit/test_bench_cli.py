@@ -27,12 +27,6 @@ from moe_lora_rl.megatron.layout import Layout
     (["async", "--inflight", "pin", "--max-staleness", "4"], "rollout.max_versions=4"),
 
     (["r3_ab", "--setting", "huge"], "--setting='huge' is not one of"),
-    (["r3_ab", "--seeds", "0,x"], "--seeds='0,x'"),
-    (["r3_ab", "--layouts", "tp2ep2,pp2"], "r3_ab runs one layout"),
-    (["r3_ab", "--", "replay=r2"], "override 'replay=r2': r3_ab sets replay"),
-    (["r3_ab", "--", "layout.tp=2"], "override 'layout.tp=2': r3_ab sets"),
-    (["r3_ab", "--seeds", "0,0"], "--seeds='0,0': expected distinct seeds >= 0"),
-    (["r3_ab", "--", "model.size=huge"], "'glm4_moe'/'huge' is not built in"),
 
     (["verl", "--layouts", "tp2ep3"], "ep=3 does not divide num_experts="),
     (["verl", "--layouts", "pp2ep4"], "--layouts 'pp2ep4': runs on 8 ranks; this bench launches 4"),

@@ -176,12 +176,12 @@ def test_non_finite_grad_norm_skips_the_step_in_both_drivers(drivers):
 
 def _leftovers(replayer) -> dict:
     return {r.layer: (len(r.queue), len(r.recompute_queue), len(r.measure_queue), len(r.recorded), r.disagree,
-                      r.mode.value) for r in replayer.replays}
+                      len(r.token_flags), r.mode.value) for r in replayer.replays}
 
 
 def test_replayer_is_empty_after_an_engine_step(drivers):
     _, eng = drivers
-    empty = {r.layer: (0, 0, 0, 0, [0, 0], "disabled") for r in eng.replayer.replays}
+    empty = {r.layer: (0, 0, 0, 0, [0, 0], 0, "disabled") for r in eng.replayer.replays}
     assert sorted(empty) == [1, 2, 3]
     _engine_call(eng, routes=True)()
     assert _leftovers(eng.replayer) == empty
