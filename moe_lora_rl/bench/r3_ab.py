@@ -25,9 +25,11 @@ SETTINGS = {
     "default": [],
     "lr3e-3_no_is": ["algo.lr=3e-3", "algo.rollout_is=off"],
     "lr1e-2_no_is": ["algo.lr=1e-2", "algo.rollout_is=off"],
+    "bf16_no_is": ["runtime.train_dtype=bfloat16", "algo.rollout_is=off"],
 }
 """Named settings: hydra overrides added to both replay modes. default: the main job as it is; the others are the
-stresses tried (README, "What R3 changes"): a larger learning rate without the rollout correction."""
+stresses tried (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the rollout
+correction."""
 CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)), ("Grad norm", ("grad_norm",)),
           ("Clip fraction", ("pg_clipfrac",)))
 

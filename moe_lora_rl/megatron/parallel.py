@@ -24,14 +24,16 @@ def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
     layout.check_world_size(world)
     rc.check_host()
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:          # a single process without torchrun
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        alone = "MASTER_ADDR" not in os.environ       # a single process without torchrun: an in-memory store, no
+        if alone:                                     # port to race other processes for
+            os.environ.update(RANK="0", WORLD_SIZE="1")
         if rc.device == "cuda":
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         kw = process_group_kwargs(rc)
-        dist.init_process_group(**kw, **restart_store(kw["timeout"]))
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else restart_store(kw["timeout"])
+        dist.init_process_group(**kw, **store)
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():

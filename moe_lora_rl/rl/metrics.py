@@ -42,7 +42,8 @@ PANELS = (("Reward (train)", (REWARD,), False), ("Held-out success", (EVAL_SUCCE
           ("Train-inference KL", (KL_R3, KL_NO_R3), True),
           ("Router disagreement", ("free_disagreement", "free_token_disagreement", DISAGREEMENT, TOKEN_DISAGREEMENT),
            False),
-          ("Tokens with ratio > 2, F(2)", ("r3_ratio_gt2", "no_r3_ratio_gt2"), False),
+          ("Tokens with ratio > tau, F(tau)", ("r3_ratio_gt2", "no_r3_ratio_gt2", "r3_ratio_gt5", "no_r3_ratio_gt5"),
+           False),
           ("Update", ("grad_norm", "pg_clipfrac"), False))
 """plot's panels: (title, keys, log scale)."""
 ASYNC_PANELS = (("Staleness (versions)", ("staleness_max", "staleness_mean"), False),
@@ -50,8 +51,9 @@ ASYNC_PANELS = (("Staleness (versions)", ("staleness_max", "staleness_mean"), Fa
 """plot's extra row for a mode=async run (rl/async_run.py's per-step keys)."""
 LABELS = {REWARD: "reward", EVAL_SUCCESS: "held-out success", KL_R3: "with R3", KL_NO_R3: "without R3",
           DISAGREEMENT: "decisions, on replayed routes", TOKEN_DISAGREEMENT: "tokens (>= 1 layer), on replayed routes",
-          "free_disagreement": "decisions", "free_token_disagreement": "tokens (>= 1 layer)", "r3_ratio_gt2": "with R3",
-          "no_r3_ratio_gt2": "without R3", "grad_norm": "grad norm", "pg_clipfrac": "clip fraction",
+          "free_disagreement": "decisions", "free_token_disagreement": "tokens (>= 1 layer)",
+          "r3_ratio_gt2": "tau=2, with R3", "no_r3_ratio_gt2": "tau=2, without R3", "r3_ratio_gt5": "tau=5, with R3",
+          "no_r3_ratio_gt5": "tau=5, without R3", "grad_norm": "grad norm", "pg_clipfrac": "clip fraction",
           "staleness_max": "max", "staleness_mean": "mean",
           "dropped_frac": "dropped (cumulative)", "ess": "ESS of IS weights", "rollout_idle_frac": "engine idle",
           "train_idle_frac": "trainer idle"}

@@ -197,7 +197,7 @@ def test_replayer_is_empty_after_an_engine_step(drivers):
 
     with pytest.raises(RuntimeError, match="loss failed on microbatch 2"):
         _engine_call(eng, loss_fn=failing_loss, routes=True)()
-    assert all(q == 2 and m == 2 and mode == "replay" for q, _, m, _, _, mode in seen["at_failure"].values()), seen
+    assert all(q == 2 and m == 2 and mode == "replay" for q, _, m, _, _, _, mode in seen["at_failure"].values()), seen
     assert _leftovers(eng.replayer) == empty
     grad_norm, skipped = _engine_call(eng, routes=True)()          # the next step replays cleanly
     assert math.isfinite(grad_norm) and not skipped and _leftovers(eng.replayer) == empty

@@ -15,11 +15,12 @@ def test_layout_against_world_and_model():
     with pytest.raises(ValueError, match="world size"):
         check(["layout.tp=2", "layout.ep=2"], 1)
     with pytest.raises(ValueError, match="ep=3"):
-        check(["layout.ep=3"], 3)               # 16 experts do not split over 3
+        check(["layout.ep=3"], 3)               # 128 experts do not split over 3
     with pytest.raises(ValueError, match="micro_batch_size=16"):
         check(["algo.group_size=4", "algo.prompts_per_step=6"], 2)  # 24 responses, 2 DP ranks x 16
     arch = check([], 2)
-    assert arch.num_experts == 16 and any(arch.moe_layers)
+    assert (arch.num_experts, arch.topk) == (128, 8) and any(arch.moe_layers)      # the default model
+    assert check(["model.size=small"], 2).num_experts == 16                        # the former default, by name
 
 
 def test_async_refusals():
