@@ -26,6 +26,9 @@ def main(argv=None) -> int:
         print(f"usage: python -m moe_lora_rl.bench {{{','.join(BENCHES)}}} [--json] [--model DIR] [--layouts ...]",
               file=sys.stderr)
         return 2
+    from ..rl.console import quiet_progress
+
+    quiet_progress()            # a model built on first use writes no progress bars: one JSON line, or one error line
     try:
         importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
     except ValueError as e:                          # a bad argument or input: one line, no traceback
