@@ -46,14 +46,6 @@ SPECS: dict[tuple[str, str], dict] = {
         moe_intermediate_size=128, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
         use_qk_norm=False, num_mtp_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    ("glm4_moe", "wide"): dict(       # the RL default: 128 fine-grained experts, top-8 in 4 of 8 groups (DeepSeek-V3's
-        # routing at a small scale), a shared expert; as many active routed parameters per token as "small"
-        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=256, intermediate_size=512,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, n_routed_experts=128,
-        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-        moe_intermediate_size=64, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
-        use_qk_norm=False, num_mtp_layers=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     ("qwen3_moe", "medium"): dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048,
         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
@@ -67,6 +59,9 @@ SPECS: dict[tuple[str, str], dict] = {
         use_qk_norm=False, num_mtp_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
+SPECS[("glm4_moe", "wide")] = {    # the RL default: 128 fine-grained experts, top-8 in 4 of 8 groups (DeepSeek-V3's
+    **SPECS[("glm4_moe", "small")],  # routing at a small scale); as many active routed parameters per token as small
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 64}
 FAMILIES = sorted({f for f, _ in SPECS})
 SIZES = ("tiny", "small", "wide", "medium")
 _DTYPE = {"tiny": "float32", "small": "float32", "wide": "float32", "medium": "bfloat16"}

@@ -29,8 +29,12 @@ def router_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
         raise ValueError(f"routes of shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be compared")
     if a.numel() == 0:
         return 0.0
-    same = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)
-    return float(1.0 - same.double().mean())
+    return float(_differs(a, b).double().mean())
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per decision (last dim: the top-k slots), whether a's expert is not among b's for that token."""
+    return ~(a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)
 
 
 def routes_disagreement(a, b) -> dict:
@@ -46,7 +50,7 @@ def routes_disagreement(a, b) -> dict:
         if x.shape != y.shape:
             raise ValueError(f"sample {i}: routes of shapes {x.shape} and {y.shape} cannot be compared")
         x, y = torch.from_numpy(x.astype("int64")), torch.from_numpy(y.astype("int64"))
-        differs = ~(x.unsqueeze(-1) == y.unsqueeze(-2)).any(-1)          # [tokens, layers, k]
+        differs = _differs(x, y)                                          # [tokens, layers, k]
         bad += int(differs.sum())
         tokens += x.shape[0]
         bad_tokens += int(differs.flatten(1).any(-1).sum())
