@@ -3,6 +3,7 @@ loss aggregation and rollout correction (truncated importance sampling, or maske
 
     rewards -> grpo_advantages -> policy_loss(old, new, adv, mask, [tis_weights]) -> scalar for backward
     rollout correction: TIS rollout_correction -> tis_weights | MIS rollout_rejection -> mask (rejected tokens out)
+    sparse rollouts (Sparse-RL): sparse_correction -> (mask with rejected sequences out, reweighting weights)
 
 The policy losses read their settings from a verl ``ActorConfig``; ``actor_config`` builds the one they need from
 our few settings, including ``global_batch_info`` so that token-mean normalises by the tokens of the whole global
@@ -156,3 +157,56 @@ def rollout_rejection(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
         old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask.float(),
         rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold=bounds)
     return (kept > 0).to(response_mask.dtype), metrics
+
+
+@dataclass(frozen=True)
+class SparseCorrection:
+    """Sparse-RL's corrections for rollouts sampled on a compressed KV cache (arXiv 2601.10079; defaults from its
+    public training config, examples/train_infer_mismatch_helper/mis.yaml): per token the consistency ratio
+    rho = pi_dense / pi_sparse = exp(dense recompute - sampler logprob); a sequence with any rho < veto is rejected
+    whole; tokens with rho outside [lower, upper] leave the loss; the kept tokens are weighted by min(rho, upper),
+    normalised to mean 1 over the kept tokens of the batch (batch_normalize)."""
+    veto: float = 1e-4
+    lower: float = 0.5
+    upper: float = 1.5
+    batch_normalize: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.veto < 1:
+            raise ValueError(f"sparse correction veto={self.veto} must be in [0, 1)")
+        if not 0 <= self.lower < 1 < self.upper:
+            raise ValueError(f"sparse correction band lower={self.lower}, upper={self.upper}: need 0 <= lower < 1 "
+                             "< upper")
+
+
+def sparse_correction(dense_log_prob: torch.Tensor, sparse_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                      settings: SparseCorrection = SparseCorrection()) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(kept mask in response_mask's dtype, weights [B, T] float32 (0 off the kept tokens), metrics).
+
+    metrics: sparse/seq_rejected_frac (the sequences vetoed, of those with a valid token), sparse/token_masked_frac
+    (valid tokens out of the loss: vetoed sequences and out-of-band tokens), sparse/ratio_{min,mean,max} and
+    sparse/log_ratio_abs_mean over the valid tokens, sparse/weight_norm_factor (the kept weights' mean before
+    normalising)."""
+    shapes = {tuple(t.shape) for t in (dense_log_prob, sparse_log_prob, response_mask)}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"sparse correction inputs must share one [B, T] shape, got {sorted(shapes)}")
+    valid = response_mask.bool()
+    log_ratio = (dense_log_prob.double() - sparse_log_prob.double()).clamp(-20.0, 20.0)
+    rho = torch.exp(log_ratio)
+    vetoed = ((rho < settings.veto) & valid).any(-1)                      # [B]
+    kept = valid & ~vetoed[:, None] & (rho >= settings.lower) & (rho <= settings.upper)
+    w = torch.where(kept, rho.clamp(max=settings.upper), torch.zeros((), dtype=rho.dtype))
+    norm = float(w.sum() / kept.sum()) if kept.any() else 1.0
+    if settings.batch_normalize and kept.any():
+        w = w / norm
+    rows = valid.any(-1)
+    n_valid = max(int(valid.sum()), 1)
+    v = rho[valid]
+    metrics = {"sparse/seq_rejected_frac": float(vetoed[rows].float().mean()) if rows.any() else 0.0,
+               "sparse/token_masked_frac": 1.0 - int(kept.sum()) / n_valid,
+               "sparse/ratio_min": float(v.min()) if v.numel() else 1.0,
+               "sparse/ratio_mean": float(v.mean()) if v.numel() else 1.0,
+               "sparse/ratio_max": float(v.max()) if v.numel() else 1.0,
+               "sparse/log_ratio_abs_mean": float(log_ratio[valid].abs().mean()) if v.numel() else 0.0,
+               "sparse/weight_norm_factor": norm}
+    return kept.to(response_mask.dtype), w.float(), metrics

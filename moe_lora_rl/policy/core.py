@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..algos import (GlobalBatch, PolicyLossSettings, aggregate, kl_penalty, policy_loss, rollout_correction,
-                     rollout_rejection)
+from ..algos import (GlobalBatch, PolicyLossSettings, SparseCorrection, aggregate, kl_penalty, policy_loss,
+                     rollout_correction, rollout_rejection, sparse_correction)
 from ..lora import LoRAConfig
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
@@ -34,7 +34,7 @@ __all__ = ["Policy", "PolicyBatch", "LogprobResult"]
 
 LOGPROB_REPLAY = ("r3", "record", "off")
 UPDATE_REPLAY = ("r3", "r2", "off")      # r3: `routes` if given, else batch.routes; r2: `routes` (recorded) required
-ROLLOUT_IS = ("token", "sequence", "mis", None)    # TIS per token / per sequence, MIS (rejection), none
+ROLLOUT_IS = ("token", "sequence", "mis", "sparse", None)   # TIS per token / sequence, MIS, Sparse-RL, none
 _ADAPTER_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -152,7 +152,8 @@ class Policy:
     # -- one optimizer step ----------------------------------------------------------------------------------------
     def update(self, batch: PolicyBatch, old_logprobs: torch.Tensor, *, replay: str = "r3",
                routes: RoutesBatch | None = None, ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-               rollout_is: str | None = "token", rollout_is_threshold: float = 2.0) -> dict:
+               rollout_is: str | None = "token", rollout_is_threshold: float = 2.0,
+               sparse: SparseCorrection = SparseCorrection()) -> dict:
         """One AdamW step of the adapters over the global batch. replay: "r3" replays `routes` if given, else
         batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
         Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (no step, the version unchanged: a
@@ -171,7 +172,13 @@ class Policy:
         a training event, like a non-finite norm, not a user error): no forward, no step, adapters, optimizer
         state and version unchanged, and {"loss": 0, "grad_norm": 0, "pg_clipfrac": 0, "kl": 0} (nothing is in
         the loss) with "skipped": True and "rollout_rejected_frac": 1.0. rollout_is None: no rollout correction
-        (also when batch.rollout_logprobs is None)."""
+        (also when batch.rollout_logprobs is None).
+
+        "sparse" (Sparse-RL, rollouts on a compressed KV cache; algos.sparse_correction with `sparse`): the ratio is
+        the consistency ratio between the dense proximal recompute and the sparse sampler; sequences with a token
+        below sparse.veto are rejected whole, tokens outside [sparse.lower, sparse.upper] leave the loss mask (so
+        the normalisers, as "mis"), the kept tokens are weighted by the truncated, batch-normalised ratio; the
+        returned metrics add algos' sparse/* (sequence rejection rate, ratio statistics)."""
         from megatron.core import parallel_state as ps
 
         if replay not in UPDATE_REPLAY:
@@ -197,8 +204,10 @@ class Policy:
         if n_valid == 0:
             raise ValueError("loss_mask selects no token: nothing to train on")
         old = old_logprobs.float()
-        weights = None
-        if rollout_is == "mis" and batch.rollout_logprobs is not None:
+        weights, extra = None, {}
+        if rollout_is == "sparse" and batch.rollout_logprobs is not None:
+            mask, weights, extra = sparse_correction(old, batch.rollout_logprobs.float(), mask, sparse)
+        elif rollout_is == "mis" and batch.rollout_logprobs is not None:
             mask, _ = rollout_rejection(old, batch.rollout_logprobs.float(), mask, threshold=rollout_is_threshold)
         elif rollout_is is not None and batch.rollout_logprobs is not None:
             weights, _ = rollout_correction(old, batch.rollout_logprobs.float(), mask, level=rollout_is,
@@ -207,7 +216,8 @@ class Policy:
         rejected_frac = (n_valid - n_tokens) / n_valid
         if n_tokens == 0:                           # every token rejected (mis): skip, see the docstring
             return {"loss": 0.0, "grad_norm": 0.0, "clipped": False, "skipped": True, "pg_clipfrac": 0.0, "kl": 0.0,
-                    "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac}
+                    "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac,
+                    **extra}
         gb = GlobalBatch(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=int((mask.sum(-1) > 0).sum()))
         s = batch.seq_len
         advantages = batch.advantages.float()
@@ -238,7 +248,7 @@ class Policy:
         step = self.core.step(self.grad_clip)
         return {"loss": float(stats[0]), "grad_norm": step.grad_norm, "clipped": step.clipped,
                 "skipped": step.skipped, "pg_clipfrac": float(stats[2]) / n_tokens, "kl": float(stats[1]),
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac}
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac, **extra}
 
     # -- refit -----------------------------------------------------------------------------------------------------
     def push(self, transport, version: int, *, collect_to: int | None = 0):

@@ -24,7 +24,8 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 REPLAY_MODES = ("r3", "r2", "off")
 SERVING_MODES = ("unmerged", "merged")
-ROLLOUT_IS = ("token", "sequence", "mis", "off")
+ROLLOUT_IS = ("token", "sequence", "mis", "sparse", "off")
+ENGINE_MAX_MODEL_LEN = 512          # the rollout engine's context (rollout/client.py's default)
 MODES = ("sync", "async")
 INFLIGHT = ("switch", "pin")
 
@@ -110,6 +111,9 @@ class LoRASettings:
 
 @dataclass
 class DataSettings:
+    task: str = "sort"
+    """The task (moe_lora_rl.rl.task): sort (answer the sorted list), sort_trace (write the selection sort out: a
+    long response, 8-12 digits)."""
     length: int = 5
     """Digits per list of the sorting task (moe_lora_rl.rl.task)."""
     n_eval: int = 256
@@ -124,10 +128,13 @@ class DataSettings:
     """A parquet file in verl's row format to train on instead of the generated task."""
     eval_file: Optional[str] = None
 
-    def __post_init__(self):
+    def task_spec(self):
         from .task import TaskSpec
 
-        TaskSpec(length=self.length, n_eval=self.n_eval)
+        return TaskSpec(length=self.length, n_eval=self.n_eval, kind=self.task)
+
+    def __post_init__(self):
+        self.task_spec()
         from .prompting import TEMPLATES
 
         _choice("data.prompt_template", self.prompt_template, TEMPLATES)
@@ -168,8 +175,17 @@ class AlgoSettings:
     rollout_is: str = "token"
     """Rollout correction on the behaviour ratio (training's replayed logprobs before the update / the engine's):
     token or sequence truncated importance sampling (min(ratio, threshold)), mis (masked importance sampling: tokens
-    whose ratio leaves [1/threshold, threshold] are left out of the loss) or off."""
+    whose ratio leaves [1/threshold, threshold] are left out of the loss), sparse (Sparse-RL's rejection and
+    reweighting, algo.sparse_*: for rollouts on a compressed KV cache) or off."""
     rollout_is_threshold: float = 2.0
+    sparse_veto: float = 1e-4
+    """rollout_is=sparse (Sparse-RL, for rollout.kv_compression): a sequence with any token whose consistency ratio
+    pi_dense / pi_sparse is below this is rejected whole."""
+    sparse_lower: float = 0.5
+    """rollout_is=sparse: tokens whose ratio lies outside [sparse_lower, sparse_upper] leave the loss."""
+    sparse_upper: float = 1.5
+    """rollout_is=sparse: also the truncation of the kept tokens' weights min(ratio, sparse_upper), normalised to
+    mean 1 over the batch."""
 
     def __post_init__(self):
         for k in ("group_size", "prompts_per_step", "micro_batch_size", "max_response_tokens"):
@@ -198,6 +214,15 @@ class AlgoSettings:
         if not self.rollout_is_threshold > 1:
             raise ValueError(f"algo.rollout_is_threshold={self.rollout_is_threshold} must be > 1")
         self.policy_loss_settings()
+        self.sparse_settings()
+
+    def sparse_settings(self):
+        from ..algos import SparseCorrection
+
+        try:
+            return SparseCorrection(veto=self.sparse_veto, lower=self.sparse_lower, upper=self.sparse_upper)
+        except ValueError as e:
+            raise ValueError(f"algo.sparse_*: {e}") from None
 
     def policy_loss_settings(self) -> PolicyLossSettings:
         return PolicyLossSettings(loss_mode=self.loss_mode, clip_ratio_low=self.clip_ratio_low,
@@ -221,9 +246,17 @@ class RolloutSettings:
     stage_timeout_s: float = 600.0
     """An engine aborts a staged push that made no progress for this long (its sender died); the served version
     stays, and the next push proceeds."""
+    kv_compression: str = "none"
+    """Sample on a compressed KV cache (Sparse-RL's sparse rollouts; rollout/kv_compression.py): none, or window
+    (sliding-window attention on every layer; the engine frees the blocks outside it)."""
+    kv_budget: int = 0
+    """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
 
     def __post_init__(self):
+        from ..rollout.kv_compression import check_compression
         from ..rollout.placement import plan_placements
+
+        check_compression(self.kv_compression, self.kv_budget, ENGINE_MAX_MODEL_LEN)
 
         if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
             raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .task import DATA_SOURCE, Problem, TaskSpec, make_split, messages
+from .task import TRACE_SOURCE, Problem, TaskSpec, make_split, messages
 
 REQUIRED = ("data_source", "prompt", "reward_model", "extra_info")
 
 
 def to_row(problem: Problem, split: str) -> dict:
-    return {"data_source": DATA_SOURCE, "prompt": messages(problem), "ability": "math",
+    return {"data_source": problem.data_source, "prompt": messages(problem), "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": problem.answer},
             "extra_info": {"split": split, "index": problem.index, "digits": list(problem.digits)}}
 
@@ -50,8 +50,8 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def problems_from_rows(rows: list[dict]) -> list[Problem]:
-    return [Problem(tuple(int(d) for d in r["extra_info"]["digits"]), int(r["extra_info"]["index"]))
-            for r in rows]
+    return [Problem(tuple(int(d) for d in r["extra_info"]["digits"]), int(r["extra_info"]["index"]),
+                    "sort_trace" if r["data_source"] == TRACE_SOURCE else "sort") for r in rows]
 
 
 def main(argv=None) -> int:
@@ -63,12 +63,13 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_lora_rl.rl.dataset")
     p.add_argument("out_dir")
+    p.add_argument("--task", default=TaskSpec.kind, help="sort or sort_trace")
     p.add_argument("--length", type=int, default=TaskSpec.length)
     p.add_argument("--n-eval", type=int, default=TaskSpec.n_eval)
     p.add_argument("--seed", type=int, default=TaskSpec.seed)
     a = p.parse_args(argv)
     try:
-        spec = TaskSpec(length=a.length, n_eval=a.n_eval, seed=a.seed)
+        spec = TaskSpec(length=a.length, n_eval=a.n_eval, seed=a.seed, kind=a.task)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .reward import compute_score
-from .task import DATA_SOURCE, Problem
+from .task import Problem
 
 
 def prompt_ids(tokenizer, problems: list[Problem], template: str = "chat") -> list[list[int]]:
@@ -61,7 +61,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
 
 
 def score(tokenizer, problems: list[Problem], responses: list[list[int]]) -> list[float]:
-    return [compute_score(DATA_SOURCE, tokenizer.decode(r, skip_special_tokens=True), p.answer)
+    return [compute_score(p.data_source, tokenizer.decode(r, skip_special_tokens=True), p.answer)
             for p, r in zip(problems, responses)]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .preflight import base_model_dir
-from .task import TaskSpec, make_split
+from .task import make_split
 
 
 def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
@@ -16,10 +16,10 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     it was trained, if cached) and whether it was cached."""
     if cfg.model.path is not None or not cfg.model.warm_start:
         return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
-    from .warm_start import warm_started
+    from .warm_start import task_warm_spec, warm_started
 
     t0 = time.perf_counter()
-    path = warm_started(cfg.model.family, cfg.model.size)
+    path = warm_started(cfg.model.family, cfg.model.size, task_warm_spec(cfg.model.size, cfg.data.task_spec()))
     took = time.perf_counter() - t0
     recorded = json.loads((path / "moe_lora_rl_warm_start.json").read_text())["train_wall_s"]
     cached = took < 0.5 * recorded
@@ -29,7 +29,7 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
 def load_problems(cfg: TrainConfig):
     from .dataset import problems_from_rows, read_rows
 
-    spec = TaskSpec(length=cfg.data.length, n_eval=cfg.data.n_eval)
+    spec = cfg.data.task_spec()
     train = problems_from_rows(read_rows(cfg.data.train_file)) if cfg.data.train_file else make_split(spec, "train")
     held = problems_from_rows(read_rows(cfg.data.eval_file)) if cfg.data.eval_file else make_split(spec, "eval")
     return train, held

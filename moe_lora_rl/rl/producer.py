@@ -14,7 +14,6 @@ from pathlib import Path
 from .groups import GroupPlan
 from .reward import compute_score
 from .schedule import eval_seed
-from .task import DATA_SOURCE
 
 
 class Producer:
@@ -38,7 +37,8 @@ class Producer:
         self.out.mkdir(parents=True, exist_ok=True)
         n = cfg.rollout.engines
         where = plan_placements(n, nodes=cfg.rollout.node, gpus=cfg.rollout.gpus, this_host=socket.gethostname())
-        kw = {"step_delay_s": cfg.delay.engine_step_s, "stage_timeout_s": cfg.rollout.stage_timeout_s}
+        kw = {"step_delay_s": cfg.delay.engine_step_s, "stage_timeout_s": cfg.rollout.stage_timeout_s,
+              "kv_compression": cfg.rollout.kv_compression, "kv_budget": cfg.rollout.kv_budget}
         if cfg.mode == "async":          # the engine keeps generating while versions change
             kw |= {"inflight": cfg.inflight, "on_full": "wait",
                   "max_versions": cfg.max_staleness + 1 if cfg.inflight == "pin" else None}
@@ -88,8 +88,24 @@ class Producer:
         return problems, [k for k in range(len(plans)) for _ in range(g)]
 
     def rewards(self, samples, problems) -> list[float]:
-        return [compute_score(DATA_SOURCE, self.tok.decode(s.response, skip_special_tokens=True), p.answer)
+        return [compute_score(p.data_source, self.tok.decode(s.response, skip_special_tokens=True), p.answer)
                 for s, p in zip(samples, problems)]
+
+    def kv_snapshot(self) -> list[dict]:
+        """Every engine's KV meter (rollout/kv_meter.py), cumulative."""
+        return [st["kv"] for st in self.engines.status()]
+
+    def kv_between(self, before: list[dict], after: list[dict]) -> dict:
+        """KV bytes per running sequence between two kv_snapshot()s, measured by the engines' allocators
+        (time-averaged over their steps; the peak so far), averaged over the engines that ran."""
+        from ..rollout.kv_meter import per_seq_bytes
+
+        per = [per_seq_bytes(b if b["seq_steps"] <= a["seq_steps"] else None, a)      # a restart resets a meter
+               for b, a in zip(before, after) if a["seq_steps"] != b["seq_steps"]]
+        if not per:
+            return {}
+        return {"kv_bytes_per_seq": sum(p["kv_bytes_per_seq"] for p in per) / len(per),
+                "kv_peak_bytes_per_seq": max(p["kv_peak_bytes_per_seq"] for p in per)}
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, version: int | None = None, keep: dict | None = None) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 DATA_SOURCE = "moe_lora_rl/addition"
+TRACE_SOURCE = "moe_lora_rl/sort_trace"
 
 _ANSWER = re.compile(r"\d( \d)*")
 
@@ -16,7 +17,10 @@ def extract_answer(solution_str: str) -> str | None:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """1.0 when the response is exactly the spaced digits of the sum, else 0.0 (no partial credit)."""
+    """1.0 when the response is exactly the answer, else 0.0 (no partial credit): for DATA_SOURCE the spaced digits
+    on the first line; for TRACE_SOURCE the whole written trace (surrounding blank space ignored)."""
+    if data_source == TRACE_SOURCE:
+        return 1.0 if solution_str.strip("\n") == ground_truth else 0.0
     if data_source != DATA_SOURCE:
-        raise ValueError(f"data_source {data_source!r} is not {DATA_SOURCE!r}")
+        raise ValueError(f"data_source {data_source!r} is not {DATA_SOURCE!r} or {TRACE_SOURCE!r}")
     return 1.0 if extract_answer(solution_str) == ground_truth else 0.0

@@ -23,7 +23,7 @@ def train_on(policy, cfg, batch) -> tuple[dict, bool, torch.Tensor]:
     upd = policy.update(batch, old.logprobs, replay="off" if cfg.replay == "off" else "r3",
                         routes=unreplayed.recorded if cfg.replay == "r2" else None, ref_logprobs=ref,
                         kl_coef=a.kl_coef, rollout_is=None if a.rollout_is == "off" else a.rollout_is,
-                        rollout_is_threshold=a.rollout_is_threshold)
+                        rollout_is_threshold=a.rollout_is_threshold, sparse=a.sparse_settings())
     skipped = upd.pop("skipped")            # a non-finite grad norm: no step, the version unchanged
     diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
                             unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement,

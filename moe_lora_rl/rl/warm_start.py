@@ -19,7 +19,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +60,8 @@ class WarmStartSpec:
         for k, default in (("router_lr_scale", 1.0), ("bias_update", 0.0)):   # keys of earlier specs unchanged
             if fields[k] == default:
                 del fields[k]
+        if fields["task"]["kind"] == "sort":
+            del fields["task"]["kind"]
         blob = json.dumps({**fields, "v": WARM_START_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -137,15 +139,30 @@ def default_spec(size: str) -> WarmStartSpec:
     return WarmStartSpec(**SIZE_WARM_STARTS.get(size, {}))
 
 
+TASK_WARM_STARTS = {"sort_trace": dict(steps=400)}
+"""Per task kind, how its warm start differs (after the size's): the written trace is a long answer, learnt in more
+supervised steps."""
+
+
+def task_warm_spec(size: str, task: TaskSpec) -> WarmStartSpec:
+    """The warm start of a built-in size on `task` (the size's default_spec, trained on that task)."""
+    base = default_spec(size)
+    if task == base.task:
+        return base
+    return replace(base, task=task, **TASK_WARM_STARTS.get(task.kind, {}))
+
+
 def _load_counters(routers, on: bool, real: dict) -> tuple[list[torch.Tensor], list]:
     """Per router, a tensor counting the real tokens (real["mask"]) routed to each expert, filled by forward
-    hooks; and the hooks' handles."""
+    hooks in training mode; and the hooks' handles."""
     loads = [torch.zeros(m.e_score_correction_bias.numel()) for m in routers]
     hooks = []
     if not on:
         return loads, hooks
     for m, load in zip(routers, loads):
         def hook(mod, args, out, load=load):
+            if not mod.training:                # an evaluation pass (on_step) is not training load
+                return
             idx = out[2][real["mask"]]
             load += torch.bincount(idx.reshape(-1), minlength=load.numel()).to(load.dtype)
         hooks.append(m.register_forward_hook(hook))

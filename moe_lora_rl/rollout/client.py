@@ -133,7 +133,7 @@ class RolloutEngine:
                  threads: int | None = None, port: int | None = None, request_timeout=600.0,
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
-                 stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S):
+                 stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -152,11 +152,16 @@ class RolloutEngine:
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
         stage_timeout_s = check_stage_timeout(stage_timeout_s)
+        from .kv_compression import check_compression
+
+        check_compression(kv_compression, kv_budget, max_model_len,
+                          json.loads((Path(model_dir) / "config.json").read_text()))
         self.model_dir, self.log_dir = str(model_dir), Path(log_dir)
         self.settings = dict(dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
                              max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads,
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
-                             step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s)
+                             step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
+                             kv_compression=kv_compression, kv_budget=kv_budget)
         self.token = new_token()             # per engine object: every call but /health carries it
         self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
         self.generate_s = self.push_s = 0.0
@@ -199,6 +204,8 @@ class RolloutEngine:
             cmd += ["--max-body-mb", str(s["max_body_mb"])]
         if s["step_delay_s"]:
             cmd += ["--step-delay-s", str(s["step_delay_s"])]
+        if s["kv_compression"] != "none":
+            cmd += ["--kv-compression", s["kv_compression"], "--kv-budget", str(s["kv_budget"])]
         env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})
         if s["threads"] is None:
             env.pop("OMP_NUM_THREADS", None)            # e.g. torchrun's 1: the engine uses the cores while it runs

@@ -103,12 +103,13 @@ class _Command:
 
 class EngineLoop:
     def __init__(self, llm, meta: dict | None = None, *, inflight: str = "switch", on_full: str = "wait",
-                 pad_routes: bool = False, step_delay_s: float = 0.0):
+                 pad_routes: bool = False, step_delay_s: float = 0.0, kv_meter=None):
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         if core is not None and getattr(core, "batch_queue", None) is not None:
             raise ValueError("the engine loop needs one batch in flight at a time (vLLM batch queue is enabled)")
         self.llm, self.engine, self.meta = llm, llm.llm_engine, meta
         self.inflight, self.on_full, self.pad = inflight, on_full, pad_routes
+        self.kv_meter = kv_meter              # rollout/kv_meter.KVMeter: sampled after every engine step
         self.step_delay_s = step_delay_s      # a slower engine (tests, benches): the next step waits this long, while
         self._next_step_at = 0.0              # commands (pushes, status) are still served as between two steps
         self._ids = itertools.count()
@@ -294,6 +295,8 @@ class EngineLoop:
             return
         self.stats["steps"] += 1
         self.stats["step_s"] += time.perf_counter() - t0 + self.step_delay_s     # the delay counts as busy
+        if self.kv_meter is not None:
+            self.kv_meter.sample()
         if self.step_delay_s:
             self._next_step_at = time.perf_counter() + self.step_delay_s
         finished = []

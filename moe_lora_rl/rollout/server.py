@@ -46,6 +46,8 @@ from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from . import guard
 from .engine import make_engine, set_engine_env
 from .generate import start_capture
+from .kv_compression import check_compression, engine_kwargs, verify
+from .kv_meter import KVMeter
 from .loop import EngineLoop, Request
 from .protocol import check_request, encode_routes
 
@@ -58,7 +60,8 @@ class Engine:
         extra = {"moe_lora_inflight": a.inflight, "moe_lora_on_full": a.on_full}
         if a.max_versions is not None:
             extra["moe_lora_max_versions"] = a.max_versions
-        self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
+        kv = engine_kwargs(a.kv_compression, a.kv_budget, a.model_config)
+        self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len, **kv,
                                prefix_caching=a.prefix_caching, serving=a.serving, block_size=a.block_size,
                                logprobs_mode="processed_logprobs", additional_config=extra,
                                stage_timeout_s=a.stage_timeout_s,
@@ -67,9 +70,11 @@ class Engine:
                                # generators refuse; and the commit barrier of loop.py counts a prefill as one step
                                enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        verify(self.llm, a.kv_compression, a.kv_budget)
+        self.kv = KVMeter(self.llm)
         self.meta = start_capture(self.llm) if a.capture else None
         self.loop = EngineLoop(self.llm, self.meta, inflight=a.inflight, on_full=a.on_full,
-                               step_delay_s=a.step_delay_s).start()
+                               step_delay_s=a.step_delay_s, kv_meter=self.kv).start()
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
         self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
@@ -99,7 +104,9 @@ class Engine:
             self.meta = self.loop.rpc("moe_lora_capture_start")     # already running: its current counters
         return {**st, "pid": os.getpid(), "model": a.model, "dtype": a.dtype, "prefix_caching": a.prefix_caching,
                 "capture": self.meta, "max_model_len": a.max_model_len, "block_size": a.block_size,
-                "vocab_size": self.vocab, "loop": dict(self.loop.stats), "in_flight": self.loop.in_flight()}
+                "vocab_size": self.vocab, "loop": dict(self.loop.stats), "in_flight": self.loop.in_flight(),
+                "kv_compression": a.kv_compression, "kv_budget": a.kv_budget,
+                "kv": self.loop.call(lambda llm: self.kv.snapshot())}
 
     def requests(self, body: dict) -> list[Request]:
         from vllm import SamplingParams
@@ -300,6 +307,9 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=32,
                     help="KV block size (the CPU attention backend needs a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-compression", default="none",
+                    help="KV compression of the rollouts (rollout/kv_compression.py): none or window")
+    ap.add_argument("--kv-budget", type=int, default=0, help="tokens of KV a sequence keeps (window: its length)")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads of the engine (default: all cores)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer the parent")
     ap.add_argument("--inflight", default="switch", choices=("switch", "pin"),
@@ -324,6 +334,11 @@ def parse_args(argv=None):
     for name in ("port", "max_model_len", "block_size"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    try:
+        a.model_config = json.loads(open(os.path.join(a.model, "config.json")).read())
+        check_compression(a.kv_compression, a.kv_budget, a.max_model_len, a.model_config)
+    except ValueError as e:
+        ap.error(str(e))
     if a.threads is not None and a.threads < 1:
         ap.error(f"--threads must be >= 1, got {a.threads}")
     if a.step_delay_s < 0:

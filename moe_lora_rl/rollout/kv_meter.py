@@ -1,0 +1,65 @@
+"""KV memory held by an engine's sequences, read from vLLM's own allocator after every engine step.
+
+    meter = KVMeter(llm)          # an in-process engine (rollout/engine.make_engine)
+    meter.sample()                # after each engine step (the engine loop does it)
+    meter.snapshot()              # cumulative: {"block_bytes", "steps", "block_steps", "seq_steps", "peak_blocks_per_seq",
+                                  #              "sliding_window", "block_size"}
+
+Blocks held are the block pool's blocks with a reference (vLLM's `BlockPool`: total - free - its null block), so a
+sliding window's freed blocks (`SlidingWindowManager.remove_skipped_blocks`) and evictable prefix-cache blocks
+count as free. Per sequence: blocks held over the running requests, time-averaged over engine steps
+(block_steps / seq_steps) and at its peak; bytes: times the bytes of one block over every layer (the KV cache
+config's tensors / its blocks). Nothing is estimated from lengths.
+"""
+from __future__ import annotations
+
+
+def _scheduler(llm):
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None or not hasattr(core, "scheduler"):
+        raise RuntimeError("KVMeter needs the engine core in this process (set_engine_env before vLLM is imported)")
+    return core.scheduler
+
+
+def kv_layout(llm) -> dict:
+    """{"block_bytes" (one block over every layer), "block_size", "num_blocks", "sliding_window" (None: full)} of
+    the engine's KV cache."""
+    cfg = _scheduler(llm).kv_cache_config
+    specs = [g.kv_cache_spec for g in cfg.kv_cache_groups]
+    windows = {getattr(s, "sliding_window", None) for s in specs}
+    return {"block_bytes": sum(t.size for t in cfg.kv_cache_tensors) // cfg.num_blocks,
+            "block_size": specs[0].block_size, "num_blocks": cfg.num_blocks,
+            "sliding_window": windows.pop() if len(windows) == 1 else sorted(windows, key=str)}
+
+
+class KVMeter:
+    def __init__(self, llm):
+        self.sched = _scheduler(llm)
+        self.pool = self.sched.kv_cache_manager.block_pool
+        self.layout = kv_layout(llm)
+        self.steps = self.block_steps = self.seq_steps = 0
+        self.peak = 0.0
+
+    def sample(self) -> None:
+        running = len(self.sched.running)
+        if not running:
+            return
+        used = self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()     # 1: the pool's null block
+        self.steps += 1
+        self.block_steps += used
+        self.seq_steps += running
+        self.peak = max(self.peak, used / running)
+
+    def snapshot(self) -> dict:
+        return {**self.layout, "steps": self.steps, "block_steps": self.block_steps, "seq_steps": self.seq_steps,
+                "peak_blocks_per_seq": self.peak}
+
+
+def per_seq_bytes(before: dict | None, after: dict) -> dict:
+    """KV bytes per running sequence between two snapshots (before None: since the start): time-averaged over the
+    engine steps between them; the peak is the engine's so far."""
+    b = before or {"block_steps": 0, "seq_steps": 0}
+    seqs = after["seq_steps"] - b["seq_steps"]
+    blocks = after["block_steps"] - b["block_steps"]
+    return {"kv_bytes_per_seq": blocks / seqs * after["block_bytes"] if seqs else 0.0,
+            "kv_peak_bytes_per_seq": after["peak_blocks_per_seq"] * after["block_bytes"]}
