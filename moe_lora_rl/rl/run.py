@@ -326,10 +326,14 @@ class GRPORun:
             self.log.log(0, {"eval": evals[0]})
         self.loop(start, history, evals, state)
         wall = time.perf_counter() - self.t_rl
+        eval_dense = self.dense_eval() if cfg.rollout.kv_compression != "none" else None
         from ..refit.export import stream_to_peft
 
         stream_to_peft(self.policy.model, self.policy.arch, self.out / "adapter", base_model=str(self.path))
         summary = self.summary(history, evals, wall)
+        if eval_dense is not None:
+            summary["eval_end_dense"] = eval_dense
+            self.log.note(f"the final adapter on dense engines (KV uncompressed): held-out success {eval_dense:.3f}")
         self.log.close()
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -337,6 +341,17 @@ class GRPORun:
                  title=f"GRPO {cfg.mode}, {summary['layout']}, replay={cfg.replay}, serving={cfg.serving}")
             self.prod.stop()
         return summary
+
+    def dense_eval(self) -> float:
+        """Every rank: the trained adapter's held-out success with the KV cache uncompressed (a run on sparse
+        rollouts is judged as it will be served: densely). Rank 0 restarts its engines without compression, the
+        current version is pushed to them, the evaluation runs as every other (same seeds); the engines stay dense."""
+        if self.rank == 0:
+            for e in self.engines:
+                e.settings.update(kv_compression="none", kv_budget=0)
+                e.restart()
+        self.push(restarts=False)
+        return self.evaluate()
 
     def eval_due(self, step: int) -> bool:
         """Evaluate after `step` updates?"""

@@ -1,0 +1,117 @@
+"""Sparse rollouts, the pure parts: the long sort_trace task and its scorer, Sparse-RL's corrections against a
+hand computation (rejection, band, truncation, normalisation) with controls, the KV compression checks and the
+per-sequence KV arithmetic of the allocator meter."""
+import math
+
+import pytest
+import torch
+
+from moe_lora_rl.algos import SparseCorrection, sparse_correction
+from moe_lora_rl.rl.reward import TRACE_SOURCE, compute_score
+from moe_lora_rl.rl.task import TaskSpec, make_split, trace
+from moe_lora_rl.rollout.kv_compression import check_compression, engine_kwargs
+from moe_lora_rl.rollout.kv_meter import per_seq_bytes
+
+
+def test_trace_is_a_selection_sort():
+    assert trace((3, 1, 4, 1)) == " 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |"
+    spec = TaskSpec(length=10, kind="sort_trace")
+    ev, tr = make_split(spec, "eval"), make_split(spec, "train")
+    assert len(ev) == 256 and len(tr) == 50_000 and ev[0].data_source == TRACE_SOURCE
+    assert [p.digits for p in ev] == [p.digits for p in make_split(spec, "eval")]        # deterministic
+    assert not {tuple(sorted(p.digits)) for p in ev} & {tuple(sorted(p.digits)) for p in tr}
+    p = ev[0]
+    firsts = [int(line.split("|")[0]) for line in p.answer.split("\n")]
+    assert firsts == sorted(p.digits) and p.answer.count("\n") == 9
+
+
+def test_trace_score_is_exact_match():
+    p = make_split(TaskSpec(length=8, kind="sort_trace", n_eval=64), "eval")[0]
+    assert compute_score(TRACE_SOURCE, p.answer + "\n", p.answer) == 1.0
+    lines = p.answer.split("\n")
+    assert compute_score(TRACE_SOURCE, "\n".join(lines[:-1]), p.answer) == 0.0          # a step missing
+    assert compute_score(TRACE_SOURCE, p.answer.replace("|", ":", 1), p.answer) == 0.0
+    with pytest.raises(ValueError, match="length=5 is outside 8..12"):
+        TaskSpec(length=5, kind="sort_trace")
+    with pytest.raises(ValueError, match="kind='essay'"):
+        TaskSpec(kind="essay")
+
+
+def test_warm_start_keys_of_the_short_task_unchanged():
+    from moe_lora_rl.rl.warm_start import WarmStartSpec, default_spec, task_warm_spec
+
+    assert WarmStartSpec().key() == "09ae454a10"
+    assert task_warm_spec("wide", TaskSpec()) == default_spec("wide")
+    long = task_warm_spec("wide", TaskSpec(length=10, kind="sort_trace"))
+    assert long.task.kind == "sort_trace" and long.steps > WarmStartSpec().steps
+    assert long.router_lr_scale == 0.0 and long.key() != default_spec("wide").key()
+
+
+def _by_hand(dense, sparse, mask, s: SparseCorrection):
+    B, T = dense.shape
+    keep = torch.zeros(B, T, dtype=torch.bool)
+    w = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        rho = [math.exp(float(dense[b, t] - sparse[b, t])) for t in range(T)]
+        if any(rho[t] < s.veto for t in range(T) if mask[b, t]):
+            continue
+        for t in range(T):
+            if mask[b, t] and s.lower <= rho[t] <= s.upper:
+                keep[b, t], w[b, t] = True, min(rho[t], s.upper)
+    return keep, w / (w.sum() / keep.sum())
+
+
+def test_sparse_correction_by_hand():
+    g = torch.Generator().manual_seed(0)
+    dense = -torch.rand(6, 7, generator=g) * 3
+    sparse = dense + torch.randn(6, 7, generator=g) * 0.3
+    sparse[1, 2] = dense[1, 2] + 12.0                   # rho = e^-12 < 1e-4: row 1 vetoed whole
+    sparse[4, 6] = dense[4, 6] + 12.0                   # ... but on padding: row 4 stays
+    mask = torch.ones(6, 7)
+    mask[4, 6] = 0
+    s = SparseCorrection()
+    kept, w, m = sparse_correction(dense, sparse, mask, s)
+    want_keep, want_w = _by_hand(dense, sparse, mask, s)
+    assert torch.equal(kept.bool(), want_keep) and not kept[1].any() and kept[4].any()
+    assert torch.allclose(w.double(), want_w, atol=1e-6)
+    assert math.isclose(float(w[kept.bool()].mean()), 1.0, rel_tol=1e-6)               # batch-normalised
+    assert m["sparse/seq_rejected_frac"] == pytest.approx(1 / 6)
+    assert m["sparse/token_masked_frac"] == pytest.approx(1 - int(want_keep.sum()) / 41)
+    assert m["sparse/ratio_min"] == pytest.approx(math.exp(-12), rel=1e-6)
+
+
+def test_sparse_correction_on_equal_policies_keeps_everything():
+    lp = -torch.rand(4, 5) * 2
+    kept, w, m = sparse_correction(lp, lp.clone(), torch.ones(4, 5))
+    assert kept.all() and torch.allclose(w, torch.ones(4, 5)) and m["sparse/seq_rejected_frac"] == 0.0
+    assert m["sparse/ratio_min"] == m["sparse/ratio_max"] == 1.0
+
+
+def test_sparse_settings_refused():
+    for kw, msg in (({"veto": 1.5}, "veto=1.5"), ({"lower": 1.2}, "lower=1.2"), ({"upper": 0.9}, "upper=0.9")):
+        with pytest.raises(ValueError, match=msg):
+            SparseCorrection(**kw)
+    with pytest.raises(ValueError, match=r"share one \[B, T\] shape"):
+        sparse_correction(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+def test_compression_checks():
+    check_compression("none", 0, 512)
+    check_compression("window", 32, 512, {"num_hidden_layers": 4})
+    for args, msg in ((("snapkv", 32, 512), "kv_compression='snapkv'"), (("window", 600, 512), "kv_budget=600 exceeds"),
+                      (("window", 4, 512), "kv_budget=4 is below"), (("none", 32, 512), "kv_budget=32 needs"),
+                      (("window", 32, 512, {"kv_lora_rank": 512}), "MLA"),
+                      (("window", 32, 512, {"layer_types": ["linear_attention"]}), "non-attention")):
+        with pytest.raises(ValueError, match=msg):
+            check_compression(*args)
+    assert engine_kwargs("none", 0) == {}
+    over = engine_kwargs("window", 32, {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
+    assert over["hf_overrides"]["sliding_window"] == 32
+    assert over["hf_overrides"]["layer_types"] == ["sliding_attention"] * 2
+
+
+def test_per_seq_bytes():
+    a = {"block_steps": 40, "seq_steps": 10, "block_bytes": 1000, "peak_blocks_per_seq": 5.0}
+    b = {"block_steps": 100, "seq_steps": 30, "block_bytes": 1000, "peak_blocks_per_seq": 6.0}
+    assert per_seq_bytes(a, b) == {"kv_bytes_per_seq": 3000.0, "kv_peak_bytes_per_seq": 6000.0}
+    assert per_seq_bytes(None, a)["kv_bytes_per_seq"] == 4000.0
