@@ -17,6 +17,7 @@ BENCHES = {
     "verl": "moe_lora_rl.bench.verl",
     "async": "moe_lora_rl.bench.async_rl",
     "r3_ab": "moe_lora_rl.bench.r3_ab",
+    "sparse": "moe_lora_rl.bench.sparse",
 }
 
 

@@ -139,7 +139,7 @@ def default_spec(size: str) -> WarmStartSpec:
     return WarmStartSpec(**SIZE_WARM_STARTS.get(size, {}))
 
 
-TASK_WARM_STARTS = {"sort_trace": dict(steps=400)}
+TASK_WARM_STARTS = {"sort_trace": dict(steps=300)}
 """Per task kind, how its warm start differs (after the size's): the written trace is a long answer, learnt in more
 supervised steps."""
 

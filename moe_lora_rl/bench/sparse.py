@@ -1,0 +1,164 @@
+"""sparse: Sparse-RL on the long task (sort_trace: the written selection sort of 10 digits, ~85 response tokens) with
+the rollouts sampled on a compressed KV cache. Per seed, three runs at the same seeds: dense (KV uncompressed, the
+main job's truncated IS), sparse_uncorrected (the same engine on a `--budget`-token window, no rollout correction),
+sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.rollout_is=sparse); then the KV
+memory itself, measured by the engine's allocator at a fixed pool (sparse_kv_worker.py).
+
+    python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
+        [--method window] [--budget 32] [--png FILE] [--out DIR] [-- k=v ...]
+
+Held-out success (eval_*): the trained adapter on a dense engine (summary eval_end_dense; for the dense run its own
+final evaluation), mean over seeds; eval_*_sampler: the same problems under each run's own sampler. kv_bytes_ratio:
+sparse / dense KV bytes per sequence at the same concurrency (the runs' batches, every sequence of a step running at
+once), at its peak per sequence (what a sequence must be given room for); kv_bytes_ratio_mean: time-averaged over
+engine steps. concurrency_ratio: the most sequences the sparse engine ran at once over the dense engine's, on the
+same KV pool (--pool-blocks) and requests. rejection_rate: sequences rejected by the corrected run, mean over steps.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from ..rl.metrics import read_jsonl
+from .async_rl import _ints
+from .common import emit
+from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+
+TASK = ["data.task=sort_trace", "data.length=10", "data.eval_samples=1", "algo.max_response_tokens=96",
+        "steps=30", "eval_every=10"]
+"""The long task's run: every held-out problem once per evaluation; responses of up to 96 tokens (the trace of 10
+digits and its end-of-turn take 85)."""
+RUNS = ("dense", "sparse_uncorrected", "sparse_corrected")
+CURVES = (("Held-out success (the run's sampler; final: dense engine)", "eval"), ("Reward", "reward"),
+          ("Trainer vs sampler KL (k3)", "r3_kl"), ("Sequences rejected (Sparse-RL)", "sparse/seq_rejected_frac"))
+
+
+def run_overrides(run: str, method: str, budget: int) -> list[str]:
+    kv = [f"rollout.kv_compression={method}", f"rollout.kv_budget={budget}"]
+    return {"dense": [], "sparse_uncorrected": [*kv, "algo.rollout_is=off"],
+            "sparse_corrected": [*kv, "algo.rollout_is=sparse"]}[run]
+
+
+def mean_of(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
+def plot(curves: dict, png: Path, title: str) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7), dpi=100)
+    FigureCanvasAgg(fig)
+    colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2"}
+    seeds = sorted({s for _, s in curves})
+    for ax, (name, key) in zip(fig.subplots(2, 2).ravel(), CURVES):
+        for (run, seed), (rows, dense_end) in sorted(curves.items()):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ls = "-" if seed == seeds[0] else "--"
+            ax.plot(xs, ys, color=colors[run], ls=ls, marker="o" if key == "eval" else None, ms=3,
+                    label=f"{run} s{seed}")
+            if key == "eval" and dense_end is not None:
+                ax.plot([xs[-1]], [dense_end], color=colors[run], marker="*", ms=11, ls="none")
+        if key == "r3_kl":
+            ax.set_yscale("log")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    return png
+
+
+def main(argv=None) -> dict:
+    argv, extra = split_overrides(argv)
+    ap = job_parser("sparse", __doc__, "every run")
+    ap.add_argument("--seeds", default="0,1", help="comma-separated seeds; each runs the three modes")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 30)")
+    ap.add_argument("--method", default="window", help="KV compression method (rollout/kv_compression.py)")
+    ap.add_argument("--budget", type=int, default=32, help="KV budget in tokens (window: its length)")
+    ap.add_argument("--pool-blocks", type=int, default=48, help="KV blocks of the concurrency measurement's pool")
+    ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
+    a = ap.parse_args(argv)
+    from ..rollout.kv_compression import METHODS
+
+    if a.method not in METHODS or a.method == "none":
+        raise ValueError(f"--method={a.method!r}: choose a compression method of {METHODS[1:]}")
+    seeds = _ints(a.seeds, "--seeds")
+    if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds={a.seeds!r}: expected distinct seeds >= 0")
+    own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("seed", "out_dir", "steps", "model.path")
+           or o.lstrip("+").split(".", 1)[0] in ("layout",) or o.lstrip("+").startswith(("rollout.kv_", "algo.rollout_is"))]
+    if own:
+        raise ValueError(f"override {own[0]!r}: sparse sets seed, out_dir, steps, layout.*, model.path, "
+                         "rollout.kv_* and algo.rollout_is itself (--seeds, --out, --steps, --layouts, --model, "
+                         "--method, --budget)")
+    if a.timeout <= 0 or (a.steps is not None and a.steps < 1) or a.pool_blocks < 4:
+        raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}, --pool-blocks={a.pool_blocks}: must be "
+                         "positive (pool >= 4)")
+    lay, layout_over, model_over = job_layout(a, "sparse")
+    base = [*layout_over, *TASK, *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
+    for run in RUNS:
+        _preflight([*base, *run_overrides(run, a.method, a.budget)], 2)
+    t0 = time.time()
+    sums, hist = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(a.out or tmp)
+        for seed in seeds:
+            for run in RUNS:
+                out = root / f"{run}-s{seed}"
+                sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget), f"seed={seed}"], out,
+                                          a.timeout)
+                hist[run, seed] = read_jsonl(out / "metrics.jsonl")
+        from ..checks.launch import run_process
+        from ..rl import config
+
+        cfg = config.load(base)
+        kv = run_process("moe_lora_rl.bench.sparse_kv_worker",
+                         ["--model", sums["dense", seeds[0]]["model"], "--method", a.method, "--budget",
+                          str(a.budget), "--pool-blocks", str(a.pool_blocks), "--length", str(cfg.data.length),
+                          "--max-tokens", str(cfg.algo.max_response_tokens)], cwd=root, what="KV worker")
+        png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
+        if png is not None:
+            plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
+                 f"Sparse-RL on sort_trace: {a.method} {a.budget} tokens, seeds {seeds}")
+
+    def mean(run, key):
+        vals = [sums[run, s].get(key) for s in seeds]
+        return None if None in vals else sum(vals) / len(vals)
+
+    def hmean(run, key):
+        vals = [mean_of(hist[run, s], key) for s in seeds]
+        return None if None in vals else sum(vals) / len(vals)
+
+    dense_end = {s: sums["dense", s]["eval_end"] for s in seeds}
+    out = {"method": a.method, "budget": a.budget,
+           "kv_bytes_ratio": hmean("sparse_corrected", "kv_peak_bytes_per_seq") / hmean("dense", "kv_peak_bytes_per_seq"),
+           "kv_bytes_ratio_mean": hmean("sparse_corrected", "kv_bytes_per_seq") / hmean("dense", "kv_bytes_per_seq"),
+           "kv_peak_bytes_per_seq_dense": hmean("dense", "kv_peak_bytes_per_seq"),
+           "kv_peak_bytes_per_seq_sparse": hmean("sparse_corrected", "kv_peak_bytes_per_seq"),
+           "concurrency_ratio": kv["concurrency_ratio"], "concurrency": kv,
+           "eval_start": mean("dense", "eval_start"),
+           "eval_dense": sum(dense_end.values()) / len(seeds),
+           "eval_sparse_uncorrected": mean("sparse_uncorrected", "eval_end_dense"),
+           "eval_sparse_corrected": mean("sparse_corrected", "eval_end_dense"),
+           "eval_sparse_uncorrected_sampler": mean("sparse_uncorrected", "eval_end"),
+           "eval_sparse_corrected_sampler": mean("sparse_corrected", "eval_end"),
+           "rejection_rate": hmean("sparse_corrected", "sparse/seq_rejected_frac"),
+           "token_masked_frac": hmean("sparse_corrected", "sparse/token_masked_frac"),
+           "kl": {run: mean(run, "kl_mean_r3") for run in RUNS},
+           "ratio_gt2": {run: mean(run, "ratio_gt2") for run in RUNS},
+           "ratio_gt5": {run: mean(run, "ratio_gt5") for run in RUNS},
+           "evals": {f"{r}-s{s}": {**sums[r, s]["evals"], "dense_end": sums[r, s].get("eval_end_dense")}
+                     for r, s in sorted(sums)},
+           "seeds": seeds, "steps": sums["dense", seeds[0]]["steps"], "layout": lay.name,
+           "overrides": extra, "png": str(png) if png else None, "bench_wall_s": round(time.time() - t0, 1)}
+    emit(out, a.json)
+    return out

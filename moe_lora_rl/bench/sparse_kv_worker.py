@@ -1,0 +1,93 @@
+"""One engine (dense or compressed KV) on a fixed KV pool, for bench sparse: the same requests (the long task's
+held-out prompts, every response forced to the same length), stepped to the end, with the allocator's blocks and the
+scheduler's running sequences read after every step (rollout/kv_meter.py).
+
+    python -m moe_lora_rl.bench.sparse_kv_worker --model DIR --method none|window --budget N --pool-blocks B
+        [--length 10] [--max-tokens 85] [--requests 128]  ->  "RESULT {...}"
+
+concurrency: the most sequences the pool serves at once without a preemption (vLLM pushing a request back to waiting
+for lack of blocks), found by bisection over the scheduler's running cap, every request run at each cap;
+at_concurrency: that run's mean running sequences and throughput; uncapped: the pool left to vLLM's admission
+(preempting); kv: the meter's snapshot (block bytes, blocks per running sequence time-averaged and at the peak).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from ..rollout.engine import make_engine, set_engine_env
+
+
+def main(argv=None) -> dict:
+    set_engine_env()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--method", required=True)
+    ap.add_argument("--budget", type=int, default=0)
+    ap.add_argument("--pool-blocks", type=int, required=True)
+    ap.add_argument("--length", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=85)
+    ap.add_argument("--requests", type=int, default=128)
+    a = ap.parse_args(argv)
+    import transformers
+    from vllm import SamplingParams
+
+    from ..rl.hf_sampling import prompt_ids
+    from ..rl.task import TaskSpec, make_split
+    from ..rollout.kv_compression import engine_kwargs, verify
+    from ..rollout.kv_meter import KVMeter
+
+    cfg = json.loads(open(f"{a.model}/config.json").read())
+    llm = make_engine(a.model, prefix_caching=False, block_size=32, max_model_len=256, max_num_seqs=256,
+                      num_gpu_blocks_override=a.pool_blocks, **engine_kwargs(a.method, a.budget, cfg))
+    layout = verify(llm, a.method, a.budget)
+    meter = KVMeter(llm)
+    tok = transformers.AutoTokenizer.from_pretrained(a.model)
+    problems = make_split(TaskSpec(length=a.length, kind="sort_trace"), "eval")
+    problems = [problems[i % len(problems)] for i in range(a.requests)]
+    prompts = prompt_ids(tok, problems)
+    eng, sched = llm.llm_engine, meter.sched
+    batch = 0
+
+    def run(cap: int) -> dict:
+        """Every request once with at most `cap` running at a time: preemptions, mean running, throughput."""
+        nonlocal batch
+        batch += 1
+        sched.max_num_active_reqs = cap               # admission into running (max_num_running_reqs: slots)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"{batch}-{i}", {"prompt_token_ids": p},
+                            SamplingParams(max_tokens=a.max_tokens, temperature=1.0, seed=i, ignore_eos=True,
+                                           detokenize=False))
+        running, seen, tokens = [], {}, 0
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            meter.sample()
+            seen.update((r.request_id, r) for r in sched.running)
+            done = sum(o.finished for o in outs)
+            running.append(len(sched.running) + done)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)     # cumulative outputs
+        wall = time.perf_counter() - t0
+        preempted = sum(r.num_preemptions for r in seen.values())      # vLLM's own count per request
+        return {"cap": cap, "preemptions": preempted, "running_mean": sum(running) / len(running),
+                "tokens_per_s": tokens / wall, "wall_s": wall}
+
+    free = run(256)                                   # max_num_seqs: as many as the pool admits (vLLM preempts)
+    lo, hi, best = 1, a.pool_blocks, None             # the most sequences served at once without a preemption
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = run(mid)
+        if r["preemptions"] == 0:
+            lo, best = mid + 1, r
+        else:
+            hi = mid - 1
+    res = {"method": a.method, "budget": a.budget, "pool_blocks": a.pool_blocks, "layout": layout,
+           "concurrency": best["cap"] if best else 0, "at_concurrency": best, "uncapped": free,
+           "kv": meter.snapshot()}
+    print("RESULT " + json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
