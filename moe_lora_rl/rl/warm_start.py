@@ -44,6 +44,11 @@ class WarmStartSpec:
     bias_update: float = 0.0
     """Aux-loss-free load balancing (DeepSeek-V3): after every step each MoE layer's expert bias moves by this much
     towards balance (down for an expert above the mean load, up below it); 0: off."""
+    window: int = 0
+    """With window_frac > 0: that share of the steps trains with sliding-window attention of this many tokens (each
+    token sees the last `window` tokens, itself included), so the model does not depend on context a windowed KV
+    cache drops (the way models with local-attention layers are pretrained); the model itself stays dense."""
+    window_frac: float = 0.0
 
     def __post_init__(self):
         for k in ("steps", "batch_size"):
@@ -51,13 +56,17 @@ class WarmStartSpec:
                 raise ValueError(f"warm start {k}={getattr(self, k)} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"warm start lr={self.lr} must be > 0")
+        if not 0 <= self.window_frac <= 1 or (self.window_frac > 0 and self.window < 1):
+            raise ValueError(f"warm start window={self.window}, window_frac={self.window_frac}: need a fraction in "
+                             "[0, 1] and, when it is > 0, a window >= 1")
         if not self.router_lr_scale >= 0 or not self.bias_update >= 0:
             raise ValueError(f"warm start router_lr_scale={self.router_lr_scale}, bias_update={self.bias_update}: "
                              "must be >= 0")
 
     def key(self) -> str:
         fields = asdict(self)
-        for k, default in (("router_lr_scale", 1.0), ("bias_update", 0.0)):   # keys of earlier specs unchanged
+        for k, default in (("router_lr_scale", 1.0), ("bias_update", 0.0), ("window", 0),
+                           ("window_frac", 0.0)):                          # keys of earlier specs unchanged
             if fields[k] == default:
                 del fields[k]
         if fields["task"]["kind"] == "sort":
@@ -80,6 +89,13 @@ def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.T
         mask[i, :len(p) + len(a)] = 1
         labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
     return ids, mask, labels
+
+
+def window_mask(n: int, window: int) -> torch.Tensor:
+    """[1, 1, n, n] additive attention mask: query i sees key j when j <= i and i - j < window (right padding needs
+    nothing more: no real token sees a pad)."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return torch.where((j <= i) & (i - j < window), 0.0, float("-inf"))[None, None]
 
 
 def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
@@ -110,7 +126,9 @@ def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
             ids, mask, labels = sft_batch(tokenizer, [problems[rng.randrange(len(problems))]
                                                       for _ in range(spec.batch_size)])
             real["mask"] = mask.reshape(-1).bool()
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            windowed = spec.window_frac > 0 and rng.random() < spec.window_frac
+            loss = model(input_ids=ids, attention_mask=window_mask(ids.shape[1], spec.window) if windowed else mask,
+                         labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             opt.step()
@@ -139,9 +157,10 @@ def default_spec(size: str) -> WarmStartSpec:
     return WarmStartSpec(**SIZE_WARM_STARTS.get(size, {}))
 
 
-TASK_WARM_STARTS = {"sort_trace": dict(steps=300)}
+TASK_WARM_STARTS = {"sort_trace": dict(steps=300, window=32, window_frac=0.5)}
 """Per task kind, how its warm start differs (after the size's): the written trace is a long answer, learnt in more
-supervised steps."""
+supervised steps, half of them with a 32-token attention window (so that rollouts on a windowed KV cache stay
+usable: trained on full attention only, the model fails every trace once its first tokens leave the window)."""
 
 
 def task_warm_spec(size: str, task: TaskSpec) -> WarmStartSpec:
