@@ -57,11 +57,11 @@ def test_consistency_ratio_is_one_without_compression_and_moves_with_it(tmp_path
 
 
 def test_windowed_engine_holds_fewer_blocks_and_serves_more_at_once(tmp_path):
-    """The allocator's own counts, dense vs a 32-token window, the same 24 requests of 85 forced tokens on a pool of
-    24 blocks: blocks held per sequence at the peak (4 vs 2 of 32 tokens) and the most sequences served at once
+    """The allocator's own counts, dense vs a 32-token window, the same 12 requests of 85 forced tokens on a pool of
+    16 blocks: blocks held per sequence at the peak (4 vs 2 of 32 tokens) and the most sequences served at once
     without a preemption."""
     res = {m: run_process("moe_lora_rl.bench.sparse_kv_worker",
-                          ["--model", _model(), "--method", m, "--budget", b, "--pool-blocks", "24", "--requests", "24"],
+                          ["--model", _model(), "--method", m, "--budget", b, "--pool-blocks", "16", "--requests", "12"],
                           cwd=tmp_path) for m, b in (("none", "0"), ("window", "32"))}
     dense, sparse = res["none"], res["window"]
     assert dense["kv"]["peak_blocks_per_seq"] == 4 and sparse["kv"]["peak_blocks_per_seq"] == 2, res
