@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..rl.metrics import read_jsonl
 from .async_rl import _ints
+from . import figures
 from .common import emit
 from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
 
@@ -48,29 +49,16 @@ def curve(records: list[dict], replay: str) -> list[dict]:
 
 
 def plot(curves: dict, png: Path, title: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 7), dpi=100)
-    FigureCanvasAgg(fig)
-    for ax, (name, (key,)) in zip(fig.subplots(2, 2).ravel(), CURVES):
+    fig, axes = figures.panels(2, 2)
+    for ax, (name, (key,)) in zip(axes, CURVES):
         for (replay, seed), rows in sorted(curves.items()):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, color="C0" if replay == "r3" else "C3", ls="-" if seed == min(s for _, s in curves)
                         else "--", marker="o" if key == "eval" else None, ms=3, label=f"{replay} seed {seed}")
-        if key == "kl":
-            ax.set_yscale("log")
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    return png
+        figures.style(ax, name, log=key == "kl")
+    return figures.save(fig, title, png)
 
 
 def main(argv=None) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..rl.metrics import read_jsonl
 from .async_rl import _ints
+from . import figures
 from .common import emit
 from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
 
@@ -46,35 +47,22 @@ def mean_of(rows: list[dict], key: str):
 
 
 def plot(curves: dict, png: Path, title: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 7), dpi=100)
-    FigureCanvasAgg(fig)
+    """curves: (run, seed) -> (metrics rows, the final adapter's held-out success on a dense engine or None)."""
+    fig, axes = figures.panels(2, 2, size=(11, 7))
     colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2"}
     seeds = sorted({s for _, s in curves})
-    for ax, (name, key) in zip(fig.subplots(2, 2).ravel(), CURVES):
+    for ax, (name, key) in zip(axes, CURVES):
         for (run, seed), (rows, dense_end) in sorted(curves.items()):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ls = "-" if seed == seeds[0] else "--"
-            ax.plot(xs, ys, color=colors[run], ls=ls, marker="o" if key == "eval" else None, ms=3,
-                    label=f"{run} s{seed}")
+            ax.plot(xs, ys, color=colors[run], ls="-" if seed == seeds[0] else "--",
+                    marker="o" if key == "eval" else None, ms=3, label=f"{run} s{seed}")
             if key == "eval" and dense_end is not None:
                 ax.plot([xs[-1]], [dense_end], color=colors[run], marker="*", ms=11, ls="none")
-        if key == "r3_kl":
-            ax.set_yscale("log")
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    return png
+        figures.style(ax, name, log=key == "r3_kl")
+    return figures.save(fig, title, png)
 
 
 def main(argv=None) -> dict:
