@@ -115,3 +115,21 @@ def test_per_seq_bytes():
     b = {"block_steps": 100, "seq_steps": 30, "block_bytes": 1000, "peak_blocks_per_seq": 6.0}
     assert per_seq_bytes(a, b) == {"kv_bytes_per_seq": 3000.0, "kv_peak_bytes_per_seq": 6000.0}
     assert per_seq_bytes(None, a)["kv_bytes_per_seq"] == 4000.0
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.kv_compression=snapkv", "kv_compression='snapkv'"),
+    ("rollout.kv_budget=32", "kv_budget=32 needs rollout.kv_compression"),
+    ("algo.sparse_veto=2", "veto=2"),
+    ("algo.sparse_upper=0.8", "upper=0.8"),
+    ("algo.rollout_is=sparsity", "algo.rollout_is"),
+    ("data.task=essay", "kind='essay'"),
+])
+def test_train_config_refuses(override, needle):
+    from moe_lora_rl.rl import config
+
+    with pytest.raises(ValueError, match=needle):
+        config.load([override])
+    cfg = config.load(["rollout.kv_compression=window", "rollout.kv_budget=48", "algo.rollout_is=sparse",
+                       "data.task=sort_trace", "data.length=10"])
+    assert cfg.algo.sparse_settings() == SparseCorrection() and cfg.data.task_spec().kind == "sort_trace"

@@ -1,0 +1,31 @@
+"""bench sparse's pure parts: each run's overrides, and every argument honoured or refused before a job starts."""
+import pytest
+
+from moe_lora_rl.bench.sparse import RUNS, main, mean_of, run_overrides
+
+
+def test_runs_differ_only_in_the_engine_and_the_correction():
+    assert run_overrides("dense", "window", 32) == []
+    assert run_overrides("sparse_uncorrected", "window", 32) == ["rollout.kv_compression=window",
+                                                                 "rollout.kv_budget=32", "algo.rollout_is=off"]
+    assert run_overrides("sparse_corrected", "window", 48)[-1] == "algo.rollout_is=sparse"
+    assert RUNS == ("dense", "sparse_uncorrected", "sparse_corrected")
+    assert mean_of([{"a": 1.0}, {"b": 2}, {"a": 3.0}], "a") == 2.0 and mean_of([], "a") is None
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--", "rollout.kv_budget=8"], "override 'rollout.kv_budget=8': sparse sets"),
+    (["--", "algo.rollout_is=token"], "override 'algo.rollout_is=token': sparse sets"),
+    (["--", "seed=3"], "override 'seed=3': sparse sets"),
+    (["--method", "none"], "--method='none'"),
+    (["--method", "snapkv"], "--method='snapkv'"),
+    (["--budget", "4"], "kv_budget=4 is below"),
+    (["--budget", "4096"], "kv_budget=4096 exceeds"),
+    (["--seeds", "1,1"], "--seeds='1,1'"),
+    (["--pool-blocks", "2"], "--pool-blocks=2"),
+    (["--", "algo.sparse_lower=1.2"], "lower=1.2"),
+])
+def test_refused_before_any_run(argv, needle, monkeypatch):
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        main(argv)
