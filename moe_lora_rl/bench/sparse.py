@@ -5,17 +5,18 @@ sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.ro
 memory itself, measured by the engine's allocator at a fixed pool (sparse_kv_worker.py).
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
-        [--method window] [--budget 32] [--png FILE] [--out DIR] [-- k=v ...]
+        [--method window] [--budget 32] [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
 
 Held-out success (eval_*): the trained adapter on a dense engine (summary eval_end_dense; for the dense run its own
 final evaluation), mean over seeds; eval_*_sampler: the same problems under each run's own sampler. kv_bytes_ratio:
 sparse / dense KV bytes per sequence at the same concurrency (the runs' batches, every sequence of a step running at
 once), at its peak per sequence (what a sequence must be given room for); kv_bytes_ratio_mean: time-averaged over
-engine steps. concurrency_ratio: the most sequences the sparse engine ran at once over the dense engine's, on the
-same KV pool (--pool-blocks) and requests. rejection_rate: sequences rejected by the corrected run, mean over steps.
+engine steps. concurrency_ratio: the most sequences the sparse engine serves at once without a preemption over the dense engine's,
+on the same KV pool (--pool-blocks) and requests (sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
 """
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +75,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", type=int, default=32, help="KV budget in tokens (window: its length)")
     ap.add_argument("--pool-blocks", type=int, default=48, help="KV blocks of the concurrency measurement's pool")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --out: a run whose summary.json is already there is read, not run again")
     a = ap.parse_args(argv)
     from ..rollout.kv_compression import METHODS
 
@@ -88,6 +91,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"override {own[0]!r}: sparse sets seed, out_dir, steps, layout.*, model.path, "
                          "rollout.kv_* and algo.rollout_is itself (--seeds, --out, --steps, --layouts, --model, "
                          "--method, --budget)")
+    if a.reuse and not a.out:
+        raise ValueError("--reuse reads the runs of --out: give --out DIR")
     if a.timeout <= 0 or (a.steps is not None and a.steps < 1) or a.pool_blocks < 4:
         raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}, --pool-blocks={a.pool_blocks}: must be "
                          "positive (pool >= 4)")
@@ -99,20 +104,26 @@ def main(argv=None) -> dict:
     sums, hist = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)
+        reused = []
         for seed in seeds:
             for run in RUNS:
                 out = root / f"{run}-s{seed}"
-                sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget), f"seed={seed}"], out,
-                                          a.timeout)
+                if a.reuse and (out / "summary.json").is_file():
+                    sums[run, seed] = json.loads((out / "summary.json").read_text())
+                    reused.append(out.name)
+                else:
+                    sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget), f"seed={seed}"],
+                                              out, a.timeout)
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
         from ..checks.launch import run_process
         from ..rl import config
 
         cfg = config.load(base)
-        kv = run_process("moe_lora_rl.bench.sparse_kv_worker",
-                         ["--model", sums["dense", seeds[0]]["model"], "--method", a.method, "--budget",
-                          str(a.budget), "--pool-blocks", str(a.pool_blocks), "--length", str(cfg.data.length),
-                          "--max-tokens", str(cfg.algo.max_response_tokens)], cwd=root, what="KV worker")
+        kv = {m: run_process("moe_lora_rl.bench.sparse_kv_worker",
+                             ["--model", sums["dense", seeds[0]]["model"], "--method", m, "--budget", str(b),
+                              "--pool-blocks", str(a.pool_blocks), "--length", str(cfg.data.length),
+                              "--max-tokens", str(cfg.algo.max_response_tokens)], cwd=root, what="KV worker")
+              for m, b in (("none", 0), (a.method, a.budget))}
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
             plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
@@ -132,7 +143,13 @@ def main(argv=None) -> dict:
            "kv_bytes_ratio_mean": hmean("sparse_corrected", "kv_bytes_per_seq") / hmean("dense", "kv_bytes_per_seq"),
            "kv_peak_bytes_per_seq_dense": hmean("dense", "kv_peak_bytes_per_seq"),
            "kv_peak_bytes_per_seq_sparse": hmean("sparse_corrected", "kv_peak_bytes_per_seq"),
-           "concurrency_ratio": kv["concurrency_ratio"], "concurrency": kv,
+           "concurrency_ratio": kv[a.method]["concurrency"] / kv["none"]["concurrency"],
+           "concurrency": {"dense": kv["none"]["concurrency"], "sparse": kv[a.method]["concurrency"],
+                           "pool_blocks": a.pool_blocks,
+                           "tokens_per_s_dense": kv["none"]["at_concurrency"]["tokens_per_s"],
+                           "tokens_per_s_sparse": kv[a.method]["at_concurrency"]["tokens_per_s"],
+                           "peak_blocks_per_seq_dense": kv["none"]["kv"]["peak_blocks_per_seq"],
+                           "peak_blocks_per_seq_sparse": kv[a.method]["kv"]["peak_blocks_per_seq"]},
            "eval_start": mean("dense", "eval_start"),
            "eval_dense": sum(dense_end.values()) / len(seeds),
            "eval_sparse_uncorrected": mean("sparse_uncorrected", "eval_end_dense"),
@@ -147,6 +164,6 @@ def main(argv=None) -> dict:
            "evals": {f"{r}-s{s}": {**sums[r, s]["evals"], "dense_end": sums[r, s].get("eval_end_dense")}
                      for r, s in sorted(sums)},
            "seeds": seeds, "steps": sums["dense", seeds[0]]["steps"], "layout": lay.name,
-           "overrides": extra, "png": str(png) if png else None, "bench_wall_s": round(time.time() - t0, 1)}
+           "overrides": extra, "reused": reused, "png": str(png) if png else None, "bench_wall_s": round(time.time() - t0, 1)}
     emit(out, a.json)
     return out

@@ -29,3 +29,9 @@ def test_refused_before_any_run(argv, needle, monkeypatch):
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         main(argv)
+
+
+def test_reuse_needs_out(monkeypatch):
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
+    with pytest.raises(ValueError, match="--reuse reads the runs of --out"):
+        main(["--reuse"])
