@@ -42,12 +42,10 @@ LONG = ["data.task=sort_trace", "data.length=10", "data.n_eval=16", "data.eval_s
 
 
 def test_consistency_ratio_is_one_without_compression_and_moves_with_it(tmp_path):
-    runs = {}
-    for name, budget in (("covering", 256), ("window", 8)):
-        out = tmp_path / name
-        p = start_train(out, [*LONG, f"model.path={_model()}", "rollout.kv_compression=window",
-                              f"rollout.kv_budget={budget}"])
-        runs[name] = finish_train(p, out)
+    procs = {name: start_train(tmp_path / name, [*LONG, f"model.path={_model()}", "rollout.kv_compression=window",
+                                                 f"rollout.kv_budget={budget}"])
+             for name, budget in (("covering", 256), ("window", 8))}     # side by side: start-up dominates both
+    runs = {name: finish_train(p, tmp_path / name) for name, p in procs.items()}
     _, (full,), _ = runs["covering"]
     summary, (win,), _ = runs["window"]
     assert abs(full["sparse/ratio_min"] - 1) <= 1e-5 and abs(full["sparse/ratio_max"] - 1) <= 1e-5, full
