@@ -16,20 +16,10 @@ from ..rollout.engine import make_engine, set_engine_env
 RANK, ALPHA = 4, 8.0
 
 
-def window_mask(n: int, window: int | None):
-    """[1, 1, n, n] additive mask: 0 where key j is visible to query i (j <= i, and i - j < window), -inf else."""
-    import torch
-
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
-    ok = j <= i
-    if window is not None:
-        ok = ok & (i - j < window)
-    return torch.where(ok, 0.0, float("-inf"))[None, None]
-
-
 def hf_response_logprobs(hf, tokens: list[int], n_prompt: int, window: int | None) -> list[float]:
     import torch
+
+    from ..rl.warm_start import window_mask
 
     ids = torch.tensor([tokens])
     with torch.no_grad():

@@ -25,7 +25,6 @@ DTYPES = ("float32", "bfloat16")
 REPLAY_MODES = ("r3", "r2", "off")
 SERVING_MODES = ("unmerged", "merged")
 ROLLOUT_IS = ("token", "sequence", "mis", "sparse", "off")
-ENGINE_MAX_MODEL_LEN = 512          # the rollout engine's context (rollout/client.py's default)
 MODES = ("sync", "async")
 INFLIGHT = ("switch", "pin")
 
@@ -253,10 +252,11 @@ class RolloutSettings:
     """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
 
     def __post_init__(self):
+        from ..rollout.client import DEFAULT_MAX_MODEL_LEN
         from ..rollout.kv_compression import check_compression
         from ..rollout.placement import plan_placements
 
-        check_compression(self.kv_compression, self.kv_budget, ENGINE_MAX_MODEL_LEN)
+        check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN)
 
         if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
             raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..megatron.build import check_layout
 from ..models.arch import load_arch
 from ..megatron.run_config import RunConfig
-from .config import ENGINE_MAX_MODEL_LEN, TrainConfig
+from .config import TrainConfig
 
 TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -40,9 +40,10 @@ def check(cfg: TrainConfig, world_size: int):
     if cfg.rollout.kv_compression != "none":          # the model's attention must be one the engine can window
         import json
 
+        from ..rollout.client import DEFAULT_MAX_MODEL_LEN
         from ..rollout.kv_compression import check_compression
 
-        check_compression(cfg.rollout.kv_compression, cfg.rollout.kv_budget, ENGINE_MAX_MODEL_LEN,
+        check_compression(cfg.rollout.kv_compression, cfg.rollout.kv_budget, DEFAULT_MAX_MODEL_LEN,
                           json.loads((base_model_dir(cfg) / "config.json").read_text()))
     if cfg.replay != "off" and not any(arch.moe_layers):
         raise ValueError(f"replay={cfg.replay!r}: the model has no MoE layer to replay routes in; use replay=off")

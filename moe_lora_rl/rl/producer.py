@@ -25,6 +25,7 @@ class Producer:
         self.engines = None                 # rollout/replicas.py's Replicas
         self._prompt_cache: dict[int, list[int]] = {}
         self._eval_prompts = None
+        self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
 
     def start(self) -> None:
         import os
@@ -95,13 +96,16 @@ class Producer:
         """Every engine's KV meter (rollout/kv_meter.py), cumulative."""
         return [st["kv"] for st in self.engines.status()]
 
-    def kv_between(self, before: list[dict], after: list[dict]) -> dict:
-        """KV bytes per running sequence between two kv_snapshot()s, measured by the engines' allocators
-        (time-averaged over their steps; the peak so far), averaged over the engines that ran."""
+    def kv_step(self) -> dict:
+        """KV bytes per running sequence since the last kv_step or evaluation, measured by the engines' allocators
+        (time-averaged over their steps; the peak so far), averaged over the engines that ran: one status call."""
         from ..rollout.kv_meter import per_seq_bytes
 
-        per = [per_seq_bytes(b if b["seq_steps"] <= a["seq_steps"] else None, a)      # a restart resets a meter
-               for b, a in zip(before, after) if a["seq_steps"] != b["seq_steps"]]
+        after = self.kv_snapshot()
+        before = self._kv_mark or [None] * len(after)
+        self._kv_mark = after
+        per = [per_seq_bytes(b if b is not None and b["seq_steps"] <= a["seq_steps"] else None, a)  # restart: reset
+               for b, a in zip(before, after) if b is None or a["seq_steps"] != b["seq_steps"]]
         if not per:
             return {}
         return {"kv_bytes_per_seq": sum(p["kv_bytes_per_seq"] for p in per) / len(per),
@@ -128,6 +132,7 @@ class Producer:
 
         parts = spread(len(self.eval_problems), len(self.engines))
         done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
+        self._kv_mark = self.kv_snapshot()          # the next step's KV figures leave the evaluation out
         return sum(done.values()) / (len(self.eval_problems) * k)
 
     def stop(self) -> None:

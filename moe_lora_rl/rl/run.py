@@ -202,17 +202,16 @@ class GRPORun:
 
         def generate():
             t0 = time.perf_counter()
-            before = self.prod.kv_snapshot()
             out = self.prod.generate(plans, keep)
-            kv = self.prod.kv_between(before, self.prod.kv_snapshot())
+            kv = self.prod.kv_step()
             self.busy["rollout"] += time.perf_counter() - t0
             return out, kv
 
         samples, kv = self._on_engine(f"the rollout of step {step + 1}", generate)
         m, _, _ = self.train(samples, plans)
         pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
-        return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version, "samples_sha256": samples_digest(samples),
-                "rollout_versions": token_versions(samples)}
+        return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version,
+                "samples_sha256": samples_digest(samples), "rollout_versions": token_versions(samples)}
 
     def push(self, restarts: bool = True, after_restart=None, engines=None) -> int:
         """LoRA-only refit of the current version to every engine (or those listed), collective; the bytes sent

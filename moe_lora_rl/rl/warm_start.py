@@ -91,11 +91,12 @@ def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.T
     return ids, mask, labels
 
 
-def window_mask(n: int, window: int) -> torch.Tensor:
-    """[1, 1, n, n] additive attention mask: query i sees key j when j <= i and i - j < window (right padding needs
-    nothing more: no real token sees a pad)."""
+def window_mask(n: int, window: int | None) -> torch.Tensor:
+    """[1, 1, n, n] additive attention mask: query i sees key j when j <= i and i - j < window (None: causal only;
+    right padding needs nothing more: no real token sees a pad)."""
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    return torch.where((j <= i) & (i - j < window), 0.0, float("-inf"))[None, None]
+    ok = (j <= i) if window is None else (j <= i) & (i - j < window)
+    return torch.where(ok, 0.0, float("-inf"))[None, None]
 
 
 def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:

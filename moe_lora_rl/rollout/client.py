@@ -127,9 +127,12 @@ class _EngineHttpTransport(_EngineTransport):
         HttpTransport._send_bucket(self, version, index, tensors)
 
 
+DEFAULT_MAX_MODEL_LEN = 512          # tokens of context of an engine the driver starts
+
+
 class RolloutEngine:
     def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
-                 log_dir=".", max_model_len=512, seed=0, startup_timeout=300.0, block_size=32,
+                 log_dir=".", max_model_len=DEFAULT_MAX_MODEL_LEN, seed=0, startup_timeout=300.0, block_size=32,
                  threads: int | None = None, port: int | None = None, request_timeout=600.0,
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
@@ -176,7 +179,7 @@ class RolloutEngine:
     # -- process ---------------------------------------------------------------------------------------------
     @classmethod
     def start(cls, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
-              log_dir=".", max_model_len=512, seed=0, startup_timeout=300, **kw) -> "RolloutEngine":
+              log_dir=".", max_model_len=DEFAULT_MAX_MODEL_LEN, seed=0, startup_timeout=300, **kw) -> "RolloutEngine":
         engine = cls(model_dir, dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
                      log_dir=log_dir, max_model_len=max_model_len, seed=seed, startup_timeout=startup_timeout, **kw)
         engine._launch()

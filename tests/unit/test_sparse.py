@@ -133,3 +133,17 @@ def test_train_config_refuses(override, needle):
     cfg = config.load(["rollout.kv_compression=window", "rollout.kv_budget=48", "algo.rollout_is=sparse",
                        "data.task=sort_trace", "data.length=10"])
     assert cfg.algo.sparse_settings() == SparseCorrection() and cfg.data.task_spec().kind == "sort_trace"
+
+
+def test_kv_step_counts_since_the_last_mark_and_survives_a_restart():
+    from moe_lora_rl.rl.producer import Producer
+
+    snaps = iter([[{"block_steps": 40, "seq_steps": 10, "block_bytes": 1000, "peak_blocks_per_seq": 5.0}],
+                  [{"block_steps": 100, "seq_steps": 30, "block_bytes": 1000, "peak_blocks_per_seq": 6.0}],
+                  [{"block_steps": 6, "seq_steps": 2, "block_bytes": 1000, "peak_blocks_per_seq": 3.0}]])
+    prod = Producer.__new__(Producer)
+    prod._kv_mark = None
+    prod.kv_snapshot = lambda: next(snaps)
+    assert prod.kv_step()["kv_bytes_per_seq"] == 4000.0                 # since the engine started
+    assert prod.kv_step() == {"kv_bytes_per_seq": 3000.0, "kv_peak_bytes_per_seq": 6000.0}
+    assert prod.kv_step()["kv_bytes_per_seq"] == 3000.0                 # a restarted engine's meter starts over
