@@ -19,6 +19,8 @@ import secrets
 TOKEN_ENV = "MOE_LORA_ENGINE_TOKEN"
 HEADER = "Authorization"
 DEFAULT_MAX_BODY = 512 << 20            # bytes; an HTTP push sends base64 buckets (64 MiB raw by default)
+DRAIN_FACTOR = 4                        # an oversized body up to this many times the limit is read (and dropped)
+                                        # before its 413, so that a client still sending gets the reply
 
 # the worker-extension methods our transports and the engine client call (vllm/worker_ext.py)
 RPC_METHODS = frozenset({

@@ -184,6 +184,7 @@ def make_handler():
                 n = -1
             if n < 0 or n > self.server.max_body:
                 self.close_connection = True
+                self._discard(n)
                 self._error(413 if n > 0 else 400, f"request body of {self.headers.get('Content-Length')} "
                             f"bytes: the limit is {self.server.max_body}")
                 return None
@@ -193,6 +194,17 @@ def make_handler():
             except ValueError as e:
                 self._error(400, f"JSON decode error: {e}")
                 return None
+
+        def _discard(self, n: int) -> None:
+            """Read and drop an oversized body of up to DRAIN_FACTOR x the limit in small chunks before the 413, so
+            that the client, still sending, reads the reply instead of a reset connection; a larger one is not read
+            (the connection closes under it)."""
+            left = n if 0 < n <= guard.DRAIN_FACTOR * self.server.max_body else 0
+            while left > 0:
+                chunk = self.rfile.read(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
 
         def do_GET(self):
             if self.path == "/health":
