@@ -147,6 +147,19 @@ class RouteCapture:
                 self.prefix.forget(key)
         return out
 
+    def discard(self, request_ids: list[str]) -> int:
+        """Drop whatever was captured for these requests (aborted or failed ones); unknown ids are ignored. Returns
+        how many captured requests were dropped."""
+        keys = [k for k in self.per_request for rid in request_ids if k == rid or k.startswith(f"{rid}-")]
+        for key in set(keys):
+            self.per_request.pop(key, None)
+            self.rows.pop(key, None)
+            self.missing_layers.pop(key, None)
+            self.missing_rows.pop(key, None)
+            if self.prefix is not None:
+                self.prefix.forget(key)
+        return len(set(keys))
+
     def meta(self) -> dict:
         return {"layer_ids": self.layer_ids, "num_experts": self.num_experts, "topk": self.topk,
                 "pending_requests": len(self.per_request), "prefix_caching": self.prefix is not None,

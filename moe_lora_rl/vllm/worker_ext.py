@@ -290,11 +290,21 @@ class MoELoRAWorkerExtension:
         return cap.meta()
 
     @entry
-    def moe_lora_capture_pop(self, request_ids: list) -> dict:
+    def moe_lora_capture_pop(self, request_ids: list, wire: bool = False) -> dict:
+        """wire=True: each request's routes as [dtype, shape, bytes] (what crosses an engine-core process intact;
+        vLLM's utility-result codec does not rebuild arrays nested in a dict)."""
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is None:
             raise ValueError("routing capture was not started (moe_lora_capture_start)")
-        return cap.pop(request_ids)
+        out = cap.pop(request_ids)
+        if wire:
+            return {rid: [r.dtype.str, list(r.shape), r.tobytes()] for rid, r in out.items()}
+        return out
+
+    @entry
+    def moe_lora_capture_discard(self, request_ids: list) -> dict:
+        cap = getattr(self, "_moe_lora_capture", None)
+        return {"discarded": cap.discard(request_ids) if cap is not None else 0}
 
     @entry
     def moe_lora_capture_stop(self) -> dict:

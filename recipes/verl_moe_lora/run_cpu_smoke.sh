@@ -4,7 +4,8 @@
 # Colocated sync with vLLM started on dummy weights (verl's default; the recipe config loads the base from disk):
 # the rollout's weights are then exactly what the first sync put there.
 #   recipes/verl_moe_lora/run_cpu_smoke.sh [OUT_DIR] [extra verl overrides...]
-# R3 is off: vLLM on CPU cannot return routed experts (its AuxOutput connector needs Model Runner V2, i.e. Triton).
+# R3 on (R3=off turns it off): verl's routed_experts come from our replica's capture (vLLM's own return stays off);
+# each log-prob recompute is also run without replay and both k3 KLs against the rollout go to OUT/r3_check.jsonl.
 # Prints the log's last lines and "SMOKE: finished N steps" or "SMOKE: stopped (rc)"; always stops Ray.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -31,6 +32,13 @@ fi
 MODEL=$OUT/model
 [ -f "$OUT/data/train.parquet" ] || "$PY" -m moe_lora_rl.rl.dataset "$OUT/data" >/dev/null
 STEPS=${STEPS:-2}
+if [ "${R3:-on}" = on ]; then
+  ROUTES=(actor_rollout_ref.actor.megatron.router_replay.mode=R3 actor_rollout_ref.rollout.enable_rollout_routing_replay=true
+          +actor_rollout_ref.actor.megatron.r3_check_log="$OUT/r3_check.jsonl")
+else
+  ROUTES=(actor_rollout_ref.actor.megatron.router_replay.mode=disabled actor_rollout_ref.rollout.enable_rollout_routing_replay=false)
+fi
+rm -f "$OUT/r3_check.jsonl"
 start=$(date +%s)
 timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" \
   trainer.use_v1=false \
@@ -51,7 +59,7 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" \
   actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 \
   actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
   actor_rollout_ref.actor.use_kl_loss=false \
-  actor_rollout_ref.actor.megatron.router_replay.mode=disabled actor_rollout_ref.rollout.enable_rollout_routing_replay=false \
+  "${ROUTES[@]}" \
   actor_rollout_ref.actor.ppo_mini_batch_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2 \

@@ -55,6 +55,9 @@ class MoELoRAEngineConfig(McoreEngineConfig):
     dtype: str = "bfloat16"
     device: str = "cuda"
     """cuda, or cpu (gloo; for tests and small runs)."""
+    r3_check_log: str = ""
+    """A JSON-lines file: with R3 on, each log-prob recompute that carries the rollout's log-probs is also run without
+    replay, and the token-mean k3 KL of both against the rollout is appended (r3_check.py). Empty: off."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)         # McoreEngineConfig's own checks assert strategy megatron and bf16
@@ -168,6 +171,11 @@ def check_rollout(rollout, router_replay=None) -> None:
                          "sets its own worker extension, remove it")
     mode = _get(router_replay, "mode", "disabled")
     replay = bool(_get(rollout, "enable_rollout_routing_replay", False))
+    if _get(vkw, "enable_return_routed_experts") not in (None, False):
+        raise ValueError("actor_rollout_ref.rollout.engine_kwargs.vllm.enable_return_routed_experts="
+                         f"{_get(vkw, 'enable_return_routed_experts')!r} turns on vLLM's own routes next to ours "
+                         f"(actor_rollout_ref.rollout.enable_rollout_routing_replay={replay}): remove it, our replica "
+                         "captures the routes")
     if mode == "R3" and not replay:
         raise ValueError("actor_rollout_ref.actor.megatron.router_replay.mode='R3' needs "
                          "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (got False)")

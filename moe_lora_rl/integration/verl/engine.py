@@ -153,6 +153,17 @@ class MoELoRAEngine(BaseEngine):
                                 num_experts=self.arch.num_experts, topk=self.arch.topk)
 
     def forward_backward_batch(self, data, loss_function: Callable | None, forward_only=False):
+        replay = self.engine_config.router_replay.mode == "R3" and \
+            tu.get_non_tensor_data(data, "enable_routing_replay", False)
+        out = self._run_batch(data, loss_function, forward_only, replay)
+        if forward_only and replay and self.engine_config.r3_check_log and "rollout_log_probs" in data.keys() and out:
+            from .r3_check import record
+
+            free = self._run_batch(data, None, True, False)
+            record(self.engine_config.r3_check_log, data, out, free, version=self.version)
+        return out
+
+    def _run_batch(self, data, loss_function, forward_only: bool, replay: bool):
         import torch.distributed as dist
 
         loss_mask = data["loss_mask"]
@@ -162,8 +173,6 @@ class MoELoRAEngine(BaseEngine):
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
                                                        same_micro_num_in_dp=True)
         n_micro = len(micro_batches)
-        replay = self.engine_config.router_replay.mode == "R3" and \
-            tu.get_non_tensor_data(data, "enable_routing_replay", False)
         lengths = [[int(n) for n in mb["input_ids"].offsets().diff().tolist()] for mb in micro_batches]
         s = padded_len(max(max(l) for l in lengths), self.core.view)     # sequence parallelism splits S over TP
         b = max(len(l) for l in lengths)

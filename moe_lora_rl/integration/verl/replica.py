@@ -8,14 +8,18 @@
     _get_worker_extension_cls   integration.verl.worker_ext.VerlMoELoRAWorkerExtension (staged commit, capture, and
                          verl's colocated update_weights_from_ipc)
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
+    generate             with rollout.enable_rollout_routing_replay: verl's TokenOutput.routed_experts filled from our
+                         capture (server_routes.py); vLLM's own routed-experts return is never turned on
     _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
                          (verl's replica answers "vllm_", which only matches rollout.name=vllm)
 """
 from __future__ import annotations
 
+from verl.utils.tokenizer import normalize_token_ids
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from .config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
+from .server_routes import ServerRoutes
 
 
 class MoELoRAvLLMHttpServer(vLLMHttpServer):
@@ -24,7 +28,26 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
         check_rollout(cfg)
         object.__setattr__(cfg, "enforce_eager", True)
         object.__setattr__(cfg, "load_format", rollout_load_format(cfg))
+        # R3 from our capture: verl's server would turn on vLLM's routed-experts return and read it back
+        self.moe_routes = ServerRoutes() if cfg.enable_rollout_routing_replay else None
+        object.__setattr__(cfg, "enable_rollout_routing_replay", False)
         return cfg
+
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        if self.moe_routes is None:
+            return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+        await self.moe_routes.start(self.engine)
+        n_prompt = len(normalize_token_ids(prompt_ids))
+        try:
+            out = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+        except BaseException:
+            await self.moe_routes.discard(self.engine, request_id)
+            raise
+        if out.stop_reason == "aborted" or not out.token_ids:
+            await self.moe_routes.discard(self.engine, request_id)          # no routes for a partial response
+            return out
+        out.routed_experts = await self.moe_routes.pop(self.engine, request_id, n_prompt + len(out.token_ids) - 1)
+        return out
 
     def _init_model_config(self, model_config):
         mc = super()._init_model_config(model_config)
