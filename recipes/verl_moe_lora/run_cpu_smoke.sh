@@ -18,7 +18,8 @@ export VERL_USE_EXTERNAL_MODULES=moe_lora_rl.integration.verl.plugin # so every 
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
-MODEL=$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("glm4_moe", "tiny"))')
+# MODEL: a checkpoint dir (run_cpu_learn.sh passes the warm-started default model); default the tiny model
+MODEL=${MODEL:-$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("glm4_moe", "tiny"))')}
 # verl's agent loop picks its GLM-4.7 token builder from model_type glm4_moe; it needs GLM's <|user|> and
 # <|observation|> turn tokens, which the tiny model's offline tokenizer lacks: a copy of the model whose tokenizer
 # has them as added special tokens (ids past the model's vocab; never prompted, never sampled).

@@ -45,6 +45,17 @@ def test_complete_routes_concatenate_over_steps():
         cap.pop(["a"])                                          # consumed once
 
 
+def test_discard_drops_partial_routes_so_an_id_can_start_again():
+    cap = _capture()
+    _step(cap, ["a-1", "b-2"], [5, 3], [0, 0])
+    _step(cap, ["a-1"], [1], [9])                               # a gap: rows 5..8 never forwarded
+    assert cap.discard(["a", "zz"]) == 1                        # unknown ids are ignored
+    _step(cap, ["a-3"], [4], [0], seed=2)                       # the id again, fresh (an aborted request resubmitted)
+    out = cap.pop(["a", "b"])
+    assert out["a"].shape == (4, 2, 2) and out["b"].shape == (3, 2, 2)
+    assert not cap.per_request and not cap.missing_rows
+
+
 def test_missing_layer_and_rows_are_errors_at_pop():
     cap = _capture()
     _step(cap, ["a-1"], [5], [0], layers=(1,))

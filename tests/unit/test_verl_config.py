@@ -84,7 +84,8 @@ def _launch_args(server_cls, cfg) -> dict:
     s.workers, s._master_address, s._master_port, s._dp_rpc_port = [None], None, None, None
     s.profiler_controller = types.SimpleNamespace(check_enable=lambda: False)
     asyncio.run(s.launch_server())
-    return vars(s.captured) | {"_sleep_level": s._resolve_sleep_level()}
+    return vars(s.captured) | {"_sleep_level": s._resolve_sleep_level(),
+                               "_routes_from_capture": getattr(s, "moe_routes", None) is not None}
 
 
 @pytest.mark.vllm
@@ -108,6 +109,12 @@ def test_vllm_engine_args_through_replica_hooks(compose):
     stock = _launch_args(vLLMHttpServer, cfg)
     assert stock["enable_lora"] is True and stock["enforce_eager"] is False
     assert stock["worker_extension_cls"] != ours["worker_extension_cls"]
+    # R3: our replica captures the routes itself; verl's own server turns on vLLM's routed-experts return
+    cfg = compose(**{"actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
+                     "actor_rollout_ref.actor.megatron.router_replay.mode": "R3"})
+    ours, stock = _launch_args(MoELoRAvLLMHttpServer, cfg), _launch_args(vLLMHttpServer, cfg)
+    assert not ours.get("enable_return_routed_experts") and ours["_routes_from_capture"]
+    assert stock["enable_return_routed_experts"] is True
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -127,6 +134,10 @@ def test_vllm_engine_args_through_replica_hooks(compose):
      r"actor_rollout_ref.actor.megatron._target_='verl.workers.config.McoreEngineConfig'"),
     ({"actor_rollout_ref.actor.megatron.router_replay.mode": "R3"},
      r"router_replay.mode='R3' needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+    ({"+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_return_routed_experts": True,
+      "actor_rollout_ref.rollout.enable_rollout_routing_replay": True},
+     r"engine_kwargs.vllm.enable_return_routed_experts=True turns on vLLM's own routes next to ours "
+     r"\(actor_rollout_ref.rollout.enable_rollout_routing_replay=True\)"),
 ])
 def test_bad_config_is_a_one_line_error(compose, extra, match):
     from moe_lora_rl.integration.verl.config import check_config
