@@ -1,6 +1,7 @@
 """verl: our engine and refit inside verl 0.9.1 (CPU, fp32).
 
-    python -m moe_lora_rl.bench verl --json [--model DIR] [--layouts tp2ep2,pp2ep2]
+    python -m moe_lora_rl.bench verl --json [--model DIR] [--layouts tp2ep2,pp2ep2] [--learn-steps 80]
+        [--test-freq 10] [--png FILE] [--out DIR [--reuse]] [--no-runs]
 
 config_ok: verl's own ppo_megatron_trainer config composed with our overrides passes our start-up checks and
 resolves to our engine config. logprob_max_diff_vs_reference: worst max |log-prob diff| over layouts between our
@@ -11,12 +12,19 @@ refit_logprob_diff: max |vLLM log-prob - Megatron+LoRA log-prob| after our weigh
 checkpoint-engine backend into an in-process vLLM engine; colocated_refit_logprob_diff: the same after verl's
 colocated sync (its BucketedWeightSender -> our update_weights_from_ipc, base then adapters) into that engine started
 on dummy weights. One torchrun launch of 4 ranks for all layouts.
+
+verl's main_ppo runs (bench/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
+main_ppo_r3_kl / main_ppo_r3_off_kl: mean k3 KL of the trainer's log-prob recompute against the fp32 rollout, with
+the rollout's routes replayed / with the trainer's own routing, over the recomputes of a 3-step run with R3 on.
+learn_eval_start / learn_eval_end / learn_eval_end_lr0: verl's greedy held-out success before training and after
+--learn-steps steps of the learning run and of its lr=0 control (learn_curve / learn_curve_lr0: every validation).
 """
 from __future__ import annotations
 
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 from ..checks.layouts import check_layouts
 from .common import emit
@@ -34,7 +42,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the tiny glm4_moe model)")
     ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
+    ap.add_argument("--learn-steps", type=int, default=80, help="steps of the learning run and its lr=0 control")
+    ap.add_argument("--test-freq", type=int, default=10, help="verl's validation every N steps (and before training)")
+    ap.add_argument("--out", default=None, help="directory of the main_ppo runs (default: a temporary one)")
+    ap.add_argument("--reuse", action="store_true", help="read the finished runs in --out instead of running them")
+    ap.add_argument("--png", default=None, help="plot the learning curves (and our main job's, if given) here")
+    ap.add_argument("--main-job", default=None, help="our main job's out_dir (metrics.jsonl) for the plot")
+    ap.add_argument("--no-runs", action="store_true", help="only the in-process checks, no main_ppo runs")
     a = ap.parse_args(argv)
+    if a.learn_steps < 1 or a.test_freq < 1:
+        raise ValueError(f"--learn-steps {a.learn_steps} / --test-freq {a.test_freq}: both must be >= 1")
+    if a.reuse and not a.out:
+        raise ValueError("--reuse reads the runs of --out: give --out DIR")
+    if a.no_runs and (a.reuse or a.out or a.png or a.main_job):
+        raise ValueError("--no-runs runs no main_ppo: --out, --reuse, --png and --main-job need the runs")
+    if a.main_job and not Path(a.main_job, "metrics.jsonl").is_file():
+        raise ValueError(f"--main-job {a.main_job!r}: no metrics.jsonl there")
     model = a.model or str(get_model("glm4_moe", "tiny"))
     layouts = check_layouts([model], a.layouts)
     for name, lay in zip([n.strip() for n in a.layouts.split(",") if n.strip()], layouts):
@@ -56,7 +79,40 @@ def main(argv=None) -> dict:
            "per_layout": per,
            "refit": {k: refit[k] for k in ("base_vs_lora", "dummy_vs_megatron_base", "buckets",
                                                      "first_names", "second_names")}}
+    if not a.no_runs:
+        res.update(_main_ppo_runs(a))
     emit(res, a.json)
+    return res
+
+
+def _main_ppo_runs(a) -> dict:
+    import tempfile
+
+    from .verl_runs import parse_r3, run
+
+    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_verl_"))
+    kw = dict(model=a.model, reuse=a.reuse)
+    r3 = run(out / "r3_fp32", ["actor_rollout_ref.rollout.dtype=float32", "trainer.val_before_train=false"],
+             steps=3, test_freq=-1, **kw)
+    kl = parse_r3(out / "r3_fp32" / "r3_check.jsonl")
+    learn = run(out / "learn", [], steps=a.learn_steps, test_freq=a.test_freq, **kw)
+    lr0 = run(out / "learn_lr0", ["actor_rollout_ref.actor.optim.lr=0"], steps=a.learn_steps, test_freq=a.test_freq,
+              **kw)
+    for name, r in (("learn", learn), ("learn_lr0", lr0)):
+        if 0 not in r["val"] or a.learn_steps not in r["val"]:
+            raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
+    res = {"main_ppo_r3_kl": kl["k3_replay"], "main_ppo_r3_off_kl": kl["k3_free"],
+           "main_ppo_r3_max_abs_diff": kl["max_abs_diff_replay"],
+           "main_ppo_r3_off_max_abs_diff": kl["max_abs_diff_free"],
+           "learn_eval_start": learn["val"][0], "learn_eval_end": learn["val"][a.learn_steps],
+           "learn_eval_end_lr0": lr0["val"][a.learn_steps], "learn_eval_start_lr0": lr0["val"][0],
+           "learn_curve": learn["val"], "learn_curve_lr0": lr0["val"], "learn_wall_s": learn["wall_s"],
+           "learn_steps": a.learn_steps, "runs_dir": str(out)}
+    if a.png:
+        from .figures import verl_learning_png
+
+        verl_learning_png(a.png, learn["val"], lr0["val"], a.main_job)
+        res["png"] = a.png
     return res
 
 

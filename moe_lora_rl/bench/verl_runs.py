@@ -1,0 +1,75 @@
+"""verl's own main_ppo through our recipe, as bench runs (recipes/verl_moe_lora/run_cpu_learn.sh), and what is read
+from them: verl's validation curve (the `val-core/.../acc/mean@1` line of each validated step) and our in-run R3
+check (`r3_check.jsonl`: k3 of the trainer's recompute against the rollout, with and without replay).
+
+    r3      a few steps with fp32 rollouts, no validation: main_ppo_r3_kl (mean k3 with R3), main_ppo_r3_off_kl
+            (the same recomputes without replay)
+    learn   the learning run (lr 1e-3) and its lr=0 control, validated before training and every test_freq steps
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LEARN = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_learn.sh"
+_STEP = re.compile(r"step:(\d+) - (.*)$")
+_VAL = re.compile(r"val-core/[^ :]+/acc/mean@1:(?:np\.float64\()?([0-9.eE+-]+)")
+
+
+def parse_val(log: str) -> dict[int, float]:
+    """{step: held-out success} from verl's console lines (step 0: the validation before training)."""
+    out = {}
+    for line in log.splitlines():
+        m = _STEP.search(line)
+        if m:
+            v = _VAL.search(m.group(2))
+            if v:
+                out[int(m.group(1))] = float(v.group(1))
+    return out
+
+
+def parse_steps(log: str) -> int:
+    return len({int(m.group(1)) for m in map(_STEP.search, log.splitlines()) if m and "training/global_step" in m.group(2)})
+
+
+def parse_r3(path: Path) -> dict:
+    """Mean k3 with and without replay over the recomputes in r3_check.jsonl, and their largest |log-prob diff|."""
+    lines = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    if not lines:
+        raise RuntimeError(f"{path}: no R3 check lines (was R3 on and the rollout's log-probs recorded?)")
+    mean = lambda k: sum(l[k] for l in lines) / len(lines)          # noqa: E731
+    return {"k3_replay": mean("k3_replay"), "k3_free": mean("k3_free"), "recomputes": len(lines),
+            "max_abs_diff_replay": max(l["max_abs_diff_replay"] for l in lines),
+            "max_abs_diff_free": max(l["max_abs_diff_free"] for l in lines)}
+
+
+def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: str | None, reuse: bool,
+        timeout_s: int = 5400) -> dict:
+    """One main_ppo run into OUT (or, with reuse, the finished run found there): its log's curve and wall time."""
+    log = out / "run.log"
+    if not reuse:
+        env = {**os.environ, "PYTHON": sys.executable, "STEPS": str(steps), "TEST_FREQ": str(test_freq),
+               "TIMEOUT": str(timeout_s)}
+        if model:
+            env["MODEL"] = model
+        t0 = time.perf_counter()
+        p = subprocess.run(["bash", str(LEARN), str(out), *overrides], env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        (out / "wall_s").write_text(f"{wall:.1f}\n")
+        if p.returncode != 0:
+            raise RuntimeError(f"verl run in {out} failed (rc {p.returncode}): {p.stdout[-1500:]}")
+    if not log.exists():
+        raise RuntimeError(f"{log} does not exist (run without --reuse first)")
+    text = log.read_text()
+    done = parse_steps(text)
+    if done < steps:
+        raise RuntimeError(f"{log}: {done} training steps logged, {steps} expected")
+    wall_f = out / "wall_s"
+    return {"val": parse_val(text), "steps": done,
+            "wall_s": float(wall_f.read_text()) if wall_f.exists() else None}

@@ -1,0 +1,31 @@
+"""What bench verl reads from verl's console log and our in-run R3 check file (verl 0.9.1's line format)."""
+import json
+
+import pytest
+
+from moe_lora_rl.bench.verl_runs import parse_r3, parse_steps, parse_val
+
+LOG = """(MoELoRATaskRunner pid=1) step:0 - val-core/moe_lora_rl/addition/acc/mean@1:np.float64(0.30859375) - \
+val-aux/moe_lora_rl/addition/reward/mean@1:np.float64(0.30859375)
+(MoELoRATaskRunner pid=1) step:1 - actor/loss:np.float64(0.01) - training/global_step:1 - training/epoch:0
+(MoELoRATaskRunner pid=1) step:2 - actor/loss:np.float64(0.02) - training/global_step:2 - \
+val-core/moe_lora_rl/addition/acc/mean@1:0.5
+(MoELoRATaskRunner pid=1) Training Progress: step:3 is not a metrics line
+"""
+
+
+def test_validation_curve_and_steps_from_verls_log():
+    assert parse_val(LOG) == {0: 0.30859375, 2: 0.5}
+    assert parse_steps(LOG) == 2                           # the validation-only line of step 0 trains nothing
+
+
+def test_r3_check_means_and_a_missing_file(tmp_path):
+    f = tmp_path / "r3_check.jsonl"
+    rows = [{"k3_replay": 1e-11, "k3_free": 3e-6, "max_abs_diff_replay": 1e-5, "max_abs_diff_free": 0.4},
+            {"k3_replay": 3e-11, "k3_free": 1e-6, "max_abs_diff_replay": 2e-5, "max_abs_diff_free": 0.1}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = parse_r3(f)
+    assert got["k3_replay"] == pytest.approx(2e-11) and got["k3_free"] == pytest.approx(2e-6)
+    assert got["recomputes"] == 2 and got["max_abs_diff_free"] == 0.4
+    with pytest.raises(RuntimeError, match="no R3 check lines"):
+        parse_r3(tmp_path / "missing.jsonl")
