@@ -1,4 +1,7 @@
-"""verl's main_ppo with our overrides checked up front: python recipes/verl_moe_lora/main_verl_moe_lora.py [k=v ...]"""
+"""verl's trainers with our overrides checked up front:
+    python recipes/verl_moe_lora/main_verl_moe_lora.py [k=v ...]                                          main_ppo
+    python recipes/verl_moe_lora/main_verl_moe_lora.py --config-name verl_moe_lora_one_step_off [k=v ...]  one-step-off
+"""
 import hydra
 
 
@@ -10,6 +13,15 @@ def main(cfg):
     from verl.trainer import main_ppo     # the body of verl's main_ppo.main, after our check
 
     main_ppo.auto_set_device(cfg)
+    if "rollout" in cfg and "n_gpus_per_node" in cfg.rollout:     # verl's one-step-off config (its own pool)
+        import ray
+
+        from moe_lora_rl.integration.verl.async_runners import OneStepTaskRunner
+
+        cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes          # what verl's one-step-off main does
+        cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
+        main_ppo.run_ppo(cfg, task_runner_class=ray.remote(num_cpus=1)(OneStepTaskRunner))
+        return
     main_ppo.validate_config(config=cfg, use_reference_policy=main_ppo.need_reference_policy(cfg),
                              use_critic=main_ppo.need_critic(cfg))
     if cfg.trainer.use_v1:

@@ -1,6 +1,8 @@
 """verl's main_ppo end to end on CPU through our recipe (recipes/verl_moe_lora/run_cpu_smoke.sh): our engine, replica,
-worker extension and CPU platform, tiny GLM-4.5-style model, 2 GRPO steps (colocated sync, R3 off: vLLM on CPU
-cannot return routed experts). Asserts on the numbers verl logs per step."""
+worker extension and CPU platform, tiny GLM-4.5-style model, 2 GRPO steps (colocated sync, R3 on: verl's
+routed_experts filled from our capture, replayed by our engine). Asserts on the numbers verl logs per step and on the
+in-run R3 check."""
+import json
 import math
 import os
 import re
@@ -44,3 +46,9 @@ def test_main_ppo_two_steps_on_cpu(tmp_path):
         assert _num(s["training/rollout_probs_diff_max"]) < 1e-3
         assert _num(s["rollout_corr/log_ppl_abs_diff"]) < 1e-3
     assert log.count("update_weights done") >= 3          # the first sync (base + adapters), then one per step
+    # R3: verl's actor replayed the capture's routes and its fp32 recompute equals the fp32 rollout (~1e-11); one
+    # check line per log-prob recompute carrying the rollout's log-probs (the two training steps). The contrast with
+    # the trainer's own routing needs a model whose routing flips (bench verl: the wide model, main_ppo_r3_off_kl)
+    checks = [json.loads(l) for l in (tmp_path / "r3_check.jsonl").read_text().splitlines()]
+    assert len(checks) == 2 and all(c["tokens"] > 0 for c in checks)
+    assert max(c["k3_replay"] for c in checks) < 1e-8 and max(c["max_abs_diff_replay"] for c in checks) < 1e-3

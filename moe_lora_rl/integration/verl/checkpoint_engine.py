@@ -1,13 +1,18 @@
 """A checkpoint-engine backend ("moe_lora") for verl's non-colocated and async modes, delivering our engine's
-adapter stream (weight_sync.py) into each rollout server's worker extension as one staged version:
+adapter stream (weight_sync.py) into each rollout server's worker extension as one staged version. Two deliveries:
 
-    send_weights(stream) on the trainer: header -> adapters -> moe_lora_begin / bucket ... / commit(checksum)
-    receive_weights() on the rollout side yields nothing: the extension already holds the committed version
+    mailbox (default; verl's CheckpointEngineManager: one-step-off and fully-async trainers)
+      send_weights(stream) on the trainer's rank 0: header + adapters (host copies) -> a named Ray actor (mailbox.py)
+      receive_weights() on each rollout worker: the newest item it has not delivered yet -> header + adapters, which
+        verl's ServerAdapter.update_weights streams to our extension's update_weights_from_ipc (staged, checksum
+        checked, the previous version served until the commit; the base stays the one the server loaded)
+    server_urls (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller): send_weights pushes
+      moe_lora_begin / bucket ... / commit(checksum) to each server itself; receive_weights yields nothing
 
 verl's own backends drop peft_config here, so adapters never reach the engine; this one needs no peft_config (the
 header says version, checksum, rank and alpha). Select it with rollout.checkpoint_engine.backend=moe_lora and
-rollout.checkpoint_engine.custom_backend_module=moe_lora_rl.integration.verl.plugin; the server URLs come from
-rollout.checkpoint_engine.engine_kwargs.moe_lora.server_urls (or are set by the caller as `transports`).
+rollout.checkpoint_engine.custom_backend_module=moe_lora_rl.integration.verl.plugin. engine_kwargs.moe_lora.sync_log:
+a JSON-lines file where the trainer records each version sent (and the servers what they serve after it, replica.py).
 """
 from __future__ import annotations
 
@@ -51,11 +56,14 @@ def read_stream(weights) -> tuple[dict, dict]:
 
 
 class MoELoRACheckpointEngine(CheckpointEngine):
-    def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, **_: Any):
+    def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, sync_log: str | None = None,
+                 mailbox_timeout_s: float = 600.0, **_: Any):
         from ...refit.transports import HttpTransport
 
         self.bucket_size = bucket_size
         self.transports = [HttpTransport(u) for u in (server_urls or [])]
+        self.sync_log, self.mailbox_timeout_s = sync_log, float(mailbox_timeout_s)
+        self.delivered = 0                      # the mailbox sequence number this receiver delivered last
         self.last: dict | None = None
 
     def prepare(self) -> dict[str, Any]:
@@ -76,8 +84,13 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         if not meta:                           # ranks other than the trainer's rank 0 send nothing
             return {}
         if not self.transports:
-            raise ValueError("rollout.checkpoint_engine.engine_kwargs.moe_lora.server_urls is empty: no rollout "
-                             "server to deliver the adapters to")
+            from .mailbox import post
+
+            seq = await post(meta, {n: t.detach().cpu() for n, t in tensors.items()})
+            self.last = {"version": meta["version"], "tensors": len(tensors), "seq": seq}
+            log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
+                                     "global_steps": global_steps, "seq": seq})
+            return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors)}
         buckets = split_buckets(tensors, self.bucket_size)
         served = []
         for tr in self.transports:
@@ -90,5 +103,28 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors)}
 
     async def receive_weights(self, global_steps: int | None = None):
+        """Mailbox delivery: the header (the base stays: loaded by the server from the checkpoint) and the adapters
+        of the newest version posted since this receiver's last delivery. Push delivery: nothing (the extension
+        already committed the version through its RPCs)."""
+        if self.transports:
+            return
+        from .mailbox import take
+        from .weight_sync import encode_meta
+
+        seq, meta, tensors = await take(self.delivered, self.mailbox_timeout_s)
+        self.delivered = seq
+        yield META, encode_meta({**meta, "base": False, "base_from_checkpoint": True})
+        for item in tensors.items():
+            yield item
+
+
+def log_sync(path: str | None, line: dict) -> None:
+    if not path:
         return
-        yield  # an empty async generator: the worker extension received the adapters through its RPCs
+    import json
+    import os
+    import time
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({**line, "time": time.time()}) + "\n")

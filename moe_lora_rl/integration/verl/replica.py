@@ -10,6 +10,8 @@
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
     generate             with rollout.enable_rollout_routing_replay: verl's TokenOutput.routed_experts filled from our
                          capture (server_routes.py); vLLM's own routed-experts return is never turned on
+    clear_kv_cache       (what verl's ServerAdapter calls after each weight sync) with engine_kwargs.moe_lora.sync_log:
+                         the served version and a probe's log-probs recorded (sync_probe.py)
     _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
                          (verl's replica answers "vllm_", which only matches rollout.name=vllm)
 """
@@ -20,6 +22,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 
 from .config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
 from .server_routes import ServerRoutes
+from .sync_probe import record_served, sync_settings
 
 
 class MoELoRAvLLMHttpServer(vLLMHttpServer):
@@ -48,6 +51,11 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
             return out
         out.routed_experts = await self.moe_routes.pop(self.engine, request_id, n_prompt + len(out.token_ids) - 1)
         return out
+
+    async def clear_kv_cache(self):
+        await super().clear_kv_cache()
+        if self.node_rank == 0 and sync_settings(self.config)[0]:
+            await record_served(self)
 
     def _init_model_config(self, model_config):
         mc = super()._init_model_config(model_config)
