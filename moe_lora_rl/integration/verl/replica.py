@@ -10,6 +10,7 @@
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
     generate             with rollout.enable_rollout_routing_replay: verl's TokenOutput.routed_experts filled from our
                          capture (server_routes.py); vLLM's own routed-experts return is never turned on
+    run_server           the engine wrapped so verl's pause call reaches vLLM 0.32 (engine_compat.py)
     clear_kv_cache       (what verl's ServerAdapter calls after each weight sync) with engine_kwargs.moe_lora.sync_log:
                          the served version and a probe's log-probs recorded (sync_probe.py)
     _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
@@ -21,6 +22,7 @@ from verl.utils.tokenizer import normalize_token_ids
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from .config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
+from .engine_compat import PauseCompat, needs_pause_compat
 from .server_routes import ServerRoutes
 from .sync_probe import record_served, sync_settings
 
@@ -51,6 +53,11 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
             return out
         out.routed_experts = await self.moe_routes.pop(self.engine, request_id, n_prompt + len(out.token_ids) - 1)
         return out
+
+    async def run_server(self, args):
+        await super().run_server(args)          # sets self.engine, then serves
+        if needs_pause_compat(self.engine):
+            self.engine = PauseCompat(self.engine)
 
     async def clear_kv_cache(self):
         await super().clear_kv_cache()

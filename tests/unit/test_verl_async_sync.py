@@ -1,0 +1,103 @@
+"""Our checkpoint backend's mailbox delivery (verl's async trainers) without Ray: the receiver gets the newest
+version posted after the one it delivered, as header + adapters that the colocated receiver state machine accepts
+without a base; the sync log's verdict per sync, with a stale server as the negative control."""
+import asyncio
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.verl
+
+
+def test_mailbox_hands_each_receiver_the_newest_post():
+    from moe_lora_rl.integration.verl.mailbox import AdapterMailbox
+
+    async def run():
+        box = AdapterMailbox()
+        waiting = asyncio.ensure_future(box.take(0, 5.0))              # the receiver asks before the trainer posts
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await box.post({"version": 1}, {"a": torch.ones(1)})
+        first = await waiting
+        await box.post({"version": 2}, {"a": torch.ones(1) * 2})
+        await box.post({"version": 3}, {"a": torch.ones(1) * 3})
+        newest = await box.take(first[0], 5.0)                          # missed version 2: gets 3
+        with pytest.raises(TimeoutError, match="no adapter version posted within 0 s after delivery 3"):
+            await box.take(newest[0], 0.05)
+        return first, newest
+
+    first, newest = asyncio.run(run())
+    assert first[1]["version"] == 1 and newest[1]["version"] == 3 and float(newest[2]["a"]) == 3.0
+
+
+def test_receive_weights_stream_is_adapters_only_and_accepted_without_a_base(monkeypatch):
+    from moe_lora_rl.integration.verl import mailbox
+    from moe_lora_rl.integration.verl.checkpoint_engine import MoELoRACheckpointEngine
+    from moe_lora_rl.integration.verl.colocated import ColocatedSync
+    from moe_lora_rl.integration.verl.weight_sync import META, encode_meta
+
+    box = mailbox.AdapterMailbox()
+    monkeypatch.setattr(mailbox, "mailbox", lambda: type("H", (), {
+        "post": type("M", (), {"remote": staticmethod(box.post)}),
+        "take": type("M", (), {"remote": staticmethod(box.take)})})())
+    meta = {"version": 4, "checksum": "abc", "rank": 2, "alpha": 4.0, "base": True}
+    stream = [(META, encode_meta(meta)), ("model.embed_tokens.weight", torch.zeros(3)),   # base: not carried
+              ("x.lora_A.weight", torch.ones(2, 3)), ("x.lora_B.weight", torch.zeros(3, 2))]
+    sender, receiver = MoELoRACheckpointEngine(), MoELoRACheckpointEngine()
+
+    async def run():
+        sent = await sender.send_weights(iter(stream))
+        got = [item async for item in receiver.receive_weights()]
+        return sent, got
+
+    sent, got = asyncio.run(run())
+    assert sent["moe_lora/refit_version"] == 4 and receiver.delivered == 1
+    assert [n for n, _ in got] == [META, "x.lora_A.weight", "x.lora_B.weight"]
+    sync = ColocatedSync(base_sync_done=False)           # what verl passes on this path: no base arrives, none needed
+    assert sync.bucket(got, is_last=True) == []
+    assert sync.meta["version"] == 4 and sync.plan({"version": 3}) == "stage" and set(sync.adapters) == {
+        "x.lora_A.weight", "x.lora_B.weight"}
+    # negative control: a colocated stream that says neither base nor base_from_checkpoint is still refused
+    bare = ColocatedSync(base_sync_done=False)
+    with pytest.raises(ValueError, match="carries no base weights"):
+        bare.bucket([(META, encode_meta({**meta, "base": False}))], is_last=False)
+
+
+def test_sync_log_verdicts():
+    from moe_lora_rl.checks.verl_async import pair_syncs, synced_fraction
+
+    log = [{"side": "server", "version": None, "checksum": None},                # the server's start: nothing sent
+           {"side": "trainer", "version": 0, "checksum": "c0"}, {"side": "server", "version": 0, "checksum": "c0"},
+           {"side": "trainer", "version": 1, "checksum": "c1"}, {"side": "server", "version": 1, "checksum": "c1"}]
+    pairs = pair_syncs(log)
+    assert [p["sent"] for p in pairs] == [None, 0, 1] and synced_fraction(pairs) == 1.0
+    stale = log[:-1] + [{"side": "server", "version": 0, "checksum": "c0"}]       # version 1 never arrived
+    assert synced_fraction(pair_syncs(stale)) == 0.5
+    wrong = log[:-1] + [{"side": "server", "version": 1, "checksum": "cX"}]       # the right number, other bytes
+    assert synced_fraction(pair_syncs(wrong)) == 0.5
+    with pytest.raises(ValueError, match="no server line follows a trainer line"):
+        synced_fraction(pair_syncs(log[:1]))
+
+
+def test_pause_compat_translates_verls_keyword_only_where_needed():
+    from moe_lora_rl.integration.verl.engine_compat import PauseCompat, needs_pause_compat
+
+    class New:                                       # vLLM 0.32's AsyncLLM.pause_generation
+        calls = []
+
+        async def pause_generation(self, *, mode="abort", clear_cache=True):
+            self.calls.append((mode, clear_cache))
+
+        other = 7
+
+    class Old:                                       # the signature verl 0.9.1 calls
+        async def pause_generation(self, *, wait_for_inflight_requests=False, clear_cache=True):
+            pass
+
+    assert needs_pause_compat(New()) and not needs_pause_compat(Old())
+    eng = PauseCompat(New())
+    asyncio.run(eng.pause_generation(wait_for_inflight_requests=False, clear_cache=False))
+    asyncio.run(eng.pause_generation(wait_for_inflight_requests=True))
+    assert New.calls == [("abort", False), ("wait", True)] and eng.other == 7
+    with pytest.raises(TypeError):                   # negative control: the bare engine refuses verl's call
+        asyncio.run(New().pause_generation(wait_for_inflight_requests=False))
