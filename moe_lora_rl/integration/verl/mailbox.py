@@ -6,7 +6,7 @@ adapter version the trainer posted (header and host tensors, carried by Ray's ob
                                                      the one it delivered last, then gets the newest one
 
 A receiver that missed a post gets the newest (versions only move forward); the mailbox keeps one item, so memory
-stays at one adapter set. The actor is created by whichever side asks first and lives as long as the job.
+stays at one adapter set. The actor is created by whichever side asks first and lives as long as that process.
 """
 from __future__ import annotations
 
@@ -37,10 +37,18 @@ class AdapterMailbox:
             return self.item
 
 
-def mailbox():
-    import ray
+_handle = None
 
-    return ray.remote(num_cpus=0)(AdapterMailbox).options(name=NAME, get_if_exists=True).remote()
+
+def mailbox():
+    """This process's handle (kept: the process that creates the actor owns it, and Ray ends a named actor once
+    its owner holds no reference)."""
+    global _handle
+    if _handle is None:
+        import ray
+
+        _handle = ray.remote(num_cpus=0)(AdapterMailbox).options(name=NAME, get_if_exists=True).remote()
+    return _handle
 
 
 async def post(meta: dict, tensors: dict) -> int:

@@ -12,7 +12,8 @@
                          capture (server_routes.py); vLLM's own routed-experts return is never turned on
     run_server           the engine wrapped so verl's pause call reaches vLLM 0.32 (engine_compat.py)
     clear_kv_cache       (what verl's ServerAdapter calls after each weight sync) with engine_kwargs.moe_lora.sync_log:
-                         the served version and a probe's log-probs recorded (sync_probe.py)
+    resume_generation    the served version and a probe's log-probs recorded (sync_probe.py) once the engine runs
+                         (verl's async trainers pause it for the sync and resume it after)
     _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
                          (verl's replica answers "vllm_", which only matches rollout.name=vllm)
 """
@@ -62,7 +63,18 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
     async def clear_kv_cache(self):
         await super().clear_kv_cache()
         if self.node_rank == 0 and sync_settings(self.config)[0]:
-            await record_served(self)
+            self.moe_sync_pending = True
+            if not await self.engine.is_paused():     # async trainers resume the engine after the sync: probe then
+                await self._record_sync()
+
+    async def resume_generation(self):
+        await super().resume_generation()
+        if getattr(self, "moe_sync_pending", False):
+            await self._record_sync()
+
+    async def _record_sync(self):
+        self.moe_sync_pending = False
+        await record_served(self)
 
     def _init_model_config(self, model_config):
         mc = super()._init_model_config(model_config)
