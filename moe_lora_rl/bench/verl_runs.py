@@ -5,6 +5,7 @@ check (`r3_check.jsonl`: k3 of the trainer's recompute against the rollout, with
     r3      a few steps with fp32 rollouts, no validation: main_ppo_r3_kl (mean k3 with R3), main_ppo_r3_off_kl
             (the same recomputes without replay)
     learn   the learning run (lr 1e-3) and its lr=0 control, validated before training and every test_freq steps
+    one_step_off   verl's one-step-off-policy trainer (run_cpu_async.sh one_step_off), checked by checks/verl_async.py
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LEARN = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_learn.sh"
+ASYNC = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_async.sh"
+PROBE_RE = re.compile(r"^PROBE='\[([0-9,]+)\]'", re.M)
 _STEP = re.compile(r"step:(\d+) - (.*)$")
 _VAL = re.compile(r"val-core/[^ :]+/acc/mean@1:(?:np\.float64\()?([0-9.eE+-]+)")
 
@@ -49,9 +52,14 @@ def parse_r3(path: Path) -> dict:
             "max_abs_diff_free": max(l["max_abs_diff_free"] for l in lines)}
 
 
+def probe_tokens() -> str:
+    """The probe the async trainers' script gives the servers (comma separated)."""
+    return PROBE_RE.search(ASYNC.read_text()).group(1)
+
+
 def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: str | None, reuse: bool,
-        timeout_s: int = 5400) -> dict:
-    """One main_ppo run into OUT (or, with reuse, the finished run found there): its log's curve and wall time."""
+        timeout_s: int = 5400, script: Path = LEARN, script_args: tuple = ()) -> dict:
+    """One verl run of SCRIPT into OUT (or, with reuse, the finished run found there): its log's curve and wall."""
     log = out / "run.log"
     if not reuse:
         env = {**os.environ, "PYTHON": sys.executable, "STEPS": str(steps), "TEST_FREQ": str(test_freq),
@@ -59,7 +67,7 @@ def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: s
         if model:
             env["MODEL"] = model
         t0 = time.perf_counter()
-        p = subprocess.run(["bash", str(LEARN), str(out), *overrides], env=env, capture_output=True, text=True)
+        p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
         (out / "wall_s").write_text(f"{wall:.1f}\n")
         if p.returncode != 0:

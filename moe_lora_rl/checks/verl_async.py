@@ -1,5 +1,5 @@
 """Run in its own process, after a run of one of verl's async trainers with our override (recipes/verl_moe_lora/
-run_cpu_one_step_off.sh): did every adapter version the trainer sent reach the engine? Prints "RESULT <json>".
+run_cpu_async.sh): did every adapter version the trainer sent reach the engine? Prints "RESULT <json>".
 
     sync.jsonl     trainer lines (version sent) and server lines (version served after the sync, probe log-probs)
     ckpt/global_step_N/actor/step-N   our engine's checkpoints (every step): the reference of each version

@@ -7,15 +7,16 @@
 # every TEST_FREQ steps. (verl's rollout.full_determinism sets VLLM_BATCH_INVARIANT, which vLLM's CPU MoE kernel
 # does not support: the engine would not start.)
 #   recipes/verl_moe_lora/run_cpu_learn.sh [OUT_DIR] [extra verl overrides, e.g. actor_rollout_ref.actor.optim.lr=0]
-# STEPS (default 80), TEST_FREQ (default 10). Prints "LEARN: val <step> <success>" per validation.
+# STEPS (default 80), TEST_FREQ (default 10), MODEL (default: the warm-started default model). Prints
+# "LEARN: val <step> <success>" per validation.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 OUT=${1:-/tmp/verl_cpu_learn}; shift || true
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-MODEL=$("$PY" -c 'from moe_lora_rl.rl.config import TrainConfig; from moe_lora_rl.rl.inputs import model_dir
-print(model_dir(TrainConfig())[0])') || exit 1
+MODEL=${MODEL:-$("$PY" -c 'from moe_lora_rl.rl.config import TrainConfig; from moe_lora_rl.rl.inputs import model_dir
+print(model_dir(TrainConfig())[0])')} || exit 1
 export MODEL STEPS=${STEPS:-80} TIMEOUT=${TIMEOUT:-5400}
 TEST_FREQ=${TEST_FREQ:-10}
 bash "$HERE/run_cpu_smoke.sh" "$OUT" \

@@ -1,5 +1,5 @@
-"""verl's asynchronous trainers with our override, on any platform: the one-step-off-policy task runner, with the
-training role on our CPU worker when the CPU platform is selected.
+"""verl's asynchronous trainers with our override, on any platform: the one-step-off-policy and fully-async task
+runners, with the training roles on our CPU worker when the CPU platform is selected.
 
 verl's `OneStepTaskRunner.run` builds its role -> worker mapping with `create_role_worker_mapping` (DetachActorWorker,
 whose process group verl makes as `cpu:gloo,cpu:gloo` on our CPU platform, which torch refuses) and hands it straight
@@ -72,3 +72,19 @@ class OneStepTaskRunner:
                                        device_name=config.trainer.device)
         trainer.init_workers()
         asyncio.run(trainer.fit())
+
+
+def fully_async_task_runner():
+    """verl's FullyAsyncTaskRunner with one documented step overridden: `_create_trainer` reads the role mapping verl
+    built (self.components) and, on the CPU platform, gets it with our CPU worker swapped in (role_worker_mapping)."""
+    from verl.experimental.fully_async_policy import fully_async_main
+
+    base = fully_async_main.FullyAsyncTaskRunner.__ray_metadata__.modified_class.__ray_actor_class__
+
+    class MoELoRAFullyAsyncTaskRunner(base):
+        def _create_trainer(self, config):
+            if cpu_platform_selected():
+                self.components["role_worker_mapping"] = role_worker_mapping(config)[0]
+            return super()._create_trainer(config)
+
+    return ray.remote(num_cpus=1)(MoELoRAFullyAsyncTaskRunner)

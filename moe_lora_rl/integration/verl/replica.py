@@ -12,8 +12,8 @@
                          capture (server_routes.py); vLLM's own routed-experts return is never turned on
     run_server           the engine wrapped so verl's pause call reaches vLLM 0.32 (engine_compat.py)
     clear_kv_cache       (what verl's ServerAdapter calls after each weight sync) with engine_kwargs.moe_lora.sync_log:
-    resume_generation    the served version and a probe's log-probs recorded (sync_probe.py) once the engine runs
-                         (verl's async trainers pause it for the sync and resume it after)
+    open_submission_gate the served version and a probe's log-probs recorded (sync_probe.py) once the engine runs
+                         (verl's async trainers pause it for the sync and reopen the gate after)
     _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
                          (verl's replica answers "vllm_", which only matches rollout.name=vllm)
 """
@@ -67,8 +67,8 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
             if not await self.engine.is_paused():     # async trainers resume the engine after the sync: probe then
                 await self._record_sync()
 
-    async def resume_generation(self):
-        await super().resume_generation()
+    async def open_submission_gate(self):
+        await super().open_submission_gate()      # the replica's resume: engine resumed, then the gate opens
         if getattr(self, "moe_sync_pending", False):
             await self._record_sync()
 

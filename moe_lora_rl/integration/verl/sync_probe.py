@@ -47,5 +47,8 @@ async def record_served(server) -> dict:
         line["probe_logprobs"], rid = await probe_logprobs(server.engine, probe)
         if getattr(server, "moe_routes", None) is not None and server.moe_routes.meta is not None:
             await server.moe_routes.discard(server.engine, rid)
+        after = (await server.engine.collective_rpc("moe_lora_status"))[0]
+        if after.get("version") != line["version"]:     # a sync committed during the probe: it proves nothing
+            line["probe_logprobs"] = None
     log_sync(path, line)
     return line
