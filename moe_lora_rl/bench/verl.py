@@ -110,7 +110,7 @@ def _main_ppo_runs(a) -> dict:
 
     run_model = str(out / "one_step_off" / "model")
     sync = run_process(ASYNC_CHECK, ["--run", str(out / "one_step_off"), "--model", run_model,
-                                     "--probe", probe_tokens(), "--rank", "8", "--alpha", "16"], what="async check")
+                                     "--probe", probe_tokens()], what="async check")
     for name, r in (("learn", learn), ("learn_lr0", lr0)):
         if 0 not in r["val"] or a.learn_steps not in r["val"]:
             raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")

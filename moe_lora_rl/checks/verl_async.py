@@ -46,8 +46,6 @@ def main(argv=None):
     ap.add_argument("--run", required=True, help="the run's OUT_DIR")
     ap.add_argument("--model", required=True)
     ap.add_argument("--probe", required=True, help="the probe token ids, comma separated")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--alpha", type=float, required=True)
     a = ap.parse_args(argv)
     from .verl_worker import VERL_CPU_ENV
 
@@ -67,11 +65,16 @@ def main(argv=None):
     lines = [json.loads(l) for l in (run / "sync.jsonl").read_text().splitlines() if l.strip()]
     pairs = pair_syncs(lines)
     probe = torch.tensor([[int(t) for t in a.probe.split(",")]])
-    eng = MoELoRAEngine(HFModelConfig(path=a.model, lora={"rank": a.rank, "alpha": a.alpha}),
+    ckpts = sorted(run.glob("ckpt/global_step_*/actor"))
+    if not ckpts:
+        raise ValueError(f"{run}/ckpt: no checkpoints (the run needs trainer.save_freq=1)")
+    lora = json.loads(next(ckpts[0].glob("step-*/lora_config.json")).read_text())     # the run's LoRA config
+    eng = MoELoRAEngine(HFModelConfig(path=a.model, lora={k: lora[k] for k in ("rank", "alpha", "targets",
+                                                                                "adapter_layout", "init_seed")}),
                         MoELoRAEngineConfig(dtype="float32", device="cpu", forward_only=True))
     eng.initialize()
     refs = {0: megatron_lp(eng, probe)[0]}
-    for d in sorted(run.glob("ckpt/global_step_*/actor")):
+    for d in ckpts:
         eng.load_checkpoint(str(d))                     # refused unless model and LoRA config are the run's
         refs[int(eng.version)] = megatron_lp(eng, probe)[0]
     diffs, stale = {}, {}
