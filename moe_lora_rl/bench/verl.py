@@ -16,9 +16,11 @@ on dummy weights. One torchrun launch of 4 ranks for all layouts.
 verl's main_ppo runs (bench/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
 main_ppo_r3_kl / main_ppo_r3_off_kl: mean k3 KL of the trainer's log-prob recompute against the fp32 rollout, with
 the rollout's routes replayed / with the trainer's own routing, over the recomputes of a 3-step run with R3 on.
-async_trainer_versions_synced: the fraction of verl one-step-off weight syncs after which the server served the version
-(and checksum) the trainer sent; async_trainer_probe_max_diff: the served log-probs of a fixed probe against our
-Megatron engine's on the same version, recomputed from that version's checkpoint (checks/verl_async.py).
+async_trainer_versions_synced: the fraction of weight syncs after which the server served the version (and checksum)
+the trainer sent, the worse of verl's one-step-off and fully-async trainers (--async-steps steps each, run_cpu_async.sh);
+async_trainer_probe_max_diff: the served log-probs of a fixed probe against our Megatron engine's on the same version,
+recomputed from that version's checkpoint (checks/verl_async.py); ..._vs_other_version: against the neighbouring
+version's (the control).
 learn_eval_start / learn_eval_end / learn_eval_end_lr0: verl's greedy held-out success before training and after
 --learn-steps steps of the learning run and of its lr=0 control (learn_curve / learn_curve_lr0: every validation).
 """
@@ -36,6 +38,7 @@ WORLD = 4
 CHECK_WORKER = "moe_lora_rl.checks.verl_worker"
 REFIT_WORKER = "moe_lora_rl.checks.verl_refit"
 ASYNC_CHECK = "moe_lora_rl.checks.verl_async"
+ASYNC_TRAINERS = ("one_step_off", "fully_async")
 
 
 def main(argv=None) -> dict:
@@ -48,7 +51,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
     ap.add_argument("--learn-steps", type=int, default=80, help="steps of the learning run and its lr=0 control")
     ap.add_argument("--test-freq", type=int, default=10, help="verl's validation every N steps (and before training)")
-    ap.add_argument("--async-steps", type=int, default=3, help="steps of the one-step-off trainer run")
+    ap.add_argument("--async-steps", type=int, default=4, help="steps of each async trainer run")
     ap.add_argument("--out", default=None, help="directory of the main_ppo runs (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true", help="read the finished runs in --out instead of running them")
     ap.add_argument("--png", default=None, help="plot the learning curves (and our main job's, if given) here")
@@ -104,13 +107,15 @@ def _main_ppo_runs(a) -> dict:
     learn = run(out / "learn", [], steps=a.learn_steps, test_freq=a.test_freq, **kw)
     lr0 = run(out / "learn_lr0", ["actor_rollout_ref.actor.optim.lr=0"], steps=a.learn_steps, test_freq=a.test_freq,
               **kw)
-    osp = run(out / "one_step_off", [], steps=a.async_steps, test_freq=-1, model=a.model, reuse=a.reuse,
-              script=ASYNC, script_args=("one_step_off",))
     from ..checks.launch import run_process
 
-    run_model = str(out / "one_step_off" / "model")
-    sync = run_process(ASYNC_CHECK, ["--run", str(out / "one_step_off"), "--model", run_model,
-                                     "--probe", probe_tokens()], what="async check")
+    trainers = {}
+    for name in ASYNC_TRAINERS:
+        r = run(out / name, [], steps=a.async_steps, test_freq=-1, model=a.model, reuse=a.reuse, script=ASYNC,
+                script_args=(name,))
+        check = run_process(ASYNC_CHECK, ["--run", str(out / name), "--model", str(out / name / "model"),
+                                          "--probe", probe_tokens()], what="async check")
+        trainers[name] = {**check, "steps": r["steps"], "wall_s": r["wall_s"]}
     for name, r in (("learn", learn), ("learn_lr0", lr0)):
         if 0 not in r["val"] or a.learn_steps not in r["val"]:
             raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
@@ -121,10 +126,13 @@ def _main_ppo_runs(a) -> dict:
            "learn_eval_end_lr0": lr0["val"][a.learn_steps], "learn_eval_start_lr0": lr0["val"][0],
            "learn_curve": learn["val"], "learn_curve_lr0": lr0["val"], "learn_wall_s": learn["wall_s"],
            "learn_steps": a.learn_steps, "runs_dir": str(out),
-           "async_trainer": "one_step_off", "async_trainer_versions_synced": sync["versions_synced"],
-           "async_trainer_syncs": sync["syncs"], "async_trainer_probe_max_diff": sync["probe_max_diff"],
-           "async_trainer_probe_diff_vs_other_version": sync["probe_diff_vs_other_version"],
-           "async_trainer_versions_served": sync["versions_served"], "async_trainer_steps": osp["steps"]}
+           "async_trainer_versions_synced": min(t["versions_synced"] for t in trainers.values()),
+           "async_trainer_probe_max_diff": max(t["probe_max_diff"] for t in trainers.values()),
+           "async_trainer_probe_diff_vs_other_version": min(t["probe_diff_vs_other_version"]
+                                                            for t in trainers.values()),
+           "async_trainers": {n: {k: t[k] for k in ("syncs", "versions_synced", "versions_served", "probe_max_diff",
+                                                     "probe_diff_vs_other_version", "steps", "wall_s")}
+                              for n, t in trainers.items()}}
     if a.png:
         from .figures import verl_learning_png
 

@@ -31,7 +31,7 @@ from moe_lora_rl.megatron.layout import Layout
     (["verl", "--layouts", "tp2ep3"], "ep=3 does not divide num_experts="),
     (["verl", "--layouts", "pp2ep4"], "--layouts 'pp2ep4': runs on 8 ranks; this bench launches 4"),
     (["verl", "--reuse"], "--reuse reads the runs of --out: give --out DIR"),
-    (["verl", "--learn-steps", "0"], "--learn-steps 0 / --test-freq 10 / --async-steps 3: each must be >= 1"),
+    (["verl", "--learn-steps", "0"], "--learn-steps 0 / --test-freq 10 / --async-steps 4: each must be >= 1"),
     (["verl", "--no-runs", "--png", "x.png"], "--no-runs runs no main_ppo"),
     (["verl", "--main-job", "/nonexistent"], "--main-job '/nonexistent': no metrics.jsonl there"),
 ])
