@@ -39,7 +39,8 @@ ALLOWED = {
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {
-    "verl": {"integration", "algos", "checks.verl_worker", "checks.verl_refit", "checks.verl_compose"},
+    "verl": {"integration", "algos", "checks.verl_worker", "checks.verl_refit", "checks.verl_compose",
+             "checks.verl_async"},
 }
 FORBIDDEN = {"vllm": {"megatron"}, "lora": {"verl"}, "refit": {"verl"}, "router_replay": {"verl"}}
 
