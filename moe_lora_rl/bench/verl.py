@@ -17,7 +17,8 @@ verl's main_ppo runs (bench/verl_runs.py; the warm-started default model unless 
 main_ppo_r3_kl / main_ppo_r3_off_kl: mean k3 KL of the trainer's log-prob recompute against the fp32 rollout, with
 the rollout's routes replayed / with the trainer's own routing, over the recomputes of a 3-step run with R3 on.
 async_trainer_versions_synced: the fraction of weight syncs after which the server served the version (and checksum)
-the trainer sent, the worse of verl's one-step-off and fully-async trainers (--async-steps steps each, run_cpu_async.sh);
+the trainer sent, the worse of verl's one-step-off and fully-async trainers (--async-steps steps each,
+run_cpu_async.sh);
 async_trainer_probe_max_diff: the served log-probs of a fixed probe against our Megatron engine's on the same version,
 recomputed from that version's checkpoint (checks/verl_async.py); ..._vs_other_version: against the neighbouring
 version's (the control).

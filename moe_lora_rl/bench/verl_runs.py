@@ -38,7 +38,9 @@ def parse_val(log: str) -> dict[int, float]:
 
 
 def parse_steps(log: str) -> int:
-    return len({int(m.group(1)) for m in map(_STEP.search, log.splitlines()) if m and "training/global_step" in m.group(2)})
+    """Training steps logged (a validation-only line, such as step 0's, trains nothing)."""
+    found = (_STEP.search(line) for line in log.splitlines())
+    return len({int(m.group(1)) for m in found if m and "training/global_step" in m.group(2)})
 
 
 def parse_r3(path: Path) -> dict:
@@ -67,7 +69,8 @@ def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: s
         if model:
             env["MODEL"] = model
         t0 = time.perf_counter()
-        p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides], env=env, capture_output=True, text=True)
+        p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides], env=env, capture_output=True,
+                           text=True)
         wall = time.perf_counter() - t0
         (out / "wall_s").write_text(f"{wall:.1f}\n")
         if p.returncode != 0:

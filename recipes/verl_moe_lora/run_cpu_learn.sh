@@ -31,7 +31,8 @@ bash "$HERE/run_cpu_smoke.sh" "$OUT" \
   actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28 \
   actor_rollout_ref.actor.loss_agg_mode=token-mean \
   actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
-  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
   "$@"
 rc=$?
 grep -oE "step:[0-9]+ .*val-core/[^ ]*/acc/mean@1:(np.float64\()?[0-9.e-]+" "$OUT/run.log" \

@@ -9,7 +9,8 @@ into a reused buffer, the last one flagged:
     adapters (PEFT names, ".lora_" in them)           cloned and kept until the last bucket, then staged as one version
 
 Our checkpoint-engine backend's streams say base_from_checkpoint (the server loaded the base itself): adapters only,
-whatever verl's base_sync_done. verl calls it twice on the first colocated sync (base_sync_done=False, then True) with the same adapter version; a repeat of
+whatever verl's base_sync_done. verl calls it twice on the first colocated sync (base_sync_done=False, then True)
+with the same adapter version; a repeat of
 the served version with the same checksum is a no-op, with another checksum an error (two different adapters under
 one version number).
 """
