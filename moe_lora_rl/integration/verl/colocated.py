@@ -10,9 +10,8 @@ into a reused buffer, the last one flagged:
 
 Our checkpoint-engine backend's streams say base_from_checkpoint (the server loaded the base itself): adapters only,
 whatever verl's base_sync_done. verl calls it twice on the first colocated sync (base_sync_done=False, then True)
-with the same adapter version; a repeat of
-the served version with the same checksum is a no-op, with another checksum an error (two different adapters under
-one version number).
+with the same adapter version; a repeat of the served version with the same checksum is a no-op, with another
+checksum an error (two different adapters under one version number).
 """
 from __future__ import annotations
 
