@@ -14,8 +14,9 @@ colocated sync (its BucketedWeightSender -> our update_weights_from_ipc, base th
 on dummy weights. One torchrun launch of 4 ranks for all layouts.
 
 verl's main_ppo runs (bench/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
-main_ppo_r3_kl / main_ppo_r3_off_kl: mean k3 KL of the trainer's log-prob recompute against the fp32 rollout, with
-the rollout's routes replayed / with the trainer's own routing, over the recomputes of a 3-step run with R3 on.
+main_ppo_r3_kl / main_ppo_r3_off_kl / main_ppo_r3_shifted_kl: mean k3 KL of the trainer's log-prob recompute against
+the fp32 rollout, with the rollout's routes replayed / with the trainer's own routing / with the rollout's routes one
+token off (the control), over the recomputes of a 3-step run with R3 on.
 async_trainer_versions_synced: the fraction of weight syncs after which the server served the version (and checksum)
 the trainer sent, the worse of verl's one-step-off and fully-async trainers (--async-steps steps each,
 run_cpu_async.sh);
@@ -121,7 +122,7 @@ def _main_ppo_runs(a) -> dict:
         if 0 not in r["val"] or a.learn_steps not in r["val"]:
             raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
     res = {"main_ppo_r3_kl": kl["k3_replay"], "main_ppo_r3_off_kl": kl["k3_free"],
-           "main_ppo_r3_max_abs_diff": kl["max_abs_diff_replay"],
+           "main_ppo_r3_max_abs_diff": kl["max_abs_diff_replay"], "main_ppo_r3_shifted_kl": kl["k3_shifted"],
            "main_ppo_r3_off_max_abs_diff": kl["max_abs_diff_free"],
            "learn_eval_start": learn["val"][0], "learn_eval_end": learn["val"][a.learn_steps],
            "learn_eval_end_lr0": lr0["val"][a.learn_steps], "learn_eval_start_lr0": lr0["val"][0],

@@ -50,6 +50,7 @@ def parse_r3(path: Path) -> dict:
         raise RuntimeError(f"{path}: no R3 check lines (was R3 on and the rollout's log-probs recorded?)")
     mean = lambda k: sum(l[k] for l in lines) / len(lines)          # noqa: E731
     return {"k3_replay": mean("k3_replay"), "k3_free": mean("k3_free"), "recomputes": len(lines),
+            "k3_shifted": mean("k3_shifted") if all("k3_shifted" in l for l in lines) else None,
             "max_abs_diff_replay": max(l["max_abs_diff_replay"] for l in lines),
             "max_abs_diff_free": max(l["max_abs_diff_free"] for l in lines)}
 

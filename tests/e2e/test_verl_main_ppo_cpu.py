@@ -52,3 +52,5 @@ def test_main_ppo_two_steps_on_cpu(tmp_path):
     checks = [json.loads(l) for l in (tmp_path / "r3_check.jsonl").read_text().splitlines()]
     assert len(checks) == 2 and all(c["tokens"] > 0 for c in checks)
     assert max(c["k3_replay"] for c in checks) < 1e-8 and max(c["max_abs_diff_replay"] for c in checks) < 1e-3
+    # negative control in the same recomputes: the rollout's routes one token off
+    assert min(c["k3_shifted"] for c in checks) > 1e-5

@@ -91,6 +91,18 @@ def test_server_routes_pop_and_discard_through_collective_rpc():
     assert np.array_equal(out, full.astype(np.int16)) and eng.calls[-1] == ("moe_lora_capture_discard", (["x"],))
 
 
+def test_shifted_routes_roll_each_sample_and_leave_the_batch_alone():
+    from tensordict import TensorDict
+
+    from moe_lora_rl.integration.verl.r3_check import shifted_routes
+
+    rows = [torch.arange(n * 2 * 4).reshape(n, 2, 4).to(torch.int16) for n in (3, 5)]
+    data = TensorDict({"routed_experts": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=[2])
+    got = list(shifted_routes(data)["routed_experts"].unbind())
+    assert all(torch.equal(g, torch.roll(r, 1, dims=0)) for g, r in zip(got, rows))
+    assert all(torch.equal(g, r) for g, r in zip(data["routed_experts"].unbind(), rows))     # the original kept
+
+
 def test_k3_check_and_its_negative_control():
     from moe_lora_rl.integration.verl.r3_check import k3_stats
 

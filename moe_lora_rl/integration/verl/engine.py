@@ -157,10 +157,11 @@ class MoELoRAEngine(BaseEngine):
             tu.get_non_tensor_data(data, "enable_routing_replay", False)
         out = self._run_batch(data, loss_function, forward_only, replay)
         if forward_only and replay and self.engine_config.r3_check_log and "rollout_log_probs" in data.keys() and out:
-            from .r3_check import record
+            from .r3_check import record, shifted_routes
 
             free = self._run_batch(data, None, True, False)
-            record(self.engine_config.r3_check_log, data, out, free, version=self.version)
+            shifted = self._run_batch(shifted_routes(data), None, True, True)
+            record(self.engine_config.r3_check_log, data, out, free, shifted, version=self.version)
         return out
 
     def _run_batch(self, data, loss_function, forward_only: bool, replay: bool):
