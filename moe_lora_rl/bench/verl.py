@@ -114,10 +114,12 @@ def _main_ppo_runs(a) -> dict:
     trainers = {}
     for name in ASYNC_TRAINERS:
         r = run(out / name, [], steps=a.async_steps, test_freq=-1, model=a.model, reuse=a.reuse, script=ASYNC,
-                script_args=(name,))
+                script_args=(name,), count_steps=False)
         check = run_process(ASYNC_CHECK, ["--run", str(out / name), "--model", str(out / name / "model"),
                                           "--probe", probe_tokens()], what="async check")
-        trainers[name] = {**check, "steps": r["steps"], "wall_s": r["wall_s"]}
+        if max(check["versions_served"]) < a.async_steps:
+            raise RuntimeError(f"{out / name}: versions {check['versions_served']} served, {a.async_steps} steps asked")
+        trainers[name] = {**check, "steps": max(check["versions_served"]), "wall_s": r["wall_s"]}
     for name, r in (("learn", learn), ("learn_lr0", lr0)):
         if 0 not in r["val"] or a.learn_steps not in r["val"]:
             raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
