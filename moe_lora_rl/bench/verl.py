@@ -117,9 +117,10 @@ def _main_ppo_runs(a) -> dict:
                 script_args=(name,), count_steps=False)
         check = run_process(ASYNC_CHECK, ["--run", str(out / name), "--model", str(out / name / "model"),
                                           "--probe", probe_tokens()], what="async check")
-        if max(check["versions_served"]) < a.async_steps:
+        # one-step-off syncs before each step's rollout (after N steps it has served 0..N-1), fully-async after each
+        if max(check["versions_served"]) < a.async_steps - 1:
             raise RuntimeError(f"{out / name}: versions {check['versions_served']} served, {a.async_steps} steps asked")
-        trainers[name] = {**check, "steps": max(check["versions_served"]), "wall_s": r["wall_s"]}
+        trainers[name] = {**check, "steps": a.async_steps, "wall_s": r["wall_s"]}
     for name, r in (("learn", learn), ("learn_lr0", lr0)):
         if 0 not in r["val"] or a.learn_steps not in r["val"]:
             raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
