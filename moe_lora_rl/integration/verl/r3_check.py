@@ -20,11 +20,13 @@ import torch
 
 def k3_stats(lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict:
     """lp, rollout_lp, mask: [bsz, response_len] -> k3 and the largest |d| over the masked tokens."""
+    from ...router_replay.metrics import k3_kl
+
     m = mask.bool()
-    d = (lp.double() - rollout_lp.double())[m]
-    if d.numel() == 0:
+    if not m.any():
         raise ValueError("r3 check: no response tokens in the batch")
-    return {"k3": float((torch.exp(d) - 1 - d).mean()), "max_abs_diff": float(d.abs().max())}
+    d = (lp.double() - rollout_lp.double())[m]
+    return {"k3": k3_kl(d, torch.zeros_like(d)), "max_abs_diff": float(d.abs().max())}
 
 
 def shifted_routes(data):
