@@ -59,6 +59,12 @@ def test_verls_agent_loop_placement_reads_back_as_the_capture():
     real = row[0][attention]                                   # verl's left_right_2_no_padding keeps these rows
     got = routes_from_verl([real], [n_prompt + n_resp], num_layers=3, moe_layer_ids=[1, 2], num_experts=16, topk=4)
     assert np.array_equal(got.samples[0], captured)
+    # negative control: routes placed one position off (a wrong padding offset) read back as other routes
+    off = torch.zeros_like(row)
+    off[:, start + 1:start + 1 + len(captured)] = torch.from_numpy(captured)[: prompt_pad + resp_pad - start - 1]
+    bad = routes_from_verl([off[0][attention]], [n_prompt + n_resp], num_layers=3, moe_layer_ids=[1, 2],
+                           num_experts=16, topk=4)
+    assert not np.array_equal(bad.samples[0], captured)
 
 
 def test_server_routes_pop_and_discard_through_collective_rpc():
