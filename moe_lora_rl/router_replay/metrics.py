@@ -56,3 +56,62 @@ def routes_disagreement(a, b) -> dict:
         bad_tokens += int(differs.flatten(1).any(-1).sum())
     decisions = tokens * len(a.layer_ids) * a.topk
     return {"decisions": bad / decisions if decisions else 0.0, "tokens": bad_tokens / tokens if tokens else 0.0}
+
+
+# -- per sequence and per half of each response: how the mismatch grows with length --------------------------------
+def halves(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's True positions split at its midpoint: the first floor(n/2) of its n in the first half, the rest
+    in the second (a response of one token has only a second half)."""
+    if mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"mask must be a 2-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
+    rank = mask.long().cumsum(-1)                                       # 1-based rank of each True position
+    first = mask & (rank <= mask.sum(-1, keepdim=True) // 2)
+    return first, mask & ~first
+
+
+def seq_ratio_exceeds(logp_train: torch.Tensor, logp_infer: torch.Tensor, tau: float, mask: torch.Tensor) -> float:
+    """Fraction of sequences (rows with a True position) with at least one token whose probability ratio (either
+    way) exceeds tau, by ratio_exceeds' rule; 0.0 when no row has one."""
+    bad = ((logp_train - logp_infer).abs() > torch.log(torch.tensor(float(tau)))) & mask
+    rows = mask.any(-1)
+    return float(bad.any(-1)[rows].double().mean()) if rows.any() else 0.0
+
+
+def seq_log_ratio_max(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor) -> float:
+    """The largest |sum of log pi_train - log pi_infer| of a sequence over its True positions (its log sequence
+    ratio); 0.0 for an empty batch. Positions outside mask never enter (torch.where, not a product: no 0 * inf)."""
+    log_r = torch.where(mask, (logp_train - logp_infer).double(), 0.0)
+    return float(log_r.sum(-1).abs().max()) if log_r.numel() else 0.0
+
+
+def routes_differs(a, b) -> list[torch.Tensor]:
+    """Two RoutesBatch of the same samples: per sample, [tokens, layers, k] bool, whether `a`'s expert in that
+    decision is not among `b`'s for that token and layer (the decisions routes_disagreement counts)."""
+    if tuple(a.layer_ids) != tuple(b.layer_ids) or a.topk != b.topk or len(a.samples) != len(b.samples):
+        raise ValueError(f"routes of layers {list(a.layer_ids)} top-{a.topk} for {len(a.samples)} samples cannot be "
+                         f"compared with layers {list(b.layer_ids)} top-{b.topk} for {len(b.samples)} samples")
+    out = []
+    for i, (x, y) in enumerate(zip(a.samples, b.samples)):
+        if x.shape != y.shape:
+            raise ValueError(f"sample {i}: routes of shapes {x.shape} and {y.shape} cannot be compared")
+        out.append(_differs(torch.from_numpy(x.astype("int64")), torch.from_numpy(y.astype("int64"))))
+    return out
+
+
+def masked_disagreement(differs: list[torch.Tensor], mask: torch.Tensor) -> dict:
+    """routes_differs' decisions restricted to the positions where mask[i, t] (position t of a sample's routes is
+    its input token t, i.e. mask column t of the [N, S-1] label tensors): the fraction of differing decisions
+    (token x layer x top-k slot) and of tokens with one in at least one layer; 0.0 for both when mask selects none."""
+    if len(differs) != mask.shape[0]:
+        raise ValueError(f"routes for {len(differs)} samples, mask has {mask.shape[0]} rows")
+    bad = decisions = bad_tokens = tokens = 0
+    for i, d in enumerate(differs):
+        if mask[i, d.shape[0]:].any():
+            raise ValueError(f"sample {i}: mask selects position {int(mask[i].nonzero()[-1])}, beyond its "
+                             f"{d.shape[0]} routed tokens")
+        d = d[mask[i, :d.shape[0]]]                                       # [selected tokens, layers, k]
+        bad += int(d.sum())
+        decisions += d.numel()
+        bad_tokens += int(d.flatten(1).any(-1).sum())
+        tokens += d.shape[0]
+    return {"decisions": bad / decisions if decisions else 0.0, "tokens": bad_tokens / tokens if tokens else 0.0}
