@@ -112,9 +112,13 @@ class LoRASettings:
 class DataSettings:
     task: str = "sort"
     """The task (moe_lora_rl.rl.task): sort (answer the sorted list), sort_trace (write the selection sort out: a
-    long response, 8-12 digits)."""
+    long response, 8-12 digits), sort_long (the long-reasoning task: the written selection sort, then the result on
+    a last line that the reward checks; list sizes from data.mix, responses of 70-400 tokens)."""
     length: int = 5
-    """Digits per list of the sorting task (moe_lora_rl.rl.task)."""
+    """Digits per list of the sorting task (moe_lora_rl.rl.task); sort_long draws its sizes from data.mix."""
+    mix: Optional[str] = None
+    """sort_long: the list-size mix, a name (long: 70% of 8-13 digits, 30% of 14-24) or 'lo-hi:weight,...'; null:
+    long. Refused for the fixed-length tasks."""
     n_eval: int = 256
     """Held-out problems."""
     eval_samples: int = 4
@@ -130,7 +134,7 @@ class DataSettings:
     def task_spec(self):
         from .task import TaskSpec
 
-        return TaskSpec(length=self.length, n_eval=self.n_eval, kind=self.task)
+        return TaskSpec(length=self.length, n_eval=self.n_eval, kind=self.task, mix=self.mix)
 
     def __post_init__(self):
         self.task_spec()
@@ -157,6 +161,13 @@ class AlgoSettings:
     """Prompts per step; the global batch is prompts_per_step * group_size responses."""
     micro_batch_size: int = 16
     """Responses per microbatch of the update."""
+    mini_batches: int = 1
+    """PPO mini-batches per rollout batch (verl's ppo_mini_batch_size = batch / mini_batches): the batch is cut into
+    this many contiguous slices, one optimizer step each, every step against the same old logprobs (the trainer's
+    replayed recompute before the first; rl/step.py). 1: one step per rollout batch."""
+    epochs: int = 1
+    """PPO epochs (verl's ppo_epochs): passes over the mini-batches per rollout batch; the adapter version advances
+    by mini_batches * epochs optimizer steps per push."""
     lr: float = 1e-3
     betas: list = field(default_factory=lambda: [0.9, 0.99])
     """AdamW betas."""
@@ -187,7 +198,8 @@ class AlgoSettings:
     mean 1 over the batch."""
 
     def __post_init__(self):
-        for k in ("group_size", "prompts_per_step", "micro_batch_size", "max_response_tokens"):
+        for k in ("group_size", "prompts_per_step", "micro_batch_size", "mini_batches", "epochs",
+                  "max_response_tokens"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"algo.{k}={v!r} must be an integer >= 1")
@@ -197,6 +209,13 @@ class AlgoSettings:
         if batch % self.micro_batch_size:
             raise ValueError(f"algo.micro_batch_size={self.micro_batch_size} does not divide the batch "
                              f"group_size*prompts_per_step={batch}")
+        if batch % self.mini_batches:
+            raise ValueError(f"algo.mini_batches={self.mini_batches} does not divide the batch "
+                             f"group_size*prompts_per_step={batch}")
+        if (batch // self.mini_batches) % self.micro_batch_size:
+            raise ValueError(f"algo.micro_batch_size={self.micro_batch_size} does not divide a mini-batch of "
+                             f"{batch // self.mini_batches} responses (batch {batch} / mini_batches="
+                             f"{self.mini_batches})")
         _positive("algo.lr", self.lr, zero_ok=True)           # lr=0 is the control run
         _positive("algo.weight_decay", self.weight_decay, zero_ok=True)
         _positive("algo.grad_clip", self.grad_clip)
@@ -298,8 +317,9 @@ class TrainConfig:
     """sync: rollout and training take turns; async: the engine keeps generating the next steps' groups while the
     trainer consumes finished ones, each update pushed in flight (rl/async_run.py)."""
     max_staleness: int = 1
-    """mode=async: the most versions a trained sample may lag (the trainer's version at its update minus the oldest
-    version among its tokens); the producer is held back to it and a group over it is dropped, never trained on."""
+    """mode=async: the most pushes a trained sample may lag (the pushes between the version of its oldest token and
+    the trainer's version at its update: one per rollout batch, however many optimizer steps algo.mini_batches and
+    algo.epochs make of it); the producer is held back to it and a group over it is dropped, never trained on."""
     inflight: str = "switch"
     """mode=async: how the engine takes a new version while generating: switch (every request moves to it at the
     next step, its tokens stamped per version) or pin (a request keeps the version it started with)."""
@@ -368,6 +388,26 @@ def _unknown_key(msg: str) -> str | None:
     m = re.search(r"Key '([^']+)' is not in struct", msg) or re.search(r"Could not override '([^']+)'", msg) \
         or re.search(r"Key '([^']+)' not in '([^']+)'", msg)
     return m.group(1) if m else None
+
+
+def split_config_name(argv: list[str]) -> tuple[str, list[str]]:
+    """hydra's `--config-name NAME` (or `--config-name=NAME`, `-cn NAME`) and the overrides; ValueError naming a recipe
+    that recipes/ does not hold."""
+    name, rest, args = "train", [], list(argv)
+    while args:
+        a = args.pop(0)
+        if a in ("--config-name", "-cn"):
+            if not args:
+                raise ValueError(f"{a} needs a recipe name")
+            name = args.pop(0)
+        elif a.startswith("--config-name="):
+            name = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if not (RECIPES / f"{name}.yaml").is_file():
+        known = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+        raise ValueError(f"--config-name={name}: no recipe recipes/{name}.yaml (known: {known})")
+    return name, rest
 
 
 def load(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train",

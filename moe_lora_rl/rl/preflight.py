@@ -55,6 +55,10 @@ def check(cfg: TrainConfig, world_size: int):
     if n % (dp * cfg.algo.micro_batch_size):
         raise ValueError(f"algo.micro_batch_size={cfg.algo.micro_batch_size}: the batch of {n} responses does not "
                          f"split into microbatches over data-parallel size {dp}")
+    m, mbs = cfg.algo.mini_batches, cfg.algo.micro_batch_size
+    if m > 1 and (n // m) % (dp * mbs):        # each mini-step splits its mini-batch over dp, then into microbatches
+        raise ValueError(f"algo.mini_batches={m}: a mini-batch of {n // m} responses (batch {n} / {m}) does not split "
+                         f"over data-parallel size {dp} into microbatches of micro_batch_size={mbs}")
     check_prompts(cfg)
     if cfg.resume is True:
         from ..checkpoint.store import resumable_step
@@ -94,3 +98,19 @@ def check_prompts(cfg: TrainConfig) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(where)
     resolve_template(tok, cfg.data.prompt_template, where=where)
     check_tokenizer(tok, where)
+    check_answer_length(cfg, tok)
+
+
+def check_answer_length(cfg: TrainConfig, tokenizer) -> None:
+    """algo.max_response_tokens holds the generated task's longest answer and its end of turn (a cut answer can
+    never be rewarded). Every digit is one token, so the longest list's answer is the longest answer."""
+    if cfg.data.train_file is not None:
+        return
+    from .task import Problem
+
+    spec = cfg.data.task_spec()
+    n = spec.sizes()[1]
+    need = len(tokenizer(Problem((1,) * n, 0, spec.kind).answer, add_special_tokens=False)["input_ids"]) + 1
+    if cfg.algo.max_response_tokens < need:
+        raise ValueError(f"algo.max_response_tokens={cfg.algo.max_response_tokens} is below the longest answer of "
+                         f"data.task={spec.kind} ({need} tokens with the end of turn, {n} digits)")
