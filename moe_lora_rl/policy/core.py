@@ -158,8 +158,10 @@ class Policy:
         batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
         Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (no step, the version unchanged: a
         non-finite grad norm, policy/step.py, or every token rejected by "mis"), "pg_clipfrac", "kl" (verl's
-        low-variance KL to ref_logprobs aggregated like the loss; 0 without them), "lr", "rollout_rejected_frac"},
-        the same on every rank.
+        low-variance KL to ref_logprobs aggregated like the loss; 0 without them), "lr", "rollout_rejected_frac",
+        and with batch.rollout_logprobs "update_rollout_kl": the k3 (router_replay.metrics.k3_kl) between this
+        forward's logprobs and the rollout's over the loss_mask tokens, before any rejection (the engine-vs-trainer
+        check of the update pass itself)}, the same on every rank.
 
         Rollout correction, from the proximal policy (old_logprobs) to the behaviour policy (batch.rollout_logprobs),
         ratio = exp(old - rollout) per token: "token" / "sequence" weight the loss by the truncated ratio
@@ -221,6 +223,7 @@ class Policy:
         gb = GlobalBatch(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=int((mask.sum(-1) > 0).sum()))
         s = batch.seq_len
         advantages = batch.advantages.float()
+        rollout, valid = batch.rollout_logprobs, batch.loss_mask      # the engine-vs-update k3 (below)
 
         def loss_fn(logits_local, batch):          # batch: one microbatch dict (run_schedule's keyword)
             ids = batch["ids"]
@@ -234,21 +237,27 @@ class Policy:
                 kl_loss = aggregate(kl_penalty(lp, ref_logprobs[ids].float().to(dev)), m, self.loss.loss_agg_mode, gb)
                 if kl_coef > 0:
                     total = pg + kl_coef * kl_loss
-            logged = torch.tensor([float(total), float(kl_loss), metrics["actor/pg_clipfrac"] * float(m.sum())],
+            k3 = 0.0
+            if rollout is not None:                 # router_replay.metrics.k3_kl's (r - 1) - log r, summed
+                with torch.no_grad():
+                    log_r = (lp.detach().cpu() - rollout[ids].float()).double()
+                    k3 = float(((torch.expm1(log_r) - log_r) * valid[ids]).sum())
+            logged = torch.tensor([float(total), float(kl_loss), metrics["actor/pg_clipfrac"] * float(m.sum()), k3],
                                   dtype=torch.float64)
             return total, torch.tensor(1, dtype=torch.int, device=dev), {"stats": logged}
 
         self.core.zero_grad()
         self.model.train()
         res = self._run(batch, plan, replay, routes, forward_only=False, on_output=loss_fn)
-        stats = torch.zeros(3, dtype=torch.float64)
+        stats = torch.zeros(4, dtype=torch.float64)
         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
             stats = sum((o["stats"] for o in res.outputs), stats)
         dist.all_reduce(stats)
         step = self.core.step(self.grad_clip)
         return {"loss": float(stats[0]), "grad_norm": step.grad_norm, "clipped": step.clipped,
                 "skipped": step.skipped, "pg_clipfrac": float(stats[2]) / n_tokens, "kl": float(stats[1]),
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac, **extra}
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac, **extra,
+                **({} if rollout is None else {"update_rollout_kl": float(stats[3]) / n_valid})}
 
     # -- refit -----------------------------------------------------------------------------------------------------
     def push(self, transport, version: int, *, collect_to: int | None = 0):

@@ -4,32 +4,83 @@ token), the optional reference pass, the update (decoupled PPO: clip on policy /
 proximal / behaviour, behaviour being the engine's per-token logprobs) and the mismatch diagnostics.
 
     metrics, skipped, proximal = train_on(policy, cfg, batch)   # batch = policy_batch(samples, rewards, ...)
+
+PPO mini-batches (algo.mini_batches, algo.epochs; verl's ppo_mini_batch_size, ppo_epochs): the proximal logprobs
+are computed once, on the whole batch, before the first update; then, epoch after epoch, one update per mini-batch
+(rl/minibatch.py: contiguous slices in order), each on its rows with their old logprobs (the clip is on policy /
+that proximal), their R3 routes (or, with r2, their rows of the routes recorded in the proximal pass) and their
+reference logprobs, so the adapter version advances once per optimizer step taken. With one mini-batch and one
+epoch the update gets the batch itself (the single-step path, unchanged).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .diagnostics import step_diagnostics
+from .minibatch import mini_batch_rows, select, select_routes
 
 
 def train_on(policy, cfg, batch) -> tuple[dict, bool, torch.Tensor]:
-    """The step's metrics, whether it was skipped, and the proximal logprobs it used."""
+    """The step's metrics, whether it was skipped (every optimizer step of it skipped), and the proximal logprobs it
+    used. "ministep0_rollout_kl" / "ministep_last_rollout_kl": the k3 between the engine's logprobs and the first /
+    last update forward's (Policy.update's update_rollout_kl; with rollout logprobs only): the first is the
+    engine-vs-trainer mismatch of the policy that sampled, the last includes how far the mini-steps moved it."""
     a = cfg.algo
     replayed = policy.logprobs(batch, replay="r3")              # R3: the rollout's routes
     unreplayed = policy.logprobs(batch, replay="record")       # the trainer's own routing, recorded
     old = {"r3": replayed, "r2": unreplayed, "off": unreplayed}[cfg.replay]
     ref = policy.logprobs(batch, replay="r3" if cfg.replay == "r3" else "off", adapter=False).logprobs \
         if a.kl_coef > 0 else None
-    upd = policy.update(batch, old.logprobs, replay="off" if cfg.replay == "off" else "r3",
-                        routes=unreplayed.recorded if cfg.replay == "r2" else None, ref_logprobs=ref,
-                        kl_coef=a.kl_coef, rollout_is=None if a.rollout_is == "off" else a.rollout_is,
-                        rollout_is_threshold=a.rollout_is_threshold, sparse=a.sparse_settings())
-    skipped = upd.pop("skipped")            # a non-finite grad norm: no step, the version unchanged
+    kw = dict(replay="off" if cfg.replay == "off" else "r3", kl_coef=a.kl_coef,
+              rollout_is=None if a.rollout_is == "off" else a.rollout_is,
+              rollout_is_threshold=a.rollout_is_threshold, sparse=a.sparse_settings())
+    routes = unreplayed.recorded if cfg.replay == "r2" else None
+    if a.mini_batches == 1 and a.epochs == 1:
+        upd = policy.update(batch, old.logprobs, routes=routes, ref_logprobs=ref, **kw)
+        skipped = upd.pop("skipped")        # a non-finite grad norm: no step, the version unchanged
+        if "update_rollout_kl" in upd:
+            upd["ministep0_rollout_kl"] = upd["ministep_last_rollout_kl"] = upd["update_rollout_kl"]
+    else:
+        steps = []
+        for _ in range(a.epochs):
+            for rows in mini_batch_rows(batch.num_rows, a.mini_batches):
+                steps.append(policy.update(select(batch, rows), old.logprobs[rows], routes=select_routes(routes, rows),
+                                           ref_logprobs=None if ref is None else ref[rows], **kw))
+        upd = mini_step_metrics(steps)
+        skipped = upd.pop("skipped")
     diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
                             unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement,
                             token_disagreement=replayed.token_disagreement,
                             free_routes=unreplayed.recorded, rollout_routes=batch.routes)
     return {**upd, **diag}, skipped, old.logprobs
+
+
+def mini_step_metrics(steps: list[dict]) -> dict:
+    """One rollout batch's metrics from its mini-steps' Policy.update results: each number the mean over the
+    mini-steps that stepped (over all of them if none did, as a skipped single step reports), a flag true if any
+    mini-step's was; and mini_steps, mini_steps_skipped, pg_clipfrac_last, grad_norm_max (over the steps taken),
+    ministep0_rollout_kl / ministep_last_rollout_kl; "skipped" only if every mini-step skipped."""
+    taken = [s for s in steps if not s["skipped"]] or steps
+    out: dict = {}
+    for k in dict.fromkeys(k for s in steps for k in s):       # every key, in first-seen order
+        if k == "skipped":
+            continue
+        vals = [s[k] for s in taken if k in s]
+        if any(isinstance(s.get(k), bool) for s in steps):
+            out[k] = any(s.get(k, False) for s in steps)
+        elif vals:
+            out[k] = sum(vals) / len(vals)
+    norms = [s["grad_norm"] for s in taken if math.isfinite(s["grad_norm"])]
+    out.update(mini_steps=len(steps), mini_steps_skipped=sum(bool(s["skipped"]) for s in steps),
+               pg_clipfrac_last=steps[-1]["pg_clipfrac"], grad_norm_max=max(norms) if norms else float("nan"),
+               skipped=all(s["skipped"] for s in steps))
+    if "update_rollout_kl" in steps[0]:
+        out["ministep0_rollout_kl"] = steps[0]["update_rollout_kl"]
+    if "update_rollout_kl" in steps[-1]:
+        out["ministep_last_rollout_kl"] = steps[-1]["update_rollout_kl"]
+    return out
 
 
 def effective_sample_size(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> float:
