@@ -1,7 +1,9 @@
 """mode=async: the engine keeps generating the next steps' groups (rl/pipeline.py on rank 0) while the trainer takes
 finished ones, P whole groups per update, and pushes each new version in flight (inflight=switch|pin). Every
-trained sample is within max_staleness versions; a group over it is dropped and counted. The loss is the decoupled
-PPO of rl/step.py (behaviour = the engine's per-token logprobs, proximal = the trainer before the update).
+trained sample is within max_staleness pushes (rl/groups.py's PushClock: one push per update, whatever number of
+optimizer steps algo.mini_batches and algo.epochs make of it); a group over it is dropped and counted. The loss is
+the decoupled PPO of rl/step.py (behaviour = the engine's per-token logprobs, proximal = the trainer before the
+update).
 
 Evaluation runs on the engine while production goes on: the trainer waits for it, so no push lands meanwhile and
 every evaluated token is of one version (pin engines are also asked for that version). A checkpoint records which
@@ -14,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from .groups import StalenessGate, staleness
+from .groups import PushClock, StalenessGate
 from .run import GRPORun, _broadcast
 
 
@@ -31,6 +33,7 @@ class AsyncGRPORun(GRPORun):
         cfg, a = self.cfg, self.cfg.algo
         done = set(state.get("groups_done", ()))      # a resumed run's trained and dropped groups
         self.pipe = None
+        self.clock = PushClock(self.policy.version)     # every rank: staleness in pushes for the step's metrics
         if self.rank == 0:
             from .pipeline import Pipeline
 
@@ -71,6 +74,7 @@ class AsyncGRPORun(GRPORun):
         pushed = 0
         if not m.get("skipped"):
             pushed = self.push(after_restart=self.pipe_recover)     # in flight: the engine keeps generating
+            self.clock.serve(self.policy.version)
             if self.rank == 0:
                 self.pipe.serve(self.policy.version)
         return {**m, **self.step_metrics(samples, dropped, version, batch, proximal, wait_s),
@@ -105,7 +109,7 @@ class AsyncGRPORun(GRPORun):
     def step_metrics(self, samples, dropped: int, version: int, batch, proximal, wait_s: float) -> dict:
         from .step import effective_sample_size
 
-        stale = [staleness(version, s.versions) for s in samples]
+        stale = [self.clock.staleness(version, s.versions) for s in samples]
         hist = Counter(stale)
         self.trained_samples += len(samples)
         self.dropped_samples += dropped

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .groups import GroupPlan, StalenessGate, staleness
+from .groups import GroupPlan, StalenessGate
 
 
 @dataclass
@@ -118,7 +118,8 @@ class Pipeline:
 
     # -- trainer side -------------------------------------------------------------------------------------------
     def take(self, n: int, trainer_version: int) -> tuple[list[FinishedGroup], list[FinishedGroup]]:
-        """n finished groups, in finishing order, whose every sample is within the bound at trainer_version; the
+        """n finished groups, in finishing order, whose every sample is within the bound (in pushes, the gate's
+        clock) at trainer_version; the
         groups found over it on the way are dropped (returned second, their places freed). The producer's error
         (e.g. EngineDied) is raised here."""
         t0 = time.perf_counter()
@@ -132,7 +133,7 @@ class Pipeline:
                             self.finished.appendleft(grp)
                         raise self.error
                     grp = self.finished.popleft()
-                    worst = max(staleness(trainer_version, s.versions) for s in grp.samples)
+                    worst = max(self.gate.staleness(trainer_version, s.versions) for s in grp.samples)
                     if worst > self.gate.k:
                         dropped.append(grp)
                         self.done.add(grp.plan.index)
