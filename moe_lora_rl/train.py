@@ -1,8 +1,9 @@
 """The main job: GRPO with expert LoRA, Router Replay (R3) and LoRA-only refit to a vLLM engine.
 
-    torchrun --standalone --nproc_per_node=2 -m moe_lora_rl.train [key=value ...]
+    torchrun --standalone --nproc_per_node=2 -m moe_lora_rl.train [--config-name NAME] [key=value ...]
 
-Configuration: recipes/train.yaml (hydra, strict keys; schema and help in moe_lora_rl/rl/config.py), e.g.
+Configuration: recipes/train.yaml, or recipes/NAME.yaml with --config-name NAME (long: the long-reasoning job)
+(hydra, strict keys; schema and help in moe_lora_rl/rl/config.py), e.g.
 layout.tp=2 layout.ep=2 lora.rank=16 replay=r2 serving=merged algo.lr=0 steps=10. A bad key or value, a layout
 that does not fit the world size or the model, or a data file that does not parse is a one-line error before any
 process group or engine starts. The console shows our lines, the progress bar and real errors; dependencies'
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = config.load(sys.argv[1:] if argv is None else argv)
+        name, overrides = config.split_config_name(sys.argv[1:] if argv is None else argv)
+        cfg = config.load(overrides, config_name=name)
         if cfg.runtime.device == "cpu":
             # megatron-core's fused kernels go through torch.compile, which costs tens of seconds per first call on
             # CPU for nothing; set before torch's compiler is first imported (a caller's explicit value wins)

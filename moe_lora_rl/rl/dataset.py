@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .task import TRACE_SOURCE, Problem, TaskSpec, make_split, messages
+from .task import SOURCES, Problem, TaskSpec, make_split, messages
 
 REQUIRED = ("data_source", "prompt", "reward_model", "extra_info")
 
@@ -50,8 +50,9 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def problems_from_rows(rows: list[dict]) -> list[Problem]:
+    kinds = {src: kind for kind, src in SOURCES.items()}
     return [Problem(tuple(int(d) for d in r["extra_info"]["digits"]), int(r["extra_info"]["index"]),
-                    "sort_trace" if r["data_source"] == TRACE_SOURCE else "sort") for r in rows]
+                    kinds.get(r["data_source"], "sort")) for r in rows]
 
 
 def main(argv=None) -> int:
@@ -63,13 +64,14 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_lora_rl.rl.dataset")
     p.add_argument("out_dir")
-    p.add_argument("--task", default=TaskSpec.kind, help="sort or sort_trace")
+    p.add_argument("--task", default=TaskSpec.kind, help="sort, sort_trace or sort_long")
+    p.add_argument("--mix", default=None, help="sort_long: the size mix (a name or 'lo-hi:weight,...')")
     p.add_argument("--length", type=int, default=TaskSpec.length)
     p.add_argument("--n-eval", type=int, default=TaskSpec.n_eval)
     p.add_argument("--seed", type=int, default=TaskSpec.seed)
     a = p.parse_args(argv)
     try:
-        spec = TaskSpec(length=a.length, n_eval=a.n_eval, seed=a.seed, kind=a.task)
+        spec = TaskSpec(length=a.length, n_eval=a.n_eval, seed=a.seed, kind=a.task, mix=a.mix)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

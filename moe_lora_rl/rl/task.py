@@ -19,6 +19,13 @@ step, the smallest digit left, a bar, then the digits still left in their order;
 Every line reads the line before it, so the trace is a long response (75 tokens for 10 digits) whose next step
 needs only its recent context: the kind of long reasoning a compressed KV cache is built for (Sparse-RL). There are
 too many lists to enumerate: its training split is a fixed seeded draw of TRACE_TRAIN_SIZE lists.
+
+The long-reasoning variant, kind="sort_long", writes the same trace and then the result on a last line; the reward
+reads that line only (the final result, verified exactly). Its list sizes are drawn from a skewed mix (`mix`,
+MIXES["long"] by default: 70% of 8-13 digits, 30% of 14-24), so response lengths have a heavy tail: about 70 tokens
+at 8 digits, 130 at 12, 320 at 21 and 400 at 24 (the trace grows with the square of the size).
+
+    "sort 3 1 4 1"  ->  " 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 1 3 4"
 """
 from __future__ import annotations
 
@@ -27,12 +34,48 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from .reward import DATA_SOURCE, TRACE_SOURCE  # the tasks' data_source, defined next to their scorer
+from .reward import DATA_SOURCE, LONG_SOURCE, TRACE_SOURCE  # the tasks' data_source, next to their scorer
 
 DIGITS = tuple(range(1, 10))
-KINDS = ("sort", "sort_trace")
-LENGTHS = {"sort": (3, 6), "sort_trace": (8, 12)}
+KINDS = ("sort", "sort_trace", "sort_long")
+LENGTHS = {"sort": (3, 6), "sort_trace": (8, 12), "sort_long": (2, 24)}
+MIXED = ("sort_long",)                  # kinds whose list sizes come from a mix, not from `length`
+MIXES = {"long": "8-13:0.7,14-24:0.3"}
+"""Named size mixes: comma-separated `lo-hi:weight` segments (a size is drawn uniform in lo..hi, the segment with
+probability weight / sum of weights)."""
 TRACE_TRAIN_SIZE = 50_000
+SOURCES = {"sort": DATA_SOURCE, "sort_trace": TRACE_SOURCE, "sort_long": LONG_SOURCE}
+
+
+def parse_mix(mix: str, lengths: tuple[int, int] = LENGTHS["sort_long"]) -> tuple[tuple[int, int, float], ...]:
+    """A mix's segments ((lo, hi, probability), ...), from a name in MIXES or `lo-hi:weight,...`; ValueError naming
+    the mix when it does not parse or leaves `lengths`."""
+    text = MIXES.get(mix, mix)
+    segs = []
+    try:
+        for part in text.split(","):
+            span, w = part.split(":")
+            lo, hi = (int(x) for x in span.split("-"))
+            segs.append((lo, hi, float(w)))
+    except ValueError:
+        raise ValueError(f"size mix {mix!r} is neither a name in {sorted(MIXES)} nor 'lo-hi:weight,...' "
+                         "(e.g. '8-13:0.7,14-24:0.3')") from None
+    a, b = lengths
+    for lo, hi, w in segs:
+        if not (a <= lo <= hi <= b) or not w > 0:
+            raise ValueError(f"size mix {mix!r}: segment {lo}-{hi}:{w:g} needs {a} <= lo <= hi <= {b} and a weight > 0")
+    total = sum(w for _, _, w in segs)
+    return tuple((lo, hi, w / total) for lo, hi, w in segs)
+
+
+def draw_size(segments, rng: random.Random) -> int:
+    u, acc = rng.random(), 0.0
+    for lo, hi, p in segments:
+        acc += p
+        if u < acc:
+            return rng.randint(lo, hi)
+    lo, hi, _ = segments[-1]
+    return rng.randint(lo, hi)
 
 
 @dataclass(frozen=True)
@@ -40,11 +83,20 @@ class TaskSpec:
     length: int = 5          # digits per list (answer: length tokens + end of turn)
     n_eval: int = 256        # held-out problems (= held-out multisets)
     seed: int = 0
-    kind: str = "sort"       # "sort" (the answer) or "sort_trace" (the written selection sort)
+    kind: str = "sort"       # "sort" (the answer), "sort_trace" (the written selection sort), "sort_long"
+    mix: str | None = None   # sort_long: the size mix (MIXES name or 'lo-hi:weight,...'; None: "long")
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"task kind={self.kind!r} is not one of {KINDS}")
+        if self.kind in MIXED:
+            parse_mix(self.mix_name)
+            if not 0 < self.n_eval <= 4096:
+                raise ValueError(f"task n_eval={self.n_eval} must be in 1..4096 for kind={self.kind}")
+            return
+        if self.mix is not None:
+            raise ValueError(f"task mix={self.mix!r} applies to kinds {MIXED} only, not kind={self.kind} (its lists "
+                             "have `length` digits)")
         lo, hi = LENGTHS[self.kind]
         if not lo <= self.length <= hi:
             raise ValueError(f"task length={self.length} is outside {lo}..{hi} for kind={self.kind}")
@@ -52,6 +104,17 @@ class TaskSpec:
         if not 0 < self.n_eval <= n // 4:
             raise ValueError(f"task n_eval={self.n_eval} must be in 1..{n // 4} for length={self.length} "
                              f"({n} multisets; at most a quarter are held out)")
+
+    @property
+    def mix_name(self) -> str:
+        return self.mix if self.mix is not None else "long"
+
+    def sizes(self) -> tuple[int, int]:
+        """The smallest and the largest list of the task."""
+        if self.kind in MIXED:
+            segs = parse_mix(self.mix_name)
+            return min(s[0] for s in segs), max(s[1] for s in segs)
+        return self.length, self.length
 
 
 @dataclass(frozen=True)
@@ -66,13 +129,16 @@ class Problem:
 
     @property
     def answer(self) -> str:
+        result = " ".join(map(str, sorted(self.digits)))
         if self.kind == "sort_trace":
             return trace(self.digits)
-        return " ".join(map(str, sorted(self.digits)))
+        if self.kind == "sort_long":
+            return trace(self.digits) + "\n= " + result
+        return result
 
     @property
     def data_source(self) -> str:
-        return TRACE_SOURCE if self.kind == "sort_trace" else DATA_SOURCE
+        return SOURCES[self.kind]
 
 
 def trace(digits) -> str:
@@ -112,10 +178,40 @@ def _held_out(length: int, n_eval: int, seed: int) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _mixed_split(mix: str, n_eval: int, seed: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Held-out and training lists of a size mix: held-out lists drawn like training prompts (size from the mix,
+    digits uniform), one per multiset; training: TRACE_TRAIN_SIZE seeded draws whose multiset is not held out."""
+    segs = parse_mix(mix)
+
+    def draws(tag):
+        rng = random.Random(f"sort_long:{tag}:{mix}:{seed}")
+        while True:
+            yield tuple(rng.choice(DIGITS) for _ in range(draw_size(segs, rng)))
+
+    held, seen = [], set()
+    for s in draws("eval"):
+        if tuple(sorted(s)) not in seen:
+            seen.add(tuple(sorted(s)))
+            held.append(s)
+            if len(held) == n_eval:
+                break
+    train = []
+    for s in draws("train"):
+        if tuple(sorted(s)) not in seen:
+            train.append(s)
+            if len(train) == TRACE_TRAIN_SIZE:
+                break
+    return tuple(held), tuple(train)
+
+
 def make_split(spec: TaskSpec, split: str) -> list[Problem]:
     """'eval': the held-out lists; 'train': every list whose multiset is not held out, in a seeded order."""
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is not 'train' or 'eval'")
+    if spec.kind in MIXED:
+        held, train = _mixed_split(spec.mix_name, spec.n_eval, spec.seed)
+        return [Problem(s, i, spec.kind) for i, s in enumerate(held if split == "eval" else train)]
     held = _held_out(spec.length, spec.n_eval, spec.seed)
     if split == "eval":
         return [Problem(s, i, spec.kind) for i, s in enumerate(held)]
