@@ -8,6 +8,9 @@ Per layout, on one global batch (GRPO advantages, perturbed old log-probs, tempe
   grad_norm           the engine's global adapter grad norm vs the reference's
   loss_gspo           infer_batch with compute_loss (gspo, seq-mean-token-sum) vs the reference
   checkpoint          verl's save_checkpoint / load_checkpoint: adapters + AdamW state, the next step replayed exactly
+  mini-batches        TrainingWorker.train_mini_batch (verl's update_actor) with 2 mini-batches x 2 epochs: optimizer
+                      steps, the adapters vs train_batch by hand per mini-batch, the first mini-step's loss vs verl's
+                      loss over its rows (minibatch_check, from the initial adapters, state restored after)
   r3                  verl-format routed_experts (int16 [N, P+R, all layers, k], left-padding aligned) replayed by the
                       engine vs our RoutesBatch replayed in the reference; and the reference without replay (control)
 Rank 0 writes the max abs differences as JSON.
@@ -255,6 +258,7 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
     got = gather(None if res is None else tu.get(res, "metrics")["loss"])
     out["loss_gspo"] = next(v for _, v in got if v is not None)
     w.set_loss_fn(partial(ppo_loss, actor_config(settings("vanilla"))))
+    out.update(minibatch_check(w, lambda r: verl_batch(b, old, adv, r, routes=False), rows))   # restores the state
     td = verl_batch(b, old, adv, rows, routes=False)
     tu.assign_non_tensor(td, global_token_num=None)
     res = w.train_batch(td)
@@ -262,6 +266,65 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
     out["loss_vanilla"], out["grad_norm"] = next(v for _, v in got if v is not None)
     out.update(checkpoint_replay(w, lambda: verl_batch(b, old, adv, rows, routes=False), ckpt_dir))
     return out
+
+
+def minibatch_check(w, batch_of, rows: list[int]) -> dict:
+    """verl's update_actor path, TrainingWorker.train_mini_batch, with ppo_mini_batch_size N/2 and ppo_epochs 2 (no
+    shuffle): make_iterator cuts each DP rank's share into 2 mini-batches (rank r's j-th half of its rows), one
+    TrainingWorker.train_batch each -> our engine's BaseEngine.train_batch: zero_grad, forward_backward_batch (the
+    loss tokens counted over the mini-batch, all-reduced over DP), optimizer_step. Measured from the initial adapters:
+    the version advance (the optimizer steps taken), the first mini-step's loss (main() compares it with the reference
+    loss over that mini-batch's rows), and the adapters after it against TrainingWorker.train_batch called by hand on
+    each rank's mini-batch rows in turn (so each step's gradient comes from its rows only); control: the mini-batches
+    by hand in the other order. Adapters, AdamW state and version are restored afterwards."""
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+
+    core = w.engine.core
+    saved, version = [p.detach().clone() for p in core.params], core.version
+
+    def restore():
+        with torch.no_grad():
+            for p, s in zip(core.params, saved):
+                p.copy_(s)
+        core.optimizer.state.clear()
+        core.version = version
+
+    def params():
+        return [p.detach().clone() for p in core.params]
+
+    def max_diff(a, c):
+        d = torch.tensor(max(float((x - y).abs().max()) for x, y in zip(a, c)))
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        return float(d)
+
+    half = len(rows) // 2
+    td = batch_of(rows)
+    tu.assign_non_tensor(td, global_batch_size=N // 2, mini_batch_size=N // 2, epochs=2, seed=0,
+                         dataloader_kwargs={"shuffle": False})
+    res = w.train_mini_batch(td)
+    steps = core.version - version
+    got = params()
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, None if res is None else list(tu.get(res, "metrics")["loss"]))
+    first_rows = [None] * dist.get_world_size()
+    dist.all_gather_object(first_rows, rows[:half])
+
+    def by_hand(order):
+        restore()
+        for _ in range(2):
+            for j in order:
+                td = batch_of(rows[j * half:(j + 1) * half])
+                tu.assign_non_tensor(td, global_batch_size=N // 2, global_token_num=None)
+                w.train_batch(td)
+        return params()
+
+    hand, hand_version = by_hand([0, 1]), core.version - version
+    reverse = by_hand([1, 0])
+    restore()
+    return {"mini_steps": steps, "mini_hand_steps": hand_version, "mini_vs_hand": max_diff(got, hand),
+            "mini_vs_reverse": max_diff(got, reverse), "mini_losses": next(x for x in losses if x is not None),
+            "mini_rows0": sorted({i for r in first_rows for i in r})}
 
 
 def checkpoint_replay(w, batch, ckpt_dir) -> dict:
@@ -335,9 +398,29 @@ def main(argv=None):
             "loss_gspo_diff": abs(got["loss_gspo"] - ref["loss_gspo"]),
             "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
             "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"],
-            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_version_restored")}}
+            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_version_restored")},
+            **minibatch_result(got, ref, adv, mask)}
     finish_worker(result, a.result)
     del dist
+
+
+def minibatch_result(got: dict, ref: dict, adv: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The first mini-step's loss against verl's loss over that mini-batch's rows at the initial adapters,
+    normalised by the mini-batch's tokens (the control: by the whole batch's, as if the split were ignored)."""
+    from ..algos import GlobalBatch, policy_loss
+
+    r = got["mini_rows0"]
+    m = mask[r]
+
+    def loss(tokens):
+        gb = GlobalBatch(dp_size=1, batch_num_tokens=tokens, global_batch_size=len(r))
+        return float(policy_loss(ref["old"][r], ref["logprobs"][r], adv[r], m, settings("vanilla"), gb)[0])
+
+    first = float(np.asarray(got["mini_losses"], dtype=float).reshape(-1)[0])
+    return {"mini_steps": got["mini_steps"], "mini_hand_steps": got["mini_hand_steps"],
+            "mini_vs_hand": got["mini_vs_hand"], "mini_vs_reverse": got["mini_vs_reverse"],
+            "mini_losses": got["mini_losses"], "mini_rows0": r, "mini_loss0_diff": abs(first - loss(int(m.sum()))),
+            "mini_loss0_ctrl_diff": abs(first - loss(int(mask.sum())))}
 
 
 def _old(b, ref):

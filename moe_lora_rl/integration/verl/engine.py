@@ -10,6 +10,12 @@ verl's engine contract and the training core the main job also calls (policy/tra
 
 The reference policy is the same model with the adapters disabled (disable_adapter). Only adapter factors train;
 optimizer_step is TrainingCore.step (its non-finite rule: a non-finite norm skips the step and is returned).
+
+PPO mini-batches are verl's: its update_actor (TrainingWorker.train_mini_batch) cuts each DP rank's share into
+ppo_mini_batch_size / dp rows and calls train_batch (BaseEngine's: zero_grad, forward_backward_batch, optimizer_step)
+once per mini-batch and epoch; forward_backward_batch counts the loss tokens of the batch it is handed (all-reduced
+over DP), so each mini-step's loss is normalised by its mini-batch, as in verl's engines, and the version advances
+once per mini-step (tests/distributed/test_verl_engine.py).
 """
 from __future__ import annotations
 
