@@ -90,6 +90,8 @@ class TaskSpec:
         if self.kind not in KINDS:
             raise ValueError(f"task kind={self.kind!r} is not one of {KINDS}")
         if self.kind in MIXED:
+            if self.mix is None:                  # one spelling of the default (warm starts are cached by spec)
+                object.__setattr__(self, "mix", "long")
             parse_mix(self.mix_name)
             if not 0 < self.n_eval <= 4096:
                 raise ValueError(f"task n_eval={self.n_eval} must be in 1..4096 for kind={self.kind}")

@@ -184,10 +184,13 @@ def default_spec(size: str) -> WarmStartSpec:
     return WarmStartSpec(**SIZE_WARM_STARTS.get(size, {}))
 
 
-TASK_WARM_STARTS = {"sort_trace": dict(steps=300, window=32, window_frac=0.5)}
+TASK_WARM_STARTS = {"sort_trace": dict(steps=300, window=32, window_frac=0.5),
+                    "sort_long": dict(steps=400, batch_size=16, chunks=4, threads=2)}
 """Per task kind, how its warm start differs (after the size's): the written trace is a long answer, learnt in more
 supervised steps, half of them with a 32-token attention window (so that rollouts on a windowed KV cache stay
-usable: trained on full attention only, the model fails every trace once its first tokens leave the window)."""
+usable: trained on full attention only, the model fails every trace once its first tokens leave the window).
+sort_long's answers run from 70 to 400 tokens: batches of 16 in 4 length-sorted chunks (half the time of one padded
+batch), on both cores (the warm start runs before any engine or trainer)."""
 
 
 def task_warm_spec(size: str, task: TaskSpec) -> WarmStartSpec:
