@@ -25,6 +25,7 @@ class Producer:
         self.engines = None                 # rollout/replicas.py's Replicas
         self._prompt_cache: dict[int, list[int]] = {}
         self._eval_prompts = None
+        self.eval_lens: list[int] = []       # response lengths (tokens) of the last evaluation
         self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
 
     def start(self) -> None:
@@ -128,11 +129,14 @@ class Producer:
             out = engine.generate([self._eval_prompts[q] for q in mine for _ in range(k)],
                                   seeds=[eval_seed(self.cfg.seed, q, j) for q in mine for j in range(k)],
                                   **self.sampling(), versions=None if version is None else [version] * len(mine) * k)
+            lens.extend(len(o.response) for o in out)
             return sum(self.rewards(out, [self.eval_problems[q] for q in mine for _ in range(k)]))
 
+        lens: list[int] = []
         parts = spread(len(self.eval_problems), len(self.engines))
         done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
         self._kv_mark = self.kv_snapshot()          # the next step's KV figures leave the evaluation out
+        self.eval_lens = lens
         return sum(done.values()) / (len(self.eval_problems) * k)
 
     def stop(self) -> None:

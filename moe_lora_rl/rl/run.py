@@ -193,7 +193,8 @@ class GRPORun:
             time.sleep(self.cfg.delay.train_s)
         self.busy["train"] += time.perf_counter() - t0
         resp_len = sum(len(s.response) for s in samples) / len(samples)
-        return {"reward": sum(rewards) / len(rewards), "response_len": resp_len, **m,
+        return {"reward": sum(rewards) / len(rewards), "response_len": resp_len,
+                **length_percentiles([len(s.response) for s in samples], "response_len_"), **m,
                 **({"skipped": True} if skipped else {})}, batch, proximal
 
     def sync_step(self, step: int) -> dict:
@@ -258,7 +259,10 @@ class GRPORun:
             self.busy["rollout"] += time.perf_counter() - t0
             return out
 
-        return self._on_engine("the held-out evaluation", run_eval, after_restart)
+        out = self._on_engine("the held-out evaluation", run_eval, after_restart)
+        if self.rank == 0:
+            self.eval_lens = list(self.prod.eval_lens)
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def run_meta(self) -> dict:
@@ -320,9 +324,11 @@ class GRPORun:
         self.t_rl = time.perf_counter()
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.eval_s = 0.0
+        self.eval_lens = []
         if 0 not in evals:
             evals[0] = self.evaluate()
-            self.log.log(0, {"eval": evals[0]})
+            self.start_lens = length_percentiles(self.eval_lens, "len_")
+            self.log.log(0, {"eval": evals[0], **length_percentiles(self.eval_lens, "eval_len_")})
         self.loop(start, history, evals, state)
         wall = time.perf_counter() - self.t_rl
         eval_dense = self.dense_eval() if cfg.rollout.kv_compression != "none" else None
@@ -367,6 +373,7 @@ class GRPORun:
             m = self.sync_step(step)
             if self.eval_due(step + 1):
                 evals[step + 1] = m["eval"] = self.evaluate()
+                m.update(length_percentiles(self.eval_lens, "eval_len_"))
             m["wall_s"] = time.perf_counter() - self.t_rl
             history.append(m)
             self.log.log(step + 1, m)
@@ -379,7 +386,13 @@ class GRPORun:
             return sum(vals) / len(vals) if vals else None
 
         k = min(5, len(history))
+        by_len = {f"{name}_{tag}": mean(f"{pre}{name}", history) for tag, pre in (("r3", "r3_"), ("no_r3", "no_r3_"))
+                  for name in ("seq_ratio_gt2", "seq_log_ratio_max", "kl_first_half", "kl_second_half")}
         return {"wall_s": wall, **self.warmup, "setup_s": self.setup_s,
+                **getattr(self, "start_lens", {}), "s_per_step": (wall - self.eval_s) / max(1, len(history)),
+                "response_len_mean": mean("response_len", history), **by_len,
+                "free_disagreement_first_half": mean("free_disagreement_first_half", history),
+                "free_disagreement_second_half": mean("free_disagreement_second_half", history),
                 "reward_start": mean("reward", history[:k]), "reward_end": mean("reward", history[-k:]),
                 "eval_start": evals[0], "eval_end": evals[max(evals)], "evals": evals,
                 "kl_mean_r3": mean("r3_kl", history), "kl_mean_no_r3": mean("no_r3_kl", history),
@@ -407,6 +420,14 @@ class GRPORun:
             with safe_open(f, "pt") as h:
                 n += sum(_numel(h.get_slice(k).get_shape()) for k in h.keys())
         return n * per
+
+
+def length_percentiles(lens: list[int], prefix: str) -> dict:
+    """{prefix}p10, p50, p90 and max of response lengths in tokens (nearest rank; {} for none)."""
+    if not lens:
+        return {}
+    s = sorted(lens)
+    return {**{f"{prefix}p{q}": s[min(len(s) - 1, q * len(s) // 100)] for q in (10, 50, 90)}, f"{prefix}max": s[-1]}
 
 
 def run_class(cfg: TrainConfig):
