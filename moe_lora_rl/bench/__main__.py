@@ -18,6 +18,7 @@ BENCHES = {
     "async": "moe_lora_rl.bench.async_rl",
     "r3_ab": "moe_lora_rl.bench.r3_ab",
     "sparse": "moe_lora_rl.bench.sparse",
+    "long": "moe_lora_rl.bench.long",
 }
 
 

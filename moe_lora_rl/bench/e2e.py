@@ -76,16 +76,18 @@ def job_layout(a: argparse.Namespace, name: str) -> tuple[object, list[str], lis
             [f"model.path={a.model}"] if a.model else [])
 
 
-def main(argv=None) -> dict:
+def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] = (), keys=KEYS) -> dict:
+    """The job (recipe: e.g. ["--config-name=long"]) and its lr=0 control; `keys` of the job's summary, with the
+    control's eval_end and eval_start."""
     argv, extra = split_overrides(argv)
-    ap = job_parser("e2e", __doc__, "both runs")
+    ap = job_parser(name, doc, "both runs")
     ap.add_argument("--nproc", type=int, default=2, help="torchrun processes per run")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     a = ap.parse_args(argv)
-    lay, layout_over, model_over = job_layout(a, "e2e")
+    lay, layout_over, model_over = job_layout(a, name)
     if a.nproc < 1 or a.timeout <= 0 or (a.steps is not None and a.steps < 1):
         raise ValueError(f"--nproc={a.nproc}, --steps={a.steps}, --timeout={a.timeout}: must be positive")
-    overrides = [*layout_over, *extra, *model_over]
+    overrides = [*recipe, *layout_over, *extra, *model_over]
     if a.steps:
         overrides.append(f"steps={a.steps}")
     _preflight(overrides, a.nproc)
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
         root = Path(a.out or tmp)
         main_run = run_job(a.nproc, overrides, root / "main", a.timeout)
         control = run_job(a.nproc, [*overrides, "algo.lr=0"], root / "lr0", a.timeout)
-    out = {k: main_run[k] for k in KEYS}
+    out = {k: main_run[k] for k in keys}
     out["eval_end_lr0"] = control["eval_end"]
     out["eval_start_lr0"] = control["eval_start"]
     out["layout"], out["bench_wall_s"] = lay.name, round(time.time() - t0, 1)
@@ -103,7 +105,9 @@ def main(argv=None) -> dict:
 
 
 def _preflight(overrides: list[str], nproc: int) -> None:
-    """The job's own checks, here, so a bad value is refused before anything starts."""
+    """The job's own checks, here, so a bad value is refused before anything starts (a --config-name among the
+    overrides picks the recipe, as the driver does)."""
     from ..rl import config, preflight
 
-    preflight.check(config.load(overrides), nproc)
+    name, rest = config.split_config_name(overrides)
+    preflight.check(config.load(rest, config_name=name), nproc)
