@@ -27,12 +27,19 @@ SETTINGS = {
     "lr3e-3_no_is": ["algo.lr=3e-3", "algo.rollout_is=off"],
     "lr1e-2_no_is": ["algo.lr=1e-2", "algo.rollout_is=off"],
     "bf16_no_is": ["runtime.train_dtype=bfloat16", "algo.rollout_is=off"],
+    "long": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off"],
+    "long_lr3e-3": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "algo.lr=3e-3"],
+    "long_async": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "mode=async",
+                   "max_staleness=2"],
 }
-"""Named settings: hydra overrides added to both replay modes. default: the main job as it is; the others are the
-stresses tried (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the rollout
-correction."""
-CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)), ("Grad norm", ("grad_norm",)),
-          ("Clip fraction", ("pg_clipfrac",)))
+"""Named settings: hydra overrides added to both replay modes. default: the main job as it is; lr*/bf16*: the
+stresses tried on it (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the
+rollout correction. long*: the long-reasoning job (recipes/long.yaml) where the literature sees runs without R3
+collapse: several mini-steps per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
+learning rate, or asynchronous with a staleness bound of 2."""
+CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),
+          ("Tokens with ratio > 2 (solid) / > 5 (dotted)", ("f2", "f5")), ("Grad norm", ("grad_norm",)),
+          ("Clip fraction", ("pg_clipfrac",)), ("Response length (tokens)", ("response_len",)))
 
 
 def collapsed(evals: dict) -> bool:
@@ -41,23 +48,29 @@ def collapsed(evals: dict) -> bool:
 
 
 def curve(records: list[dict], replay: str) -> list[dict]:
-    """Per step: held-out success (where evaluated), the trained policy's KL, grad norm and clip fraction."""
-    kl = "r3_kl" if replay == "r3" else "no_r3_kl"
+    """Per step: held-out success (where evaluated), the trained policy's KL and F(2), F(5) (R3: the trainer on the
+    rollout's routes; off: routing itself), grad norm, clip fraction and mean response length."""
+    pre = "r3_" if replay == "r3" else "no_r3_"
+    names = {"kl": pre + "kl", "f2": pre + "ratio_gt2", "f5": pre + "ratio_gt5", "grad_norm": "grad_norm",
+             "pg_clipfrac": "pg_clipfrac", "response_len": "response_len"}
     return [{"step": r["step"], **({"eval": r["eval"]} if "eval" in r else {}),
-             **({"kl": r[kl]} if kl in r else {}), **{k: r[k] for k in ("grad_norm", "pg_clipfrac") if k in r}}
-            for r in records]
+             **{k: r[src] for k, src in names.items() if src in r}} for r in records]
 
 
 def plot(curves: dict, png: Path, title: str) -> Path:
-    fig, axes = figures.panels(2, 2)
-    for ax, (name, (key,)) in zip(axes, CURVES):
-        for (replay, seed), rows in sorted(curves.items()):
-            pts = [(r["step"], r[key]) for r in rows if key in r]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, color="C0" if replay == "r3" else "C3", ls="-" if seed == min(s for _, s in curves)
-                        else "--", marker="o" if key == "eval" else None, ms=3, label=f"{replay} seed {seed}")
-        figures.style(ax, name, log=key == "kl")
+    fig, axes = figures.panels(3, 2, size=(10, 10))
+    first = min(s for _, s in curves)
+    for ax, (name, keys) in zip(axes, CURVES):
+        for key, dotted in zip(keys, (False, True)):
+            for (replay, seed), rows in sorted(curves.items()):
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, color="C0" if replay == "r3" else "C3",
+                            ls=":" if dotted else "-" if seed == first else "--",
+                            marker="o" if key == "eval" else None, ms=3,
+                            label=None if dotted else f"{replay} seed {seed}")
+        figures.style(ax, name, log=keys[0] == "kl")
     return figures.save(fig, title, png)
 
 
@@ -104,7 +117,12 @@ def main(argv=None) -> dict:
     out = {"eval_start": mean("r3", "eval_start"), "eval_end_r3": mean("r3", "eval_end"),
            "eval_end_off": mean("off", "eval_end"), "kl_r3": mean("r3", "kl_mean_r3"),
            "kl_off": mean("off", "kl_mean_no_r3"), "ratio_gt2_r3": mean("r3", "ratio_gt2"),
-           "ratio_gt2_off": mean("off", "ratio_gt2_no_r3"), "grad_norm_r3": mean("r3", "grad_norm_mean"),
+           "ratio_gt2_off": mean("off", "ratio_gt2_no_r3"), "ratio_gt5_r3": mean("r3", "ratio_gt5"),
+           "ratio_gt5_off": mean("off", "ratio_gt5_no_r3"), "seq_ratio_gt2_r3": mean("r3", "seq_ratio_gt2_r3"),
+           "seq_ratio_gt2_off": mean("off", "seq_ratio_gt2_no_r3"),
+           "kl_halves_off": [mean("off", "kl_first_half_no_r3"), mean("off", "kl_second_half_no_r3")],
+           "response_len_r3": mean("r3", "response_len_mean"), "response_len_off": mean("off", "response_len_mean"),
+           "grad_norm_r3": mean("r3", "grad_norm_mean"),
            "grad_norm_off": mean("off", "grad_norm_mean"), "clipfrac_r3": mean("r3", "clipfrac_mean"),
            "clipfrac_off": mean("off", "clipfrac_mean"),
            "collapsed_r3": sum(collapsed(runs["r3", s]["evals"]) for s in seeds),
