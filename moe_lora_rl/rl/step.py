@@ -9,8 +9,10 @@ PPO mini-batches (algo.mini_batches, algo.epochs; verl's ppo_mini_batch_size, pp
 are computed once, on the whole batch, before the first update; then, epoch after epoch, one update per mini-batch
 (rl/minibatch.py: contiguous slices in order), each on its rows with their old logprobs (the clip is on policy /
 that proximal), their R3 routes (or, with r2, their rows of the routes recorded in the proximal pass) and their
-reference logprobs, so the adapter version advances once per optimizer step taken. With one mini-batch and one
-epoch the update gets the batch itself (the single-step path, unchanged).
+reference logprobs, so the adapter version advances once per optimizer step taken. Each mini-step's loss is
+normalised by its mini-batch (as verl's engines do) and its rollout correction is computed on its rows: per token
+or per sequence that is the whole batch's, rollout_is=sparse normalises its weights over the mini-batch. With one
+mini-batch and one epoch the update gets the batch itself (the single-step path, unchanged).
 """
 from __future__ import annotations
 
