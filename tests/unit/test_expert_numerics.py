@@ -1,7 +1,7 @@
 """bf16 numerics of the unmerged experts (moe_torch._expert_mlp) against a float64 reference, beside vLLM's own CPU
 fused-MoE kernel (the base model's and the merged mode's MoE path). With expert_precision="fp32" the unmerged experts
-have the kernel's numerics: their error is no larger than the kernel's on the base weights, and below the merged
-mode's (the kernel on W + s*B@A rounded to bf16). Negative control: the pre-fix arithmetic (GEMM outputs rounded to
+have the kernel's numerics or better: their error is no larger than the kernel's on the base weights (on an AVX2-only
+host the kernel's is 2.6x larger), and below the merged mode's (the kernel on W + s*B@A rounded to bf16). Negative control: the pre-fix arithmetic (GEMM outputs rounded to
 bf16 before the activation and before the gate weighting, the delta through bf16 factors;
 checks/serve_numerics.expert_mlp_rounded_outputs) is measurably worse than the kernel. The default "serving"
 precision (bf16 GEMMs: their outputs rounded) is pinned where it stands: 1.3-2x the kernel, within 20% of merged.
@@ -81,10 +81,12 @@ def test_unmerged_base_error_equals_the_kernels(layer):
     got = rel(ours(x, w, ids, w13, w2, None), want)
     old = rel(ours(x, w, ids, w13, w2, None, expert_mlp_rounded_outputs), want)
     serving = rel(ours(x, w, ids, w13, w2, None, precision="serving"), want)
-    assert 1e-3 < k < 5e-3, k                                  # bf16: one rounding inside, one of the output
-    assert got <= 1.1 * k, (got, k)
-    assert old >= 1.3 * k, (old, k)                            # negative control: the pre-fix order
-    assert 1.3 * k <= serving <= 2.0 * k, (serving, k)         # bf16 GEMM outputs: what "serving" keeps
+    # the kernel's own error depends on the CPU's ISA path: 2.34e-3 with AVX-512, 6.1e-3 on an AVX2-only host (its
+    # bf16 path rounds more); ours is pure torch (2.34e-3 on both), so the controls are measured against ours
+    assert 1e-3 < got < 5e-3, got                              # bf16: one rounding inside, one of the output
+    assert got <= 1.1 * k, (got, k)                            # never worse than the kernel
+    assert old >= 1.3 * got, (old, got)                        # negative control: the pre-fix order
+    assert 1.3 * got <= serving <= 2.0 * got, (serving, got)   # bf16 GEMM outputs: what "serving" keeps
 
 
 def test_unmerged_adapter_error_below_merged(layer):
