@@ -112,12 +112,12 @@ class LoRASettings:
 class DataSettings:
     task: str = "sort"
     """The task (moe_lora_rl.rl.task): sort (answer the sorted list), sort_trace (write the selection sort out: a
-    long response, 8-12 digits), sort_long (the long-reasoning task: the written selection sort, then the result on
-    a last line that the reward checks; list sizes from data.mix, responses of 70-400 tokens)."""
+    long response, 8-12 digits), sort_long (the long-reasoning task: the written selection sort of
+    a list whose size comes from data.mix, rewarded on the sorted result it writes; responses of 60-400 tokens)."""
     length: int = 5
     """Digits per list of the sorting task (moe_lora_rl.rl.task); sort_long draws its sizes from data.mix."""
     mix: Optional[str] = None
-    """sort_long: the list-size mix, a name (long: 70% of 8-13 digits, 30% of 14-24) or 'lo-hi:weight,...'; null:
+    """sort_long: the list-size mix, a name (long: 70% of 8-13 digits, 30% of 14-25) or 'lo-hi:weight,...'; null:
     long. Refused for the fixed-length tasks."""
     n_eval: int = 256
     """Held-out problems."""

@@ -20,12 +20,11 @@ Every line reads the line before it, so the trace is a long response (75 tokens 
 needs only its recent context: the kind of long reasoning a compressed KV cache is built for (Sparse-RL). There are
 too many lists to enumerate: its training split is a fixed seeded draw of TRACE_TRAIN_SIZE lists.
 
-The long-reasoning variant, kind="sort_long", writes the same trace and then the result on a last line; the reward
-reads that line only (the final result, verified exactly). Its list sizes are drawn from a skewed mix (`mix`,
-MIXES["long"] by default: 70% of 8-13 digits, 30% of 14-24), so response lengths have a heavy tail: about 70 tokens
-at 8 digits, 130 at 12, 320 at 21 and 400 at 24 (the trace grows with the square of the size).
-
-    "sort 3 1 4 1"  ->  " 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 1 3 4"
+The long-reasoning variant, kind="sort_long", writes the same trace; its reward is the final result the trace
+writes, the sorted list read off the lines (each line's first digit), verified exactly: the remainders are the
+working, not graded. Its list sizes are drawn from a skewed mix (`mix`, MIXES["long"] by default: 70% of 8-13
+digits, 30% of 14-25), so response lengths have a heavy tail: about 60 tokens at 8 digits, 115 at 12, 320 at 22 and
+400 at 25 (the trace grows with the square of the size).
 """
 from __future__ import annotations
 
@@ -38,9 +37,9 @@ from .reward import DATA_SOURCE, LONG_SOURCE, TRACE_SOURCE  # the tasks' data_so
 
 DIGITS = tuple(range(1, 10))
 KINDS = ("sort", "sort_trace", "sort_long")
-LENGTHS = {"sort": (3, 6), "sort_trace": (8, 12), "sort_long": (2, 24)}
+LENGTHS = {"sort": (3, 6), "sort_trace": (8, 12), "sort_long": (2, 25)}
 MIXED = ("sort_long",)                  # kinds whose list sizes come from a mix, not from `length`
-MIXES = {"long": "8-13:0.7,14-24:0.3"}
+MIXES = {"long": "8-13:0.7,14-25:0.3"}
 """Named size mixes: comma-separated `lo-hi:weight` segments (a size is drawn uniform in lo..hi, the segment with
 probability weight / sum of weights)."""
 TRACE_TRAIN_SIZE = 50_000
@@ -132,10 +131,8 @@ class Problem:
     @property
     def answer(self) -> str:
         result = " ".join(map(str, sorted(self.digits)))
-        if self.kind == "sort_trace":
+        if self.kind in ("sort_trace", "sort_long"):
             return trace(self.digits)
-        if self.kind == "sort_long":
-            return trace(self.digits) + "\n= " + result
         return result
 
     @property

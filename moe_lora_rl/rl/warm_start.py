@@ -56,6 +56,8 @@ class WarmStartSpec:
     when lengths vary as much as sort_long's (70 to 400 tokens)."""
     threads: int = 1
     """torch threads while training (1: bit-reproducible anywhere; more: faster, reproducible at that count)."""
+    decay: bool = False
+    """After the warmup, the learning rate falls linearly to 0 at the last step (False: constant)."""
 
     def __post_init__(self):
         for k in ("steps", "batch_size", "chunks", "threads"):
@@ -73,7 +75,7 @@ class WarmStartSpec:
     def key(self) -> str:
         fields = asdict(self)
         for k, default in (("router_lr_scale", 1.0), ("bias_update", 0.0), ("window", 0),
-                           ("window_frac", 0.0), ("chunks", 1), ("threads", 1)):   # keys of earlier specs unchanged
+                           ("window_frac", 0.0), ("chunks", 1), ("threads", 1), ("decay", False)):   # keys of earlier specs unchanged
             if fields[k] == default:
                 del fields[k]
         if fields["task"]["kind"] == "sort":
@@ -147,7 +149,11 @@ def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     real = {}                                                      # the current batch's real-token mask
     loads, hooks = _load_counters(routers, spec.bias_update > 0, real)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / spec.warmup_steps))
+    def lr_scale(s: int) -> float:
+        up = min(1.0, (s + 1) / spec.warmup_steps)
+        return up if not spec.decay else min(up, (spec.steps - s) / max(1, spec.steps - spec.warmup_steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_scale)
     model.train()
     wall = cpu = 0.0
     loss = torch.tensor(float("nan"))
@@ -185,7 +191,7 @@ def default_spec(size: str) -> WarmStartSpec:
 
 
 TASK_WARM_STARTS = {"sort_trace": dict(steps=300, window=32, window_frac=0.5),
-                    "sort_long": dict(steps=400, batch_size=16, chunks=4, threads=2)}
+                    "sort_long": dict(steps=300, batch_size=16, chunks=4, threads=2, lr=3e-3, decay=True)}
 """Per task kind, how its warm start differs (after the size's): the written trace is a long answer, learnt in more
 supervised steps, half of them with a 32-token attention window (so that rollouts on a windowed KV cache stay
 usable: trained on full attention only, the model fails every trace once its first tokens leave the window).

@@ -1,5 +1,6 @@
-"""The long-reasoning task (data.task=sort_long): the written selection sort with a final result line, sizes from a
-skewed mix; its reward reads the final line only; its refusals are one line before anything starts."""
+"""The long-reasoning task (data.task=sort_long): the written selection sort, sizes from a skewed mix; its reward is
+the final result the trace writes (the picks, one per line), the remainders beside them not graded; its refusals
+are one line before anything starts."""
 import subprocess
 import sys
 
@@ -19,21 +20,22 @@ def tok():
     return transformers.AutoTokenizer.from_pretrained(get_model("glm4_moe", "wide"))
 
 
-def test_answer_is_trace_then_result():
+def test_answer_is_the_trace():
     p = Problem((3, 1, 4, 1), 0, "sort_long")
-    assert p.answer == " 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 1 3 4"
+    assert p.answer == " 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |"
     assert p.question == "sort 3 1 4 1" and p.data_source == LONG_SOURCE
 
 
 @pytest.mark.parametrize("response, score", [
-    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 1 3 4", 1.0),
-    ("working that went wrong\n= 1 1 3 4\n", 1.0),          # the final result is what is verified
-    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 3 4", 0.0),   # a digit lost
-    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 1 3 4 4", 0.0),
-    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |", 0.0),            # no result line (cut off)
-    ("= 1 1 3 4\n 4 |", 0.0),                               # the result is not the last line
+    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |", 1.0),
+    (" 1 | 3 4 1\n 1 | 3 4 4\n 3 | 9\n 4 |\n", 1.0),         # remainders are working: the picks are the result
+    (" 1 | 3 4 1\n 3 | 4\n 4 |", 0.0),                        # a digit lost
+    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 | 4\n 4 |", 0.0),      # one too many
+    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4", 0.0),                    # cut off
+    (" 1 | 3 4 1\n 1 | 3 4\n 3 | 4\n 4 |\n= 1 1 3 4", 0.0),   # a line that is not a step
+    (" 1 | 3 4 1\n 1 | 3 4\n 4 | 3\n 3 |", 0.0),              # out of order
     ("", 0.0)])
-def test_reward_reads_the_final_line(response, score):
+def test_reward_reads_the_result_off_the_trace(response, score):
     gt = Problem((3, 1, 4, 1), 0, "sort_long").answer
     assert compute_score(LONG_SOURCE, response, gt) == score
 
@@ -44,7 +46,7 @@ def test_splits_follow_the_mix_and_hold_out_multisets():
     assert len(held) == 256 and len(train) == 50_000 and make_split(spec, "eval") == held
     assert not {tuple(sorted(p.digits)) for p in held} & {tuple(sorted(p.digits)) for p in train[:5000]}
     sizes = sorted(len(p.digits) for p in train[:20000])
-    assert (sizes[0], sizes[-1]) == (8, 24)
+    assert (sizes[0], sizes[-1]) == (8, 25)
     assert abs(sum(s <= 13 for s in sizes) / len(sizes) - 0.7) < 0.02          # 70% short, 30% long
     assert sizes[len(sizes) // 2] in (11, 12, 13) and sizes[int(0.9 * len(sizes))] >= 19
 
@@ -54,13 +56,13 @@ def test_response_lengths_have_a_heavy_tail(tok):
     n = sorted(len(tok(p.answer, add_special_tokens=False)["input_ids"]) + 1
                for p in make_split(TaskSpec(kind="sort_long", n_eval=1024), "eval"))
     p10, p50, p90 = n[len(n) // 10], n[len(n) // 2], n[int(0.9 * len(n))]
-    assert 60 <= p10 <= 100 and 100 <= p50 <= 160 and 250 <= p90 <= 360 and 380 <= n[-1] <= 400, (p10, p50, p90, n[-1])
+    assert 55 <= p10 <= 100 and 100 <= p50 <= 160 and 250 <= p90 <= 360 and 380 <= n[-1] <= 400, (p10, p50, p90, n[-1])
 
 
 def test_mix_parsing_and_refusals():
-    assert parse_mix("long") == parse_mix(MIXES["long"]) == ((8, 13, 0.7), (14, 24, 0.3))
+    assert parse_mix("long") == parse_mix(MIXES["long"]) == ((8, 13, 0.7), (14, 25, 0.3))
     assert parse_mix("2-4:1,5-5:3") == ((2, 4, 0.25), (5, 5, 0.75))
-    for mix, needle in (("lognormal", "neither a name"), ("8-30:1", "8-30:1"), ("9-8:1", "9-8:1"),
+    for mix, needle in (("lognormal", "neither a name"), ("8-26:1", "8-26:1"), ("9-8:1", "9-8:1"),
                         ("8-12:0", "weight")):
         with pytest.raises(ValueError, match=needle):
             TaskSpec(kind="sort_long", mix=mix)
@@ -78,7 +80,7 @@ def test_run_refusals():
     cfg = config.load([], config_name="long")
     assert (cfg.data.task, cfg.algo.max_response_tokens) == ("sort_long", 400)
     with pytest.raises(ValueError, match=r"algo.max_response_tokens=300 is below the longest answer of "
-                                         r"data.task=sort_long \(398 tokens with the end of turn, 24 digits\)"):
+                                         r"data.task=sort_long \(400 tokens with the end of turn, 25 digits\)"):
         preflight.check(config.load(["algo.max_response_tokens=300"], config_name="long"), 2)
     with pytest.raises(ValueError, match=r"max_response_tokens=5 is below .* data.task=sort \(6 tokens"):
         preflight.check(config.load(["algo.max_response_tokens=5"]), 2)
