@@ -27,6 +27,7 @@ SETTINGS = {
     "lr3e-3_no_is": ["algo.lr=3e-3", "algo.rollout_is=off"],
     "lr1e-2_no_is": ["algo.lr=1e-2", "algo.rollout_is=off"],
     "bf16_no_is": ["runtime.train_dtype=bfloat16", "algo.rollout_is=off"],
+    "mini4_no_is": ["algo.mini_batches=4", "algo.rollout_is=off"],
     "long": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off"],
     "long_lr3e-3": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "algo.lr=3e-3"],
     "long_async": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "mode=async",
@@ -34,7 +35,7 @@ SETTINGS = {
 }
 """Named settings: hydra overrides added to both replay modes. default: the main job as it is; lr*/bf16*: the
 stresses tried on it (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the
-rollout correction. long*: the long-reasoning job (recipes/long.yaml) where the literature sees runs without R3
+rollout correction; mini4_no_is: four mini-steps per rollout batch (the LFM report's setting) without it. long*: the long-reasoning job (recipes/long.yaml) where the literature sees runs without R3
 collapse: several mini-steps per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
 learning rate, or asynchronous with a staleness bound of 2."""
 CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),
