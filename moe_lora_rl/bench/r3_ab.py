@@ -29,6 +29,8 @@ SETTINGS = {
     "bf16_no_is": ["runtime.train_dtype=bfloat16", "algo.rollout_is=off"],
     "mini4_no_is": ["algo.mini_batches=4", "algo.rollout_is=off"],
     "long": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off"],
+    "medium": ["--config-name=long", "data.mix=medium", "data.eval_samples=2", "algo.max_response_tokens=160",
+               "algo.mini_batches=4", "algo.rollout_is=off"],
     "long_lr3e-3": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "algo.lr=3e-3"],
     "long_async": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "mode=async",
                    "max_staleness=2"],
@@ -37,7 +39,8 @@ SETTINGS = {
 stresses tried on it (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the
 rollout correction; mini4_no_is: four mini-steps per rollout batch (the LFM report's setting) without it. long*: the long-reasoning job (recipes/long.yaml) where the literature sees runs without R3
 collapse: several mini-steps per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
-learning rate, or asynchronous with a staleness bound of 2."""
+learning rate, or asynchronous with a staleness bound of 2; medium: the same on data.mix=medium (6-14 digits,
+40-150 tokens), where the warm-started model succeeds often enough for GRPO to learn."""
 CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),
           ("Tokens with ratio > 2 (solid) / > 5 (dotted)", ("f2", "f5")), ("Grad norm", ("grad_norm",)),
           ("Clip fraction", ("pg_clipfrac",)), ("Response length (tokens)", ("response_len",)))

@@ -39,7 +39,7 @@ DIGITS = tuple(range(1, 10))
 KINDS = ("sort", "sort_trace", "sort_long")
 LENGTHS = {"sort": (3, 6), "sort_trace": (8, 12), "sort_long": (2, 25)}
 MIXED = ("sort_long",)                  # kinds whose list sizes come from a mix, not from `length`
-MIXES = {"long": "8-13:0.7,14-25:0.3"}
+MIXES = {"long": "8-13:0.7,14-25:0.3", "medium": "6-9:0.7,10-14:0.3"}
 """Named size mixes: comma-separated `lo-hi:weight` segments (a size is drawn uniform in lo..hi, the segment with
 probability weight / sum of weights)."""
 TRACE_TRAIN_SIZE = 50_000

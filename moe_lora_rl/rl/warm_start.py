@@ -82,6 +82,10 @@ class WarmStartSpec:
             del fields["task"]["kind"]
         if fields["task"].get("mix") is None:
             fields["task"].pop("mix", None)
+        else:                                             # a named mix and its spelling out are one warm start
+            from .task import MIXES
+
+            fields["task"]["mix"] = MIXES.get(fields["task"]["mix"], fields["task"]["mix"])
         blob = json.dumps({**fields, "v": WARM_START_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
