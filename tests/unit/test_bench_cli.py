@@ -27,6 +27,8 @@ from moe_lora_rl.megatron.layout import Layout
     (["async", "--inflight", "pin", "--max-staleness", "4"], "rollout.max_versions=4"),
 
     (["r3_ab", "--setting", "huge"], "--setting='huge' is not one of"),
+    (["long", "--", "algo.max_response_tokens=100"], "algo.max_response_tokens=100 is below the longest answer"),
+    (["long", "--", "algo.mini_batches=3"], "algo.mini_batches=3"),
 
     (["verl", "--layouts", "tp2ep3"], "ep=3 does not divide num_experts="),
     (["verl", "--layouts", "pp2ep4"], "--layouts 'pp2ep4': runs on 8 ranks; this bench launches 4"),
