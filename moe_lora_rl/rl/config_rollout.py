@@ -1,0 +1,68 @@
+"""The run config's engine-side settings (rollout engines, deliberate delays) and the value checks every settings
+dataclass of rl/config.py uses (ValueError naming the value)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _choice(where: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{where}={value!r}; choose one of {tuple(allowed)}")
+
+
+def _positive(where: str, value, *, zero_ok: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        raise ValueError(f"{where}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
+
+
+@dataclass
+class RolloutSettings:
+    engines: int = 1
+    """Rollout engine processes (replicas): each step's groups are spread over them, a whole group on one engine;
+    every push goes to every engine; one engine's death restarts that engine only."""
+    node: Any = None
+    """Host of the rollout engines (a node of the slurm allocation, started there with srun --overlap and reached
+    over HTTP), or a list of hosts (engine i on node[i % len]); null: rank 0's host (shared-memory refit)."""
+    gpus: list = field(default_factory=list)
+    """Device ids the engines may use (CUDA_VISIBLE_DEVICES), split evenly between the engines of a host; empty: the
+    engine's default."""
+    max_versions: int = 4
+    """Adapter versions the engine may hold at once (mode=async with inflight=pin needs max_staleness + 1); each
+    costs one adapter's memory in the engine."""
+    stage_timeout_s: float = 600.0
+    """An engine aborts a staged push that made no progress for this long (its sender died); the served version
+    stays, and the next push proceeds."""
+    kv_compression: str = "none"
+    """Sample on a compressed KV cache (Sparse-RL's sparse rollouts; rollout/kv_compression.py): none, or window
+    (sliding-window attention on every layer; the engine frees the blocks outside it)."""
+    kv_budget: int = 0
+    """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
+
+    def __post_init__(self):
+        from ..rollout.client import DEFAULT_MAX_MODEL_LEN
+        from ..rollout.kv_compression import check_compression
+        from ..rollout.placement import plan_placements
+
+        check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN)
+
+        if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
+            raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")
+        if self.node is not None and not isinstance(self.node, str):
+            self.node = list(self.node)             # a ListConfig from hydra
+        plan_placements(self.engines, nodes=self.node, gpus=self.gpus, this_host="")
+        _positive("rollout.stage_timeout_s", self.stage_timeout_s)
+
+
+@dataclass
+class DelaySettings:
+    """Seconds added on purpose, to test and measure the asynchronous pipeline's back-pressure (0: none)."""
+    train_s: float = 0.0
+    """After every update."""
+    engine_step_s: float = 0.0
+    """After every step of the rollout engine (a slower engine: generation takes longer per token)."""
+
+    def __post_init__(self):
+        _positive("delay.train_s", self.train_s, zero_ok=True)
+        _positive("delay.engine_step_s", self.engine_step_s, zero_ok=True)
