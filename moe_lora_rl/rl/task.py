@@ -91,7 +91,7 @@ class TaskSpec:
         if self.kind in MIXED:
             if self.mix is None:                  # one spelling of the default (warm starts are cached by spec)
                 object.__setattr__(self, "mix", "long")
-            parse_mix(self.mix_name)
+            parse_mix(self.mix)
             if not 0 < self.n_eval <= 4096:
                 raise ValueError(f"task n_eval={self.n_eval} must be in 1..4096 for kind={self.kind}")
             return
@@ -106,14 +106,10 @@ class TaskSpec:
             raise ValueError(f"task n_eval={self.n_eval} must be in 1..{n // 4} for length={self.length} "
                              f"({n} multisets; at most a quarter are held out)")
 
-    @property
-    def mix_name(self) -> str:
-        return self.mix if self.mix is not None else "long"
-
     def sizes(self) -> tuple[int, int]:
         """The smallest and the largest list of the task."""
         if self.kind in MIXED:
-            segs = parse_mix(self.mix_name)
+            segs = parse_mix(self.mix)
             return min(s[0] for s in segs), max(s[1] for s in segs)
         return self.length, self.length
 
@@ -181,7 +177,7 @@ def _held_out(length: int, n_eval: int, seed: int) -> tuple[tuple[int, ...], ...
 def _mixed_split(mix: str, n_eval: int, seed: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """Held-out and training lists of a size mix: held-out lists drawn like training prompts (size from the mix,
     digits uniform), one per multiset; training: TRACE_TRAIN_SIZE seeded draws whose multiset is not held out."""
-    segs = parse_mix(mix)
+    segs, mix = parse_mix(mix), MIXES.get(mix, mix)     # a name and its spelling out: one split (and warm start)
 
     def draws(tag):
         rng = random.Random(f"sort_long:{tag}:{mix}:{seed}")
@@ -209,7 +205,7 @@ def make_split(spec: TaskSpec, split: str) -> list[Problem]:
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is not 'train' or 'eval'")
     if spec.kind in MIXED:
-        held, train = _mixed_split(spec.mix_name, spec.n_eval, spec.seed)
+        held, train = _mixed_split(spec.mix, spec.n_eval, spec.seed)
         return [Problem(s, i, spec.kind) for i, s in enumerate(held if split == "eval" else train)]
     held = _held_out(spec.length, spec.n_eval, spec.seed)
     if split == "eval":

@@ -43,6 +43,7 @@ def test_reward_reads_the_result_off_the_trace(response, score):
 def test_splits_follow_the_mix_and_hold_out_multisets():
     spec = TaskSpec(kind="sort_long", n_eval=256)
     held, train = make_split(spec, "eval"), make_split(spec, "train")
+    assert make_split(TaskSpec(kind="sort_long", n_eval=256, mix=MIXES["long"]), "eval") == held   # one split a mix
     assert len(held) == 256 and len(train) == 50_000 and make_split(spec, "eval") == held
     assert not {tuple(sorted(p.digits)) for p in held} & {tuple(sorted(p.digits)) for p in train[:5000]}
     sizes = sorted(len(p.digits) for p in train[:20000])
