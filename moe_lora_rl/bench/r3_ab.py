@@ -37,8 +37,9 @@ SETTINGS = {
 }
 """Named settings: hydra overrides added to both replay modes. default: the main job as it is; lr*/bf16*: the
 stresses tried on it (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the
-rollout correction; mini4_no_is: four mini-steps per rollout batch (the LFM report's setting) without it. long*: the long-reasoning job (recipes/long.yaml) where the literature sees runs without R3
-collapse: several mini-steps per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
+rollout correction; mini4_no_is: four mini-steps per rollout batch (the LFM report's setting) without it. long*:
+the long-reasoning job (recipes/long.yaml) where the literature sees runs without R3 collapse: several mini-steps
+per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
 learning rate, or asynchronous with a staleness bound of 2; medium: the same on data.mix=medium (6-14 digits,
 40-150 tokens), where the warm-started model succeeds often enough for GRPO to learn."""
 CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),

@@ -324,7 +324,7 @@ class GRPORun:
         self.t_rl = time.perf_counter()
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.eval_s = 0.0
-        self.eval_lens = []
+        self.eval_lens, self.start_lens = [], {}     # start_lens: the first evaluation's (none on a resume)
         if 0 not in evals:
             evals[0] = self.evaluate()
             self.start_lens = length_percentiles(self.eval_lens, "len_")
@@ -389,7 +389,7 @@ class GRPORun:
         by_len = {f"{name}_{tag}": mean(f"{pre}{name}", history) for tag, pre in (("r3", "r3_"), ("no_r3", "no_r3_"))
                   for name in ("seq_ratio_gt2", "seq_log_ratio_max", "kl_first_half", "kl_second_half")}
         return {"wall_s": wall, **self.warmup, "setup_s": self.setup_s,
-                **getattr(self, "start_lens", {}), "s_per_step": (wall - self.eval_s) / max(1, len(history)),
+                **self.start_lens, "s_per_step": (wall - self.eval_s) / max(1, len(history)),
                 "response_len_mean": mean("response_len", history), **by_len,
                 "free_disagreement_first_half": mean("free_disagreement_first_half", history),
                 "free_disagreement_second_half": mean("free_disagreement_second_half", history),

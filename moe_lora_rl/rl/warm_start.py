@@ -75,7 +75,8 @@ class WarmStartSpec:
     def key(self) -> str:
         fields = asdict(self)
         for k, default in (("router_lr_scale", 1.0), ("bias_update", 0.0), ("window", 0),
-                           ("window_frac", 0.0), ("chunks", 1), ("threads", 1), ("decay", False)):   # keys of earlier specs unchanged
+                           ("window_frac", 0.0), ("chunks", 1), ("threads", 1),
+                           ("decay", False)):                      # keys of earlier specs unchanged
             if fields[k] == default:
                 del fields[k]
         if fields["task"]["kind"] == "sort":

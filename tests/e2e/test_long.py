@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
 from moe_lora_rl.checks.train_runs import finish_train, start_train  # noqa: E402
 
-SMOKE = ["--config-name=long", "data.mix=medium", "algo.max_response_tokens=160", "model.size=tiny", "model.warm_start=false", "algo.prompts_per_step=2",
+SMOKE = ["--config-name=long", "data.mix=medium", "algo.max_response_tokens=160", "model.size=tiny",
+         "model.warm_start=false", "algo.prompts_per_step=2",
          "algo.group_size=4", "algo.micro_batch_size=1", "algo.mini_batches=2", "algo.epochs=2",
          "data.n_eval=8", "eval_every=0", "runtime.rollout_dtype=float32", "steps=2"]
 
