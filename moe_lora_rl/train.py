@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     log_warnings_to(Path(cfg.out_dir) / f"warnings-rank{os.environ.get('RANK', '0')}.log")
-    from .rl.run import run_class
+    from .rl.modes import run_class
 
     try:
         summary = run_class(cfg)(cfg, world).run()

@@ -1,7 +1,7 @@
 """The GRPO run on every torchrun rank: rollout (rank 0 holds the vLLM engine, its own process; rl/producer.py),
 rewards, the trainer step (rl/step.py), the LoRA-only refit; held-out evaluation every `eval_every` steps;
 checkpoints. Here the synchronous loop: rollout and training take turns, and each side's busy time is reported.
-mode=async runs rl/async_run.py's loop on the same pieces.
+mode=async runs rl/async_run.py's loop on the same pieces; rl/modes.py picks the loop:
 
     summary = run_class(cfg)(cfg, world_size).run()
 """
@@ -429,10 +429,3 @@ def length_percentiles(lens: list[int], prefix: str) -> dict:
     s = sorted(lens)
     return {**{f"{prefix}p{q}": s[min(len(s) - 1, q * len(s) // 100)] for q in (10, 50, 90)}, f"{prefix}max": s[-1]}
 
-
-def run_class(cfg: TrainConfig):
-    if cfg.mode == "async":
-        from .async_run import AsyncGRPORun
-
-        return AsyncGRPORun
-    return GRPORun

@@ -1,7 +1,10 @@
 """The package layout stays as designed: every import of moe_lora_rl's own modules (module level and inside functions,
-read with `ast`, nothing imported) goes in an allowed direction, the packages form no cycle, and the upstream
-libraries are imported only where the layout says (verl: the integration, the algorithms leaf and the checks' verl
-harness; megatron-core: never by the vLLM plugin)."""
+read with `ast`, nothing imported) goes in an allowed direction, neither the packages nor any two modules form a
+cycle, and the upstream libraries are imported only where the layout says (verl: the integration, the algorithms leaf
+and the checks' verl harness; megatron-core: never by the vLLM plugin).
+
+An import inside a function counts as an edge like one at the top of the file: it is deferred to keep start-up light,
+not to hide a dependency, and a circle through it is still two modules that each need the other."""
 from __future__ import annotations
 
 import ast
@@ -81,6 +84,84 @@ def _edges():
         mod = _module_name(path)
         for target, line in _imports(path):
             yield mod, target, f"{path.relative_to(ROOT.parent)}:{line}"
+
+
+def _module_edges():
+    """(module, module of ours it imports, where) with each target resolved to the deepest module that exists:
+    `from .pkg import name` names the module pkg.name when there is one, else pkg itself. Only what an import names
+    is an edge: the parent packages' __init__ that Python runs on the way are not (a package importing its own
+    submodules would otherwise be a circle with each of them)."""
+    modules = {_module_name(p) for p in ROOT.rglob("*.py")}
+
+    def deepest(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    for path in sorted(ROOT.rglob("*.py")):
+        mod = _module_name(path)
+        pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = pkg[: len(pkg) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t == "moe_lora_rl" or t.startswith("moe_lora_rl."):
+                    t = deepest(t)
+                    if t and t != mod:
+                        yield mod, t, f"{path.relative_to(ROOT.parent)}:{node.lineno}"
+
+
+def _module_cycle() -> list[str]:
+    """One import circle between modules as [a, b, ..., a] with where each import is, or [] when there is none."""
+    graph: dict[str, dict[str, str]] = {}
+    for mod, target, where in _module_edges():
+        graph.setdefault(mod, {}).setdefault(target, where)
+    state: dict[str, int] = {}                  # 1: on the current path, 2: done (no circle through it)
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, its = [start], [iter(sorted(graph.get(start, {})))]
+        state[start] = 1
+        while path:
+            nxt = next(its[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                its.pop()
+            elif state.get(nxt) == 1:
+                loop = path[path.index(nxt):] + [nxt]
+                return [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(loop, loop[1:])]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                its.append(iter(sorted(graph.get(nxt, {}))))
+    return []
+
+
+def test_no_cycle_between_modules():
+    cycle = _module_cycle()
+    assert not cycle, "modules on an import circle:\n" + "\n".join(cycle)
+
+
+def test_the_module_walk_finds_a_circle_through_a_function_level_import(tmp_path, monkeypatch):
+    """Control: base imports nothing at the top but names derived inside a function, derived imports base."""
+    pkg = tmp_path / "moe_lora_rl"
+    (pkg / "rl").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rl" / "__init__.py").write_text("from . import base\n")
+    (pkg / "rl" / "base.py").write_text("import json\n\ndef f():\n    from .derived import D\n")
+    (pkg / "rl" / "derived.py").write_text("from .base import f\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    cycle = _module_cycle()
+    assert [c.split(" (")[0] for c in cycle] == ["moe_lora_rl.rl.base -> moe_lora_rl.rl.derived",
+                                                 "moe_lora_rl.rl.derived -> moe_lora_rl.rl.base"], cycle
+    (pkg / "rl" / "base.py").write_text("import json\n")
+    assert _module_cycle() == []             # and a package importing its submodule is no circle
 
 
 def test_every_package_is_in_the_table():
