@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..megatron.layout import Layout
-from ..megatron.parallel import free_port  # noqa: F401  (checks depend on megatron, never the reverse)
 from ..megatron.run_config import RunConfig
+from ..procs import free_port
 
 
 def worker_env() -> dict:

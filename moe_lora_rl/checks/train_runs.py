@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from .launch import free_port, worker_env
+from ..procs import free_port
+from .launch import worker_env
 
 
 def train_command(out: Path, extra=(), nproc: int = 2, torchrun=()) -> list[str]:

@@ -3,18 +3,11 @@ a device the machine lacks is a ValueError instead of a hang."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch.distributed as dist
 
 from .layout import Layout
 from .run_config import RunConfig, parallel_state_kwargs, process_group_kwargs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:

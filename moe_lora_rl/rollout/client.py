@@ -26,7 +26,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..procs import free_port
 from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
 from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from .engine import engine_env
@@ -57,12 +57,6 @@ class Sample:
 
 class EngineDied(RuntimeError):
     """The engine process is gone (exit code and log tail in the message)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _signal_name(code: int) -> str:

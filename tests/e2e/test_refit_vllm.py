@@ -76,7 +76,7 @@ def test_server_process_push_over_http(trained, tmp_path):
     from moe_lora_rl.refit import shm
     from moe_lora_rl.refit.transports import HttpTransport, RefitError, ShmTransport
     from moe_lora_rl.refit.wire import encode_blob
-    from moe_lora_rl.checks.launch import free_port
+    from moe_lora_rl.procs import free_port
 
     models, work = trained
     i, model = next((i, m) for i, m in enumerate(models) if "glm4" in m)
