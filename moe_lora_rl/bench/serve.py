@@ -19,9 +19,9 @@ routed experts in bf16, vLLM's kernel or ours, vs the same references); logprob_
 bf16 weights lose;
 expert_bytes_memcpy_s: one copy of all expert weights (the floor of a merged commit); capture_ok: groups of 4
 samples per prompt got complete routes with prefix caching on; prefix_cache_hits: vLLM's counter (tokens).
-Engine loop (serve_inflight.py), unmerged: tps_batch_call vs tps_loop and loop_step_overhead on the same requests;
-tokens_per_s_no_pushes vs tokens_per_s_during_pushes (a new version every --push-every-s while requests decode,
---window-s each), push_cost = 1 - during / no pushes (target <= 0.10), inflight_push_stall_s: how long running
+Engine loop (checks/serve_inflight.py), unmerged: tps_batch_call vs tps_loop and loop_step_overhead on the same
+requests; tokens_per_s_no_pushes vs tokens_per_s_during_pushes (a new version every --push-every-s while requests
+decode, --window-s each), push_cost = 1 - during / no pushes (target <= 0.10), inflight_push_stall_s: how long running
 requests waited for one commit between two steps.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     if not (Path(a.model) / "config.json").exists():
         ap.error(f"--model {a.model}: not an HF checkpoint directory (no config.json)")
     with tempfile.TemporaryDirectory() as d:
-        result = run_process("moe_lora_rl.bench.serve_worker", ["--model", a.model, "--rank", str(a.rank), "--batch",
+        result = run_process("moe_lora_rl.checks.serve_worker", ["--model", a.model, "--rank", str(a.rank), "--batch",
                              str(a.batch), "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
                              "--window-s", str(a.window_s), "--push-every-s", str(a.push_every_s)],
                              timeout=3600, cwd=d, what="serve bench worker")

@@ -2,7 +2,7 @@
 the rollouts sampled on a compressed KV cache. Per seed, three runs at the same seeds: dense (KV uncompressed, the
 main job's truncated IS), sparse_uncorrected (the same engine on a `--budget`-token window, no rollout correction),
 sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.rollout_is=sparse); then the KV
-memory itself, measured by the engine's allocator at a fixed pool (sparse_kv_worker.py).
+memory itself, measured by the engine's allocator at a fixed pool (checks/sparse_kv_worker.py).
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
         [--method window] [--budget 32] [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
@@ -12,7 +12,7 @@ final evaluation), mean over seeds; eval_*_sampler: the same problems under each
 sparse / dense KV bytes per sequence at the same concurrency (the runs' batches, every sequence of a step running at
 once), at its peak per sequence (what a sequence must be given room for); kv_bytes_ratio_mean: time-averaged over
 engine steps. concurrency_ratio: the most sequences the sparse engine serves at once without a preemption over the dense engine's,
-on the same KV pool (--pool-blocks) and requests (sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
+on the same KV pool (--pool-blocks) and requests (checks/sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
         from ..rl import config
 
         cfg = config.load(base)
-        kv = {m: run_process("moe_lora_rl.bench.sparse_kv_worker",
+        kv = {m: run_process("moe_lora_rl.checks.sparse_kv_worker",
                              ["--model", sums["dense", seeds[0]]["model"], "--method", m, "--budget", str(b),
                               "--pool-blocks", str(a.pool_blocks), "--length", str(cfg.data.length),
                               "--max-tokens", str(cfg.algo.max_response_tokens)], cwd=root, what="KV worker")

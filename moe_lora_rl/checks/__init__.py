@@ -10,6 +10,10 @@ tolerance. Product code never imports this package; it imports the product, neve
     adapters.py       adapters set to seeded nonzero values (layout independent)
     fakes.py          FakeEngine: the push protocol without vLLM (the plugin's Staging + adapter check)
     parity.py, lora_layouts.py + lora_worker.py, replay.py + replay_worker.py, refit_stream_worker.py,
-    refit_vllm.py, vllm_peft.py, serve_capture.py, checkpoint_worker.py, policy_update_worker.py, verl_*.py
+    refit_vllm.py, vllm_peft.py, serve_capture.py, serve_numerics.py, checkpoint_worker.py,
+    policy_update_worker.py, verl_*.py
                       check drivers and workers
+    lora_steps_worker.py, plan_rollout_worker.py + plan_train_worker.py, refit_vllm_worker.py,
+    rollout_vllm_worker.py, serve_worker.py + serve_inflight.py, sparse_kv_worker.py, verl_runs.py
+                      the processes the benches launch (bench/ keeps the arguments, the timing and the JSON line)
 """

@@ -73,7 +73,7 @@ def make_rollout_vllm(models: list[str], out: Path, n: int = 8, overhead_batches
 
     from .launch import worker_env
 
-    args = [sys.executable, "-m", "moe_lora_rl.bench.rollout_vllm_worker", "--models", ",".join(models),
+    args = [sys.executable, "-m", "moe_lora_rl.checks.rollout_vllm_worker", "--models", ",".join(models),
             "--out", str(out / "rollout.pt"), "--n", str(n), "--overhead-batches", str(overhead_batches),
             "--adapter-modes", adapter_modes]
     proc = subprocess.run(args, env=worker_env(), cwd=out, capture_output=True, text=True, timeout=2400)

@@ -10,7 +10,7 @@
   trainer's dense recompute and the sampler is 1 within 1e-5 and nothing is rejected. Control: the same step with
   an 8-token window (shorter than the prompt) moves the ratio far from 1 and masks tokens.
 - The engine's allocator holds fewer KV blocks per sequence on a window and the same pool serves more sequences at
-  once (bench/sparse_kv_worker.py).
+  once (checks/sparse_kv_worker.py).
 """
 import pytest
 
@@ -58,7 +58,7 @@ def test_windowed_engine_holds_fewer_blocks_and_serves_more_at_once(tmp_path):
     """The allocator's own counts, dense vs a 32-token window, the same 12 requests of 85 forced tokens on a pool of
     16 blocks: blocks held per sequence at the peak (4 vs 2 of 32 tokens) and the most sequences served at once
     without a preemption."""
-    res = {m: run_process("moe_lora_rl.bench.sparse_kv_worker",
+    res = {m: run_process("moe_lora_rl.checks.sparse_kv_worker",
                           ["--model", _model(), "--method", m, "--budget", b, "--pool-blocks", "16", "--requests", "12"],
                           cwd=tmp_path) for m, b in (("none", "0"), ("window", "32"))}
     dense, sparse = res["none"], res["window"]

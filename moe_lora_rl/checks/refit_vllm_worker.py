@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..checks.logprobs import megatron_logprobs, prompt_logprobs
+from .logprobs import megatron_logprobs, prompt_logprobs
 from ..rollout.engine import make_engine, set_engine_env
 
 

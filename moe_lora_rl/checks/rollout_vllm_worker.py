@@ -29,7 +29,7 @@ def _adapter_rollouts(llm, model, prompts, sp, a) -> dict:
     each serving mode: tokens, routes and logprobs per mode."""
     from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
-    from ..checks.route_reference import random_expert_adapter
+    from .route_reference import random_expert_adapter
 
     rank = a.adapter_rank
     peft = random_expert_adapter(load_arch(model), rank, seed=a.adapter_seed, fused_fc1=True)

@@ -26,8 +26,8 @@ def _kl_to_reference(llm, model, arch, peft, scale, prompts, gen_len: int) -> tu
     log p_ref over tokens sampled by the engine; reference = HF transformers fp32 with the adapter merged."""
     import torch
 
-    from ..checks.route_reference import merged_hf_model
-    from ..checks.serve_numerics import mc_kl
+    from .route_reference import merged_hf_model
+    from .serve_numerics import mc_kl
 
     return mc_kl(llm, merged_hf_model(model, peft, scale, torch.float32), prompts, gen_len, seed=1)
 
@@ -88,8 +88,8 @@ def main(argv=None) -> dict:
 
     from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
-    from ..checks.route_reference import random_expert_adapter
-    from ..checks.serve_capture import ENGINE, fp32_check, generate_groups
+    from .route_reference import random_expert_adapter
+    from .serve_capture import ENGINE, fp32_check, generate_groups
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     vllm_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
     # the bf16 KL of each mode decomposed, exact (full distributions) on the same sequences; leaves it unmerged
     if exact:
-        from ..checks.serve_numerics import kl_decomposition
+        from .serve_numerics import kl_decomposition
 
         parts = kl_decomposition(llm, a.model, arch, peft, a.rank, alpha, prompts[:8], a.gen_len, seed=1,
                                  first_version=50)

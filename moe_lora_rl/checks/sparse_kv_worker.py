@@ -2,7 +2,7 @@
 held-out prompts, every response forced to the same length), stepped to the end, with the allocator's blocks and the
 scheduler's running sequences read after every step (rollout/kv_meter.py).
 
-    python -m moe_lora_rl.bench.sparse_kv_worker --model DIR --method none|window --budget N --pool-blocks B
+    python -m moe_lora_rl.checks.sparse_kv_worker --model DIR --method none|window --budget N --pool-blocks B
         [--length 10] [--max-tokens 85] [--requests 128]  ->  "RESULT {...}"
 
 concurrency: the most sequences the pool serves at once without a preemption (vLLM pushing a request back to waiting
