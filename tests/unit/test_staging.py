@@ -112,7 +112,8 @@ def test_transport_aborts_its_stage_after_a_failed_bucket():
         tr.push(1, tensors, 4, 8.0)
     assert tr.st.version is None
     tr.fail_bucket = None
-    assert tr.push(2, tensors, 4, 8.0).served == {"version": 2}
+    served = tr.push(2, tensors, 4, 8.0).served
+    assert served["version"] == 2 and served["versions"] == [2] and served["num_tensors"] == 2, served
 
 
 def test_staging_next_version_while_pinned_requests_run():
