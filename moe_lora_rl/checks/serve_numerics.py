@@ -25,6 +25,10 @@ arithmetic on bf16 inputs (the MoE block's input rounded, the output rounded onc
     expert_*_fp32                ours with expert_precision "fp32"
     expert_*_rounded             ours with the pre-fix arithmetic (negative control)
 
+vLLM's kernel is called as its CPU MoE layer calls it, on expert weights zero-padded to a width that is a multiple
+of 32 (pad_expert_width), so every width the engine serves is measured. Where this vLLM build has no CPU kernel, the
+two expert_* parts that need it are left out and named, with the reason, under "skipped".
+
 Also the Monte-Carlo estimate bench serve reports (kl_mc_*: mean log p_engine - log p_ref over engine-sampled
 tokens) for the same seeds, to show its spread. Prints one line "RESULT <json>"."""
 from __future__ import annotations
@@ -34,6 +38,41 @@ import json
 
 from ..rollout.engine import make_engine, set_engine_env
 from ..rollout.generate import captured_generate
+
+
+# vLLM's CPU MoE layer zero-pads the experts' width to a multiple of 32 before it prepacks the weights, since its kernel
+# tiles the w13 output in blocks of 32 (CPUUnquantizedExperts._pad_moe_intermediate, vLLM 0.32); unpadded, a width of
+# 48 fails the kernel's check, which the engine itself never meets
+KERNEL_WIDTH_ALIGN = 32
+KERNEL_PARTS = ("expert_kernel_base", "expert_merged")
+
+
+def pad_expert_width(w13, w2, align: int = KERNEL_WIDTH_ALIGN):
+    """w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] zero-padded to the width I rounded up to `align`,
+    laid out as vLLM's CPU MoE layer lays them (gate rows in [0, I), up rows in [P, P + I)): a padded unit outputs
+    silu(0) * 0 = 0 and w2 gives it zero weight, so the experts' output is the unpadded one."""
+    E, two_i, H = w13.shape
+    width = two_i // 2
+    padded = -(-width // align) * align
+    if padded == width:
+        return w13, w2
+    p13 = w13.new_zeros(E, 2 * padded, H)
+    p13[:, :width], p13[:, padded:padded + width] = w13[:, :width], w13[:, width:]
+    p2 = w2.new_zeros(E, w2.shape[1], padded)
+    p2[:, :, :width] = w2
+    return p13, p2
+
+
+def cpu_kernel_missing() -> str | None:
+    """Why vLLM's CPU fused-MoE kernel cannot be called in this process (a build without CPU ops), or None."""
+    try:
+        import torch
+        import vllm._custom_ops  # noqa: F401  (loads vLLM's compiled ops into torch.ops._C)
+
+        torch.ops._C.cpu_fused_moe
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"vLLM's CPU fused-MoE kernel is not in this vLLM build ({type(e).__name__}: {e})"
+    return None
 
 
 def expert_mlp_rounded_outputs(x, w, ids, base, lora):
@@ -131,9 +170,9 @@ def with_expert_weights(hf, weights: dict):
 
 def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: int, lp_base, lp_ref,
                 negative_control: bool = True) -> dict:
-    """The expert_* KLs of the module docstring (vLLM's CPU kernel called directly, as its MoE layer calls it)."""
+    """The expert_* KLs of the module docstring (vLLM's CPU kernel called directly, as its MoE layer calls it, on
+    weights padded as it pads them); without the kernel, its parts are named under "skipped" with the reason."""
     import torch
-    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
 
     from ..models.checkpoint import HFCheckpoint
     from ..vllm import moe_torch
@@ -150,13 +189,16 @@ def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: in
     hf = merged_hf_model(model, None, 1.0, torch.float32)
 
     def kernel(weights):
-        packed = {l: (cpu_prepack_moe_weight(w13.to(torch.bfloat16).contiguous(), "vec"),
-                      cpu_prepack_moe_weight(w2.to(torch.bfloat16).contiguous(), "vec")) for l, (w13, w2) in weights.items()}
+        from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+        bf16 = {l: pad_expert_width(w13.to(torch.bfloat16), w2.to(torch.bfloat16)) for l, (w13, w2) in weights.items()}
+        packed = {l: (cpu_prepack_moe_weight(w13.contiguous(), "vec"), cpu_prepack_moe_weight(w2.contiguous(), "vec"))
+                  for l, (w13, w2) in bf16.items()}
 
         def f(l, h, ids, w):
             out = torch.empty(h.shape, dtype=torch.bfloat16)
-            cpu_fused_moe(out, h.to(torch.bfloat16), *packed[l], None, None, w.float().contiguous(), ids.to(torch.int32),
-                          "silu", "vec")
+            cpu_fused_moe(out, h.to(torch.bfloat16), *packed[l], None, None, w.float().contiguous(),
+                          ids.to(torch.int32), "silu", "vec")
             return out
         return f
 
@@ -172,15 +214,18 @@ def expert_part(model: str, arch, peft, rank: int, alpha: float, seqs, start: in
         finally:
             for l in moe:
                 del hf.model.layers[l].mlp.experts.forward
-    res = {"expert_kernel_base": run(kernel({l: (b.w13, b.w2) for l, b in base.items()}), lp_base),
+    missing = cpu_kernel_missing()
+    res = {"expert_kernel_base": None if missing else run(kernel({l: (b.w13, b.w2) for l, b in base.items()}), lp_base),
            "expert_torch_base": run(torch_experts(moe_torch._expert_mlp, False), lp_base),
-           "expert_merged": run(kernel(served), lp_ref),
+           "expert_merged": None if missing else run(kernel(served), lp_ref),
            "expert_unmerged": run(torch_experts(moe_torch._expert_mlp, True), lp_ref),
            "expert_torch_base_fp32": run(torch_experts(moe_torch._expert_mlp, False, base32), lp_base),
            "expert_unmerged_fp32": run(torch_experts(moe_torch._expert_mlp, True, base32), lp_ref)}
     if negative_control:
         res["expert_torch_base_rounded"] = run(torch_experts(expert_mlp_rounded_outputs, False), lp_base)
         res["expert_unmerged_rounded"] = run(torch_experts(expert_mlp_rounded_outputs, True), lp_ref)
+    if missing:
+        res["skipped"] = dict.fromkeys(KERNEL_PARTS, missing)
     return res
 
 
@@ -307,6 +352,7 @@ def main(argv=None) -> dict:
         row = kl_decomposition(llm, a.model, arch, peft, rank, alpha, prompts, a.gen_len, seed, 100 * seed + 1,
                                base_ref, a.negative_control)
         ref, _ = row.pop("refs")
+        skipped = row.pop("skipped", {})
         if a.mc_prompts:
             for mode in ("merged", "unmerged"):
                 llm.collective_rpc("moe_lora_clear")
@@ -317,10 +363,10 @@ def main(argv=None) -> dict:
         row = {"seed": seed, **row}
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
-    keys = [k for k in rows[0] if k != "seed"]
+    keys = [k for k in rows[0] if k != "seed" and k not in skipped]
     summary = {k: {"mean": sum(r[k] for r in rows) / len(rows), "min": min(r[k] for r in rows),
                    "max": max(r[k] for r in rows)} for k in keys}
-    res = {"model": a.model, "rows": rows, "summary": summary}
+    res = {"model": a.model, "rows": rows, "summary": summary, "skipped": skipped}
     print("RESULT " + json.dumps(res), flush=True)
     return res
 

@@ -1,5 +1,9 @@
 """Run in its own process (bench serve): serving an expert adapter in vLLM's CPU engine, base vs merged vs
-unmerged side by side. Prints one line "RESULT <json>"."""
+unmerged side by side. Prints one line "RESULT <json>".
+
+Every model the engine serves is measured; a part that cannot be measured on this model or in this vLLM build is
+left None and named under "skipped" ({field or group of fields: reason}): the exact KLs past MAX_EXACT_VOCAB, the
+kernel's expert parts where vLLM has no CPU kernel (checks/serve_numerics.py)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +44,14 @@ EXACT = {"merged": "kl_exact_bf16_merged", "unmerged": "kl_exact_bf16_unmerged",
          **{f"expert_{k}": f"kl_exact_expert_{k}" for k in ("kernel_base", "torch_base", "torch_base_fp32", "merged",
                                                               "unmerged", "unmerged_fp32")}}
 MAX_EXACT_VOCAB = 8192        # full prompt distributions per position: the tiny and medium models' vocabularies
+
+
+def exact_kl_skipped(vocab_size: int) -> dict:
+    """{"kl_exact": why} when this model's vocabulary leaves out every kl_exact_* field, else {}."""
+    if vocab_size <= MAX_EXACT_VOCAB:
+        return {}
+    return {"kl_exact": f"vocabulary {vocab_size} > {MAX_EXACT_VOCAB}: the exact KLs need the full distribution at "
+                        "every position (max_logprobs = vocabulary)"}
 
 
 def _rounding_loss(model: str, arch, peft, rank: int, scale: float) -> float:
@@ -119,7 +131,8 @@ def main(argv=None) -> dict:
     import gc
     gc.collect()
     # bf16 engine, prefix caching and capture on: throughput, commit, KL, complete routes for groups of 4
-    exact = arch.vocab_size <= MAX_EXACT_VOCAB
+    skipped = exact_kl_skipped(arch.vocab_size)
+    exact = not skipped
     llm = make_engine(a.model, prefix_caching=True, disable_log_stats=False,
                       **({"max_logprobs": arch.vocab_size} if exact else {}), **ENGINE)
     res["tps_base"] = _tps(llm, prompts, a.gen_len, a.repeats)
@@ -150,8 +163,9 @@ def main(argv=None) -> dict:
         parts = kl_decomposition(llm, a.model, arch, peft, a.rank, alpha, prompts[:8], a.gen_len, seed=1,
                                  first_version=50)
         res.update({field: parts[key] for key, field in EXACT.items()})
+        skipped.update({EXACT[key]: why for key, why in parts.get("skipped", {}).items()})
     else:
-        res.update({field: None for field in EXACT.values()})
+        res.update(dict.fromkeys(EXACT.values()))
     # the engine loop (unmerged, the mode pin needs): its overhead on the same requests, and pushes while it runs
     from ..rollout.loop import EngineLoop
     from .serve_inflight import inflight_pushes, loop_vs_batch_call
@@ -169,7 +183,8 @@ def main(argv=None) -> dict:
         res[f"overhead_{mode}"] = 1 - res[f"tps_{mode}"] / res["tps_base"]
     res.update({"capture_ok": capture_ok, "prefix_cache_hits": int(vllm_hits), "prefix_route_fills": hits,
                 "expert_bytes_memcpy_s": _expert_memcpy_s(a.model, arch),
-                "delta_lost_to_rounding": _rounding_loss(a.model, arch, peft, a.rank, alpha / a.rank)})
+                "delta_lost_to_rounding": _rounding_loss(a.model, arch, peft, a.rank, alpha / a.rank),
+                "skipped": skipped})
     print("RESULT " + json.dumps(res), flush=True)
     return res
 

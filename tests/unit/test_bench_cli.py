@@ -1,5 +1,6 @@
 """Benches refuse what they cannot do before any process starts: one line naming the value, exit code 2, no
-traceback. Batches are sized from every layout's data-parallel size."""
+traceback. A part a bench cannot measure on a model is named with the reason in its JSON line. Batches are sized from
+every layout's data-parallel size."""
 import subprocess
 import sys
 
@@ -50,3 +51,14 @@ def test_batch_splits_over_every_data_parallel_size():
     assert dp_batch([Layout.parse("ep6")], 4) == 6                     # world 6, data parallel 6
     assert dp_batch([Layout.parse("tp2ep3")], 4) == 6                  # world 6, data parallel 3
     assert dp_batch([Layout.parse("ep4"), Layout.parse("ep3")], 8) == 12
+
+
+def test_a_part_bench_serve_cannot_measure_is_named_with_the_reason():
+    from moe_lora_rl.checks.serve_numerics import cpu_kernel_missing
+    from moe_lora_rl.checks.serve_worker import MAX_EXACT_VOCAB, exact_kl_skipped
+
+    assert exact_kl_skipped(512) == {} and exact_kl_skipped(MAX_EXACT_VOCAB) == {}
+    assert exact_kl_skipped(151936) == {"kl_exact": "vocabulary 151936 > 8192: the exact KLs need the full "
+                                                    "distribution at every position (max_logprobs = vocabulary)"}
+    why = cpu_kernel_missing()                                   # None where vLLM's CPU build is installed
+    assert why is None or why.startswith("vLLM's CPU fused-MoE kernel is not in this vLLM build"), why
