@@ -8,7 +8,8 @@ tolerance. Product code never imports this package; it imports the product, neve
     hf.py, route_reference.py, forced_routes.py, hf_routes.py, dispatch_capture.py, data.py, logprobs.py
                       oracles and inputs
     adapters.py       adapters set to seeded nonzero values (layout independent)
-    fakes.py          FakeEngine: the push protocol without vLLM (the plugin's Staging + adapter check)
+    fakes.py          FakeEngine: the push protocol and request versions without vLLM (the plugin's Staging,
+                      VersionTable and adapter check)
     parity.py, lora_layouts.py + lora_worker.py, replay.py + replay_worker.py, refit_stream_worker.py,
     refit_vllm.py, vllm_peft.py, serve_capture.py, serve_numerics.py, checkpoint_worker.py,
     policy_update_worker.py, verl_*.py
