@@ -1,13 +1,14 @@
 """What the engine server lets in (pure): the shared secret, the worker methods callable over /collective_rpc, and
 the size of a request body.
 
-    token = load_token(token_file, os.environ)          # None: no token (loopback only)
+    token = load_token(token_file, os.environ)          # None: no token (the server answers /health only)
     check_bind(host, token)                             # ValueError: a non-loopback address needs a token
     authorized(request_headers, token)                  # constant-time comparison of "Authorization: Bearer <t>"
     check_rpc(method)                                   # ValueError unless one of RPC_METHODS
 
 The token is generated per run by the client (new_token), handed to the engine process by environment
-(TOKEN_ENV) or by a file readable by its owner only, and sent by every client call but /health.
+(TOKEN_ENV) or by a file readable by its owner only, and sent by every client call but /health. A server started
+without a token serves nothing but /health, loopback included: on a shared node every local user reaches loopback.
 """
 from __future__ import annotations
 
@@ -69,9 +70,10 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def authorized(headers, token: str | None) -> bool:
-    """headers: a mapping with .get (http.server's message). No token configured: everything is authorized."""
+    """headers: a mapping with .get (http.server's message). No token configured: nothing is authorized (the server
+    answers /health only)."""
     if token is None:
-        return True
+        return False
     got = headers.get(HEADER) or ""
     want = f"Bearer {token}"
     return hmac.compare_digest(got.encode(), want.encode())
@@ -86,3 +88,6 @@ def check_rpc(method) -> str:
         raise ValueError(f"method {method!r:.80} is not callable over /collective_rpc (allowed: the moe_lora_* "
                          f"methods of the adapter transports)")
     return method
+
+
+NO_TOKEN = (f"this engine was started without a token (--token-file or {TOKEN_ENV}): it serves /health only")

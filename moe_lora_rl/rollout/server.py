@@ -173,7 +173,7 @@ def make_handler():
         def _authorized(self) -> bool:
             if guard.authorized(self.headers, self.server.token):
                 return True
-            self._error(401, "unauthorized")
+            self._error(401, guard.NO_TOKEN if self.server.token is None else "unauthorized")
             return False
 
         def _body(self):
@@ -337,7 +337,8 @@ def parse_args(argv=None):
                     help="an adapter stage with no begin or bucket for this long (its sender died) is aborted by the "
                          "engine, so the next push goes in (default %(default)g)")
     ap.add_argument("--token-file", default=None,
-                    help=f"file holding the shared secret (mode 600); default: ${guard.TOKEN_ENV}")
+                    help=f"file holding the shared secret (mode 600); default: ${guard.TOKEN_ENV}; without either the "
+                         "server answers /health only")
     ap.add_argument("--max-body-mb", type=float, default=guard.DEFAULT_MAX_BODY / (1 << 20),
                     help="largest request body accepted (MiB)")
     a = ap.parse_args(argv)

@@ -35,7 +35,8 @@ def test_authorized_compares_the_whole_bearer_token():
     for bad in ({}, {"Authorization": tok}, {"Authorization": f"Bearer {tok[:-1]}"},
                 {"Authorization": f"Bearer {tok}x"}, {"Authorization": "Bearer "}):
         assert not guard.authorized(bad, tok), bad
-    assert guard.authorized({}, None)                        # an engine without a token (loopback only)
+    for h in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer None"}):
+        assert not guard.authorized(h, None), h                  # an engine without a token serves /health only
 
 
 @pytest.mark.parametrize("method", ["moe_lora_begin", "moe_lora_push_shm", "moe_lora_commit", "moe_lora_status"])
@@ -87,3 +88,61 @@ def test_non_loopback_with_a_token_passes_the_start_checks(tmp_path):
         s.listen(1)
         proc = _server_args(tmp_path, "--host", "0.0.0.0", env={guard.TOKEN_ENV: "t"}, port=s.getsockname()[1])
     assert proc.returncode not in (0, 2) and "Address already in use" in proc.stderr, proc.stderr[-2000:]
+
+
+class _StubEngine:
+    def status(self):
+        return {"version": 3}
+
+
+def _serve(token):
+    import threading
+
+    from moe_lora_rl.rollout.server import Server, make_handler
+
+    srv = Server(("127.0.0.1", 0), make_handler(), parent_pid=os.getppid(), token=token)
+    srv.engine = _StubEngine()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return srv
+
+
+def _call(srv, method, path, token=None, body=None):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.server_address[1]}{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers=guard.auth_header(token))
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_server_without_a_token_serves_health_only_on_loopback():
+    srv = _serve(None)
+    try:
+        assert _call(srv, "GET", "/health") == (200, {"ok": True})
+        for method, path, body in (("GET", "/status", None), ("POST", "/collective_rpc",
+                                   {"method": "moe_lora_status", "args": [], "kwargs": {}}),
+                                   ("POST", "/generate", {"prompts": [[1, 2]]})):
+            for tok in (None, "guess"):
+                code, reply = _call(srv, method, path, token=tok, body=body)
+                assert code == 401 and reply["error"]["message"] == guard.NO_TOKEN, (path, tok, code, reply)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_server_with_a_token_serves_its_holder_only():
+    srv = _serve("s3cret")
+    try:
+        assert _call(srv, "GET", "/status", token="s3cret") == (200, {"version": 3})
+        code, reply = _call(srv, "GET", "/status", token="s3cre")                        # control: a wrong token
+        assert code == 401 and reply["error"]["message"] == "unauthorized"
+        assert _call(srv, "GET", "/health") == (200, {"ok": True})
+    finally:
+        srv.shutdown()
+        srv.server_close()
