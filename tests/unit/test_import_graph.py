@@ -143,6 +143,16 @@ def _module_cycle() -> list[str]:
     return []
 
 
+def _fake_package(tmp_path, monkeypatch, files: dict):
+    """A package moe_lora_rl under tmp_path holding `files` (relative path -> text), made the walked ROOT."""
+    pkg = tmp_path / "moe_lora_rl"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    return pkg
+
+
 def test_no_cycle_between_modules():
     cycle = _module_cycle()
     assert not cycle, "modules on an import circle:\n" + "\n".join(cycle)
@@ -150,13 +160,9 @@ def test_no_cycle_between_modules():
 
 def test_the_module_walk_finds_a_circle_through_a_function_level_import(tmp_path, monkeypatch):
     """Control: base imports nothing at the top but names derived inside a function, derived imports base."""
-    pkg = tmp_path / "moe_lora_rl"
-    (pkg / "rl").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "rl" / "__init__.py").write_text("from . import base\n")
-    (pkg / "rl" / "base.py").write_text("import json\n\ndef f():\n    from .derived import D\n")
-    (pkg / "rl" / "derived.py").write_text("from .base import f\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    pkg = _fake_package(tmp_path, monkeypatch, {"rl/__init__.py": "from . import base\n",
+                                                "rl/base.py": "import json\n\ndef f():\n    from .derived import D\n",
+                                                "rl/derived.py": "from .base import f\n"})
     cycle = _module_cycle()
     assert [c.split(" (")[0] for c in cycle] == ["moe_lora_rl.rl.base -> moe_lora_rl.rl.derived",
                                                  "moe_lora_rl.rl.derived -> moe_lora_rl.rl.base"], cycle
@@ -223,12 +229,8 @@ def test_forbidden_upstream_imports(package):
 
 def test_the_walker_sees_a_wrong_way_import(tmp_path, monkeypatch):
     """Control: a module of `lora` importing `rl` inside a function is found (the test can fail)."""
-    pkg = tmp_path / "moe_lora_rl"
-    (pkg / "lora").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "lora" / "__init__.py").write_text("")
-    (pkg / "lora" / "x.py").write_text("def f():\n    from ..rl import run\n    import verl\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    _fake_package(tmp_path, monkeypatch, {"lora/__init__.py": "",
+                                          "lora/x.py": "def f():\n    from ..rl import run\n    import verl\n"})
     edges = list(_edges())
     assert ("moe_lora_rl.lora.x", "moe_lora_rl.rl") in [(m, t) for m, t, _ in edges]
     assert ("moe_lora_rl.lora.x", "verl") in [(m, t) for m, t, _ in edges]
