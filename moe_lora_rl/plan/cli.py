@@ -8,7 +8,8 @@ import sys
 from dataclasses import asdict
 
 from .search import Plan, plan
-from .shared_host import HostPhases, predict
+from .lengths import parse_lengths
+from .shared_host import HostLengths, HostPhases, predict
 from .specs import PRESETS, RLSettings, load_hardware, load_model
 
 _HW = {"memory_gb": "memory_GB", "usable_fraction": "usable_fraction", "bf16_tflops": "bf16_TFLOPs",
@@ -38,13 +39,20 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int)
     r = ap.add_argument_group("RL and LoRA settings")
     d = RLSettings()
-    r.add_argument("--batch", type=int, default=d.batch, help="samples per optimizer step")
+    r.add_argument("--batch", type=int, help=f"samples per optimizer step (default {d.batch}; shared host: the "
+                   "engine's batch, needed with --lengths)")
     r.add_argument("--prompt-len", type=int, default=d.prompt_len)
     r.add_argument("--response-len", type=int, default=d.response_len)
     r.add_argument("--rank", type=int, default=d.rank)
     r.add_argument("--adapter-layout", default=d.adapter_layout, choices=("per_expert", "shared_outer", "shared"))
     r.add_argument("--mode", default=d.mode, choices=("sync", "async"))
-    r.add_argument("--staleness", type=int, default=d.staleness, help="max policy versions a sample may lag")
+    r.add_argument("--max-staleness", "--staleness", dest="staleness", type=int, default=d.staleness,
+                   help="max pushes a sample may lag (default: the run config's max_staleness, 1)")
+    r.add_argument("--lengths", metavar="DIST", help="response-length distribution: a length (4096), a lognormal "
+                   "fitted to two of mean/pNN (mean=4096,p99=16384), or a mix LENGTH:WEIGHT,... (512:0.8,8192:0.2); "
+                   "clipped at --response-len, the cap memory is sized for (default: every answer --response-len)")
+    r.add_argument("--ahead", type=int, help="async: updates the producer admits ahead of the pushes (default: "
+                   "the staleness bound, as the run's gate)")
     r.add_argument("--micro-batch", type=int, default=d.micro_batch)
     r.add_argument("--no-recompute", action="store_true", help="keep all activations (no full recomputation)")
     r.add_argument("--max-engine-concurrency", type=int, default=d.max_engine_concurrency)
@@ -57,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--rollout-s", metavar="R1,RC", help="rollout seconds per step on 1 core and on all C cores")
     h.add_argument("--train-s", metavar="T1,TC", help="training seconds per step on 1 core and on all C cores")
     h.add_argument("--refit-s", metavar="X", help="adapter push seconds per step (default 0)")
+    h.add_argument("--decode-fixed", metavar="PHI", type=float, default=1.0, help="with --lengths: share of a "
+                   "full-batch decode step that does not shrink with the batch (1: memory-bound, the default)")
     return ap
 
 
@@ -101,13 +111,31 @@ def host_phases(a: argparse.Namespace) -> HostPhases:
         raise ValueError(f"{_HOST_FIELD_FLAG.get(str(e).split('=')[0], 'shared host')}: {e}") from None
 
 
+def host_lengths(a: argparse.Namespace) -> HostLengths | None:
+    if a.ahead is not None and not 1 <= a.ahead <= max(a.staleness, 0):
+        raise ValueError(f"--ahead={a.ahead}: the staleness bound {a.staleness} cannot hold groups admitted "
+                         f"{a.ahead} updates ahead (use 1 <= --ahead <= --max-staleness)")
+    if a.lengths is None:
+        return None
+    if a.batch is None:
+        raise ValueError(f"--lengths={a.lengths!r} on the shared host needs --batch (answers the engine runs at once)")
+    try:
+        return HostLengths(parse_lengths(a.lengths, a.response_len), a.batch, a.decode_fixed)
+    except ValueError as e:
+        raise ValueError(f"--lengths: {e}") from None
+
+
 def run_shared_host(a: argparse.Namespace) -> dict:
     ph = host_phases(a)
+    ln = host_lengths(a)
     try:
-        pred = predict(ph, a.staleness)
+        pred = predict(ph, a.staleness, ln)
     except ValueError as e:
         raise ValueError(f"--staleness: {e}") from None
     d = {"shared_host": asdict(ph), "max_staleness": a.staleness, **pred}
+    if ln:
+        d["lengths"] = {"spec": a.lengths, "mean": ln.dist.mean, "batch": ln.batch, "decode_fixed": ln.fixed_frac,
+                        "expected_longest_of_batch": ln.dist.expected_max(ln.batch)}
     if a.json:
         sys.stdout.write(json.dumps(d) + "\n")
     else:
@@ -125,7 +153,15 @@ def host_table(d: dict) -> str:
         ("step (s)", f"sync {d['sync_step_s']:.3g}, async {d['async_step_s']:.3g} (bound by {d['limit']})"),
         ("steps/min", f"sync {d['sync_steps_per_min']:.3g}, async {d['async_steps_per_min']:.3g}"),
         ("speedup", f"predicted {d['predicted_speedup']:.3g}, overlap bound {d['overlap_bound']:.3g}"),
+        ("staleness", f"implied max {d['implied_staleness']} vs bound {d['max_staleness']}"),
     ]
+    if "lengths" in d:
+        ln = d["lengths"]
+        rows[2:2] = [("lengths", f"{ln['spec']}: mean {ln['mean']:.0f}, expected longest of {ln['batch']} "
+                                 f"{ln['expected_longest_of_batch']:.0f}; async rollout x{d['async_rollout_factor']:.3g}"
+                                 f" of sync (decode step fixed share {ln['decode_fixed']:g})")]
+        rows.append(("tokens/s", f"produced {d['produced_tokens_per_s']:.3g} (engine alone, async), consumed "
+                                 f"{d['consumed_tokens_per_s']:.3g} (trainer alone)"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -135,7 +171,8 @@ def run(argv=None) -> Plan | dict:
     if any(getattr(a, k) is not None for k in _HOST_FLAGS):
         return run_shared_host(a)
     hw = load_hardware(a.hardware_json, **{v: getattr(a, k) for k, v in _HW.items()})
-    rl = RLSettings(batch=a.batch, prompt_len=a.prompt_len, response_len=a.response_len, rank=a.rank,
+    rl = RLSettings(batch=RLSettings.batch if a.batch is None else a.batch, prompt_len=a.prompt_len,
+                    response_len=a.response_len, rank=a.rank, lengths=a.lengths, ahead=a.ahead,
                     adapter_layout=a.adapter_layout, mode=a.mode, staleness=a.staleness, micro_batch=a.micro_batch,
                     recompute=not a.no_recompute, max_engine_concurrency=a.max_engine_concurrency)
     for name in ("train_weight_bytes", "rollout_weight_bytes"):
@@ -157,6 +194,7 @@ def _mem(d: dict) -> str:
 
 def table(p: Plan) -> str:
     s, t, r, a, ts = p.settings, p.training, p.rollout, p.adapter, p.times_s
+    ln, st = p.lengths, p.staleness
     rows = [
         ("model", f"{p.model} on {p.gpus} GPUs x {p.hardware['memory_GB']:g} GB ({p.hardware['source']})"),
         ("settings", f"batch {s['batch']} samples of {s['prompt_len']}+{s['response_len']} tokens, mode {s['mode']}, "
@@ -173,6 +211,13 @@ def table(p: Plan) -> str:
         ("rates", f"production {p.rates['production_samples_per_s']:.3g} samples/s, consumption "
                   f"{p.rates['consumption_samples_per_s']:.3g} samples/s (ratio "
                   f"{p.rates['production_over_consumption']:.2f})"),
+        ("lengths", f"{ln['spec']}: mean {ln['mean']:.0f} tokens, expected longest of a batch "
+                    f"{ln['expected_longest_of_batch']:.0f} (cap {ln['cap']})"),
+        ("tokens/s", f"produced {p.rates['produced_tokens_per_s']:.3g} (async, slots full; sync "
+                     f"{p.rates['produced_tokens_per_s_sync']:.3g} while generating), consumed "
+                     f"{p.rates['consumed_tokens_per_s']:.3g}"),
+        ("staleness", f"implied max {st['implied_max']} vs bound {st['bound']} (admitted {st['ahead']} updates "
+                      "ahead)" if s["mode"] == "async" else f"0 (sync; bound {st['bound']})"),
         ("step (s)", ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in ts.items() if k.endswith("_s"))),
         ("steps/min", ", ".join(f"{k} {v:.3g}" for k, v in p.steps_per_min.items())
          + (f" (async max staleness {p.max_staleness})" if p.max_staleness is not None else "")),

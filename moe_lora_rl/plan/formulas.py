@@ -157,3 +157,50 @@ def async_step_seconds(train_s: float, produce_s: float, refit_s: float, generat
              "staleness": generation_s / staleness}
     name = max(terms, key=terms.get)
     return terms[name], name
+
+
+# --- response lengths (plan/lengths.py holds the distributions) ----------------------------------------------
+
+def shrinking_batch_seconds(alive_steps, step_seconds_at) -> float:
+    """A static batch decoded until its longest answer ends, the batch shrinking as short answers finish (PipelineRL,
+    arXiv 2509.19128, sec. 2: 'the effective batch size decreases as sequences finish'): sum_k G_k * step(k), with
+    G_k the expected decode steps during which exactly k answers run (lengths.py). Exact in expectation for any
+    step-time function (linearity over steps); with one length L it is L * step(n)."""
+    return sum(g * step_seconds_at(k) for k, g in enumerate(alive_steps, start=1) if g > 0)
+
+
+def rollout_sync_seconds_lengths(per_engine: int, concurrency: int, dist, step_seconds_at) -> float:
+    """Synchronous generation of `per_engine` answers on one engine of `concurrency` slots. Up to one slot each:
+    the shrinking batch above. More answers than slots, one length: ceil(n/c) whole waves (continuous batching
+    cannot help). More answers than slots, several lengths: continuous batching keeps the c slots full until the
+    queue empties, after (n - c) answers, i.e. (n - c) * mean / c steps at step(c) (fluid approximation), then the
+    last c drain as a shrinking batch of c fresh draws (approximation: their left-over lengths are treated as whole
+    answers)."""
+    n, c = per_engine, concurrency
+    if n <= c:
+        return shrinking_batch_seconds(dist.alive_steps(n), step_seconds_at)
+    if dist.fixed:
+        return math.ceil(n / c) * dist.values[0] * step_seconds_at(c)
+    return (n - c) * dist.mean / c * step_seconds_at(c) + shrinking_batch_seconds(dist.alive_steps(c),
+                                                                                  step_seconds_at)
+
+
+def full_occupancy_seconds_per_sample(mean_len: float, concurrency: int, step_s: float) -> float:
+    """Pipelined (async) generation keeps every slot busy, a finished answer's slot refilled at once (PipelineRL,
+    sec. 3; AReaL, arXiv 2505.24298, sec. 4): by renewal, a slot finishes an answer every mean_len steps, so one
+    sample costs mean_len * step(c) / c seconds of the engine."""
+    return mean_len * step_s / concurrency
+
+
+def admission_ahead(in_flight: int, batch: int) -> int:
+    """Updates the producer admits ahead of the pushes to keep `in_flight` answers running while the trainer
+    consumes `batch` per update. rl/groups.py's gate admits groups planned for updates pushes .. pushes + k, so
+    (k + 1) batches may be in flight: the one the trainer waits for and k ahead; in_flight answers need
+    ceil(in_flight / batch) - 1 ahead, and at least 1 for the pipeline to overlap at all."""
+    return max(1, math.ceil(in_flight / batch) - 1)
+
+
+def implied_staleness(ahead: int, longest_generation_s: float, step_s: float) -> int:
+    """The most pushes a trained sample lags: admitted `ahead` updates before its own, it lags that many; an answer
+    still generating when its update comes lags ceil(generation / step) (max_staleness above)."""
+    return max(ahead, max_staleness(longest_generation_s, step_s))

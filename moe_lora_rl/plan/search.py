@@ -60,6 +60,8 @@ class Plan:
     training: dict
     rollout: dict
     rates: dict
+    lengths: dict
+    staleness: dict
     times_s: dict
     steps_per_min: dict
     max_staleness: int | None
@@ -149,9 +151,9 @@ def kv_per_token_per_gpu(m: ModelSpec, tp: int) -> float:
 def decode_traffic(m: ModelSpec, rl: RLSettings, r: RolloutLayout, concurrency: int,
                    rollout_weight_bytes: float) -> tuple[float, float]:
     """(bytes read, FLOPs) per GPU of one decode step of an engine running `concurrency` sequences at the mean
-    context (prompt + response/2): the weights of the experts the batch touches, dense weights, adapters, KV."""
+    context (prompt + the token-weighted mean position in an answer, response/2 for one length): the weights of the experts the batch touches, dense weights, adapters, KV."""
     g, tp = r.engine_gpus, r.tp
-    ctx = rl.prompt_len + rl.response_len / 2
+    ctx = rl.prompt_len + rl.length_dist.decode_context
     active = F.expected_active_experts(m.moe.experts, m.top_k, concurrency) / m.moe.experts
     exp_a, oth_a = adapter_counts(m, rl)
     weights = ((m.expert_params * rollout_weight_bytes + exp_a * 2) * active / g
@@ -171,7 +173,7 @@ def decode_step_seconds(m: ModelSpec, hw: Hardware, rl: RLSettings, r: RolloutLa
 
 def train_flops_per_token(m: ModelSpec, rl: RLSettings) -> float:
     exp_a, oth_a = adapter_counts(m, rl)
-    attn = F.attention_flops_per_token(m.moe.num_layers, rl.seq_len / 2, m.qk_dim, m.v_dim)
+    attn = F.attention_flops_per_token(m.moe.num_layers, rl.train_context, m.qk_dim, m.v_dim)
     return F.lora_train_flops_per_token(m.active_params, exp_a * m.top_k / m.moe.experts + oth_a, attn,
                                         rl.recompute)
 
@@ -193,38 +195,48 @@ def rollout_layouts(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, rollo
 
 def step_times(m: ModelSpec, hw: Hardware, rl: RLSettings, t: TrainLayout, r: RolloutLayout, refit_s: float,
                rwb: float) -> dict:
-    """Step times, rates and binding terms of one (training layout, rollout layout) pair, sync and async."""
+    """Step times, rates and binding terms of one (training layout, rollout layout) pair, sync and async. Answers
+    follow rl.length_dist: sync waits for the longest of each engine's share (the batch shrinking as answers
+    finish), async keeps the slots full and pays the mean; the staleness bound holds the longest of a batch."""
+    d = rl.length_dist
     fpt = train_flops_per_token(m, rl)
     bubble = F.pipeline_bubble_fraction(t.pp, t.microbatches)
-    train_s = F.train_seconds(rl.batch * rl.seq_len, fpt, t.gpus, hw.bf16_TFLOPs * 1e12, hw.train_mfu, bubble)
-    # sync: the batch spread over the engines; async: engines full in steady state
-    c_sync = min(r.concurrency, math.ceil(rl.batch / r.engines))
-    step_sync = decode_step_seconds(m, hw, rl, r, c_sync, rwb)
-    roll_sync = F.rollout_batch_seconds(rl.batch, r.engines, c_sync, rl.response_len, step_sync)
+    train_s = F.train_seconds(rl.batch * (rl.prompt_len + d.mean), fpt, t.gpus, hw.bf16_TFLOPs * 1e12,
+                              hw.train_mfu, bubble)
+    step_at = lambda k: decode_step_seconds(m, hw, rl, r, k, rwb)
+    # sync: the batch spread over the engines, each running until its share's longest answer ends
+    per_engine = math.ceil(rl.batch / r.engines)
+    c_sync = min(r.concurrency, per_engine)
+    roll_sync = F.rollout_sync_seconds_lengths(per_engine, c_sync, d, step_at)
     out = {"train_s": train_s, "rollout_sync_s": roll_sync, "refit_s": refit_s, "pipeline_bubble": bubble,
-           "sync_step_s": F.sync_step_seconds(roll_sync, train_s, refit_s), "decode_step_ms_sync": step_sync * 1e3,
-           "concurrency_sync": c_sync, "consumption_samples_per_s": F.consumption_rate(rl.batch, train_s)}
+           "sync_step_s": F.sync_step_seconds(roll_sync, train_s, refit_s), "decode_step_ms_sync": step_at(c_sync) * 1e3,
+           "concurrency_sync": c_sync, "consumption_samples_per_s": F.consumption_rate(rl.batch, train_s),
+           "mean_response_len": d.mean, "longest_response_len": d.expected_max(rl.batch),
+           "rollout_sync_samples_per_s": rl.batch / roll_sync}
     terms = {"rollout": roll_sync, "training": train_s, "refit": refit_s}
     out["sync_binding"] = max(terms, key=terms.get)
-    # async: engines kept full in steady state; a lower concurrency shortens each sequence's generation, which
-    # the staleness bound may prefer: try the KV-bound concurrency and its halvings
+    # async: engines kept full in steady state at the mean length, in flight at most ahead + 1 batches (the gate);
+    # a lower concurrency shortens each answer's generation, which the staleness bound may prefer: try the
+    # KV-bound concurrency (capped by the admission ahead) and its halvings
     best = None
-    c = r.concurrency
-    while c >= 1:
-        step = decode_step_seconds(m, hw, rl, r, c, rwb)
-        prod = F.production_rate(r.engines, c, rl.response_len, step)
-        gen_s = rl.response_len * step
-        cand = {"produce_batch_async_s": rl.batch / prod, "generation_s": gen_s, "decode_step_ms_async": step * 1e3,
-                "production_samples_per_s": prod, "concurrency_async": c}
+    cap = max(1, (rl.ahead_limit + 1) * rl.batch // r.engines) if rl.staleness >= 1 else r.concurrency
+    tries = sorted({min(r.concurrency >> i, cap) for i in range(r.concurrency.bit_length())}, reverse=True)
+    for c in tries:
+        step = step_at(c)
+        prod = 1.0 / F.full_occupancy_seconds_per_sample(d.mean, r.engines * c, step)
+        gen_s = d.mean * step
+        gen_long = out["longest_response_len"] * step
+        cand = {"produce_batch_async_s": rl.batch / prod, "generation_s": gen_s, "longest_generation_s": gen_long,
+                "decode_step_ms_async": step * 1e3, "production_samples_per_s": prod, "concurrency_async": c}
         if rl.staleness >= 1:
             cand["async_step_s"], cand["async_binding"] = F.async_step_seconds(train_s, rl.batch / prod, refit_s,
-                                                                               gen_s, rl.staleness)
-            cand["max_staleness"] = F.max_staleness(gen_s, cand["async_step_s"])
+                                                                               gen_long, rl.staleness)
+            cand["ahead"] = F.admission_ahead(r.engines * c, rl.batch)
+            cand["max_staleness"] = F.implied_staleness(cand["ahead"], gen_long, cand["async_step_s"])
         if best is None or cand.get("async_step_s", 0) < best.get("async_step_s", 0):
             best = cand
         if rl.staleness < 1:
             break
-        c //= 2
     out.update(best)
     return out
 
@@ -325,9 +337,18 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
                  "memory_headroom": head_r},
         rates={"production_samples_per_s": s["production_samples_per_s"],
                "consumption_samples_per_s": s["consumption_samples_per_s"],
-               "production_over_consumption": s["production_samples_per_s"] / s["consumption_samples_per_s"]},
+               "production_over_consumption": s["production_samples_per_s"] / s["consumption_samples_per_s"],
+               # the seed's first invariant in answer tokens: engines (async, slots full; sync, while generating)
+               # against the trainer
+               "produced_tokens_per_s": s["production_samples_per_s"] * s["mean_response_len"],
+               "produced_tokens_per_s_sync": s["rollout_sync_samples_per_s"] * s["mean_response_len"],
+               "consumed_tokens_per_s": s["consumption_samples_per_s"] * s["mean_response_len"]},
+        lengths={"spec": rl.length_dist.spec, "mean": s["mean_response_len"],
+                 "expected_longest_of_batch": s["longest_response_len"], "cap": rl.response_len},
+        staleness={"bound": rl.staleness, "implied_max": s.get("max_staleness", 0), "ahead": s.get("ahead", 0)},
         times_s={k: s[k] for k in ("train_s", "rollout_sync_s", "produce_batch_async_s", "refit_s",
-                                   "generation_s", "sync_step_s", "async_step_s", "pipeline_bubble",
+                                   "generation_s", "longest_generation_s", "sync_step_s", "async_step_s",
+                                   "pipeline_bubble",
                                    "decode_step_ms_sync", "decode_step_ms_async") if k in s},
         steps_per_min=steps, max_staleness=s.get("max_staleness"),
         binding={"step": step_bind, "memory": mem_bind, "sync_step": s["sync_binding"],

@@ -15,6 +15,15 @@ cores (tC), the adapter refit push (x, default 0), the core count C and the stal
   async = max(cores, rollout, train). No staleness term at k >= 1: one version of lead already lets the phases
   overlap fully; k = 0 would be the sync run and is refused (ValueError), as the GPU planner refuses it in async mode.
   Ties name the phase (rollout, then train) before cores: adding cores would not shorten the step.
+- Response lengths (optional, HostLengths): the measured rollout figures are the SYNCHRONOUS rollout of a batch of
+  n answers, which runs until the longest ends, the batch shrinking as short ones finish. A decode step of the
+  full batch costs d; of k answers d * (phi + (1 - phi) * k / n), phi the share that does not shrink with the batch
+  (weights read, per-step overheads; 1 = memory-bound). Sync then takes d * sum_k G_k (phi + (1 - phi) k / n)
+  (formulas.shrinking_batch_seconds), async keeps the n slots full, d * mean per batch of n. The async rollout
+  bound becomes r1 * f with f = mean / sum_k G_k (...) (1 for one length), and a fourth bound appears:
+    staleness: r1 * g / k       the batch's longest answer, g = E[max of n] / sum_k G_k (...), generated at full
+                                occupancy, may span at most k steps (PipelineRL's max_staleness).
+  With one length f = g = 1, the staleness bound r1 / k never exceeds the rollout bound: the model above, unchanged.
 - overlap_bound = sync / ((r1 + t1) / C), as the issue defines it: the sync step over the work of both phases
   spread over the cores, refit left out of the denominator. (11.4 + 14.2) / ((10.1 + 28.5) / 2) = 1.33.
 - predicted speedup = sync / async; steps/min = 60 / step. With C = 1 the C-core figures are the 1-core figures
@@ -24,6 +33,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from . import formulas as F
+from .lengths import LengthDist
 
 
 @dataclass(frozen=True)
@@ -51,24 +63,54 @@ class HostPhases:
                              f"{self.rollout_1!r} vs {self.rollout_c!r}, train {self.train_1!r} vs {self.train_c!r}")
 
 
+@dataclass(frozen=True)
+class HostLengths:
+    """The answers of the measured synchronous rollout: their distribution, the engine's batch n (answers run at
+    once) and phi, the share of a full-batch decode step that does not shrink with the batch (module docstring)."""
+    dist: LengthDist
+    batch: int
+    fixed_frac: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch={self.batch!r}: must be an integer >= 1")
+        f = self.fixed_frac
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"fixed_frac={f!r}: a share of the decode step in [0, 1]")
+
+    def sync_steps(self) -> float:
+        """The synchronous rollout in full-batch decode steps."""
+        n, phi = self.batch, self.fixed_frac
+        return F.shrinking_batch_seconds(self.dist.alive_steps(n), lambda k: phi + (1 - phi) * k / n)
+
+    def async_factor(self) -> float:
+        """f: async rollout of a batch (slots kept full) over the synchronous one."""
+        return self.dist.mean / self.sync_steps()
+
+    def longest_factor(self) -> float:
+        """g: the batch's longest answer at full occupancy over the synchronous rollout."""
+        return self.dist.expected_max(self.batch) / self.sync_steps()
+
+
 def sync_step_s(p: HostPhases) -> float:
     """The phases take turns, each with every core."""
     return p.rollout_c + p.train_c + p.refit
 
 
-def async_bounds_s(p: HostPhases) -> dict[str, float]:
-    """The three lower bounds on the async step, keyed by what sets each (see the module docstring)."""
-    return {"cores": (p.rollout_1 + p.train_1 + p.refit) / p.cores, "rollout": p.rollout_1,
-            "train": p.train_c + p.refit}
+def async_bounds_s(p: HostPhases, max_staleness: int = 1, lengths: HostLengths | None = None) -> dict[str, float]:
+    """The lower bounds on the async step, keyed by what sets each (see the module docstring)."""
+    f, g = (lengths.async_factor(), lengths.longest_factor()) if lengths else (1.0, 1.0)
+    return {"cores": (p.rollout_1 * f + p.train_1 + p.refit) / p.cores, "rollout": p.rollout_1 * f,
+            "train": p.train_c + p.refit, "staleness": p.rollout_1 * g / max_staleness}
 
 
-def async_step_s(p: HostPhases, max_staleness: int) -> tuple[float, str]:
-    """The async step and what bounds it ("cores" | "rollout" | "train"); k >= 1 adds no staleness term."""
+def async_step_s(p: HostPhases, max_staleness: int, lengths: HostLengths | None = None) -> tuple[float, str]:
+    """The async step and what bounds it ("rollout" | "train" | "staleness" | "cores")."""
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
         raise ValueError(f"max_staleness={max_staleness!r}: asynchronous RL needs an integer >= 1 (0 is the sync run)")
-    b = async_bounds_s(p)
+    b = async_bounds_s(p, max_staleness, lengths)
     step = max(b.values())
-    return step, next(k for k in ("rollout", "train", "cores") if b[k] == step)
+    return step, next(k for k in ("rollout", "train", "staleness", "cores") if b[k] == step)
 
 
 def overlap_bound(p: HostPhases) -> float:
@@ -76,10 +118,20 @@ def overlap_bound(p: HostPhases) -> float:
     return sync_step_s(p) / ((p.rollout_1 + p.train_1) / p.cores)
 
 
-def predict(phases: HostPhases, max_staleness: int) -> dict:
-    """Sync and async steps/min on the shared host, the predicted speedup, the overlap bound and the async limit."""
+def predict(phases: HostPhases, max_staleness: int, lengths: HostLengths | None = None) -> dict:
+    """Sync and async steps/min on the shared host, the predicted speedup, the overlap bound, the async limit, and
+    the seed's invariants: the staleness the layout implies (vs the bound) and, given lengths, the answer tokens/s
+    the engine alone (async, on its one core) and the trainer alone (every core) can take."""
     sync = sync_step_s(phases)
-    step, limit = async_step_s(phases, max_staleness)
-    return {"sync_step_s": sync, "async_step_s": step, "sync_steps_per_min": 60.0 / sync,
-            "async_steps_per_min": 60.0 / step, "predicted_speedup": sync / step,
-            "overlap_bound": overlap_bound(phases), "limit": limit}
+    step, limit = async_step_s(phases, max_staleness, lengths)
+    g = lengths.longest_factor() if lengths else 1.0
+    out = {"sync_step_s": sync, "async_step_s": step, "sync_steps_per_min": 60.0 / sync,
+           "async_steps_per_min": 60.0 / step, "predicted_speedup": sync / step,
+           "overlap_bound": overlap_bound(phases), "limit": limit,
+           "implied_staleness": F.implied_staleness(1, phases.rollout_1 * g, step)}
+    if lengths:
+        tokens = lengths.batch * lengths.dist.mean
+        out.update({"async_rollout_factor": lengths.async_factor(), "longest_factor": g,
+                    "produced_tokens_per_s": tokens / (phases.rollout_1 * lengths.async_factor()),
+                    "consumed_tokens_per_s": tokens / (phases.train_c + phases.refit)})
+    return out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..refit.calc import SPECS, MoESpec, base_params
 from . import formulas as F
+from .lengths import LengthDist, parse_lengths
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,9 @@ class RLSettings:
     micro_batch: int = 1
     recompute: bool = True            # full activation recomputation in training
     max_engine_concurrency: int = 256 # vLLM's max_num_seqs default
+    lengths: str | None = None        # response-length distribution (lengths.py); None: every answer response_len,
+                                      # which stays the cap (max_tokens) that memory is sized for
+    ahead: int | None = None          # async: updates the producer may admit ahead of the pushes (None: the bound)
 
     def __post_init__(self):
         for f in ("batch", "prompt_len", "response_len", "rank", "micro_batch", "max_engine_concurrency"):
@@ -193,6 +197,31 @@ class RLSettings:
                              "policy version; use --staleness >= 1 or --mode sync")
         if self.batch % self.micro_batch:
             raise ValueError(f"batch {self.batch} is not a multiple of micro_batch {self.micro_batch}")
+        self.length_dist                # parse now: a bad distribution fails here, naming the value
+        if self.ahead is not None:
+            if isinstance(self.ahead, bool) or not isinstance(self.ahead, int) or self.ahead < 1:
+                raise ValueError(f"ahead={self.ahead!r}: the producer admits an integer >= 1 updates ahead")
+            if self.mode == "sync":
+                raise ValueError(f"ahead={self.ahead}: mode 'sync' admits nothing ahead; use --mode async")
+            if self.ahead > self.staleness:
+                raise ValueError(f"ahead={self.ahead}: the staleness bound {self.staleness} cannot hold groups "
+                                 f"admitted {self.ahead} updates ahead (each lags at least {self.ahead} pushes); "
+                                 f"use ahead <= {self.staleness} or max staleness >= {self.ahead}")
+
+    @property
+    def length_dist(self) -> LengthDist:
+        return parse_lengths(str(self.response_len) if self.lengths is None else self.lengths, self.response_len)
+
+    @property
+    def ahead_limit(self) -> int:
+        return self.staleness if self.ahead is None else self.ahead
+
+    @property
+    def train_context(self) -> float:
+        """Mean attention context of a trained token, token-weighted: the prompt + half its answer on average."""
+        d = self.length_dist
+        return (self.prompt_len ** 2 + 2 * self.prompt_len * d.mean + 2 * d.mean * d.decode_context) / \
+            (2 * (self.prompt_len + d.mean))
 
     @property
     def seq_len(self) -> int:

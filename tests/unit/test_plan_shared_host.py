@@ -7,7 +7,7 @@ from moe_lora_rl.plan.cli import main
 from moe_lora_rl.plan.shared_host import HostPhases, async_bounds_s, predict
 
 KEYS = {"sync_step_s", "async_step_s", "sync_steps_per_min", "async_steps_per_min", "predicted_speedup",
-        "overlap_bound", "limit"}
+        "overlap_bound", "limit", "implied_staleness"}
 
 
 def test_measured_two_core_figures_give_the_issue_bound():
@@ -35,7 +35,7 @@ def test_rollout_bound():
 def test_train_bound():
     # bounds: cores (2 + 20 + 0.5) / 4 = 5.625, rollout 2, train 8 + 0.5 = 8.5; sync 2.5 + 8 + 0.5 = 11
     p = HostPhases(rollout_1=2, rollout_c=2.5, train_1=20, train_c=8, cores=4, refit=0.5)
-    assert async_bounds_s(p) == pytest.approx({"cores": 5.625, "rollout": 2, "train": 8.5})
+    assert async_bounds_s(p) == pytest.approx({"cores": 5.625, "rollout": 2, "train": 8.5, "staleness": 2})
     d = predict(p, max_staleness=1)
     assert d["limit"] == "train" and d["async_step_s"] == pytest.approx(8.5)
     assert d["predicted_speedup"] == pytest.approx(11 / 8.5)
