@@ -17,4 +17,6 @@ tolerance. Product code never imports this package; it imports the product, neve
     lora_steps_worker.py, plan_rollout_worker.py + plan_train_worker.py, refit_vllm_worker.py,
     rollout_vllm_worker.py, serve_worker.py + serve_inflight.py, sparse_kv_worker.py, verl_runs.py
                       the processes the benches launch (bench/ keeps the arguments, the timing and the JSON line)
+    gpu_check.py + gpu_check_worker.py
+                      scripts/gpu_check.sh: R3 + a LoRA step on CUDA bf16 against the CPU, and a CUDA IPC handoff
 """
