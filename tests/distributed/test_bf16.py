@@ -61,6 +61,7 @@ def _r3_cases(res):
                 yield (layout, m, kind), per[kind]
 
 
+@pytest.mark.slow
 def test_r3_replay_bf16_matches_forced_route_reference(r3):
     import torch
 
@@ -75,6 +76,7 @@ def test_r3_replay_bf16_matches_forced_route_reference(r3):
         assert r["kl_with"] < r["kl_without"], (where, r)
 
 
+@pytest.mark.slow
 def test_parity_bf16():
     models = resolve_models(None)
     res = run_parity(models, ",".join(LAYOUTS), BF16)

@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_version().startswit
                                                    reason="the legacy GroupedMLP was removed in megatron-core 0.19")]
 
 
+@pytest.mark.slow
 def test_grouped_matches_sequential(tmp_path):
     report = run(resolve_models(None), "tp1ep1pp1,tp2ep2etp2", LoRAConfig(rank=4, alpha=8.0), tmp_path,
                  grouped=True)

@@ -38,14 +38,18 @@ def run(out, extra, kill_after=None):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def switch_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
-    pin = ["inflight=pin", "keep_served=true", "delay.train_s=1.5", "checkpoint_every=2"]
     return {"switch": run(root / "switch", ["inflight=switch", "keep_served=true", "steps=6",
-                                            "delay.engine_step_s=0.6"]),
-            "pin": run(root / "pin", [*pin, "steps=4"], kill_after=1),
-            "pin_resumed": run(root / "pin", [*pin, "steps=6", "resume=true"]),
-            "root": root}
+                                            "delay.engine_step_s=0.6"]), "root": root}
+
+
+@pytest.fixture(scope="module")
+def pin_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_pin")
+    pin = ["inflight=pin", "keep_served=true", "delay.train_s=1.5", "checkpoint_every=2"]
+    return {"pin": run(root / "pin", [*pin, "steps=4"], kill_after=1),
+            "pin_resumed": run(root / "pin", [*pin, "steps=6", "resume=true"]), "root": root}
 
 
 def served(out):
@@ -78,9 +82,9 @@ def recompute_all(out, summary, versions_of=None):
     return worst, k3, multi / n
 
 
-def test_switch_trained_on_what_was_served(runs):
-    summary, rows, _ = runs["switch"]
-    out = runs["root"] / "switch"
+def test_switch_trained_on_what_was_served(switch_run):
+    summary, rows, _ = switch_run["switch"]
+    out = switch_run["root"] / "switch"
     assert summary["mode"] == "async" and summary["steps"] == 6 and summary["staleness_max"] <= K
     assert all(sum(r[f"staleness_hist/{k}"] for k in range(K + 1)) == P * G for r in rows)   # whole groups only
     waits = sorted(r["train_wait_s"] for r in rows)
@@ -100,16 +104,17 @@ def test_switch_trained_on_what_was_served(runs):
     assert off > ADAPTER_MATTERS_MIN and off_k3 > 1e3 * TRAINED_SERVED_K3, (off, off_k3)
 
 
-def test_pin_slowed_trainer_crash_and_resume(runs):
-    summary, rows, log = runs["pin"]
-    out = runs["root"] / "pin"
+@pytest.mark.slow
+def test_pin_slowed_trainer_crash_and_resume(pin_runs):
+    summary, rows, log = pin_runs["pin"]
+    out = pin_runs["root"] / "pin"
     assert summary["inflight"] == "pin" and summary["staleness_max"] <= K
     assert summary["ahead_max"] == K                      # held back at the bound, never further
     assert summary["dropped_frac"] == 0.0
     assert all(r.get("versions_live", 1) <= K + 1 for r in rows)
     assert summary["train_idle_frac"] < 0.2               # the trainer is the slow side: groups are waiting
     assert summary["engine_restarts"] == 1 and "rollout engine died" in log and "restarting it" in log
-    summary2, rows2, log2 = runs["pin_resumed"]
+    summary2, rows2, log2 = pin_runs["pin_resumed"]
     assert "resumed from the checkpoint of step 4" in log2
     assert [r["step"] for r in rows2] == [1, 2, 3, 4, 5, 6] and summary2["steps"] == 6
     assert rows2[4]["version"] == 5 and rows2[5]["version"] == 6

@@ -69,6 +69,7 @@ def test_bad_pushes_refused_and_previous_version_kept(results):
         assert r["merged_logprob_max_diff"] <= REFIT_LOGPROBS and r["merged_bytes"] > 5 * r["layouts"]["tp2ep2"]["bytes"]
 
 
+@pytest.mark.slow
 def test_server_process_push_over_http(trained, tmp_path):
     from moe_lora_rl.refit.rename import to_peft_tensors
     from moe_lora_rl.models.arch import load_arch
