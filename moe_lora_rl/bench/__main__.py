@@ -19,6 +19,7 @@ BENCHES = {
     "r3_ab": "moe_lora_rl.bench.r3_ab",
     "sparse": "moe_lora_rl.bench.sparse",
     "long": "moe_lora_rl.bench.long",
+    "peers": "moe_lora_rl.bench.peers",
 }
 
 

@@ -22,6 +22,9 @@ LEARN = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_learn.sh"
 ASYNC = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_async.sh"
 PROBE_RE = re.compile(r"^PROBE='\[([0-9,]+)\]'", re.M)
 _STEP = re.compile(r"step:(\d+) - (.*)$")
+_TIMING = re.compile(r"timing_s/([a-z_]+):(?:np\.float64\()?([0-9.eE+-]+)")
+_STEP_TIME = re.compile(r"timing_s/step:(?:np\.float64\()?([0-9.eE+-]+)")
+_SCORE = re.compile(r"critic/score/mean:(?:np\.float64\()?([0-9.eE+-]+)")
 _VAL = re.compile(r"val-core/[^ :]+/acc/mean@1:(?:np\.float64\()?([0-9.eE+-]+)")
 
 
@@ -34,6 +37,30 @@ def parse_val(log: str) -> dict[int, float]:
             v = _VAL.search(m.group(2))
             if v:
                 out[int(m.group(1))] = float(v.group(1))
+    return out
+
+
+def parse_timing(log: str) -> dict[str, float]:
+    """verl's per-step timings summed over the training steps logged: {"step": s, "gen": s, "update_actor": s, ...}
+    (timing_s/<name> of each step's metrics line; validation-only lines carry none of them but testing)."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        m = _STEP.search(line)
+        if m and "training/global_step" in m.group(2):
+            for name, v in _TIMING.findall(m.group(2)):
+                out[name] = out.get(name, 0.0) + float(v)
+    return out
+
+
+def parse_curve(log: str) -> list[tuple[int, float, float]]:
+    """(step, timing_s/step, critic/score/mean) of each training step logged."""
+    out = []
+    for line in log.splitlines():
+        m = _STEP.search(line)
+        if m and "training/global_step" in m.group(2):
+            t, r = _STEP_TIME.search(m.group(2)), _SCORE.search(m.group(2))
+            if t and r:
+                out.append((int(m.group(1)), float(t.group(1)), float(r.group(1))))
     return out
 
 
@@ -85,5 +112,5 @@ def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: s
     if count_steps and done < steps:
         raise RuntimeError(f"{log}: {done} training steps logged, {steps} expected")
     wall_f = out / "wall_s"
-    return {"val": parse_val(text), "steps": done,
+    return {"val": parse_val(text), "steps": done, "timing": parse_timing(text), "curve": parse_curve(text),
             "wall_s": float(wall_f.read_text()) if wall_f.exists() else None}

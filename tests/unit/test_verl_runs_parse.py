@@ -3,12 +3,14 @@ import json
 
 import pytest
 
-from moe_lora_rl.checks.verl_runs import parse_r3, parse_steps, parse_val
+from moe_lora_rl.checks.verl_runs import parse_curve, parse_r3, parse_steps, parse_timing, parse_val
 
 LOG = """(MoELoRATaskRunner pid=1) step:0 - val-core/moe_lora_rl/addition/acc/mean@1:np.float64(0.30859375) - \
 val-aux/moe_lora_rl/addition/reward/mean@1:np.float64(0.30859375)
-(MoELoRATaskRunner pid=1) step:1 - actor/loss:np.float64(0.01) - training/global_step:1 - training/epoch:0
+(MoELoRATaskRunner pid=1) step:1 - actor/loss:np.float64(0.01) - training/global_step:1 - training/epoch:0 - \
+critic/score/mean:0.25 - timing_s/gen:np.float64(6.5) - timing_s/update_actor:4.0 - timing_s/step:12.5
 (MoELoRATaskRunner pid=1) step:2 - actor/loss:np.float64(0.02) - training/global_step:2 - \
+critic/score/mean:np.float64(0.375) - timing_s/gen:7.5 - timing_s/step:np.float64(14.0) - timing_s/testing:20.0 - \
 val-core/moe_lora_rl/addition/acc/mean@1:0.5
 (MoELoRATaskRunner pid=1) Training Progress: step:3 is not a metrics line
 """
@@ -17,6 +19,12 @@ val-core/moe_lora_rl/addition/acc/mean@1:0.5
 def test_validation_curve_and_steps_from_verls_log():
     assert parse_val(LOG) == {0: 0.30859375, 2: 0.5}
     assert parse_steps(LOG) == 2                           # the validation-only line of step 0 trains nothing
+
+
+def test_timings_and_reward_curve_from_verls_log():
+    """bench peers: verl's per-step seconds summed over the training steps, and (step, seconds, reward) per step."""
+    assert parse_timing(LOG) == {"gen": 14.0, "update_actor": 4.0, "step": 26.5, "testing": 20.0}
+    assert parse_curve(LOG) == [(1, 12.5, 0.25), (2, 14.0, 0.375)]
 
 
 def test_r3_check_means_and_a_missing_file(tmp_path):

@@ -1,0 +1,78 @@
+"""bench peers: its refusals (one line, before anything runs), a failing peer reported alone while the others
+report, TRL's environment refused with one line when it cannot be set up, and the one evaluator's figures against
+a hand count (base vs a perturbed adapter: the control)."""
+import subprocess
+import sys
+
+import pytest
+
+from moe_lora_rl.bench.peers import PeerFailed, run_peers
+from moe_lora_rl.checks import trl_env
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--peers", "ours,trlx"], "unknown peer trlx"),
+    (["--peers", "trl"], "needs ours"),
+    (["--steps", "0"], "--steps=0"),
+    (["--eval-samples", "0"], "--eval-samples=0"),
+    (["--rollout-dtype", "fp16"], "--rollout-dtype='fp16'"),
+    (["--model", "/no/such/dir"], "/no/such/dir")])
+def test_refusals_are_one_line(args, needle):
+    p = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", "peers", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr, p.stderr
+    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_failing_peer_stops_alone():
+    calls = []
+
+    def ok(name):
+        calls.append(name)
+        return {"samples": 64}
+
+    def broken():
+        calls.append("trl")
+        raise PeerFailed("trl: its run failed (rc 1): boom")
+
+    results, errors = run_peers(["ours", "trl", "verl"], {"ours": lambda: ok("ours"), "trl": broken,
+                                                          "verl": lambda: ok("verl")})
+    assert calls == ["ours", "trl", "verl"] and set(results) == {"ours", "verl"}
+    assert errors == {"trl": "trl: its run failed (rc 1): boom"}
+    with pytest.raises(ZeroDivisionError):              # anything but a peer's failure is a defect: not swallowed
+        run_peers(["ours"], {"ours": lambda: 1 / 0})
+
+
+def test_trl_environment_that_cannot_be_set_up_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(trl_env, "TRL_VERSION", "0.0.0-none")          # no such release: pip fails
+    with pytest.raises(trl_env.PeerUnavailable, match=r"^trl: could not set up .*venv-trl") as e:
+        trl_env.ensure(tmp_path / ".venv-trl")
+    assert "\n" not in str(e.value)
+
+
+def test_one_evaluator_zero_adapter_equals_base_and_a_perturbed_one_fails(tmp_path):
+    """A fresh PEFT adapter (B = 0) scores exactly the base (same problems, samples, seeds); the same adapter with
+    B perturbed scores far lower (control: the evaluator reads the adapter)."""
+    import peft
+    import torch
+    import transformers
+
+    from moe_lora_rl.checks.peer_eval import evaluate
+    from moe_lora_rl.rl.config import TrainConfig
+    from moe_lora_rl.rl.inputs import model_dir
+
+    base = str(model_dir(TrainConfig())[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(str(tmp_path / "zero"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    lora.save_pretrained(str(tmp_path / "perturbed"))
+    kw = dict(n_eval=64, samples=2, seed=0)
+    ref = evaluate(base, None, **kw)
+    assert ref["n"] == 128 and 0.1 < ref["success"] < 0.6
+    assert evaluate(base, tmp_path / "zero", **kw) == ref
+    assert evaluate(base, tmp_path / "perturbed", **kw)["success"] < ref["success"] - 0.1
