@@ -100,6 +100,33 @@ def save_sharded(model, out_dir: str | Path) -> None:
         dist.barrier()
 
 
+def read_full(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
+    """Every adapter factor of a checkpoint saved at any layout, assembled whole (global names and shapes, fp32),
+    and its LoRA config, without a model; ValueError naming the factor when a slice is missing."""
+    from safetensors import safe_open
+
+    ckpt = Path(ckpt_dir)
+    cfg_file = ckpt / "lora_config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"{ckpt}: no lora_config.json, not a moe_lora_rl adapter checkpoint")
+    full: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("adapter-*.safetensors")):
+        with safe_open(f, "pt") as s:
+            for key, info in json.loads(s.metadata()[_META_KEY]).items():
+                t = s.get_tensor(key).float()
+                out = full.setdefault(info["name"], torch.full(info["global_shape"], float("nan")))
+                if info["dim"] is None:
+                    out.copy_(t)
+                else:
+                    out.narrow(info["dim"], info["start"], info["stop"] - info["start"]).copy_(t)
+    if not full:
+        raise ValueError(f"{ckpt}: no adapter-*.safetensors")
+    for name, t in full.items():
+        if torch.isnan(t).any():
+            raise ValueError(f"{ckpt}: adapter {name} is only partly present in the checkpoint")
+    return full, LoRAConfig.from_dict(json.loads(cfg_file.read_text()))
+
+
 @torch.no_grad()
 def load_sharded(model, ckpt_dir: str | Path) -> int:
     """Load a checkpoint saved at any layout into this rank's adapters. Checks config, names, shapes and coverage

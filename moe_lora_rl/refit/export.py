@@ -101,3 +101,13 @@ class SafetensorsWriter:
         self._f.close()
         if self._left:
             raise ValueError(f"safetensors file incomplete: {self._left} of {self.total} data bytes never written")
+
+
+def checkpoint_to_peft(ckpt_dir: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
+    """A training checkpoint's adapters (a step directory of checkpoint/store.py, saved at any layout: the main job's
+    or verl's through our engine) as a PEFT adapter of the HF checkpoint MODEL_DIR."""
+    from ..lora.state import read_full
+    from ..models.arch import load_arch
+
+    adapters, cfg = read_full(ckpt_dir)
+    return save_peft(adapters, load_arch(model_dir), cfg, out_dir, base_model=str(model_dir))

@@ -109,6 +109,34 @@ def test_replicas_crashes_and_elastic_resume_equal_the_uninterrupted_run(runs):
     assert max((ckpt_a[k] - step2[k]).abs().max().item() for k in ckpt_a) > 1e-4
 
 
+def test_a_checkpoint_exports_the_runs_peft_adapter(runs, tmp_path):
+    """refit/export.checkpoint_to_peft (how bench peers reads verl's adapters): the last checkpoint, exported, is the
+    PEFT adapter the run wrote itself (every tensor, the config); step 2's is not (control)."""
+    import json as js
+
+    from safetensors.torch import load_file
+
+    from moe_lora_rl.refit.export import checkpoint_to_peft
+
+    summary, _, _ = runs["a"]
+    root = runs["root"] / "a"
+    got = checkpoint_to_peft(root / "checkpoints" / "step-00000004", summary["model"], tmp_path / "last")
+    want, mine = load_file(root / "adapter" / "adapter_model.safetensors"), load_file(got / "adapter_model.safetensors")
+    assert want.keys() == mine.keys() and all(torch_equal(want[k], mine[k]) for k in want)
+    def cfg(d):
+        return {k: v for k, v in js.loads((d / "adapter_config.json").read_text()).items()
+                if k != "base_model_name_or_path"}
+
+    assert cfg(got) == cfg(root / "adapter")
+    early = load_file(checkpoint_to_peft(root / "checkpoints" / "step-00000002", summary["model"], tmp_path / "two")
+                      / "adapter_model.safetensors")
+    assert max((early[k] - want[k]).abs().max().item() for k in want) > 1e-4
+
+
+def torch_equal(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
 def stored(step_dir: Path) -> dict:
     """Every tensor of a checkpoint's adapter shards, keyed by shard file and name."""
     from safetensors.torch import load_file
