@@ -51,6 +51,7 @@ class AsyncGRPORun(GRPORun):
                 if self.eval_due(step + 1):
                     evals[step + 1] = m["eval"] = self.evaluate(self._eval_version(), after_restart=self.pipe_recover)
                 m["wall_s"] = time.perf_counter() - self.t_rl
+                m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
                 history.append(m)
                 self.log.log(step + 1, m)
                 if self.checkpoint_due(step + 1):

@@ -375,6 +375,7 @@ class GRPORun:
                 evals[step + 1] = m["eval"] = self.evaluate()
                 m.update(length_percentiles(self.eval_lens, "eval_len_"))
             m["wall_s"] = time.perf_counter() - self.t_rl
+            m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
             history.append(m)
             self.log.log(step + 1, m)
             if self.checkpoint_due(step + 1):
