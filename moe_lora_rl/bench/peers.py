@@ -16,161 +16,13 @@ to start is reported in `errors` with one line; the others still run.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from .common import emit
 
 PEERS = ("ours", "ours_async", "trl", "verl")
-PROMPTS, GROUP = 8, 8
-
-
-class PeerFailed(RuntimeError):
-    """One line: which peer and why."""
-
-
-def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rollout_dtype: str,
-             reuse: bool) -> dict:
-    from ..checks.train_runs import finish_train, start_train
-
-    if not reuse:
-        extra = [f"steps={steps}", f"seed={seed}", f"mode={mode}", f"eval_every={steps}",
-                 f"runtime.rollout_dtype={rollout_dtype}"]
-        if model:
-            extra.append(f"model.path={model}")
-        t0 = time.perf_counter()
-        p = start_train(out, extra)
-        try:
-            finish_train(p, out, timeout=3600)
-        except AssertionError as e:
-            raise PeerFailed(f"{out.name}: the main job failed: {str(e).strip().splitlines()[-1][:200]}") from None
-        (out / "total_s").write_text(f"{time.perf_counter() - t0:.1f}\n")
-    if not (out / "summary.json").exists():
-        raise PeerFailed(f"{out.name}: no finished run in {out}")
-    summary = json.loads((out / "summary.json").read_text())
-    from safetensors import safe_open
-
-    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
-        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-        expert = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if ".experts." in k)
-    return {"adapter": out / "adapter", "samples": summary["steps"] * PROMPTS * GROUP,
-            "loop_s": summary["wall_s"] - summary["eval_s"], "total_s": float((out / "total_s").read_text()),
-            "own_eval_end": summary["eval_end"], "curve": _ours_curve(out),
-            "bytes_per_step": summary["refit_bytes_per_step"], "trainable_params": params,
-            "trainable_expert_params": expert,
-            "time_split_s": {"rollout": summary["rollout_busy_frac"] * summary["wall_s"],
-                             "train": summary["train_busy_frac"] * summary["wall_s"], "eval": summary["eval_s"]},
-            "settings": {"mode": summary["mode"], "steps": summary["steps"], "seed": seed,
-                         "replay": summary["replay"], "rollout_dtype": rollout_dtype, "serving": summary["serving"],
-                         "layout": summary["layout"], "rollout": "vLLM (CPU)"}}
-
-
-def _ours_curve(out: Path) -> list[list[float]]:
-    """[loop seconds, reward] per step: the run's seconds, evaluation left out."""
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return [[r["wall_s"] - r["eval_s"], r["reward"]] for r in rows if r["step"] >= 1 and "reward" in r]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool) -> dict:
-    from ..checks.launch import worker_env
-    from ..checks.trl_env import PeerUnavailable, ensure
-
-    if not reuse:
-        try:
-            py = ensure()
-        except PeerUnavailable as e:
-            raise PeerFailed(str(e)) from None
-        t0 = time.perf_counter()
-        p = subprocess.run([str(py), "-m", "moe_lora_rl.checks.trl_grpo", "--model", model, "--lora-config",
-                            str(lora_config), "--out", str(out), "--steps", str(steps), "--seed", str(seed),
-                            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP)],
-                           capture_output=True, text=True, env=worker_env(), timeout=7200)
-        if p.returncode != 0:
-            why = (p.stderr.strip().splitlines() or ["no output"])[-1]
-            raise PeerFailed(f"trl: its run failed (rc {p.returncode}): {why[:200]}")
-        (out / "total_s").write_text(f"{time.perf_counter() - t0:.1f}\n")
-    if not (out / "summary.json").exists():
-        raise PeerFailed(f"trl: no finished run in {out}")
-    s = json.loads((out / "summary.json").read_text())
-    return {"adapter": out / "adapter", "samples": s["samples"], "loop_s": s["wall_s"],
-            "total_s": float((out / "total_s").read_text()), "bytes_per_step": 0,
-            "versions": s["versions"], "settings": s["settings"],
-            "curve": [[sum(s["step_times"][:i + 1]), r] for i, r in enumerate(s["reward_curve"])],
-            "trainable_params": s["trainable_params"], "trainable_expert_params": s["trainable_expert_params"]}
-
-
-def run_verl(out: Path, model: str | None, steps: int, rollout_dtype: str, reuse: bool) -> dict:
-    from ..checks.verl_runs import run
-
-    overrides = [f"actor_rollout_ref.rollout.dtype={rollout_dtype}", f"trainer.save_freq={steps}",
-                 f"trainer.default_local_dir={out / 'ckpt'}"]
-    try:
-        r = run(out, overrides, steps=steps, test_freq=steps, model=model, reuse=reuse)
-    except RuntimeError as e:
-        raise PeerFailed(f"verl: {str(e).splitlines()[0][:200]}") from None
-    from importlib.metadata import version
-
-    val, t = r["val"], r["timing"]
-    if "step" not in t:
-        raise PeerFailed(f"verl: {out / 'run.log'} logs no timing_s/step")
-    return {"adapter": _verl_adapter(out, model), "checkpoint": str(_last_checkpoint(out / "ckpt")),
-            "samples": r["steps"] * PROMPTS * GROUP, "loop_s": t["step"], "total_s": r["wall_s"],
-            "time_split_s": {k: t[k] for k in ("gen", "old_log_prob", "update_actor", "update_weights", "testing")
-                             if k in t},
-            "curve": [[sum(c[1] for c in r["curve"][:i + 1]), c[2]] for i, c in enumerate(r["curve"])],
-            "own_eval_start": val.get(0), "own_eval_end": val.get(max(val)) if val else None,
-            "versions": {"verl": version("verl")},
-            "settings": {"script": "recipes/verl_moe_lora/run_cpu_learn.sh", "steps": steps,
-                         "rollout_dtype": rollout_dtype,
-                         "own_eval": "verl's validation, greedy, 256 problems",
-                         "loop_s": "the sum of verl's timing_s/step (start-up and validations in total_s)"}}
-
-
-def _last_checkpoint(root: Path) -> Path:
-    """The step directory our engine saved at verl's last save (root/global_step_N/actor/step-N)."""
-    found = sorted(root.glob("global_step_*/actor/step-*/manifest.json"),
-                   key=lambda f: int(f.parts[-4].removeprefix("global_step_")))
-    if not found:
-        raise PeerFailed(f"verl: no checkpoint of our engine under {root} (trainer.save_freq)")
-    return found[-1].parent
-
-
-def _verl_adapter(out: Path, model: str | None) -> Path:
-    """verl's final adapters as a PEFT adapter (refit/export.checkpoint_to_peft), for the one evaluator."""
-    from ..refit.export import checkpoint_to_peft
-
-    if not (out / "adapter" / "adapter_model.safetensors").exists():
-        from ..rl.config import TrainConfig
-        from ..rl.inputs import model_dir
-
-        checkpoint_to_peft(_last_checkpoint(out / "ckpt"), model or model_dir(TrainConfig())[0], out / "adapter")
-    return out / "adapter"
-
-
-def run_peers(names, runners: dict) -> tuple[dict, dict]:
-    """Each named peer's result, and {peer: one line} for those that failed; a failure stops that peer alone."""
-    from ..checks.peak_rss import PeakChildrenRss
-
-    results, errors = {}, {}
-    for name in names:
-        try:
-            with PeakChildrenRss() as peak:
-                results[name] = runners[name]()
-            results[name]["peak_rss_mb"] = peak.mb or None          # None: a reused run, not measured
-        except PeerFailed as e:
-            errors[name] = str(e)
-    return results, errors
 
 
 def main(argv=None) -> dict:
@@ -208,6 +60,7 @@ def main(argv=None) -> dict:
         raise ValueError(f"--model {a.model}: not a directory")
 
     from ..checks.peer_eval import evaluate
+    from ..checks.peer_runs import GROUP, PROMPTS, run_ours, run_peers, run_trl, run_verl
     from ..rl.config import TrainConfig
     from ..rl.inputs import model_dir
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from moe_lora_rl.bench.peers import PeerFailed, run_peers
+from moe_lora_rl.checks.peer_runs import PeerFailed, run_peers
 from moe_lora_rl.checks import trl_env
 
 
