@@ -52,23 +52,23 @@ def verl_learning_png(png, curve: dict, curve_lr0: dict, main_job_dir=None) -> P
     return save(fig, "The sort task, warm-started glm4_moe wide, GRPO 8x8, LoRA r8, R3", Path(png))
 
 
-def peers_png(png: Path, curves: dict, result: dict) -> Path:
-    """bench peers: each run's training reward (a 10-step running mean) against its training loop's seconds, the
-    one evaluator's held-out success at the end in the legend."""
-    fig, (ax, info) = panels(1, 2, size=(12, 4.5))
-    for name, curve in curves.items():
-        if not curve:
-            continue
-        t = [c[0] for c in curve]
+def peers_png(png: Path, rewards: dict, evals: dict, result: dict) -> Path:
+    """bench peers: against each training loop's seconds, the one evaluator's held-out success of each saved adapter
+    and the training reward (a 10-step running mean); the loops' samples per second."""
+    fig, (held, train, speed) = panels(1, 3, size=(15, 4.5))
+    for name, curve in evals.items():
+        held.plot([c[1] for c in curve], [c[2] for c in curve], marker="o", label=name)
+    held.axhline(result["target"], color="grey", lw=0.8, ls="--", label=f"target {result['target']:.3f}")
+    style(held, "held-out success (one evaluator: HF + peft, T=1)")
+    for name, curve in rewards.items():
         r = [c[1] for c in curve]
         smooth = [sum(r[max(0, i - 9):i + 1]) / len(r[max(0, i - 9):i + 1]) for i in range(len(r))]
-        end = result.get(f"eval_{name}")
-        label = name + (f" (held-out {end:.3f} at the end)" if end is not None else "")
-        ax.plot(t, smooth, label=label)
-    style(ax, f"training reward, {result['samples']} samples each (10-step mean)")
-    ax.set_xlabel("seconds of the training loop (start-up and evaluation left out)")
-    names = [n for n in curves if result.get(f"{n}_samples_per_s")]
-    info.bar(names, [result[f"{n}_samples_per_s"] for n in names])
-    info.set_title("samples per second of the training loop", fontsize=10)
-    info.grid(alpha=0.3, axis="y")
-    return save(fig, "ours, TRL and verl on the same model, task and budget", png)
+        train.plot([c[0] for c in curve], smooth, label=name)
+    style(train, "training reward (10-step mean)")
+    for ax in (held, train):
+        ax.set_xlabel("seconds of the training loop")
+    names = [n for n in rewards if result.get(f"{n}_samples_per_s")]
+    speed.bar(names, [result[f"{n}_samples_per_s"] for n in names])
+    speed.set_title("samples per second of the training loop", fontsize=10)
+    speed.grid(alpha=0.3, axis="y")
+    return save(fig, f"ours, TRL and verl: the same model, task and budget ({result['samples']} samples each)", png)

@@ -37,7 +37,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rollout-dtype", default="float32",
                     help="ours' and verl's rollout dtype (float32: the faster on CPUs without bf16 instructions; "
                          "TRL samples from its fp32 trained model)")
-    ap.add_argument("--png", default=None, help="plot each run's training reward against its loop time here")
+    ap.add_argument("--eval-every", type=int, default=20, help="each run's adapter saved and evaluated every N steps")
+    ap.add_argument("--target", type=float, default=None,
+                    help="held-out success whose loop seconds are reported (default: the start's + 0.1)")
+    ap.add_argument("--png", default=None, help="plot held-out success and training reward against loop time here")
     ap.add_argument("--reuse", action="store_true", help="read the finished runs in --out instead of running them")
     ap.add_argument("--out", default=None, help="directory of the runs (default: a temporary one, removed)")
     a = ap.parse_args(argv)
@@ -49,9 +52,13 @@ def main(argv=None) -> dict:
     if "trl" in names and "ours" not in names:
         raise ValueError("--peers with trl needs ours: TRL trains the LoRA our main job exports "
                          "(its adapter_config.json)")
-    for k in ("steps", "n_eval", "eval_samples"):
+    for k in ("steps", "n_eval", "eval_samples", "eval_every"):
         if getattr(a, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')}={getattr(a, k)} must be >= 1")
+    if a.eval_every > a.steps:
+        raise ValueError(f"--eval-every={a.eval_every} is more than --steps={a.steps}")
+    if a.target is not None and not 0 < a.target <= 1:
+        raise ValueError(f"--target={a.target} must be in (0, 1]")
     if a.reuse and not a.out:
         raise ValueError("--reuse reads the runs of --out DIR: give --out")
     if a.rollout_dtype not in ("float32", "bfloat16"):
@@ -68,26 +75,35 @@ def main(argv=None) -> dict:
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_peers_"))
     root.mkdir(parents=True, exist_ok=True)
     runners = {
-        "ours": lambda: run_ours(root / "ours", a.model, a.steps, a.seed, "sync", a.rollout_dtype, a.reuse),
+        "ours": lambda: run_ours(root / "ours", a.model, a.steps, a.seed, "sync", a.rollout_dtype, a.reuse,
+                                 a.eval_every),
         "ours_async": lambda: run_ours(root / "ours_async", a.model, a.steps, a.seed, "async", a.rollout_dtype,
-                                       a.reuse),
+                                       a.reuse, a.eval_every),
         "trl": lambda: run_trl(root / "trl", model, a.steps, a.seed, root / "ours" / "adapter" / "adapter_config.json",
-                              a.reuse),
-        "verl": lambda: run_verl(root / "verl", a.model, a.steps, a.rollout_dtype, a.reuse)}
+                              a.reuse, a.eval_every),
+        "verl": lambda: run_verl(root / "verl", a.model, a.steps, a.rollout_dtype, a.reuse, a.eval_every)}
     try:
         results, errors = run_peers(names, runners)
 
         def ev(adapter):
             return evaluate(model, adapter, n_eval=a.n_eval, samples=a.eval_samples, seed=a.seed)["success"]
 
-        out = {"model": model, "samples": a.steps * PROMPTS * GROUP, "eval_start": ev(None)}
+        start = ev(None)
+        target = a.target if a.target is not None else round(start + 0.1, 3)
+        out = {"model": model, "samples": a.steps * PROMPTS * GROUP, "eval_start": start, "target": target}
+        curves = {}
         for name in PEERS:
             r = results.get(name)
             out[f"{name}_samples_per_s"] = r["samples"] / r["loop_s"] if r else None
             out[f"{name}_peak_rss_mb"] = r["peak_rss_mb"] if r else None
-            out[f"eval_{name}"] = ev(r["adapter"]) if r and r["adapter"] is not None else None
+            if r:                     # [step, loop seconds, held-out success]: the start, each saved adapter
+                curves[name] = [[0, 0.0, start]] + [[k, t, ev(d)] for k, t, d in r["points"]]
+            out[f"eval_{name}"] = curves[name][-1][2] if r else None
+            out[f"{name}_eval_curve"] = curves.get(name)
+            out[f"{name}_s_to_target"] = next((t for _, t, e in curves.get(name, []) if e >= target), None)
             if r:
-                out[name] = {k: (str(v) if isinstance(v, Path) else v) for k, v in r.items() if k != "curve"}
+                out[name] = {k: (str(v) if isinstance(v, Path) else v) for k, v in r.items()
+                             if k not in ("curve", "points")}
         for name in ("trl", "verl"):
             if out["ours_samples_per_s"] and out[f"{name}_samples_per_s"]:
                 out[f"ours_vs_{name}_speed"] = out["ours_samples_per_s"] / out[f"{name}_samples_per_s"]
@@ -95,9 +111,10 @@ def main(argv=None) -> dict:
         if a.png:
             from .figures import peers_png
 
-            peers_png(Path(a.png), {n: r["curve"] for n, r in results.items()}, out)
+            peers_png(Path(a.png), {n: r["curve"] for n, r in results.items()}, curves, out)
         out["evaluator"] = {"n_eval": a.n_eval, "samples": a.eval_samples, "temperature": 1.0, "dtype": "float32",
-                            "by": "HF transformers + peft (merged), moe_lora_rl.peers.evaluate"}
+                            "by": "HF transformers + peft (merged), moe_lora_rl.checks.peer_eval",
+                            "every": a.eval_every}
     finally:
         if not a.out:
             shutil.rmtree(root, ignore_errors=True)

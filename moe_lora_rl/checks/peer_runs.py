@@ -20,12 +20,12 @@ class PeerFailed(RuntimeError):
 
 
 def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rollout_dtype: str,
-             reuse: bool) -> dict:
+             reuse: bool, every: int) -> dict:
     from .train_runs import finish_train, start_train
 
     if not reuse:
         extra = [f"steps={steps}", f"seed={seed}", f"mode={mode}", f"eval_every={steps}",
-                 f"runtime.rollout_dtype={rollout_dtype}"]
+                 f"runtime.rollout_dtype={rollout_dtype}", f"checkpoint_every={every}"]
         if model:
             extra.append(f"model.path={model}")
         t0 = time.perf_counter()
@@ -43,8 +43,10 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
         params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
         expert = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if ".experts." in k)
-    return {"adapter": out / "adapter", "samples": summary["steps"] * PROMPTS * GROUP,
-            "loop_s": summary["wall_s"] - summary["eval_s"], "total_s": float((out / "total_s").read_text()),
+    loop = summary["wall_s"] - summary["eval_s"]
+    return {"adapter": out / "adapter", "samples": summary["steps"] * PROMPTS * GROUP, "loop_s": loop,
+            "points": _ours_points(out, summary["model"]) + [[summary["steps"], loop, out / "adapter"]],
+            "total_s": float((out / "total_s").read_text()),
             "own_eval_end": summary["eval_end"], "curve": _ours_curve(out),
             "bytes_per_step": summary["refit_bytes_per_step"], "trainable_params": params,
             "trainable_expert_params": expert,
@@ -53,6 +55,25 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
             "settings": {"mode": summary["mode"], "steps": summary["steps"], "seed": seed,
                          "replay": summary["replay"], "rollout_dtype": rollout_dtype, "serving": summary["serving"],
                          "layout": summary["layout"], "rollout": "vLLM (CPU)"}}
+
+
+def _ours_points(out: Path, model: str) -> list[list]:
+    """[step, loop seconds, PEFT adapter] of each checkpoint before the last step (refit/export.checkpoint_to_peft)."""
+    from ..checkpoint.plan import step_of
+    from ..refit.export import checkpoint_to_peft
+
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r}
+    last = max(rows)
+    points = []
+    for d in sorted((out / "checkpoints").glob("step-*")):
+        k = step_of(d.name)
+        if k is None or k >= last or not (d / "manifest.json").exists():
+            continue
+        dest = out / "adapters" / f"step-{k}"
+        if not (dest / "adapter_model.safetensors").exists():
+            checkpoint_to_peft(d, model, dest)
+        points.append([k, rows[k]["wall_s"] - rows[k]["eval_s"], dest])
+    return points
 
 
 def _ours_curve(out: Path) -> list[list[float]]:
@@ -68,7 +89,7 @@ def _numel(shape) -> int:
     return n
 
 
-def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool) -> dict:
+def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool, every: int) -> dict:
     from .launch import worker_env
     from .trl_env import PeerUnavailable, ensure
 
@@ -80,7 +101,7 @@ def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reu
         t0 = time.perf_counter()
         p = subprocess.run([str(py), "-m", "moe_lora_rl.checks.trl_grpo", "--model", model, "--lora-config",
                             str(lora_config), "--out", str(out), "--steps", str(steps), "--seed", str(seed),
-                            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP)],
+                            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--save-every", str(every)],
                            capture_output=True, text=True, env=worker_env(), timeout=7200)
         if p.returncode != 0:
             why = (p.stderr.strip().splitlines() or ["no output"])[-1]
@@ -89,17 +110,20 @@ def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reu
     if not (out / "summary.json").exists():
         raise PeerFailed(f"trl: no finished run in {out}")
     s = json.loads((out / "summary.json").read_text())
+    times = s["step_times"]
+    points = [[k, sum(times[:k]), out / "trainer" / f"checkpoint-{k}"] for k in range(every, s["steps"], every)]
     return {"adapter": out / "adapter", "samples": s["samples"], "loop_s": s["wall_s"],
+            "points": points + [[s["steps"], s["wall_s"], out / "adapter"]],
             "total_s": float((out / "total_s").read_text()), "bytes_per_step": 0,
             "versions": s["versions"], "settings": s["settings"],
             "curve": [[sum(s["step_times"][:i + 1]), r] for i, r in enumerate(s["reward_curve"])],
             "trainable_params": s["trainable_params"], "trainable_expert_params": s["trainable_expert_params"]}
 
 
-def run_verl(out: Path, model: str | None, steps: int, rollout_dtype: str, reuse: bool) -> dict:
+def run_verl(out: Path, model: str | None, steps: int, rollout_dtype: str, reuse: bool, every: int) -> dict:
     from .verl_runs import run
 
-    overrides = [f"actor_rollout_ref.rollout.dtype={rollout_dtype}", f"trainer.save_freq={steps}",
+    overrides = [f"actor_rollout_ref.rollout.dtype={rollout_dtype}", f"trainer.save_freq={every}",
                  f"trainer.default_local_dir={out / 'ckpt'}"]
     try:
         r = run(out, overrides, steps=steps, test_freq=steps, model=model, reuse=reuse)
@@ -111,6 +135,7 @@ def run_verl(out: Path, model: str | None, steps: int, rollout_dtype: str, reuse
     if "step" not in t:
         raise PeerFailed(f"verl: {out / 'run.log'} logs no timing_s/step")
     return {"adapter": _verl_adapter(out, model), "checkpoint": str(_last_checkpoint(out / "ckpt")),
+            "points": _verl_points(out, model, r["curve"]),
             "samples": r["steps"] * PROMPTS * GROUP, "loop_s": t["step"], "total_s": r["wall_s"],
             "time_split_s": {k: t[k] for k in ("gen", "old_log_prob", "update_actor", "update_weights", "testing")
                              if k in t},
@@ -123,25 +148,43 @@ def run_verl(out: Path, model: str | None, steps: int, rollout_dtype: str, reuse
                          "loop_s": "the sum of verl's timing_s/step (start-up and validations in total_s)"}}
 
 
-def _last_checkpoint(root: Path) -> Path:
-    """The step directory our engine saved at verl's last save (root/global_step_N/actor/step-N)."""
-    found = sorted(root.glob("global_step_*/actor/step-*/manifest.json"),
-                   key=lambda f: int(f.parts[-4].removeprefix("global_step_")))
+def _verl_checkpoints(root: Path) -> dict[int, Path]:
+    """{verl's global step: the step directory our engine saved there} (root/global_step_N/actor/step-N)."""
+    found = {int(f.parts[-4].removeprefix("global_step_")): f.parent
+             for f in root.glob("global_step_*/actor/step-*/manifest.json")}
     if not found:
         raise PeerFailed(f"verl: no checkpoint of our engine under {root} (trainer.save_freq)")
-    return found[-1].parent
+    return found
 
 
-def _verl_adapter(out: Path, model: str | None) -> Path:
-    """verl's final adapters as a PEFT adapter (refit/export.checkpoint_to_peft), for the one evaluator."""
+def _last_checkpoint(root: Path) -> Path:
+    found = _verl_checkpoints(root)
+    return found[max(found)]
+
+
+def _as_peft(ckpt: Path, model: str | None, dest: Path) -> Path:
+    """verl's adapters of one checkpoint as a PEFT adapter (refit/export.checkpoint_to_peft), for the one evaluator."""
     from ..refit.export import checkpoint_to_peft
 
-    if not (out / "adapter" / "adapter_model.safetensors").exists():
+    if not (dest / "adapter_model.safetensors").exists():
         from ..rl.config import TrainConfig
         from ..rl.inputs import model_dir
 
-        checkpoint_to_peft(_last_checkpoint(out / "ckpt"), model or model_dir(TrainConfig())[0], out / "adapter")
-    return out / "adapter"
+        checkpoint_to_peft(ckpt, model or model_dir(TrainConfig())[0], dest)
+    return dest
+
+
+def _verl_adapter(out: Path, model: str | None) -> Path:
+    return _as_peft(_last_checkpoint(out / "ckpt"), model, out / "adapter")
+
+
+def _verl_points(out: Path, model: str | None, curve) -> list[list]:
+    """[step, loop seconds (verl's timing_s/step summed to that step), PEFT adapter] of each saved step."""
+    found = _verl_checkpoints(out / "ckpt")
+    last = max(found)
+    return [[k, sum(c[1] for c in curve if c[0] <= k),
+             out / "adapter" if k == last else _as_peft(found[k], model, out / "adapters" / f"step-{k}")]
+            for k in sorted(found)]
 
 
 def run_peers(names, runners: dict) -> tuple[dict, dict]:

@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="the PEFT adapter every N steps (OUT/trainer/checkpoint-N)")
     a = ap.parse_args(argv)
 
     import datasets
@@ -77,7 +79,9 @@ def main(argv=None) -> int:
         adam_beta2=0.99, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1,
         temperature=1.0, top_p=1.0, top_k=0, max_completion_length=a.max_tokens, seed=a.seed, use_cpu=True,
-        bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        bf16=False, fp16=False, logging_steps=1,
+        save_strategy="steps" if a.save_every else "no", save_steps=a.save_every or 500, save_only_model=True,
+        report_to="none", disable_tqdm=True,
         model_init_kwargs={"dtype": torch.float32})
     trainer = trl.GRPOTrainer(model=a.model, reward_funcs=reward, args=cfg, train_dataset=data,
                               processing_class=tok, peft_config=lora)
