@@ -1,6 +1,7 @@
 """bench peers: its refusals (one line, before anything runs), a failing peer reported alone while the others
-report, TRL's environment refused with one line when it cannot be set up, and the one evaluator's figures against
-a hand count (base vs a perturbed adapter: the control)."""
+report, TRL's environment refused with one line when it cannot be set up, and the one evaluator: a fresh adapter
+scores exactly what the base scores, a perturbed one far lower (the control)."""
+import re
 import subprocess
 import sys
 
@@ -16,12 +17,29 @@ from moe_lora_rl.checks import trl_env
     (["--steps", "0"], "--steps=0"),
     (["--eval-samples", "0"], "--eval-samples=0"),
     (["--rollout-dtype", "fp16"], "--rollout-dtype='fp16'"),
+    (["--eval-every", "0"], "--eval-every=0"),
+    (["--steps", "10", "--eval-every", "20"], "--eval-every=20 is more than --steps=10"),
+    (["--target", "1.5"], "--target=1.5"),
+    (["--reuse"], "--reuse reads the runs of --out"),
     (["--model", "/no/such/dir"], "/no/such/dir")])
-def test_refusals_are_one_line(args, needle):
-    p = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", "peers", *args], capture_output=True, text=True,
-                       timeout=120)
+def test_refusals_before_anything_runs(args, needle, monkeypatch):
+    from moe_lora_rl.bench import peers
+    from moe_lora_rl.checks import peer_runs
+
+    def never(*a, **k):
+        raise AssertionError("a peer ran")
+
+    monkeypatch.setattr(peer_runs, "run_peers", never)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        peers.main(args)
+
+
+def test_a_refusal_is_one_line_of_the_cli():
+    p = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", "peers", "--peers", "ours,trlx"],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr, p.stderr
-    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.strip() == "bench peers: error: --peers 'ours,trlx': unknown peer trlx; choose from ours, " \
+                               "ours_async, trl, verl", p.stderr
 
 
 def test_a_failing_peer_stops_alone():
