@@ -8,6 +8,7 @@ directory (reuse=True). A peer that fails raises PeerFailed with one line; run_p
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -41,8 +42,8 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
     from safetensors import safe_open
 
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
-        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-        expert = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if ".experts." in k)
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        expert = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if ".experts." in k)
     loop = summary["wall_s"] - summary["eval_s"]
     return {"adapter": out / "adapter", "samples": summary["steps"] * PROMPTS * GROUP, "loop_s": loop,
             "points": _ours_points(out, summary["model"]) + [[summary["steps"], loop, out / "adapter"]],
@@ -80,13 +81,6 @@ def _ours_curve(out: Path) -> list[list[float]]:
     """[loop seconds, reward] per step: the run's seconds, evaluation left out."""
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
     return [[r["wall_s"] - r["eval_s"], r["reward"]] for r in rows if r["step"] >= 1 and "reward" in r]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool, every: int) -> dict:
