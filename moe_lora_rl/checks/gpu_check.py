@@ -2,7 +2,7 @@
 between two processes, each against the CPU result; one JSON line. Run by scripts/gpu_check.sh (docs/setup.md,
 "GPU check"):
 
-    python -m moe_lora_rl.checks.gpu_check [--parts replay,ipc] [--backend mixed|nccl] [--bucket-mib 2] [--probe]
+    python -m moe_lora_rl.checks.gpu_check [--parts replay,ipc] [--bucket-mib 2] [--probe]
 
 replay  two processes (checks/gpu_check_worker.py) run the same case at world size 1: CUDA in bf16 (NCCL) and the
         CPU in fp32 (gloo, CUDA hidden), concurrently. Compared over the tokens that carry routes: logits (the worst
@@ -35,7 +35,6 @@ import time
 
 EXIT_PASS, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 2
 PARTS = ("replay", "ipc")
-BACKENDS = ("mixed", "nccl")
 CONTROL_FACTOR = 4             # a control must miss the reference by more than 4x the tolerance (test_bf16.py)
 STEP_FRACTION = 0.01           # where no gradient sign can flip, the adapters after the step agree to 1% of lr
 
@@ -44,8 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gpu_check", description="megatron-core R3 + LoRA on CUDA and a CUDA IPC "
                                  "bucket handoff, each against the CPU; one JSON line")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
-    ap.add_argument("--backend", choices=BACKENDS, default="mixed", help="the CUDA case's process group: mixed = "
-                    "cpu:gloo,cuda:nccl (default); nccl = NCCL only (RunConfig's own group)")
     ap.add_argument("--bucket-mib", type=int, default=2, help="IPC bucket size in MiB (the payload is 7.6 MiB)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for each process of the replay part")
     ap.add_argument("--probe", action="store_true", help="only say whether this machine can run the check: the "
@@ -157,7 +154,7 @@ def run_replay(a: argparse.Namespace) -> dict:
         procs, t0 = {}, time.perf_counter()
         for key, (device, dtype, env) in cases.items():
             cmd = [sys.executable, "-m", "moe_lora_rl.checks.gpu_check_worker", "--device", device, "--dtype", dtype,
-                   "--backend", a.backend, "--out", os.path.join(d, f"{key}.pt")]
+                   "--out", os.path.join(d, f"{key}.pt")]
             log = open(os.path.join(d, f"{key}.log"), "w")
             procs[key] = (subprocess.Popen(cmd, env={**worker_env(), **env}, stdout=log, stderr=subprocess.STDOUT),
                           log)
@@ -173,7 +170,7 @@ def run_replay(a: argparse.Namespace) -> dict:
             return {"pass": False, "error": "; ".join(f"{k} case exit {rc}: {_last_error(os.path.join(d, k + '.log'))}"
                                                       for k, rc in failed.items())}
         got, ref = (torch.load(os.path.join(d, f"{k}.pt"), weights_only=False) for k in ("cuda", "cpu"))
-    return {**compare_replay(got, ref, list(LENGTHS)), "backend": a.backend,
+    return {**compare_replay(got, ref, list(LENGTHS)), "backend": got["backend"],
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -181,7 +178,7 @@ def _last_error(path: str) -> str:
     """The last line of a failed process's log that names an error (else its last line), for the JSON line."""
     with open(path, errors="replace") as f:
         lines = [l.strip() for l in f if l.strip()]
-    hits = [l for l in lines if "Error" in l or "error" in l]
+    hits = [l for l in lines if any(w in l for w in ("Error", "error", "Exception")) and "Warning" not in l]
     return (hits or lines or ["(no output)"])[-1][-400:]
 
 

@@ -22,30 +22,18 @@ from .fakes import FakeEngine
 
 LR = 1e-3
 LAYOUT = "tp1ep1pp1"
-# The process group of the CUDA case: NCCL for CUDA tensors (megatron-core's collectives), gloo for the CPU tensors
-# that the training core reduces (logprob rows, loss statistics, route counts); a group that has NCCL only has no
-# backend for CPU tensors.
-CUDA_BACKENDS = {"mixed": "cpu:gloo,cuda:nccl", "nccl": "nccl"}
 
 
-def _init(rc, backend: str) -> None:
-    """Process group (world size 1, in-memory store) and megatron-core's parallel state for tp1ep1pp1."""
-    import datetime
-
-    import torch.distributed as dist
-
+def _init(rc) -> None:
+    """Process group (world size 1, in-memory store; RunConfig's own backend: gloo on the CPU, cpu:gloo,cuda:nccl
+    on CUDA) and megatron-core's parallel state for tp1ep1pp1."""
     from ..megatron.layout import Layout
     from ..megatron.parallel import init_distributed
 
-    if rc.device == "cuda":
-        torch.cuda.set_device(0)
-        if backend == "mixed":          # "nccl": init_distributed's own process group (rc.backend)
-            dist.init_process_group(backend=CUDA_BACKENDS["mixed"], store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=datetime.timedelta(minutes=5))
     init_distributed(Layout.parse(LAYOUT), rc)
 
 
-def replay_case(rc, backend: str = "mixed") -> dict:
+def replay_case(rc) -> dict:
     """The case described in the module docstring; every tensor returned on the CPU in fp32 (routes replayed, so
     the same computation on any device)."""
     from .adapters import randomize_adapters
@@ -58,7 +46,7 @@ def replay_case(rc, backend: str = "mixed") -> dict:
     from ..policy.training import TrainingCore
     from .policy_update_worker import make_batch
 
-    _init(rc, backend)
+    _init(rc)
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("all",), adapter_layout="per_expert", dtype="float32")
     core = TrainingCore(str(get_model("glm4_moe", "tiny")), Layout.parse(LAYOUT), rc, lora,
                         adamw=dict(lr=LR, weight_decay=0.0))
@@ -95,7 +83,7 @@ def replay_case(rc, backend: str = "mixed") -> dict:
         return {"loss": float(res.outputs[0]["loss"]), "grad_norm": step.grad_norm, "skipped": step.skipped,
                 "grads": gather_adapters(core.model, grads=True), "adapters": gather_adapters(core.model)}
 
-    out = {"device": rc.device, "dtype": rc.dtype, "lr": LR}
+    out = {"device": rc.device, "dtype": rc.dtype, "backend": rc.backend, "lr": LR}
     out["logits"], out["logprobs"], out["token_disagreement"] = forward(batch.routes)
     out["shuffled_logits"], out["shuffled_logprobs"], _ = forward(shuffled)
     before = gather_adapters(core.model)
@@ -162,13 +150,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="one replay + LoRA step case of the GPU check")
     ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), required=True)
-    ap.add_argument("--backend", choices=tuple(CUDA_BACKENDS), default="mixed",
-                    help="CUDA only: mixed = cpu:gloo,cuda:nccl; nccl = RunConfig's own NCCL-only group")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     rc = RunConfig(device=a.device, dtype=a.dtype)
     prepare_host(rc)
-    torch.save(replay_case(rc, a.backend), a.out)
+    torch.save(replay_case(rc), a.out)
 
 
 if __name__ == "__main__":

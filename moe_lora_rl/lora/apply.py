@@ -124,6 +124,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
              None: 1}
     dtype = _DTYPES[cfg.dtype]
+    device = next(model.parameters()).device             # the adapters live where the base weights do
     shared: dict[str, nn.Parameter] = {}
     adapters = []
     for p in plans:                                     # build everything first; attach only if all succeeded
@@ -132,11 +133,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
             if is_shared:
                 if meta.global_name not in shared:
                     shared[meta.global_name] = make_factor(meta, ranks[meta.group], sizes[meta.group], init=init,
-                                                           seed=cfg.init_seed, dtype=dtype)
+                                                           seed=cfg.init_seed, dtype=dtype, device=device)
                 facs.append((shared[meta.global_name], False))
             else:
                 facs.append((make_factor(meta, ranks[meta.group], sizes[meta.group], init=init, seed=cfg.init_seed,
-                                         dtype=dtype), True))
+                                         dtype=dtype, device=device), True))
         (A, own_A), (B, own_B) = facs
         tp_group = ps.get_tensor_model_parallel_group() if p.rule.seq_comm else None
         adapters.append((p, LoRAAdapter(p.rule, cfg.scale, cfg.dropout, A, B, own_A, own_B, tp_group)))

@@ -42,8 +42,10 @@ def seeded_uniform(shape: tuple[int, ...], bound: float, seed: int, name: str) -
     return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).mul(bound).float()
 
 
-def make_factor(meta: FactorMeta, rank: int, size: int, *, init: str, seed: int, dtype: torch.dtype) -> nn.Parameter:
-    """Build the local shard of a factor from its global initialisation (layout-independent)."""
+def make_factor(meta: FactorMeta, rank: int, size: int, *, init: str, seed: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> nn.Parameter:
+    """Build the local shard of a factor from its global initialisation (layout- and device-independent: drawn on
+    the CPU, then placed on `device`, the base weights' device)."""
     if init == "zeros":
         full = torch.zeros(meta.global_shape)
     else:  # kaiming-uniform(a=sqrt(5)) on fan_in, as nn.Linear / PEFT's LoRA A
@@ -52,7 +54,7 @@ def make_factor(meta: FactorMeta, rank: int, size: int, *, init: str, seed: int,
     if meta.shard_dim is not None:
         full = full.chunk(size, dim=meta.shard_dim)[rank]
     local = full.reshape(meta.local_shape(size)).contiguous()
-    p = nn.Parameter(local.to(dtype))
+    p = nn.Parameter(local.to(device=device, dtype=dtype))
     p.lora_meta = meta
     return p
 

@@ -10,6 +10,9 @@ from .layout import Layout
 from .run_config import RunConfig, parallel_state_kwargs, process_group_kwargs
 
 
+CUDA_RNG_SEED = 1234               # megatron's default --seed
+
+
 def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
     """init_process_group (rc's backend, from torchrun's env) and megatron-core's parallel state for `layout`."""
     rc = rc or RunConfig()
@@ -34,6 +37,10 @@ def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, **parallel_state_kwargs(rc))
+    if rc.device == "cuda":          # the CUDA RNG tracker's states (attention dropout forks them, even at p=0); on
+        from megatron.core import tensor_parallel      # the CPU, megatron-core's CPU support makes the fork a no-op
+
+        tensor_parallel.model_parallel_cuda_manual_seed(CUDA_RNG_SEED)
 
 
 def restart_store(timeout) -> dict:

@@ -20,7 +20,8 @@ import torch
 
 DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-BACKENDS = ("gloo", "nccl")
+MIXED = "cpu:gloo,cuda:nccl"
+BACKENDS = ("gloo", MIXED)
 LAYER_SPECS = ("local", "te")
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -32,7 +33,8 @@ class RunConfig:
     dtype: str = "fp32"
     """Base-model parameters and activations: fp32 or bf16. Routing runs in fp32 either way (moe_router_dtype)."""
     backend: str | None = None
-    """Process-group backend; default gloo on cpu, nccl on cuda."""
+    """Process-group backend: gloo on cpu; on cuda cpu:gloo,cuda:nccl (NCCL for megatron-core's collectives on CUDA
+    tensors, gloo for the CPU tensors the training core reduces: logprob rows, loss statistics, route counts)."""
     layer_spec: str = "local"
     """local: megatron's plain-torch modules (SequentialMLP experts); te: Transformer Engine (TEGroupedMLP), GPU."""
     cpu_init: bool | None = None
@@ -52,16 +54,20 @@ class RunConfig:
         if self.layer_spec not in LAYER_SPECS:
             raise ValueError(f"layer_spec={self.layer_spec!r}: choose one of {LAYER_SPECS}")
         if self.backend is None:
-            object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else "nccl")
+            object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else MIXED)
+        if self.backend == "nccl":
+            raise ValueError(f"backend='nccl': a group with NCCL alone has no backend for the CPU tensors the "
+                             f"training core reduces (logprob rows, loss statistics, route counts); use "
+                             f"backend={MIXED!r} (the default on cuda)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: choose one of {BACKENDS}")
         if self.cpu_init is None:
             object.__setattr__(self, "cpu_init", self.device == "cpu")
-        if self.device == "cpu" and self.backend == "nccl":
-            raise ValueError("backend='nccl' needs device='cuda' (NCCL has no CPU tensors); use backend='gloo'")
+        if self.device == "cpu" and self.backend == MIXED:
+            raise ValueError(f"backend={MIXED!r} needs device='cuda'; use backend='gloo'")
         if self.device == "cuda" and self.backend == "gloo":
             raise ValueError("backend='gloo' with device='cuda': megatron-core's collectives on CUDA tensors need "
-                             "backend='nccl'")
+                             f"backend={MIXED!r}")
         if self.device == "cpu" and not self.cpu_init:
             raise ValueError("cpu_init=False with device='cpu': megatron-core then allocates parameters on "
                              "torch.cuda.current_device(); keep cpu_init=True")
@@ -95,11 +101,11 @@ class RunConfig:
         if self.device == "cpu" and torch.cuda.is_available():
             raise ValueError("device='cpu' on a machine with a CUDA device: megatron-core's CPU support replaces "
                              "torch.cuda functions process-wide; use device='cuda'")
-        if self.backend == "nccl":
+        if self.backend == MIXED:
             import torch.distributed as dist
 
             if not (torch.cuda.is_available() and dist.is_nccl_available()):
-                raise ValueError("backend='nccl': NCCL is not available on this machine (no CUDA); use "
+                raise ValueError(f"backend={MIXED!r}: NCCL is not available on this machine (no CUDA); use "
                                  "backend='gloo' with device='cpu'")
         if self.layer_spec == "te":
             import importlib.util
@@ -109,18 +115,27 @@ class RunConfig:
 
 
 def host_shims(rc: RunConfig) -> tuple[str, ...]:
-    """The process-wide shims a config needs (pure): megatron-core's CPU support for CPU runs, nothing on CUDA."""
-    return ("cpu_support",) if rc.device == "cpu" else ()
+    """The process-wide shims a config needs (pure): megatron-core's CPU support for CPU runs; on CUDA with the local
+    spec (which runs without Transformer Engine) megatron-core 0.16's router fix (te_gemm_fix, a no-op where TE is
+    installed or the version has the fix); nothing on CUDA with TE."""
+    if rc.device == "cpu":
+        return ("cpu_support",)
+    return ("te_gemm_fix",) if rc.layer_spec == "local" else ()
 
 
 def prepare_host(rc: RunConfig):
     """The caller's one-time host setup: check the machine, then apply the shims host_shims() names. Returns the
-    CPU support handle (restore() undoes it) or None."""
+    applied shim's handle (restore() undoes it) or None."""
     rc.check_host()
-    if "cpu_support" in host_shims(rc):
+    shims = host_shims(rc)
+    if "cpu_support" in shims:
         from . import cpu_support
 
         return cpu_support.apply()
+    if "te_gemm_fix" in shims:
+        from . import te_gemm_fix
+
+        return te_gemm_fix.apply()
     return None
 
 

@@ -50,6 +50,15 @@ def test_default_targets_cover_what_exists(qwen):
     assert not adapter_factors(m)
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "shared"])
+def test_adapters_are_built_where_the_base_lives(qwen, layout):
+    """A base moved off the CPU (here to the meta device, standing in for CUDA) gets its factors there, own and
+    shared alike: factors built on the CPU beside a CUDA base failed the first forward on an H100."""
+    m = qwen().to("meta")
+    apply_lora(m, LoRAConfig(rank=2, adapter_layout=layout))
+    assert {f.device.type for _, f in adapter_factors(m)} == {"meta"}
+
+
 @pytest.mark.parametrize("layout,shared", [("shared_outer", 2), ("shared", 4)])
 def test_shared_layouts_hold_one_factor_per_layer(qwen, layout, shared):
     m = qwen()

@@ -24,13 +24,14 @@ GPU = RunConfig(device="cuda", dtype="bf16", layer_spec="te")
 
 
 def test_cuda_bf16_te_kwargs(arch):
-    assert (GPU.backend, GPU.cpu_init, GPU.grads_fp32, GPU.adapter_dtype) == ("nccl", False, True, "fp32")
+    assert (GPU.backend, GPU.cpu_init, GPU.grads_fp32, GPU.adapter_dtype) == (rcm.MIXED, False, True, "fp32")
     assert rcm.transformer_kwargs(GPU) == {
         "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16, "bf16": True, "fp16": False,
         "use_cpu_initialization": False, "perform_initialization": False, "moe_router_dtype": "fp32",
         "moe_grouped_gemm": True, "gradient_accumulation_fusion": False}
     assert rcm.spec_kwargs(GPU) == {"use_transformer_engine": True, "normalization": "RMSNorm"}
-    assert rcm.process_group_kwargs(GPU) == {"backend": "nccl", "timeout": datetime.timedelta(minutes=10)}
+    assert rcm.process_group_kwargs(GPU) == {"backend": "cpu:gloo,cuda:nccl",
+                                                 "timeout": datetime.timedelta(minutes=10)}
     assert rcm.parallel_state_kwargs(GPU) == {"create_gloo_process_groups": False}
     assert rcm.ddp_kwargs(GPU) == {"grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
                                    "use_distributed_optimizer": False, "check_for_nan_in_grad": True}
@@ -57,6 +58,32 @@ def test_cpu_defaults_and_shim_is_the_callers():
     assert RunConfig.from_dict(GPU.to_dict()) == GPU
 
 
+def test_cuda_on_the_local_spec_takes_the_router_fix_alone():
+    assert rcm.host_shims(RunConfig(device="cuda", dtype="bf16")) == ("te_gemm_fix",)
+
+
+def test_te_gemm_fix_binds_the_missing_name_and_restores(monkeypatch):
+    """megatron-core 0.16.1 without TE: the router reads moe_utils.te_general_gemm, imported only with TE (a
+    NameError at the first router forward on CUDA, seen on an H100); the fix binds it to None, restore() unbinds."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import moe_utils
+
+    from moe_lora_rl.megatron import te_gemm_fix
+    from moe_lora_rl.megatron.cpu_support import mcore_version
+
+    assert te_gemm_fix.needed("0.16.1", SimpleNamespace()) and not te_gemm_fix.needed("0.19.2", SimpleNamespace())
+    assert not te_gemm_fix.needed("0.16.1", SimpleNamespace(te_general_gemm=None))       # TE installed: nothing
+    if not mcore_version().startswith("0.16."):
+        pytest.skip("megatron-core 0.16 only")
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)          # as on a CUDA host without TE
+    handle = te_gemm_fix.apply()
+    assert handle is not None and moe_utils.te_general_gemm is None
+    assert te_gemm_fix.apply() is None                                        # applied: nothing more to do
+    handle.restore()
+    assert not hasattr(moe_utils, "te_general_gemm")
+
+
 def test_building_the_gpu_kwargs_applies_nothing(monkeypatch, arch):
     from moe_lora_rl.megatron import cpu_support
 
@@ -73,7 +100,9 @@ def test_building_the_gpu_kwargs_applies_nothing(monkeypatch, arch):
     ({"dtype": "float8"}, "dtype='float8'"),
     ({"backend": "mpi"}, "backend='mpi'"),
     ({"layer_spec": "kitchen"}, "layer_spec='kitchen'"),
-    ({"backend": "nccl"}, "backend='nccl' needs device='cuda'"),
+    ({"backend": "nccl"}, "backend='nccl': a group with NCCL alone has no backend for the CPU tensors"),
+    ({"device": "cuda", "backend": "nccl"}, "use backend='cpu:gloo,cuda:nccl'"),
+    ({"backend": "cpu:gloo,cuda:nccl"}, "backend='cpu:gloo,cuda:nccl' needs device='cuda'"),
     ({"layer_spec": "te"}, "layer_spec='te' with device='cpu'"),
     ({"device": "cuda", "backend": "gloo"}, "backend='gloo' with device='cuda'"),
     ({"cpu_init": False}, "cpu_init=False with device='cpu'"),
@@ -107,6 +136,7 @@ def test_grouped_experts_on_cuda_need_bf16(arch):
         build_model(arch, Layout(), RunConfig(device="cuda"), grouped_experts=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refusals of a machine without CUDA")
 def test_bench_refuses_bad_values_in_one_line(capsys):
     from moe_lora_rl.bench import parity
 
@@ -117,6 +147,7 @@ def test_bench_refuses_bad_values_in_one_line(capsys):
         assert e.value.code == 2 and len(err.splitlines()) == 1 and match in err, err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refusals of a machine without CUDA")
 def test_lora_bench_refuses_bf16_timing_it_cannot_honour(capsys):
     from moe_lora_rl.bench import lora
 
