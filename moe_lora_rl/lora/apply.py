@@ -112,6 +112,26 @@ def _check_explicit_targets(cfg: LoRAConfig, plans: list[AdapterPlan]) -> None:
                          f"matched: {sorted({p.target for p in plans})}")
 
 
+def group_coords() -> tuple[dict, dict]:
+    """This rank's index in, and the size of, each group a factor may be sharded over (FactorMeta.group)."""
+    from megatron.core import parallel_state as ps
+
+    ranks = {"tp": ps.get_tensor_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank(), None: 0}
+    sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
+             None: 1}
+    return ranks, sizes
+
+
+def initial_factor(p: nn.Parameter, seed: int) -> torch.Tensor:
+    """What apply_lora gives factor `p` under init seed `seed` (A: the seeded kaiming draw, B: zeros), as a new
+    tensor of p's local shape, dtype and device."""
+    ranks, sizes = group_coords()
+    meta = p.lora_meta
+    init = "kaiming" if meta.global_name.endswith("lora_A") else "zeros"
+    return make_factor(meta, ranks[meta.group], sizes[meta.group], init=init, seed=seed, dtype=p.dtype,
+                       device=p.device).data
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     """Freeze the base, attach adapters per the plan. All-or-nothing."""
     from megatron.core import parallel_state as ps
@@ -120,9 +140,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     modules = dict(model.named_modules())
     if any(hasattr(m, "lora") for m in modules.values()):
         raise ValueError("model already has LoRA adapters attached")
-    ranks = {"tp": ps.get_tensor_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank(), None: 0}
-    sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
-             None: 1}
+    ranks, sizes = group_coords()
     dtype = _DTYPES[cfg.dtype]
     device = next(model.parameters()).device             # the adapters live where the base weights do
     shared: dict[str, nn.Parameter] = {}

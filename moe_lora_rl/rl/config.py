@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
 from ..lora.config import DTYPES as LORA_DTYPES
 from ..lora.config import LAYOUTS as LORA_LAYOUTS
 from ..lora.config import LoRAConfig
 from ..megatron.layout import Layout
+from .config_policies import PolicySettings, check_policies, policy_config
 from .config_rollout import DelaySettings, RolloutSettings
 from .config_rollout import _choice, _positive
 
@@ -279,6 +280,10 @@ class TrainConfig:
     engine_restarts: int = 2
     """If the rollout engine process dies, restart it (and repeat the interrupted rollout) up to this many times."""
     out_dir: str = "outputs/train"
+    policies: List[PolicySettings] = field(default_factory=list)
+    """Several policies trained together on one base and one engine pool (rl/config_policies.py): each a name and
+    the settings it changes (seed, lr, alpha, task, data files, max_staleness); empty: the one policy of this
+    config."""
 
     def __post_init__(self):
         _choice("replay", self.replay, REPLAY_MODES)
@@ -308,9 +313,16 @@ class TrainConfig:
         if self.resume not in (True, False, "auto") or isinstance(self.resume, (int, float)) \
                 and not isinstance(self.resume, bool):
             raise ValueError(f"resume={self.resume!r}; choose one of (true, false, 'auto')")
+        check_policies(self.policies, lora=self.lora, rollout=self.rollout, mode=self.mode, inflight=self.inflight,
+                       max_staleness=self.max_staleness)
         if self.resume and self.checkpoint_every == 0:
             raise ValueError(f"resume={str(self.resume).lower()} needs checkpoint_every > 0 (a run without "
                              "checkpoints cannot resume)")
+        for p in self.policies:               # each policy's own run config is a valid one
+            try:
+                policy_config(self, p)
+            except ValueError as e:
+                raise ValueError(f"policies: {p.name!r}: {e}") from None
 
 
 SCHEMA_NAME = "moe_lora_rl_train_schema"

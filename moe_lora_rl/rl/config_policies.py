@@ -1,0 +1,96 @@
+"""Several policies on one base (pure): the run config's `policies` list, its checks, and each policy's own run
+config, the one it would be trained with alone.
+
+    policies: [{name: a, seed: 1}, {name: b, seed: 2, lr: 3e-3, task: sort_trace}]
+
+A policy is the run's settings with a few of them replaced (its seed, which also seeds its adapter's
+initialisation, learning rate, alpha, task or data files, staleness bound) and its outputs under out_dir/<name>/.
+Every policy holds an adapter of one shape on the shared base (rank, targets and adapter layout from `lora`): the
+trainer swaps adapters in place (policy/bank.py), so a policy naming another rank or other targets is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class PolicySettings:
+    name: str = ""
+    """The policy's name: its outputs go to out_dir/<name>/ (letters, digits, '_', '.', '-')."""
+    seed: Optional[int] = None
+    """Its seed (problem order, sampling seeds, its adapter's initialisation); null: the run's."""
+    lr: Optional[float] = None
+    """Its learning rate; null: algo.lr."""
+    alpha: Optional[float] = None
+    """Its LoRA alpha; null: lora.alpha."""
+    rank: Optional[int] = None
+    """Must equal lora.rank when set (one adapter shape per base); listed so a differing one is refused by name."""
+    targets: Optional[list] = None
+    """Must equal lora.targets when set, as rank."""
+    task: Optional[str] = None
+    """Its task (data.task); null: the run's."""
+    length: Optional[int] = None
+    """Its data.length; null: the run's."""
+    train_file: Optional[str] = None
+    eval_file: Optional[str] = None
+    max_staleness: Optional[int] = None
+    """mode=async: its staleness bound; null: the run's."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not NAME.match(self.name):
+            raise ValueError(f"policies: name={self.name!r} must be 1-64 letters, digits, '_', '.' or '-' "
+                             "(it names the policy's output folder)")
+        if self.targets is not None:
+            self.targets = list(self.targets)           # a ListConfig from hydra
+
+
+def check_policies(policies: list, *, lora, rollout, mode: str, inflight: str, max_staleness: int) -> None:
+    """The checks that need the whole list (ValueError naming the value): names unique, one adapter shape, and the
+    engine's adapter slots enough for every policy's versions at once."""
+    names = [p.name for p in policies]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"policies: name {dup[0]!r} is given {names.count(dup[0])} times; each policy needs its own "
+                         "name (its outputs go to out_dir/<name>/)")
+    for p in policies:
+        if p.rank is not None and p.rank != lora.rank:
+            raise ValueError(f"policies: {p.name!r} has rank={p.rank}, lora.rank={lora.rank}: the policies on one "
+                             "base share one adapter shape (rank, targets, adapter layout); set lora.rank instead")
+        if p.targets is not None and sorted(p.targets) != sorted(lora.targets):
+            raise ValueError(f"policies: {p.name!r} has targets={p.targets}, lora.targets={list(lora.targets)}: "
+                             "the policies on one base share one adapter shape; set lora.targets instead")
+    need = sum(slots(p, mode=mode, inflight=inflight, max_staleness=max_staleness) for p in policies)
+    if policies and need > rollout.max_versions:
+        raise ValueError(f"policies: {len(policies)} policies need {need} adapter slots in the engine at once, "
+                         f"rollout.max_versions={rollout.max_versions} (raise it, or run fewer policies)")
+
+
+def slots(p: PolicySettings, *, mode: str, inflight: str, max_staleness: int) -> int:
+    """Adapter versions a policy may need the engine to hold at once: its newest, and with mode=async and
+    inflight=pin the older ones its running requests still use (max_staleness + 1 in all)."""
+    bound = p.max_staleness if p.max_staleness is not None else max_staleness
+    return bound + 1 if mode == "async" and inflight == "pin" else 1
+
+
+def policy_config(cfg, p: PolicySettings):
+    """The run config policy `p` would be trained with alone: cfg with p's settings in place, no policies, and its
+    outputs in out_dir/<name>/ (validated as any run config)."""
+    r = dataclasses.replace
+    data = r(cfg.data, **{k: getattr(p, k) for k in ("task", "length", "train_file", "eval_file")
+                          if getattr(p, k) is not None})
+    algo = r(cfg.algo, lr=p.lr) if p.lr is not None else cfg.algo
+    lora = r(cfg.lora, alpha=p.alpha) if p.alpha is not None else cfg.lora
+    extra = {"seed": p.seed} if p.seed is not None else {}
+    if p.max_staleness is not None:
+        extra["max_staleness"] = p.max_staleness
+    return r(cfg, data=data, algo=algo, lora=lora, policies=[], out_dir=f"{cfg.out_dir}/{p.name}", **extra)
+
+
+def policy_configs(cfg) -> list[tuple[str, object]]:
+    """(name, run config) of every policy, in the order given."""
+    return [(p.name, policy_config(cfg, p)) for p in cfg.policies]

@@ -1,0 +1,137 @@
+"""Several policies on one base (policy/bank.py), in one process (world size 1, gloo, tiny GLM4-MoE, fp32, R3 with
+random routes): two policies of different seed, alpha and learning rate, trained in turns on one core (two rounds
+of PPO with 2 mini-batches each, on different data), against each policy trained alone on a core of its own.
+
+Compared bit for bit: the adapters after the last update and the logprobs of both policies (the same float ops
+on the same inputs), and each policy's version. Control: the same turns with one AdamW state shared by the two
+policies (the swap of the optimizer state left out) end on other adapters for policy a (measured below).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("verl")                       # the policy loss is verl's
+
+A = {"seed": 1, "alpha": 8.0, "lr": 2e-2}
+B = {"seed": 2, "alpha": 16.0, "lr": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def world():
+    from moe_lora_rl.megatron.layout import Layout
+    from moe_lora_rl.megatron.parallel import init_distributed
+    from moe_lora_rl.megatron.run_config import RunConfig, prepare_host
+    from moe_lora_rl.models import get_model
+
+    rc = RunConfig()
+    prepare_host(rc)
+    init_distributed(Layout(), rc)
+    return str(get_model("glm4_moe", "tiny")), rc
+
+
+def _policy(world, seed, alpha, lr):
+    from moe_lora_rl.algos import PolicyLossSettings
+    from moe_lora_rl.lora import LoRAConfig
+    from moe_lora_rl.megatron.layout import Layout
+    from moe_lora_rl.policy.core import Policy
+
+    path, rc = world
+    return Policy(path, Layout(), rc, LoRAConfig(rank=4, alpha=alpha, init_seed=seed), lr=lr, weight_decay=0.0,
+                  grad_clip=1.0, loss=PolicyLossSettings(), micro_batch_size=1)
+
+
+def _spec(pol, seed, alpha, lr):
+    from moe_lora_rl.policy.bank import PolicyAdapter
+
+    return PolicyAdapter(lr=lr, lora=dataclasses.replace(pol.lora, alpha=alpha, init_seed=seed))
+
+
+def _batches(arch):
+    from moe_lora_rl.checks.minibatch_worker import make_batch
+
+    batch, _ = make_batch(arch)
+    return {"a": batch, "b": dataclasses.replace(batch, advantages=-0.5 * batch.advantages)}
+
+
+def _step(pol, batch):
+    from moe_lora_rl.checks.minibatch_worker import cfg
+    from moe_lora_rl.rl.step import train_on
+
+    b = dataclasses.replace(batch, rollout_logprobs=pol.logprobs(batch, replay="r3").logprobs)
+    train_on(pol, cfg(2, 1), b)
+
+
+def _read(pol, batch):
+    from moe_lora_rl.lora import gather_adapters
+
+    return gather_adapters(pol.model), pol.logprobs(batch, replay="r3").logprobs, pol.version
+
+
+def _together(world, share_state=False):
+    from moe_lora_rl.policy.bank import AdapterBank
+
+    pol = _policy(world, **A)
+    bank = AdapterBank(pol.core, {"a": _spec(pol, **A), "b": _spec(pol, **B)})
+    data = _batches(pol.arch)
+    shared = pol.optimizer.state
+    for _ in range(2):
+        for name in ("a", "b"):
+            bank.activate(name)
+            if share_state:                           # the control: one AdamW state for both policies
+                pol.optimizer.state = shared
+            _step(pol, data[name])
+    out = {}
+    for name in ("a", "b"):
+        bank.activate(name)
+        out[name] = _read(pol, data["a"])
+    pol.replayer.detach()
+    return out, bank
+
+
+@pytest.fixture(scope="module")
+def runs(world):
+    together, bank = _together(world)
+    alone = {}
+    for name, kw in (("a", A), ("b", B)):
+        pol = _policy(world, **kw)
+        data = _batches(pol.arch)
+        for _ in range(2):
+            _step(pol, data[name])
+        alone[name] = _read(pol, data["a"])
+        pol.replayer.detach()
+    control, _ = _together(world, share_state=True)
+    return together, alone, control, bank
+
+
+def _max_diff(x: dict, y: dict) -> float:
+    return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+
+def test_each_policy_on_one_base_is_its_run_alone(runs):
+    together, alone, _, _ = runs
+    for name in ("a", "b"):
+        (ad, lp, v), (ad0, lp0, v0) = together[name], alone[name]
+        assert ad.keys() == ad0.keys() and all(torch.equal(ad[k], ad0[k]) for k in ad0), (name, _max_diff(ad, ad0))
+        assert torch.equal(lp, lp0) and v == v0 == 4, (name, v, v0)
+    assert _max_diff(together["a"][0], together["b"][0]) > 1e-3          # two policies, not one
+
+
+def test_control_one_optimizer_state_for_both_policies_differs(runs):
+    together, alone, control, _ = runs
+    assert _max_diff(control["a"][0], alone["a"][0]) > 1e-4, _max_diff(control["a"][0], alone["a"][0])
+
+
+def test_bank_refusals(runs, world):
+    from moe_lora_rl.policy.bank import AdapterBank, PolicyAdapter
+
+    _, _, _, bank = runs
+    with pytest.raises(ValueError, match="no policy 'c' on this base; policies: \\['a', 'b'\\]"):
+        bank.activate("c")
+    core = bank.core
+    with pytest.raises(ValueError, match="policy 'r8': LoRA rank/targets/adapter layout"):
+        AdapterBank(core, {"r8": PolicyAdapter(1e-3, dataclasses.replace(core.lora, rank=8))})
+    bank.activate("b")
+    core.params[0].grad = torch.ones_like(core.params[0])           # the last update's gradients: not b's
+    bank.activate("a")
+    assert all(p.grad is None for p in core.params)
