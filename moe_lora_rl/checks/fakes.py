@@ -53,10 +53,10 @@ class FakeEngine(_Base):
             raise AssertionError(f"FakeEngine: no method {method!r}")
         return handler(*args)
 
-    def _rpc_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid=None):
+    def _rpc_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid=None, owner=None):
         self.st.expire()
         return self.st.begin(version, checksum, rank, alpha, num_buckets, served=self.table.newest,
-                             sender_pid=sender_pid)
+                             sender_pid=sender_pid, owner=owner)
 
     def _rpc_abort(self, version):
         return self.st.abort(version)
@@ -71,7 +71,7 @@ class FakeEngine(_Base):
             for f in sorted(self.folder.glob(f"v{version}-*.safetensors")):
                 self.st.bucket(version, int(f.stem.split("-")[1]), load_file(str(f)))
         stage = self.st.commit(version, checksum)       # closes the stage whether or not the activation succeeds
-        self.table.plan_admit(version)                  # stale, or pin and full: refused before validating
+        self.table.plan_admit(version, stage.owner)     # stale, or pin and full: refused before validating
         held = {"tensors": stage.tensors, "checksum": stage.checksum, "num_tensors": len(stage.tensors)}
         if self.arch is not None:
             from ..vllm.adapter_set import build_adapter_set
@@ -79,7 +79,7 @@ class FakeEngine(_Base):
             a = build_adapter_set(stage.tensors, self.arch, rank=stage.rank, alpha=stage.alpha,
                                   version=stage.version, expected_checksum=stage.checksum)
             held.update(checksum=a.checksum, num_tensors=a.num_tensors)
-        self._drop(self.table.admit(version))
+        self._drop(self.table.admit(version, stage.owner))
         self.adapters[version] = held
         self.received = stage.tensors
         return self._served()

@@ -102,11 +102,11 @@ class TrainingCore:
         self.last_step = res
         return res
 
-    def push(self, transport, version: int, *, collect_to: int | None = 0):
+    def push(self, transport, version: int, *, collect_to: int | None = 0, owner: str | None = None):
         """LoRA-only push of the adapters (collective: every rank calls it). collect_to=0: rank 0 holds the
         transport (the others may pass None); None: every rank holds one. Returns the PushResult on the committing
-        rank, None elsewhere."""
+        rank, None elsewhere. owner: the policy whose version it is, when several share the engine."""
         from ..refit.transports import push_stream
 
         return push_stream(self.model, self.arch, transport, version, self.lora.rank, self.lora.alpha,
-                           collect_to=collect_to)
+                           collect_to=collect_to, owner=owner)

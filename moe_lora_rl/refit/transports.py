@@ -71,11 +71,13 @@ class _Base:
 
 
 def push_stream(model, arch, transport: "_Base | None", version: int, rank: int, alpha: float,
-                bucket_bytes: int = 64 << 20, collect_to: int | None = 0) -> PushResult | None:
+                bucket_bytes: int = 64 << 20, collect_to: int | None = 0,
+                owner: str | None = None) -> PushResult | None:
     """Collective: a streaming push from a sharded Megatron model (refit/gather.py). collect_to=R: rank R holds
     the transport (e.g. an in-process engine) and receives every bucket; collect_to=None: every rank holds a
     transport to the same engine (e.g. HttpTransport) and sends its own buckets. The checksum travels with the
-    commit, after the last bucket. Returns the result on the committing rank."""
+    commit, after the last bucket. owner: the policy whose version this is, when several share the engine.
+    Returns the result on the committing rank."""
     import torch.distributed as dist
 
     from .gather import build_plan, stream
@@ -88,7 +90,8 @@ def push_stream(model, arch, transport: "_Base | None", version: int, rank: int,
     began: list = [None]
     if me == lead:
         try:
-            transport._call("moe_lora_begin", version, None, rank, alpha, len(plan.buckets))
+            transport._call("moe_lora_begin", version, None, rank, alpha, len(plan.buckets),
+                            *(() if owner is None else (None, owner)))
         except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait in the stream
             began[0] = e
     dist.broadcast_object_list(began, src=lead)

@@ -299,12 +299,12 @@ class LoRARuntime:
             self._base = {}
         self.expert_precision = precision
 
-    def activate(self, adapter: AdapterSet) -> dict:
+    def activate(self, adapter: AdapterSet, owner: str | None = None) -> dict:
         """Hold `adapter` as the newest version (switch: instead of the previous one; pin: beside the versions
         running requests use); returns timings. Nothing changes unless every step before the swap succeeded."""
         import time
 
-        self.table.plan_admit(adapter.version)          # stale, or pin and full: refused before any work
+        self.table.plan_admit(adapter.version, owner)   # stale, or pin and full: refused before any work
         t0 = time.perf_counter()
         loras = {}
         for li, mods in adapter.layers.items():
@@ -321,17 +321,17 @@ class LoRARuntime:
         if self.mode == "merged":
             merger = self._merger()
             staged = merger.stage(loras)
-            self._hold(adapter, {})
+            self._hold(adapter, {}, owner)
             merger.commit(staged)
             self._merged_version = adapter.version
             self._set_moe_path(())
         else:
-            self._hold(adapter, loras)
+            self._hold(adapter, loras, owner)
             self._set_moe_path(self._adapted_layers())
         return {"commit_s": time.perf_counter() - t0}
 
-    def _hold(self, adapter: AdapterSet, loras: dict) -> None:
-        self._drop(self.table.admit(adapter.version))
+    def _hold(self, adapter: AdapterSet, loras: dict, owner: str | None = None) -> None:
+        self._drop(self.table.admit(adapter.version, owner))
         self.adapters[adapter.version] = adapter
         self._loras[adapter.version] = loras
 

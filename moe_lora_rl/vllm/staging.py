@@ -51,6 +51,7 @@ class Stage:
     touched: float = 0.0                 # clock reading of the last begin or bucket of this version
     buckets: dict[int, int] = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
+    owner: str | None = None             # the policy whose version this is (several policies on one engine)
 
 
 class Staging:
@@ -82,7 +83,7 @@ class Staging:
         return st.version
 
     def begin(self, version: int, checksum: str | None, rank: int, alpha: float, num_buckets: int,
-              served: int | None = None, sender_pid: int | None = None) -> dict:
+              served: int | None = None, sender_pid: int | None = None, owner: str | None = None) -> dict:
         if served is not None and version <= served:
             raise ValueError(f"stale adapter version {version}: version {served} is served")
         if not isinstance(num_buckets, int) or num_buckets < 0:
@@ -98,7 +99,7 @@ class Staging:
                                  f"still in flight (commit it, moe_lora_abort({st.version}) first, or let it expire: "
                                  f"{self.timeout_s:g} s without progress); version {served} stays served")
             replaced = st.version
-        self.stage = Stage(version, checksum, rank, alpha, num_buckets, sender_pid, self._clock())
+        self.stage = Stage(version, checksum, rank, alpha, num_buckets, sender_pid, self._clock(), owner=owner)
         return {"staging": version, "replaced": replaced}
 
     def _open(self, what: str, version: int) -> Stage:

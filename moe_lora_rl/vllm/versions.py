@@ -13,6 +13,10 @@ Two policies per engine (additional_config "moe_lora_inflight"):
            (the newest too) and is refused if the versions still in use leave no slot for it (nothing in use is
            ever evicted; max_versions=1: a commit waits for every running request to end). The base model
            (version None) holds no weights of its own and takes no slot.
+Several policies on one engine (pin): each commit names its owner (a policy name; None for a run of one policy),
+and a commit supersedes only its own owner's newest version: the newest version of every other owner stays held
+(it serves that policy's next requests), and the slots (`max_versions`) are shared by all owners. Version numbers
+are the engine's, increasing over every commit whatever its owner (the trainer maps each policy's versions to them).
 Requests nobody tracked (direct `LLM.generate` callers) run on the newest version. The prefix cache is keyed by
 version (`cache_salt`), so a prompt cached under one version never serves another.
 """
@@ -80,6 +84,7 @@ class VersionTable:
     def __init__(self, config: InflightConfig = InflightConfig()):
         self.config = config
         self.held: list[int] = []
+        self.owner: dict[int, str | None] = {}            # held version -> the policy that committed it
         self.requests: dict[str, int | None] = {}         # external request id -> version it was tracked with
 
     @property
@@ -142,32 +147,47 @@ class VersionTable:
             self.requests.pop(rid, None)
         return self._drop(self._unused())
 
+    def newest_of(self, owner: str | None) -> int | None:
+        """The newest held version committed by `owner`."""
+        mine = [v for v in self.held if self.owner.get(v) == owner]
+        return mine[-1] if mine else None
+
+    def _newest_per_owner(self, but: object = ...) -> set[int]:
+        return {self.newest_of(o) for o in set(self.owner.values()) if o != but}
+
     def _unused(self) -> list[int]:
-        """Held versions a pin engine no longer needs: not the newest and no request on them."""
+        """Held versions a pin engine no longer needs: not an owner's newest and no request on them."""
         if not self.pin:
             return []
-        refs = self.refs()
-        return [v for v in self.held[:-1] if not refs.get(v)]
+        refs, keep = self.refs(), self._newest_per_owner()
+        return [v for v in self.held if v not in keep and not refs.get(v)]
 
-    def _superseded(self) -> list[int]:
-        """Held versions a commit frees: no request on them, the newest included (the commit replaces it)."""
-        refs = self.refs()
-        return [v for v in self.held if not refs.get(v)]
+    def _superseded(self, owner: str | None = None) -> list[int]:
+        """Held versions a commit by `owner` frees: no request on them, `owner`'s newest included (the commit
+        replaces it), every other owner's newest kept."""
+        refs, keep = self.refs(), self._newest_per_owner(but=owner)
+        return [v for v in self.held if v not in keep and not refs.get(v)]
 
     def _drop(self, versions: list[int]) -> list[int]:
         self.held = [v for v in self.held if v not in versions]
+        for v in versions:
+            self.owner.pop(v, None)
         return versions
 
     # -- commits -------------------------------------------------------------------------------------------
-    def plan_admit(self, version: int) -> list[int]:
-        """The versions a commit of `version` frees; ValueError (nothing changed) if it is stale or does not fit."""
+    def plan_admit(self, version: int, owner: str | None = None) -> list[int]:
+        """The versions a commit of `version` by `owner` frees; ValueError (nothing changed) if it is stale or does
+        not fit."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"adapter version must be a non-negative integer, got {version!r}")
         if self.newest is not None and version <= self.newest:
             raise ValueError(f"stale adapter version {version}: version {self.newest} is served")
+        if owner is not None and not self.pin:
+            raise ValueError(f"adapter version {version} of policy {owner!r}: several policies on one engine need "
+                             "inflight='pin' (switch holds one version)")
         if not self.pin:
             return list(self.held)
-        free = self._superseded()
+        free = self._superseded(owner)
         keep = [v for v in self.held if v not in free]
         if len(keep) + 1 > self.config.max_versions:
             refs = self.refs()
@@ -178,17 +198,18 @@ class VersionTable:
                              "request ends)")
         return free
 
-    def admit(self, version: int) -> list[int]:
-        """Hold `version` as the newest; returns the versions freed for it."""
-        freed = self._drop(self.plan_admit(version))
+    def admit(self, version: int, owner: str | None = None) -> list[int]:
+        """Hold `version` as the newest (of `owner`); returns the versions freed for it."""
+        freed = self._drop(self.plan_admit(version, owner))
         self.held.append(version)
+        self.owner[version] = owner
         return freed
 
-    def can_commit(self) -> bool:
-        """A commit of a newer version fits now (after freeing unused versions)."""
+    def can_commit(self, owner: str | None = None) -> bool:
+        """A commit of a newer version by `owner` fits now (after freeing unused versions)."""
         if not self.pin:
             return True
-        return len(self.held) - len(self._superseded()) + 1 <= self.config.max_versions
+        return len(self.held) - len(self._superseded(owner)) + 1 <= self.config.max_versions
 
     def clear(self) -> list[int]:
         """Serve the base model; a pin engine refuses while requests run on a held version."""
@@ -204,4 +225,6 @@ class VersionTable:
         return {"inflight": self.config.inflight, "max_versions": self.config.max_versions,
                 "on_full": self.config.on_full, "versions": list(self.held),
                 "requests_per_version": {str(v): n for v, n in self.refs().items()},
-                "can_commit": self.can_commit()}
+                "can_commit": self.can_commit(),
+                **({"owners": {str(v): o for v, o in self.owner.items()}}
+                   if any(o is not None for o in self.owner.values()) else {})}

@@ -100,16 +100,17 @@ class MoELoRAWorkerExtension:
         st = staging.commit(version)
         return self._moe_lora_activate(version, st.checksum, st.tensors, st.rank, st.alpha, verified)
 
-    def _moe_lora_activate(self, version, checksum, tensors, rank, alpha, verified=False) -> dict:
-        """Validate a complete adapter and make it the served version; on any error the previous one stays."""
+    def _moe_lora_activate(self, version, checksum, tensors, rank, alpha, verified=False, owner=None) -> dict:
+        """Validate a complete adapter and make it the served version (of policy `owner`); on any error the
+        previous one stays."""
         import time
 
         rt = self._moe_lora_runtime()
-        rt.table.plan_admit(version)                   # stale, or pin and full: refused before validating
+        rt.table.plan_admit(version, owner)            # stale, or pin and full: refused before validating
         t0 = time.perf_counter()
         adapter = build_adapter_set(tensors, rt.arch, rank=rank, alpha=alpha, version=version,
                                     expected_checksum=checksum, dtype=torch.float32, checksum_verified=verified)
-        timing = {"validate_s": time.perf_counter() - t0, **rt.activate(adapter)}
+        timing = {"validate_s": time.perf_counter() - t0, **rt.activate(adapter, owner)}
         self._moe_lora_new_weights()
         return {**rt.status(), **timing}
 
@@ -137,18 +138,20 @@ class MoELoRAWorkerExtension:
               f"(stage_timeout_s {self._moe_lora_staging().timeout_s:g}, {len(stage.buckets)}/{stage.num_buckets} "
               f"buckets received); aborted, version {served} stays served", flush=True)
 
-    def _moe_lora_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid) -> dict:
+    def _moe_lora_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid, owner=None) -> dict:
         staging = self._moe_lora_staging()
         staging.expire()                      # an abandoned stage is logged and dropped before this push is judged
         served = self._moe_lora_runtime().status()["version"]
-        return staging.begin(version, checksum, rank, alpha, num_buckets, served=served, sender_pid=sender_pid)
+        return staging.begin(version, checksum, rank, alpha, num_buckets, served=served, sender_pid=sender_pid,
+                             owner=owner)
 
     @entry
     def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int,
-                       sender_pid: int | None = None) -> dict:
+                       sender_pid: int | None = None, owner: str | None = None) -> dict:
         """Open the stage of `version`; refused while another version's push is in flight (vllm/staging.py).
-        sender_pid: a sender on this host, whose stage may be replaced once that process is gone."""
-        return self._moe_lora_begin(version, checksum, rank, alpha, num_buckets, sender_pid)
+        sender_pid: a sender on this host, whose stage may be replaced once that process is gone. owner: the
+        policy whose version it is, when several share the engine (vllm/versions.py)."""
+        return self._moe_lora_begin(version, checksum, rank, alpha, num_buckets, sender_pid, owner)
 
     @entry
     def moe_lora_expire(self) -> dict:
@@ -237,7 +240,7 @@ class MoELoRAWorkerExtension:
     def moe_lora_commit(self, version: int, checksum: str | None = None) -> dict:
         """checksum: when the senders could only compute it after streaming (begin was given None)."""
         st = self._moe_lora_staging().commit(version, checksum)
-        return self._moe_lora_activate(version, st.checksum, st.tensors, st.rank, st.alpha)
+        return self._moe_lora_activate(version, st.checksum, st.tensors, st.rank, st.alpha, owner=st.owner)
 
     @entry
     def moe_lora_push_blob(self, version: int, checksum: str, blob_b64: str, rank: int, alpha: float) -> dict:

@@ -135,3 +135,29 @@ def test_bank_refusals(runs, world):
     core.params[0].grad = torch.ones_like(core.params[0])           # the last update's gradients: not b's
     bank.activate("a")
     assert all(p.grad is None for p in core.params)
+
+
+def test_both_policies_served_side_by_side(runs):
+    """Each policy's push names it as the owner: a pin engine with two slots then holds both policies' newest
+    versions (the engine's numbers increase over both), and a policy's next push replaces its own version only.
+    Control: the same pushes without owners, and the second frees the first."""
+    from moe_lora_rl.checks.fakes import FakeEngine
+
+    _, _, _, bank = runs
+    core = bank.core
+    eng = FakeEngine(core.arch, inflight="pin", max_versions=2)
+    sums = {}
+    for v, name in enumerate(("a", "b"), start=1):
+        bank.activate(name)
+        core.push(eng, v, owner=name)
+        sums[name] = eng.adapters[v]["checksum"]
+    st = eng._rpc_status()
+    assert st["versions"] == [1, 2] and st["owners"] == {"1": "a", "2": "b"} and sums["a"] != sums["b"]
+    bank.activate("a")
+    core.push(eng, 3, owner="a")
+    assert eng._rpc_status()["versions"] == [2, 3] and eng.adapters[3]["checksum"] == sums["a"]
+    plain = FakeEngine(core.arch, inflight="pin", max_versions=2)
+    core.push(plain, 1)
+    bank.activate("b")
+    core.push(plain, 2)
+    assert plain._rpc_status()["versions"] == [2]

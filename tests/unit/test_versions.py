@@ -149,3 +149,34 @@ def test_base_requests_take_no_slot_and_clear():
         t.clear()
     t.release(["r"])
     assert t.clear() == [1] and t.serving("b") is None                        # the base request is no obstacle
+
+
+def test_policies_share_the_slots_and_each_keeps_its_newest():
+    """Two policies on one pin engine: a commit supersedes its own policy's newest version only; the other policy's
+    newest stays held and servable; an older version in use stays until its last request ends."""
+    t = _pin(max_versions=3)
+    assert t.admit(1, "a") == [] and t.admit(2, "b") == []           # b's commit keeps a's newest
+    assert (t.newest_of("a"), t.newest_of("b")) == (1, 2)
+    assert t.track([["ra", 1], ["rb", 2]]) == [1, 2]
+    assert t.admit(3, "a") == [] and t.held == [1, 2, 3]              # 1 still runs ra
+    assert t.release(["ra"]) == [1]                                   # a's older version freed with its request
+    assert t.admit(4, "a") == [3] and t.held == [2, 4]                # superseded: a's 3, not b's 2
+    assert t.status()["owners"] == {"2": "b", "4": "a"}
+    # control: the same commits without owners free the other policy's newest
+    u = _pin(max_versions=3)
+    u.admit(1)
+    assert u.admit(2) == [1]
+
+
+def test_policies_full_engine_refused_and_policy_needs_pin():
+    t = _pin(max_versions=2)
+    t.admit(1, "a"), t.admit(2, "b")
+    t.track([["ra", 1], ["rb", 2]])
+    assert not t.can_commit("a")
+    with pytest.raises(ValueError, match="cannot commit adapter version 3: max_versions=2"):
+        t.admit(3, "a")                                               # a's 1 and b's 2 both in use
+    t.release(["ra"])
+    assert t.can_commit("a") and t.admit(3, "a") == [1]
+    assert not t.can_commit("c")                                      # a third policy finds no free slot
+    with pytest.raises(ValueError, match="several policies on one engine need inflight='pin'"):
+        VersionTable().admit(1, "a")
