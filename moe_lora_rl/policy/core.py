@@ -260,6 +260,6 @@ class Policy:
                 **({} if rollout is None else {"update_rollout_kl": float(stats[3]) / n_valid})}
 
     # -- refit -----------------------------------------------------------------------------------------------------
-    def push(self, transport, version: int, *, collect_to: int | None = 0):
+    def push(self, transport, version: int, *, collect_to: int | None = 0, owner: str | None = None):
         """LoRA-only push of the adapters (TrainingCore.push)."""
-        return self.core.push(transport, version, collect_to=collect_to)
+        return self.core.push(transport, version, collect_to=collect_to, owner=owner)

@@ -52,6 +52,9 @@ class PolicySettings:
 def check_policies(policies: list, *, lora, rollout, mode: str, inflight: str, max_staleness: int) -> None:
     """The checks that need the whole list (ValueError naming the value): names unique, one adapter shape, and the
     engine's adapter slots enough for every policy's versions at once."""
+    if policies and mode != "sync":
+        raise ValueError(f"policies with mode={mode}: several policies take their steps in turns (mode=sync); "
+                         "a policy running asynchronously within its own bound is not built yet")
     names = [p.name for p in policies]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

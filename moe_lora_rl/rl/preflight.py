@@ -60,6 +60,23 @@ def check(cfg: TrainConfig, world_size: int):
         raise ValueError(f"algo.mini_batches={m}: a mini-batch of {n // m} responses (batch {n} / {m}) does not split "
                          f"over data-parallel size {dp} into microbatches of micro_batch_size={mbs}")
     check_prompts(cfg)
+    from .config_policies import policy_configs
+
+    for name, pcfg in policy_configs(cfg) or [(None, cfg)]:   # each policy's answers fit, its checkpoints exist
+        where = "" if name is None else f"policies: {name!r}: "
+        try:
+            if name is not None:
+                check_prompts(pcfg)
+            check_resumable(pcfg)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+    if cfg.runtime.device == "cpu":
+        check_engine_cores(cfg)
+    run_config(cfg).check_host()
+    return arch
+
+
+def check_resumable(cfg: TrainConfig) -> None:
     if cfg.resume is True:
         from ..checkpoint.store import resumable_step
 
@@ -67,10 +84,6 @@ def check(cfg: TrainConfig, world_size: int):
         if resumable_step(root) is None:
             raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first, or "
                              "resume=auto to start fresh when there is none)")
-    if cfg.runtime.device == "cpu":
-        check_engine_cores(cfg)
-    run_config(cfg).check_host()
-    return arch
 
 
 def check_engine_cores(cfg: TrainConfig) -> None:

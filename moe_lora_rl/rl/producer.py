@@ -44,6 +44,8 @@ class Producer:
         if cfg.mode == "async":          # the engine keeps generating while versions change
             kw |= {"inflight": cfg.inflight, "on_full": "wait",
                   "max_versions": cfg.max_staleness + 1 if cfg.inflight == "pin" else None}
+        if cfg.policies:                 # every policy's version held at once, each request pinned to its policy's
+            kw |= {"inflight": "pin", "on_full": "wait", "max_versions": cfg.rollout.max_versions}
         here = sum(p.transport == "shm" for p in where)
         if here > 1 and cfg.runtime.device == "cpu":   # replicas on this host share its cores
             kw["threads"] = max(1, len(os.sched_getaffinity(0)) // here)
@@ -70,14 +72,19 @@ class Producer:
         return {"max_tokens": a.max_response_tokens, "temperature": a.temperature,
                 "stop_token_ids": [self.tok.eos_token_id]}
 
-    def generate(self, plans: list[GroupPlan], keep: dict | None = None):
+    def generate(self, plans: list[GroupPlan], keep: dict | None = None, version: int | None = None):
         """The samples of whole groups, in order (waiting for all), the groups spread over the engines. keep: the
-        finished engines' samples, kept across a restart of a dead one (then only its groups are generated again)."""
+        finished engines' samples, kept across a restart of a dead one (then only its groups are generated again).
+        version (a pin engine): every request served with that held version."""
         from ..rollout.replicas import gather, spread
 
+        def run(i, e):
+            req = self.requests([plans[k] for k in parts[i]])
+            pinned = None if version is None else [version] * len(req["prompts"])
+            return e.generate(**req, **self.sampling(), **({} if pinned is None else {"versions": pinned}))
+
         parts = spread(len(plans), len(self.engines))
-        done = self.engines.map(lambda i, e: e.generate(**self.requests([plans[k] for k in parts[i]]),
-                                                        **self.sampling()),
+        done = self.engines.map(run,
                                 [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
         g = self.cfg.algo.group_size
         groups = gather(parts, {i: [s[j:j + g] for j in range(0, len(s), g)] for i, s in done.items()}, len(plans))

@@ -40,6 +40,16 @@ class GRPORun:
     """The pieces both loops share (set-up, the engine and its recovery, the trainer step, the push, evaluation,
     checkpoints, the summary) and the synchronous loop; rl/async_run.py's AsyncGRPORun has the other loop."""
 
+    owner: str | None = None          # the policy's name on an engine several policies share (rl/policies_run.py)
+
+    def engine_version(self) -> int:
+        """The engine's number of the policy's current adapter version (a run of one policy: the same)."""
+        return self.policy.version
+
+    def serving_version(self) -> int | None:
+        """The version requests are pinned to (None: the engine's newest, a run of one policy)."""
+        return None
+
     def __init__(self, cfg: TrainConfig, world_size: int):
         self.cfg, self.world = cfg, world_size
         self.rank = int(os.environ.get("RANK", "0"))
@@ -167,7 +177,7 @@ class GRPORun:
                         e.restart()
                         restarted.append(i)
                         served = None
-                    if self.policy.version > 0 and served != self.policy.version:
+                    if self.policy.version > 0 and served != self.engine_version():
                         lagging.append(i)
                 result = ("ok", (lagging, restarted))
             except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
@@ -203,7 +213,7 @@ class GRPORun:
 
         def generate():
             t0 = time.perf_counter()
-            out = self.prod.generate(plans, keep)
+            out = self.prod.generate(plans, keep, version=self.serving_version())
             kv = self.prod.kv_step()
             self.busy["rollout"] += time.perf_counter() - t0
             return out, kv
@@ -224,7 +234,7 @@ class GRPORun:
         tr = _Survivor(self.transport(engines)) if self.rank == 0 else None
         result = None
         try:
-            res = self.policy.push(tr, self.policy.version)
+            res = self.policy.push(tr, self.engine_version(), owner=self.owner)
             if self.rank == 0:
                 result = ("ok", res.bytes)
         except EngineDied as e:               # the begin's failure reaches every rank; the rest only rank 0
@@ -254,7 +264,7 @@ class GRPORun:
 
         def run_eval():
             t0 = time.perf_counter()
-            out = self.prod.evaluate(version, keep)
+            out = self.prod.evaluate(self.serving_version() if version is None else version, keep)
             self.eval_s += time.perf_counter() - t0
             self.busy["rollout"] += time.perf_counter() - t0
             return out
@@ -304,15 +314,31 @@ class GRPORun:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        from .metrics import MetricsLogger, plot
-
-        cfg = self.cfg
         self.setup()
+        start, history, evals, state = self.open()
+        self.start_engine()
+        self.begin(evals)
+        self.loop(start, history, evals, state)
+        wall = time.perf_counter() - self.t_rl
+        summary = self.finish(history, evals, wall)
+        if self.rank == 0:
+            self.prod.stop()
+        return summary
+
+    def open(self) -> tuple[int, list, dict, dict]:
+        """Resume (or not) and open the metrics log: (start step, history, evals, saved state)."""
+        from .metrics import MetricsLogger
+
         self.resuming = self.resumes()
         start, history, evals, state = self.resume() if self.resuming else (0, [], {}, {})
-        self.log = MetricsLogger(self.out, total_steps=cfg.steps, enabled=self.rank == 0,
+        self.log = MetricsLogger(self.out, total_steps=self.cfg.steps, enabled=self.rank == 0,
                                  resumed_at=start if self.resuming else None)
-        self.start_engine()
+        self.start = start
+        return start, history, evals, state
+
+    def begin(self, evals: dict) -> None:
+        """Once the engines serve this policy: the notes, the clocks, the first evaluation (none on a resume)."""
+        cfg, start = self.cfg, self.start
         if self.resuming:
             self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version}, "
                           f"{self.out / 'checkpoints'}, resume={str(cfg.resume).lower()})")
@@ -329,8 +355,12 @@ class GRPORun:
             evals[0] = self.evaluate()
             self.start_lens = length_percentiles(self.eval_lens, "len_")
             self.log.log(0, {"eval": evals[0], **length_percentiles(self.eval_lens, "eval_len_")})
-        self.loop(start, history, evals, state)
-        wall = time.perf_counter() - self.t_rl
+
+    def finish(self, history: list, evals: dict, wall: float) -> dict:
+        """After the last step: the dense evaluation (sparse rollouts), the PEFT adapter, summary.json, the plot."""
+        from .metrics import plot
+
+        cfg = self.cfg
         eval_dense = self.dense_eval() if cfg.rollout.kv_compression != "none" else None
         from ..refit.export import stream_to_peft
 
@@ -343,8 +373,8 @@ class GRPORun:
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot(self.out / "metrics.jsonl", self.out / "metrics.png",
-                 title=f"GRPO {cfg.mode}, {summary['layout']}, replay={cfg.replay}, serving={cfg.serving}")
-            self.prod.stop()
+                 title=f"GRPO {cfg.mode}, {summary['layout']}, replay={cfg.replay}, serving={cfg.serving}"
+                 + (f", policy {self.owner}" if self.owner else ""))
         return summary
 
     def dense_eval(self) -> float:
@@ -370,16 +400,19 @@ class GRPORun:
     def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
         """Synchronous: each step rolls out its groups, trains on them and pushes the new version."""
         for step in range(start, self.cfg.steps):
-            m = self.sync_step(step)
-            if self.eval_due(step + 1):
-                evals[step + 1] = m["eval"] = self.evaluate()
-                m.update(length_percentiles(self.eval_lens, "eval_len_"))
-            m["wall_s"] = time.perf_counter() - self.t_rl
-            m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
-            history.append(m)
-            self.log.log(step + 1, m)
-            if self.checkpoint_due(step + 1):
-                self.save(step + 1, history, evals)
+            self.record(step, self.sync_step(step), history, evals)
+
+    def record(self, step: int, m: dict, history: list, evals: dict) -> None:
+        """A finished step: the evaluation if due, the clocks, the metrics line, the checkpoint if due."""
+        if self.eval_due(step + 1):
+            evals[step + 1] = m["eval"] = self.evaluate()
+            m.update(length_percentiles(self.eval_lens, "eval_len_"))
+        m["wall_s"] = time.perf_counter() - self.t_rl
+        m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
+        history.append(m)
+        self.log.log(step + 1, m)
+        if self.checkpoint_due(step + 1):
+            self.save(step + 1, history, evals)
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         def mean(key, rows):

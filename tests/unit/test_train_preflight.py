@@ -40,7 +40,8 @@ def test_async_refusals():
 def test_cli_one_line_errors():
     for args, needle in ((["lora.rnk=4"], "unknown config key"), (["replay=r4"], "replay='r4'"),
                          (["data.train_file=/nonexistent.parquet"], "/nonexistent.parquet"),
-                         (["mode=async", "max_staleness=0"], "max_staleness=0")):
+                         (["mode=async", "max_staleness=0"], "max_staleness=0"),
+                         (["policies=[{name: a}, {name: a}]"], "policies: name 'a' is given 2 times")):
         p = subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *args], capture_output=True, text=True,
                            timeout=120)
         assert p.returncode == 2, p.stderr

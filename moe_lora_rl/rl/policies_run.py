@@ -1,0 +1,132 @@
+"""Several policies on one base and one engine pool (the run config's `policies`, rl/config_policies.py).
+
+One Megatron base holds every policy's adapters in its adapter bank (policy/bank.py: one active at a time, swapped
+in place); one set of engines holds every policy's newest version at once (inflight=pin, each commit naming its
+policy: vllm/versions.py) and serves each request with its own policy's version. Each policy is run as a run of one
+policy is (rl/run.py's pieces) with its own config, problems, seeds, metrics, checkpoints and PEFT adapter in
+out_dir/<name>/; the policies take their steps in turn. The engine numbers versions over all policies; each
+policy's own version count is what its metrics and checkpoints show.
+
+    summary = PoliciesRun(cfg, world_size).run()     # {"policies": {name: its summary}, "wall_s", ...}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .run import GRPORun
+
+
+class PolicyRun(GRPORun):
+    """One policy of the job: GRPORun's pieces on the job's base (its bank's adapter set made active whenever the
+    policy is used) and the job's engines (its requests pinned to its own version)."""
+
+    def __init__(self, job: "PoliciesRun", name: str, cfg):
+        super().__init__(cfg, job.world)
+        self.job, self.owner = job, name
+
+    @property
+    def policy(self):
+        self.job.bank.activate(self.owner)
+        return self.job.policy
+
+    def engine_version(self) -> int:
+        return self.job.ids[(self.owner, self.policy.version)]
+
+    def serving_version(self) -> int:
+        return self.engine_version()
+
+    def push(self, restarts: bool = True, after_restart=None, engines=None) -> int:
+        self.job.allocate(self.owner, self.policy.version)          # every rank, in the same order
+        return super().push(restarts, after_restart, engines)
+
+    def _restart(self, what: str, died: tuple, attempt: int, after_restart=None) -> int:
+        """As GRPORun's, but the restarted engines get every policy's current version, in the engine's order."""
+        why, index = died
+        if attempt == self.cfg.engine_restarts:
+            raise RuntimeError(f"the rollout engine died during {what} {attempt + 1} times "
+                               f"(engine_restarts={self.cfg.engine_restarts}); giving up: {why}")
+        self.log.note(f"rollout engine {index} died during {what}: {why}; restarting it "
+                      f"({attempt + 1}/{self.cfg.engine_restarts}), pushing every policy's version, repeating {what}")
+        self.engine_restarts += 1
+        _, restarted = self._revive(index)
+        pushed = 0
+        for r in sorted(self.job.runs, key=lambda r: r.engine_version()):
+            pushed += r.push(restarts=False, engines=restarted)
+        if self.rank == 0 and after_restart is not None:
+            for i in restarted:
+                after_restart(i)
+        return pushed
+
+
+class PoliciesRun:
+    def __init__(self, cfg, world_size: int):
+        self.cfg, self.world = cfg, world_size
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.out = Path(cfg.out_dir)
+        self.ids: dict[tuple[str, int], int] = {}      # (policy, its version) -> the engine's version number
+        self.runs: list[PolicyRun] = []
+
+    def allocate(self, name: str, version: int) -> int:
+        """The engine's number for a policy's version: new ones increase over every policy's pushes."""
+        return self.ids.setdefault((name, version), len(self.ids) + 1)
+
+    def setup(self) -> None:
+        """The shared pieces once (base, tokenizer, the engines' producer), the bank, then each policy's own."""
+        from ..policy.bank import AdapterBank, PolicyAdapter
+        from .config_policies import policy_configs
+        from .inputs import load_problems
+        from .producer import Producer
+
+        head = GRPORun(self.cfg, self.world)
+        head.setup()
+        self.head, self.policy = head, head.policy
+        configs = policy_configs(self.cfg)
+        self.bank = AdapterBank(head.policy.core, {
+            name: PolicyAdapter(pcfg.algo.lr, dataclasses.replace(head.policy.lora, alpha=float(pcfg.lora.alpha),
+                                                                  init_seed=pcfg.seed))
+            for name, pcfg in configs})
+        for name, pcfg in configs:
+            r = PolicyRun(self, name, pcfg)
+            r.path, r.warmup, r.tok, r.template = head.path, head.warmup, head.tok, head.template
+            r.moe_layers, r.setup_s = head.moe_layers, head.setup_s
+            r.train_problems, r.eval_problems = load_problems(pcfg)
+            r.prod = Producer(pcfg, head.tok, head.path, r.train_problems, r.eval_problems, r.out,
+                              template=head.template)
+            self.runs.append(r)
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.setup()
+        opened = {r.owner: r.open() for r in self.runs}
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            self.head.prod.start()
+        dist.barrier()
+        for r in self.runs:
+            r.prod.engines = self.head.prod.engines
+            r.push()                                      # version 0, or the resumed one
+        t_rl = time.perf_counter()                        # as a run of one policy: its first evaluation on
+        for r in self.runs:
+            r.setup_s += t_rl - t0
+            r.begin(opened[r.owner][2])
+        for step in range(min(o[0] for o in opened.values()), cfg.steps):
+            for r in self.runs:
+                start, history, evals, _ = opened[r.owner]
+                if step >= start:
+                    r.record(step, r.sync_step(step), history, evals)
+        wall = time.perf_counter() - t_rl
+        summaries = {r.owner: r.finish(opened[r.owner][1], opened[r.owner][2], time.perf_counter() - r.t_rl)
+                     for r in self.runs}
+        summary = {"wall_s": wall, "setup_s": self.head.setup_s, "mode": cfg.mode, "replay": cfg.replay,
+                   "layout": cfg.layout.layout().name, "model": str(self.head.path),
+                   "policies": {n: {k: v for k, v in s.items() if k != "evals"} for n, s in summaries.items()}}
+        if self.rank == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.head.prod.stop()
+        return summary

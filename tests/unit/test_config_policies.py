@@ -1,0 +1,42 @@
+"""The run config's `policies` (rl/config_policies.py), without a model: each policy's own run config (the one it
+would be trained with alone), and every bad list refused with one line naming the value."""
+import pytest
+
+from moe_lora_rl.rl.config import load
+from moe_lora_rl.rl.config_policies import policy_configs
+
+TWO = "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 3e-3, alpha: 4, task: sort_trace, length: 9}]"
+
+
+def test_each_policy_is_the_run_with_its_settings():
+    cfg = load([TWO, "out_dir=/tmp/job", "algo.lr=1e-3"])
+    (na, a), (nb, b) = policy_configs(cfg)
+    assert (na, a.seed, a.algo.lr, a.lora.alpha, a.data.task, a.out_dir) == ("a", 1, 1e-3, 16.0, "sort", "/tmp/job/a")
+    assert (nb, b.seed, b.algo.lr, b.lora.alpha, b.data.task, b.data.length) == ("b", 2, 3e-3, 4.0, "sort_trace", 9)
+    assert a.policies == [] and b.out_dir == "/tmp/job/b" and a.lora.rank == b.lora.rank == cfg.lora.rank
+    assert policy_configs(load([])) == []
+
+
+@pytest.mark.parametrize("override,match", [
+    ("policies=[{name: a}, {name: a}]", "policies: name 'a' is given 2 times"),
+    ("policies=[{name: 'a/b'}]", "policies: name='a/b' must be 1-64 letters"),
+    ("policies=[{seed: 1}]", "policies: name='' must be"),
+    ("policies=[{name: a, rank: 4}]", "policies: 'a' has rank=4, lora.rank=8: the policies on one base share one "
+                                      "adapter shape"),
+    ("policies=[{name: a, targets: [experts]}]", "policies: 'a' has targets=\\['experts'\\]"),
+    ("policies=[{name: a, colour: red}]", "unknown config key"),
+    ("policies=[{name: a, lr: -1}]", "policies: 'a': algo.lr=-1.0 must be >= 0"),
+    ("policies=[{name: a, task: sort_trace}]", "policies: 'a': task length=5 is outside 8..12"),
+    ("policies=[{name: a}, {name: b}, {name: c}, {name: d}, {name: e}]",
+     "policies: 5 policies need 5 adapter slots in the engine at once, rollout.max_versions=4"),
+])
+def test_bad_policies_named(override, match):
+    with pytest.raises(ValueError, match=match) as e:
+        load([override])
+    assert "\n" not in str(e.value)
+
+
+def test_policies_take_turns():
+    with pytest.raises(ValueError, match="policies with mode=async: several policies take their steps in turns"):
+        load(["policies=[{name: a}]", "mode=async"])
+    load(["policies=[{name: a}, {name: b}, {name: c}, {name: d}, {name: e}]", "rollout.max_versions=5"])
