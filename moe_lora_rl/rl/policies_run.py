@@ -4,8 +4,13 @@ One Megatron base holds every policy's adapters in its adapter bank (policy/bank
 in place); one set of engines holds every policy's newest version at once (inflight=pin, each commit naming its
 policy: vllm/versions.py) and serves each request with its own policy's version. Each policy is run as a run of one
 policy is (rl/run.py's pieces) with its own config, problems, seeds, metrics, checkpoints and PEFT adapter in
-out_dir/<name>/; the policies take their steps in turn. The engine numbers versions over all policies; each
-policy's own version count is what its metrics and checkpoints show.
+out_dir/<name>/. The engine numbers versions over all policies; each policy's own version count is what its
+metrics and checkpoints show.
+
+The policies take their steps in turn, and while one trains the engines generate the next policy's step (rank 0
+starts it in a thread once the trainer's turn begins): that policy's version is already final (it was pushed at
+the end of its own last turn), so each rollout is on-policy, as when the policies run alone. A generation begun
+ahead that fails is repeated in turn, with the engines' recovery.
 
     summary = PoliciesRun(cfg, world_size).run()     # {"policies": {name: its summary}, "wall_s", ...}
 """
@@ -36,7 +41,7 @@ class PolicyRun(GRPORun):
         return self.job.policy
 
     def engine_version(self) -> int:
-        return self.job.ids[(self.owner, self.policy.version)]
+        return self.job.ids[(self.owner, self.job.bank.version(self.owner))]     # read without switching
 
     def serving_version(self) -> int:
         return self.engine_version()
@@ -100,6 +105,25 @@ class PoliciesRun:
                               template=head.template)
             self.runs.append(r)
 
+    def take_turns(self, turns: list, opened: dict) -> None:
+        """Each (step, policy) in order; rank 0 generates the next turn's step while this one trains, when the next
+        turn is another policy's (the same policy's next step would need this turn's version)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if self.rank == 0 else None
+        started = {}
+        try:
+            for k, (step, r) in enumerate(turns):
+                samples, kv, plans = r.rollout(step, started.pop(k, None))
+                if ahead is not None and k + 1 < len(turns) and turns[k + 1][1] is not r:
+                    nstep, nr = turns[k + 1]
+                    started[k + 1] = ahead.submit(nr.generation(nstep, {}))
+                _, history, evals, _ = opened[r.owner]
+                r.record(step, r.train_push(samples, kv, plans), history, evals)
+        finally:
+            if ahead is not None:
+                ahead.shutdown(wait=True, cancel_futures=True)
+
     def run(self) -> dict:
         cfg = self.cfg
         self.setup()
@@ -115,11 +139,9 @@ class PoliciesRun:
         for r in self.runs:
             r.setup_s += t_rl - t0
             r.begin(opened[r.owner][2])
-        for step in range(min(o[0] for o in opened.values()), cfg.steps):
-            for r in self.runs:
-                start, history, evals, _ = opened[r.owner]
-                if step >= start:
-                    r.record(step, r.sync_step(step), history, evals)
+        turns = [(step, r) for step in range(min(o[0] for o in opened.values()), cfg.steps) for r in self.runs
+                 if step >= opened[r.owner][0]]
+        self.take_turns(turns, opened)
         wall = time.perf_counter() - t_rl
         summaries = {r.owner: r.finish(opened[r.owner][1], opened[r.owner][2], time.perf_counter() - r.t_rl)
                      for r in self.runs}

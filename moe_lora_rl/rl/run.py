@@ -208,17 +208,42 @@ class GRPORun:
                 **({"skipped": True} if skipped else {})}, batch, proximal
 
     def sync_step(self, step: int) -> dict:
-        plans = self.plans(step)
-        keep: dict = {}                 # the engines' finished groups, kept if another engine dies
+        return self.train_push(*self.rollout(step))
+
+    def generation(self, step: int, keep: dict | None = None):
+        """Rank 0: a function generating the step's groups (with the version requests are pinned to, read now)
+        and the engines' KV figures; keep: the finished engines' groups, kept if another engine dies."""
+        plans, version = self.plans(step), self.serving_version()
 
         def generate():
             t0 = time.perf_counter()
-            out = self.prod.generate(plans, keep, version=self.serving_version())
+            out = self.prod.generate(plans, keep, version=version)
             kv = self.prod.kv_step()
             self.busy["rollout"] += time.perf_counter() - t0
             return out, kv
+        return generate
 
-        samples, kv = self._on_engine(f"the rollout of step {step + 1}", generate)
+    def rollout(self, step: int, started=None) -> tuple[list, dict, list]:
+        """The step's samples, KV figures and plans on every rank. started: rank 0's future of a generation begun
+        earlier (rl/policies_run.py: while another policy trained); if it failed, the rollout runs again here, with
+        the engines' recovery."""
+        plans = self.plans(step)
+        if started is not None:
+            res = None
+            if self.rank == 0:
+                try:
+                    res = ("ok", started.result())
+                except Exception as e:  # noqa: BLE001 - every rank must learn it; the rollout is repeated below
+                    res = ("again", f"{type(e).__name__}: {e}")
+            kind, value = _broadcast(res)
+            if kind == "ok":
+                return (*value, plans)
+            self.log.note(f"the rollout of step {step + 1} begun ahead failed ({value}); generating it again")
+        samples, kv = self._on_engine(f"the rollout of step {step + 1}", self.generation(step, {}))
+        return samples, kv, plans
+
+    def train_push(self, samples: list, kv: dict, plans: list) -> dict:
+        """Train on a step's samples and push the new version; the step's metrics."""
         m, _, _ = self.train(samples, plans)
         pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
         return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version,
