@@ -20,6 +20,7 @@ BENCHES = {
     "sparse": "moe_lora_rl.bench.sparse",
     "long": "moe_lora_rl.bench.long",
     "peers": "moe_lora_rl.bench.peers",
+    "policies": "moe_lora_rl.bench.policies",
 }
 
 
