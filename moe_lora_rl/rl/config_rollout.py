@@ -13,6 +13,8 @@ def _choice(where: str, value, allowed) -> None:
 
 def _positive(where: str, value, *, zero_ok: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if zero_ok else value > 0)
+    if ok and value == float("inf"):
+        raise ValueError(f"{where}={value!r} must be finite")
     if not ok:
         raise ValueError(f"{where}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
 

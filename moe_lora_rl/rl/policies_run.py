@@ -12,12 +12,17 @@ starts it in a thread once the trainer's turn begins): that policy's version is 
 the end of its own last turn), so each rollout is on-policy, as when the policies run alone. A generation begun
 ahead that fails is repeated in turn, with the engines' recovery.
 
+A policy that fails (a non-finite loss, an adapter or input the engine refuses: an error every rank sees) stops
+alone, with one line in its log and the reason in the summaries; its checkpoints stay as they were, and the other
+policies go on.
+
     summary = PoliciesRun(cfg, world_size).run()     # {"policies": {name: its summary}, "wall_s", ...}
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -50,6 +55,10 @@ class PolicyRun(GRPORun):
         self.job.allocate(self.owner, self.policy.version)          # every rank, in the same order
         return super().push(restarts, after_restart, engines)
 
+    def summary(self, history: list, evals: dict, wall: float) -> dict:
+        s = super().summary(history, evals, wall)
+        return {**s, "failed": self.job.failed[self.owner]} if self.owner in self.job.failed else s
+
     def _restart(self, what: str, died: tuple, attempt: int, after_restart=None) -> int:
         """As GRPORun's, but the restarted engines get every policy's current version, in the engine's order."""
         why, index = died
@@ -75,6 +84,7 @@ class PoliciesRun:
         self.rank = int(os.environ.get("RANK", "0"))
         self.out = Path(cfg.out_dir)
         self.ids: dict[tuple[str, int], int] = {}      # (policy, its version) -> the engine's version number
+        self.failed: dict[str, str] = {}                # policy -> why it stopped
         self.runs: list[PolicyRun] = []
 
     def allocate(self, name: str, version: int) -> int:
@@ -114,12 +124,23 @@ class PoliciesRun:
         started = {}
         try:
             for k, (step, r) in enumerate(turns):
-                samples, kv, plans = r.rollout(step, started.pop(k, None))
-                if ahead is not None and k + 1 < len(turns) and turns[k + 1][1] is not r:
-                    nstep, nr = turns[k + 1]
-                    started[k + 1] = ahead.submit(nr.generation(nstep, {}))
+                if r.owner in self.failed:
+                    continue
+                try:
+                    samples, kv, plans = r.rollout(step, started.pop(k, None))
+                    nxt = next((j for j in range(k + 1, len(turns)) if turns[j][1].owner not in self.failed), None)
+                    if nxt is not None and turns[nxt][1] is not r:     # decided alike on every rank
+                        started[nxt] = ahead.submit(turns[nxt][1].generation(turns[nxt][0], {})) \
+                            if ahead is not None else True
+                    m = r.train_push(samples, kv, plans)
+                    if not math.isfinite(m.get("loss", 0.0)):
+                        raise ValueError(f"non-finite loss {m['loss']}")
+                except (ValueError, RuntimeError) as e:    # raised on every rank: the policy stops alone
+                    self.failed[r.owner] = f"step {step + 1}: {' '.join(str(e).split())}"
+                    r.log.note(f"policy {r.owner} stopped at {self.failed[r.owner]}; the other policies go on")
+                    continue
                 _, history, evals, _ = opened[r.owner]
-                r.record(step, r.train_push(samples, kv, plans), history, evals)
+                r.record(step, m, history, evals)
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)
@@ -147,6 +168,7 @@ class PoliciesRun:
                      for r in self.runs}
         summary = {"wall_s": wall, "setup_s": self.head.setup_s, "mode": cfg.mode, "replay": cfg.replay,
                    "layout": cfg.layout.layout().name, "model": str(self.head.path),
+                   "failed": dict(self.failed),
                    "policies": {n: {k: v for k, v in s.items() if k != "evals"} for n, s in summaries.items()}}
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -224,9 +224,9 @@ class GRPORun:
         return generate
 
     def rollout(self, step: int, started=None) -> tuple[list, dict, list]:
-        """The step's samples, KV figures and plans on every rank. started: rank 0's future of a generation begun
-        earlier (rl/policies_run.py: while another policy trained); if it failed, the rollout runs again here, with
-        the engines' recovery."""
+        """The step's samples, KV figures and plans on every rank. started (given on every rank or on none): a
+        generation begun earlier (rl/policies_run.py: while another policy trained), rank 0's future of it (any
+        other rank: True); if it failed, the rollout runs again here, with the engines' recovery."""
         plans = self.plans(step)
         if started is not None:
             res = None

@@ -87,6 +87,9 @@ def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: 
         if tuple(t.shape) != want:
             raise ValueError(f"adapter tensor {name!r} has shape {tuple(t.shape)}, the model needs {want} "
                              f"(rank {rank})")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"adapter version {version}: tensor {name!r} holds non-finite values (inf or nan); "
+                             "the served version stays")
         pairs.setdefault((layer, module), {})[ab] = t
         if expert_key is not None:
             experts.setdefault(expert_key, set()).add(expert)

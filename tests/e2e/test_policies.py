@@ -1,13 +1,15 @@
 """Two policies on one base and one engine (`policies=[...]`, rl/policies_run.py) end to end: torchrun with 2 ranks,
-the warm-started small model, fp32 rollouts, 2 steps each, the policies of different seeds and learning rates.
+the warm-started small model, fp32 rollouts, 2 steps each, the policies of different seeds and learning rates,
+and a third policy whose training file the engine refuses.
 
 - Each policy has its own outputs in out_dir/<name>/ (metrics, plot, summary, PEFT adapter) and the job a summary
-  naming both.
-- The engine held both policies' versions and served each request with its own policy's: the engine numbers the
-  versions over both (a's 0 -> 1, b's 0 -> 2, a's 1 -> 3, b's 1 -> 4, in push order), and every rollout token carries
-  its policy's number. With R3 in fp32 the trainer's recompute (that policy's adapter, the sample's routes) matches
+  naming them.
+- The engine held every policy's version and served each request with its own policy's: the engine numbers the
+  versions over all (a's 0 -> 1, b's 0 -> 2, bad's 0 -> 3, a's 1 -> 4, b's 1 -> 5, in push order), and every rollout
+  token carries its policy's number. With R3 in fp32 the trainer's recompute (that policy's adapter, the sample's routes) matches
   the engine's logprobs to k3 <= 1e-10 at every step (measured ~1e-12); at step 2 the two policies' adapters differ
   (their exported adapters are compared), so a request served with the other policy's version could not match.
+- bad stops alone at its first rollout (one line in its log, the reason in both summaries); a and b go on.
 """
 import json
 
@@ -20,23 +22,48 @@ from moe_lora_rl.checks.train_runs import start_train  # noqa: E402
 
 SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=4", "algo.lr=3e-3",
          "algo.max_response_tokens=6", "data.n_eval=16", "eval_every=0", "runtime.rollout_dtype=float32",
-         "steps=2", "model.size=small", "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 1e-2}]"]
+         "steps=2", "model.size=small"]
+
+
+def long_prompts(path):
+    """A training file whose prompts (600 digits) are longer than the engine's context: found bad at the rollout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moe_lora_rl.rl.dataset import to_row
+    from moe_lora_rl.rl.task import Problem
+
+    pq.write_table(pa.Table.from_pylist([to_row(Problem(tuple(i % 10 for i in range(600 + k)), k), "train")
+                                         for k in range(4)]), path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("policies")
-    p = start_train(out, SHORT)
+    bad = long_prompts(out / "long.parquet")
+    p = start_train(out, [*SHORT, "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 1e-2}, "
+                                  f"{{name: bad, seed: 3, train_file: '{bad}'}}]"])
     stdout, stderr = p.communicate(timeout=900)
     assert p.returncode == 0, (stdout + stderr)[-4000:]
     rows = {n: [json.loads(l) for l in (out / n / "metrics.jsonl").read_text().splitlines() if l.strip()]
-            for n in ("a", "b")}
+            for n in ("a", "b", "bad")}
     return out, json.loads((out / "summary.json").read_text()), rows
+
+
+def test_a_failing_policy_stops_alone(run):
+    """bad's prompts do not fit the engine: its first rollout is refused, it stops with one line and the reason in
+    both summaries, while a and b take every step (their versions below are numbered around bad's version 0)."""
+    out, summary, rows = run
+    why = summary["failed"]["bad"]
+    assert why.startswith("step 1: ") and summary["policies"]["bad"]["failed"] == why, why
+    assert json.loads((out / "bad" / "summary.json").read_text())["failed"] == why
+    assert [r["step"] for r in rows["bad"]] == [0] and set(summary["failed"]) == {"bad"}
 
 
 def test_each_policy_has_its_outputs(run):
     out, summary, rows = run
-    assert set(summary["policies"]) == {"a", "b"}
+    assert set(summary["policies"]) == {"a", "b", "bad"}
     for n in ("a", "b"):
         s = summary["policies"][n]
         assert s["steps"] == 2 and json.loads((out / n / "summary.json").read_text())["steps"] == 2
@@ -48,7 +75,7 @@ def test_each_policy_has_its_outputs(run):
 def test_each_request_served_with_its_own_policys_version(run):
     out, _, rows = run
     served = {n: [r["rollout_versions"] for r in rows[n] if r["step"] >= 1] for n in ("a", "b")}
-    assert served == {"a": [[1], [3]], "b": [[2], [4]]}, served
+    assert served == {"a": [[1], [4]], "b": [[2], [5]]}, served
     for n in ("a", "b"):
         for r in rows[n]:
             if r["step"] >= 1:

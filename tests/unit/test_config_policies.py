@@ -26,6 +26,7 @@ def test_each_policy_is_the_run_with_its_settings():
     ("policies=[{name: a, targets: [experts]}]", "policies: 'a' has targets=\\['experts'\\]"),
     ("policies=[{name: a, colour: red}]", "unknown config key"),
     ("policies=[{name: a, lr: -1}]", "policies: 'a': algo.lr=-1.0 must be >= 0"),
+    ("policies=[{name: a, lr: inf}]", "policies: 'a': algo.lr=inf must be finite"),
     ("policies=[{name: a, task: sort_trace}]", "policies: 'a': task length=5 is outside 8..12"),
     ("policies=[{name: a}, {name: b}, {name: c}, {name: d}, {name: e}]",
      "policies: 5 policies need 5 adapter slots in the engine at once, rollout.max_versions=4"),

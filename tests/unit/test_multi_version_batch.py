@@ -242,3 +242,16 @@ def test_routed_experts_groups_match_per_group_calls():
         torch.testing.assert_close(out[idx], routed_experts(x[idx], logits[idx], base, ARCH, lora), **TOL)
     swapped = routed_experts(x[groups[0][1]], logits[groups[0][1]], base, ARCH, loras[1])
     assert (out[groups[0][1]] - swapped).abs().max() > 1e-3        # negative control: another version's factors
+
+
+def test_a_non_finite_adapter_is_refused_naming_its_tensor():
+    """A push holding inf or nan (a diverged policy) never serves: refused naming the tensor. Control: the same
+    tensors, finite, are taken."""
+    shapes = naming_for(ARCH).hf_shapes(ARCH, 0)
+    din, dout = shapes["self_attn.q_proj"]
+    pre = "base_model.model.model.layers.0.self_attn.q_proj"
+    t = {f"{pre}.lora_A.weight": torch.ones(RANK, din), f"{pre}.lora_B.weight": torch.ones(dout, RANK)}
+    assert build_adapter_set(t, ARCH, rank=RANK, alpha=8.0, version=3).version == 3
+    t[f"{pre}.lora_B.weight"][1, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"adapter version 3: tensor '{pre}.lora_B.weight' holds non-finite"):
+        build_adapter_set(t, ARCH, rank=RANK, alpha=8.0, version=3)
