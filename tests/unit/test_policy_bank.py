@@ -38,7 +38,7 @@ def _policy(world, seed, alpha, lr):
 
     path, rc = world
     return Policy(path, Layout(), rc, LoRAConfig(rank=4, alpha=alpha, init_seed=seed), lr=lr, weight_decay=0.0,
-                  grad_clip=1.0, loss=PolicyLossSettings(), micro_batch_size=1)
+                  grad_clip=1.0, loss=PolicyLossSettings(), micro_batch_size=4)
 
 
 def _spec(pol, seed, alpha, lr):
