@@ -135,3 +135,33 @@ def predict(phases: HostPhases, max_staleness: int, lengths: HostLengths | None 
                     "produced_tokens_per_s": tokens / (phases.rollout_1 * lengths.async_factor()),
                     "consumed_tokens_per_s": tokens / (phases.train_c + phases.refit)})
     return out
+
+
+def predict_policies(phases: HostPhases, policies: int, steps: int, setup_s: float = 0.0,
+                     eval_s: float = 0.0) -> dict:
+    """N policies of `steps` steps each (phases: one policy's, as a run of one measures them), together on one base
+    and engine (rl/policies_run.py) vs each run alone, one after the other. Together, the policies take turns and
+    the next policy's rollout overlaps this one's training: in steady state a turn is set by throughput, as the
+    async step at a lead of one version (async_bounds_s without its staleness term: the rollout begun ahead is
+    the next policy's, whose version is final, so no staleness arises). Apart, every run pays its own setup
+    (setup_s: a job's seconds before its RL loop) and takes synchronous steps; both pay each policy's evaluation
+    (eval_s). Returns the seconds of both, the turn, what bounds it, and the predicted speedups (job and loop)."""
+    if isinstance(policies, bool) or not isinstance(policies, int) or policies < 1:
+        raise ValueError(f"policies={policies!r}: must be an integer >= 1")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: must be an integer >= 1")
+    for name, v in (("setup_s", setup_s), ("eval_s", eval_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}={v!r}: must be a finite number of seconds >= 0")
+    sync = sync_step_s(phases)
+    if policies == 1:
+        turn, limit = sync, "alone"
+    else:
+        b = {k: v for k, v in async_bounds_s(phases).items() if k != "staleness"}
+        turn = max(b.values())
+        limit = next(k for k in ("rollout", "train", "cores") if b[k] == turn)
+    loop_apart, loop_together = policies * steps * sync, policies * steps * turn
+    apart = policies * (setup_s + eval_s) + loop_apart
+    together = setup_s + policies * eval_s + loop_together
+    return {"apart_s": apart, "together_s": together, "turn_s": turn, "sync_step_s": sync, "limit": limit,
+            "predicted_speedup": apart / together, "predicted_speedup_loop": loop_apart / loop_together}

@@ -109,3 +109,23 @@ def test_cli_refusal_one_line(args, text, capsys):
     o = capsys.readouterr()
     assert o.out == "" and o.err.startswith("moe-lora-rl plan: error: ") and o.err.count("\n") == 1
     assert text in o.err and "Traceback" not in o.err
+
+
+def test_policies_together_vs_apart():
+    """Two policies: apart, two setups and 2 x steps synchronous steps; together, one setup and turns set by the
+    async bounds (here the cores: (10.1 + 28.5) / 2 = 19.3 s against sync 11.4 + 14.2 = 25.6 s). One policy is a run
+    of one: no speedup. Negative control: on one core nothing overlaps, only the setup is saved."""
+    from moe_lora_rl.plan.shared_host import HostPhases, predict_policies
+
+    p = HostPhases(rollout_1=10.1, rollout_c=11.4, train_1=28.5, train_c=14.2, cores=2)
+    two = predict_policies(p, 2, 20, setup_s=60.0, eval_s=5.0)
+    assert two["turn_s"] == pytest.approx(19.3) and two["limit"] == "cores" and two["sync_step_s"] == pytest.approx(25.6)
+    assert two["apart_s"] == pytest.approx(2 * 65 + 40 * 25.6) and two["together_s"] == pytest.approx(70 + 40 * 19.3)
+    assert two["predicted_speedup_loop"] == pytest.approx(25.6 / 19.3)
+    assert predict_policies(p, 1, 20, setup_s=60.0)["predicted_speedup"] == pytest.approx(1.0)
+    one_core = HostPhases(rollout_1=10.1, rollout_c=10.1, train_1=28.5, train_c=28.5, cores=1)
+    c = predict_policies(one_core, 2, 20, setup_s=60.0)
+    assert c["predicted_speedup_loop"] == pytest.approx(1.0) and c["apart_s"] - c["together_s"] == pytest.approx(60)
+    for kw, msg in (({"policies": 0}, "policies=0"), ({"steps": 0}, "steps=0"), ({"setup_s": -1.0}, "setup_s=-1.0")):
+        with pytest.raises(ValueError, match=msg):
+            predict_policies(p, **{"policies": 2, "steps": 20, **kw})
