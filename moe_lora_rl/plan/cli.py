@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from .search import Plan, plan
 from .lengths import parse_lengths
-from .shared_host import HostLengths, HostPhases, predict
+from .shared_host import HostLengths, HostPhases, predict, predict_policies
 from .specs import PRESETS, RLSettings, load_hardware, load_model
 
 _HW = {"memory_gb": "memory_GB", "usable_fraction": "usable_fraction", "bf16_tflops": "bf16_TFLOPs",
@@ -67,6 +67,11 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--refit-s", metavar="X", help="adapter push seconds per step (default 0)")
     h.add_argument("--decode-fixed", metavar="PHI", type=float, default=1.0, help="with --lengths: share of a "
                    "full-batch decode step that does not shrink with the batch (1: memory-bound, the default)")
+    h.add_argument("--policies", type=int, default=1, help="N policies on one base and engine (the run config's "
+                   "`policies`): their wall time together vs each run alone, one after the other")
+    h.add_argument("--steps", type=int, default=80, help="with --policies: steps per policy")
+    h.add_argument("--setup-s", type=float, default=0.0, help="with --policies: a job's seconds before its RL loop")
+    h.add_argument("--eval-s", type=float, default=0.0, help="with --policies: a policy's evaluation seconds")
     return ap
 
 
@@ -133,6 +138,12 @@ def run_shared_host(a: argparse.Namespace) -> dict:
     except ValueError as e:
         raise ValueError(f"--staleness: {e}") from None
     d = {"shared_host": asdict(ph), "max_staleness": a.staleness, **pred}
+    if a.policies != 1:
+        try:
+            d["policies"] = {"n": a.policies, "steps": a.steps,
+                             **predict_policies(ph, a.policies, a.steps, a.setup_s, a.eval_s)}
+        except ValueError as e:
+            raise ValueError(f"--{str(e).split('=')[0].replace('_', '-')}: {e}") from None
     if ln:
         d["lengths"] = {"spec": a.lengths, "mean": ln.dist.mean, "batch": ln.batch, "decode_fixed": ln.fixed_frac,
                         "expected_longest_of_batch": ln.dist.expected_max(ln.batch)}
@@ -155,6 +166,12 @@ def host_table(d: dict) -> str:
         ("speedup", f"predicted {d['predicted_speedup']:.3g}, overlap bound {d['overlap_bound']:.3g}"),
         ("staleness", f"implied max {d['implied_staleness']} vs bound {d['max_staleness']}"),
     ]
+    if "policies" in d:
+        p = d["policies"]
+        rows.append(("policies", f"{p['n']} x {p['steps']} steps together {p['together_s']:.4g} s vs apart "
+                                 f"{p['apart_s']:.4g} s: predicted {p['predicted_speedup']:.3g}x (RL loop "
+                                 f"{p['predicted_speedup_loop']:.3g}x; a turn {p['turn_s']:.3g} s, bound by "
+                                 f"{p['limit']})"))
     if "lengths" in d:
         ln = d["lengths"]
         rows[2:2] = [("lengths", f"{ln['spec']}: mean {ln['mean']:.0f}, expected longest of {ln['batch']} "
@@ -170,6 +187,9 @@ def run(argv=None) -> Plan | dict:
     a = parser().parse_args(argv)
     if any(getattr(a, k) is not None for k in _HOST_FLAGS):
         return run_shared_host(a)
+    if a.policies != 1:
+        raise ValueError(f"--policies={a.policies}: predicted on the shared host (give --host-cores, --rollout-s and "
+                         "--train-s)")
     hw = load_hardware(a.hardware_json, **{v: getattr(a, k) for k, v in _HW.items()})
     rl = RLSettings(batch=RLSettings.batch if a.batch is None else a.batch, prompt_len=a.prompt_len,
                     response_len=a.response_len, rank=a.rank, lengths=a.lengths, ahead=a.ahead,

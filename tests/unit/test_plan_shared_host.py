@@ -129,3 +129,18 @@ def test_policies_together_vs_apart():
     for kw, msg in (({"policies": 0}, "policies=0"), ({"steps": 0}, "steps=0"), ({"setup_s": -1.0}, "setup_s=-1.0")):
         with pytest.raises(ValueError, match=msg):
             predict_policies(p, **{"policies": 2, "steps": 20, **kw})
+
+
+def test_cli_policies_row_and_refusals(capsys):
+    from moe_lora_rl.plan.cli import run
+
+    assert main(["--host-cores", "2", "--rollout-s", "10.1,11.4", "--train-s", "28.5,14.2", "--policies", "2",
+                 "--steps", "20", "--setup-s", "60", "--eval-s", "5", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["policies"]["predicted_speedup_loop"] == pytest.approx(25.6 / 19.3)
+    assert line["policies"]["together_s"] == pytest.approx(70 + 40 * 19.3)
+    for argv, msg in ((["--policies", "2"], "--policies=2: predicted on the shared host"),
+                      (["--host-cores", "2", "--rollout-s", "10,11", "--train-s", "28,14", "--policies", "0"],
+                       "--policies: policies=0")):
+        with pytest.raises(ValueError, match=msg):
+            run(argv)
