@@ -72,3 +72,20 @@ def peers_png(png: Path, rewards: dict, evals: dict, result: dict) -> Path:
     speed.set_title("samples per second of the training loop", fontsize=10)
     speed.grid(alpha=0.3, axis="y")
     return save(fig, f"ours, TRL and verl: the same model, task and budget ({result['samples']} samples each)", png)
+
+
+def policies_png(png: Path, result: dict) -> Path:
+    """bench policies: each policy's held-out success together (solid) and alone (dashed); the job seconds."""
+    fig, (held, wall) = panels(1, 2, size=(11, 4))
+    for i, (name, p) in enumerate(result["policies"].items()):
+        for key, ls, how in (("eval_together", "-", "together"), ("eval_alone", "--", "alone")):
+            steps = sorted(int(s) for s in p[key])
+            held.plot(steps, [p[key][s] if s in p[key] else p[key][str(s)] for s in steps], ls=ls, marker="o",
+                      color=f"C{i}", label=f"{name} (seed {p['seed']}, lr {p['lr']:g}) {how}")
+    style(held, "held-out success of each policy")
+    wall.bar(["apart (one after the other)", "together"], [result["job_s_apart"], result["job_s_together"]],
+             color=["C7", "C2"])
+    wall.set_title(f"job seconds: {result['speedup']:.2f}x (predicted {result['predicted_speedup']:.2f}x)",
+                   fontsize=10)
+    wall.grid(alpha=0.3, axis="y")
+    return save(fig, f"Two policies on one base and engine, {result['steps']} steps each", png)

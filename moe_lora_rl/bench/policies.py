@@ -2,7 +2,7 @@
 rl/policies_run.py) against each trained alone, one after the other, on the same cores, side by side in one run.
 
     python -m moe_lora_rl.bench policies --json [--model DIR] [--layouts tp1ep1pp1] [--steps 20] [--seeds 1,2]
-        [--lrs 1e-3,1e-3] [--eval-every 10] [--phase-steps 5] [--out DIR] [--timeout S] [-- k=v ...]
+        [--lrs 1e-3,1e-3] [--eval-every 10] [--phase-steps 5] [--png FILE] [--out DIR] [--timeout S] [-- k=v ...]
 
 Runs, each a whole job under torchrun with 2 ranks: `together` (policies p0 and p1 of the given seeds and learning
 rates), then p0 alone and p1 alone (the same settings as a run of one policy), then p0 for --phase-steps steps with
@@ -64,6 +64,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--lrs", default="1e-3,1e-3", help="the two policies' learning rates")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--phase-steps", type=int, default=5, help="steps of the one-core run (the planner's phases)")
+    ap.add_argument("--png", default=None, help="plot each policy's held-out success together and alone here")
     a = ap.parse_args(argv)
     lay, layout_over, model_over = job_layout(a, "policies")
     seeds, lrs = _pair(a.seeds, "--seeds", int), _pair(a.lrs, "--lrs", float)
@@ -116,5 +117,9 @@ def main(argv=None) -> dict:
            "predicted_turn_s": pred["turn_s"], "predicted_limit": pred["limit"],
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc},
            "policies": per, "steps": a.steps, "layout": lay.name, "bench_wall_s": round(time.time() - t_bench, 1)}
+    if a.png:
+        from .figures import policies_png
+
+        policies_png(Path(a.png), out)
     emit(out, a.json)
     return out
