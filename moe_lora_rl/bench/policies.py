@@ -2,7 +2,7 @@
 rl/policies_run.py) against each trained alone, one after the other, on the same cores, side by side in one run.
 
     python -m moe_lora_rl.bench policies --json [--model DIR] [--layouts tp1ep1pp1] [--steps 20] [--seeds 1,2]
-        [--lrs 1e-3,1e-3] [--eval-every 10] [--phase-steps 5] [--png FILE] [--out DIR] [--timeout S] [-- k=v ...]
+        [--lrs 1e-3,1e-3] [--eval-every 10] [--phase-steps 5] [--policies-rollout turns] [--png FILE] [--out DIR] [--timeout S] [-- k=v ...]
 
 Runs, each a whole job under torchrun with 2 ranks: `together` (policies p0 and p1 of the given seeds and learning
 rates), then p0 alone and p1 alone (the same settings as a run of one policy), then p0 for --phase-steps steps with
@@ -64,6 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lrs", default="1e-3,1e-3", help="the two policies' learning rates")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--phase-steps", type=int, default=5, help="steps of the one-core run (the planner's phases)")
+    ap.add_argument("--policies-rollout", default="turns", choices=("turns", "batched"),
+                    help="how the run together generates (the run config's policies_rollout)")
     ap.add_argument("--png", default=None, help="plot each policy's held-out success together and alone here")
     a = ap.parse_args(argv)
     lay, layout_over, model_over = job_layout(a, "policies")
@@ -75,7 +77,7 @@ def main(argv=None) -> dict:
         raise ValueError(f"--seeds={a.seeds} --lrs={a.lrs}: the two policies would be the same run")
     base = [*layout_over, f"steps={a.steps}", f"eval_every={a.eval_every}", *model_over, *extra]
     pols = ", ".join(f"{{name: {n}, seed: {s}, lr: {lr!r}}}" for n, s, lr in zip(NAMES, seeds, lrs))
-    together = [*base, f"policies=[{pols}]"]
+    together = [*base, f"policies=[{pols}]", f"policies_rollout={a.policies_rollout}"]
     alone = {n: [*base, f"seed={s}", f"algo.lr={lr!r}"] for n, s, lr in zip(NAMES, seeds, lrs)}
     for over in (together, *alone.values()):
         _preflight(over, 2)
@@ -116,7 +118,7 @@ def main(argv=None) -> dict:
            "predicted_speedup": pred["predicted_speedup"], "predicted_speedup_loop": pred["predicted_speedup_loop"],
            "predicted_turn_s": pred["turn_s"], "predicted_limit": pred["limit"],
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc},
-           "policies": per, "steps": a.steps, "layout": lay.name, "bench_wall_s": round(time.time() - t_bench, 1)}
+           "policies": per, "policies_rollout": a.policies_rollout, "steps": a.steps, "layout": lay.name, "bench_wall_s": round(time.time() - t_bench, 1)}
     if a.png:
         from .figures import policies_png
 

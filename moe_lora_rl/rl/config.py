@@ -30,6 +30,7 @@ SERVING_MODES = ("unmerged", "merged")
 ROLLOUT_IS = ("token", "sequence", "mis", "sparse", "off")
 MODES = ("sync", "async")
 INFLIGHT = ("switch", "pin")
+POLICIES_ROLLOUT = ("turns", "batched")
 
 
 @dataclass
@@ -284,6 +285,9 @@ class TrainConfig:
     """Several policies trained together on one base and one engine pool (rl/config_policies.py): each a name and
     the settings it changes (seed, lr, alpha, task, data files, max_staleness); empty: the one policy of this
     config."""
+    policies_rollout: str = "turns"
+    """With policies: turns (each policy's step generated while the previous policy trains) or batched (every
+    policy's step generated in one engine batch, each request on its own policy's version, then each trains)."""
 
     def __post_init__(self):
         _choice("replay", self.replay, REPLAY_MODES)
@@ -313,6 +317,7 @@ class TrainConfig:
         if self.resume not in (True, False, "auto") or isinstance(self.resume, (int, float)) \
                 and not isinstance(self.resume, bool):
             raise ValueError(f"resume={self.resume!r}; choose one of (true, false, 'auto')")
+        _choice("policies_rollout", self.policies_rollout, POLICIES_ROLLOUT)
         check_policies(self.policies, lora=self.lora, rollout=self.rollout, mode=self.mode, inflight=self.inflight,
                        max_staleness=self.max_staleness)
         if self.resume and self.checkpoint_every == 0:

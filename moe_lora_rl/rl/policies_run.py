@@ -12,6 +12,10 @@ starts it in a thread once the trainer's turn begins): that policy's version is 
 the end of its own last turn), so each rollout is on-policy, as when the policies run alone. A generation begun
 ahead that fails is repeated in turn, with the engines' recovery.
 
+With policies_rollout=batched, every policy's step is instead generated in one engine batch (each request pinned
+to its own policy's version: the requests of all policies share the engine's decode steps), then each policy trains
+and pushes in turn; if that batch fails, each policy's step is generated alone, so a bad input stops its policy only.
+
 A policy that fails (a non-finite loss, an adapter or input the engine refuses: an error every rank sees) stops
 alone, with one line in its log and the reason in the summaries; its checkpoints stay as they were, and the other
 policies go on.
@@ -126,24 +130,85 @@ class PoliciesRun:
             for k, (step, r) in enumerate(turns):
                 if r.owner in self.failed:
                     continue
-                try:
-                    samples, kv, plans = r.rollout(step, started.pop(k, None))
+
+                def begin_next(k=k, r=r):                  # once this turn's rollout is in: the next one's
                     nxt = next((j for j in range(k + 1, len(turns)) if turns[j][1].owner not in self.failed), None)
                     if nxt is not None and turns[nxt][1] is not r:     # decided alike on every rank
                         started[nxt] = ahead.submit(turns[nxt][1].generation(turns[nxt][0], {})) \
                             if ahead is not None else True
-                    m = r.train_push(samples, kv, plans)
-                    if not math.isfinite(m.get("loss", 0.0)):
-                        raise ValueError(f"non-finite loss {m['loss']}")
-                except (ValueError, RuntimeError) as e:    # raised on every rank: the policy stops alone
-                    self.failed[r.owner] = f"step {step + 1}: {' '.join(str(e).split())}"
-                    r.log.note(f"policy {r.owner} stopped at {self.failed[r.owner]}; the other policies go on")
-                    continue
-                _, history, evals, _ = opened[r.owner]
-                r.record(step, m, history, evals)
+                self.turn(step, r, opened, started=started.pop(k, None), then=begin_next)
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)
+
+    def take_batched_steps(self, opened: dict) -> None:
+        """Each step: every live policy's groups in one engine batch, then each policy trains and pushes."""
+        for step in range(min(o[0] for o in opened.values()), self.cfg.steps):
+            live = [r for r in self.runs if r.owner not in self.failed and step >= opened[r.owner][0]]
+            if not live:
+                break
+            try:
+                rolled = live[0]._on_engine(f"the batched rollout of step {step + 1}", self.batched(step, live))
+            except (ValueError, RuntimeError) as e:        # every rank: each policy's step generated alone below
+                live[0].log.note(f"the batched rollout of step {step + 1} failed ({' '.join(str(e).split())}); "
+                                 "generating each policy's step alone")
+                rolled = {}
+            for r in live:
+                self.turn(step, r, opened, rolled.get(r.owner))
+
+    def batched(self, step: int, live: list):
+        """Rank 0: a function generating every live policy's groups of `step` in one engine call per engine, each
+        request pinned to its own policy's version; {policy: (samples, kv, plans)}."""
+        from ..rollout.replicas import gather, spread
+
+        items = [(r, p) for r in live for p in r.plans(step)]
+        version = {r.owner: r.serving_version() for r in live}
+        g = self.cfg.algo.group_size
+        keep: dict = {}
+
+        def engine_part(i, engine, parts):
+            prompts, seeds, versions = [], [], []
+            for r, p in (items[k] for k in parts[i]):
+                req = r.prod.requests([p])
+                prompts += req["prompts"]
+                seeds += req["seeds"]
+                versions += [version[r.owner]] * len(req["prompts"])
+            return engine.generate(prompts, seeds=seeds, versions=versions, **live[0].prod.sampling())
+
+        def generate():                            # rank 0, the engines' side
+            t0 = time.perf_counter()
+            parts = spread(len(items), len(self.head.prod.engines))
+            done = self.head.prod.engines.map(lambda i, e: engine_part(i, e, parts),
+                                              [i for i, p in enumerate(parts) if p], keep)
+            groups = gather(parts, {i: [s[j:j + g] for j in range(0, len(s), g)] for i, s in done.items()},
+                            len(items))
+            out = {}
+            for (r, p), grp in zip(items, groups):
+                out.setdefault(r.owner, ([], {}, []))
+                out[r.owner][0].extend(grp)
+                out[r.owner][2].append(p)
+            for r in live:
+                r.busy["rollout"] += (time.perf_counter() - t0) / len(live)
+            return out
+
+        return generate
+
+    def turn(self, step: int, r: PolicyRun, opened: dict, rolled=None, started=None, then=None) -> None:
+        """One policy's step: its rollout (given, begun ahead, or now), then(), training and the push, the record;
+        a failure every rank sees stops the policy alone."""
+        try:
+            samples, kv, plans = rolled if rolled is not None else r.rollout(step, started)
+            if then is not None:
+                then()
+            m = r.train_push(samples, kv, plans)
+            if not math.isfinite(m.get("loss", 0.0)):
+                raise ValueError(f"non-finite loss {m['loss']}")
+        except (ValueError, RuntimeError) as e:    # raised on every rank: the policy stops alone
+            self.failed[r.owner] = f"step {step + 1}: {' '.join(str(e).split())}"
+            r.log.note(f"policy {r.owner} stopped at {self.failed[r.owner]}; the other policies go on")
+            return
+        _, history, evals, _ = opened[r.owner]
+        r.record(step, m, history, evals)
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -162,7 +227,10 @@ class PoliciesRun:
             r.begin(opened[r.owner][2])
         turns = [(step, r) for step in range(min(o[0] for o in opened.values()), cfg.steps) for r in self.runs
                  if step >= opened[r.owner][0]]
-        self.take_turns(turns, opened)
+        if cfg.policies_rollout == "batched":
+            self.take_batched_steps(opened)
+        else:
+            self.take_turns(turns, opened)
         wall = time.perf_counter() - t_rl
         summaries = {r.owner: r.finish(opened[r.owner][1], opened[r.owner][2], time.perf_counter() - r.t_rl)
                      for r in self.runs}
