@@ -115,6 +115,8 @@ def test_each_policy_on_one_base_is_its_run_alone(runs):
         assert ad.keys() == ad0.keys() and all(torch.equal(ad[k], ad0[k]) for k in ad0), (name, _max_diff(ad, ad0))
         assert torch.equal(lp, lp0) and v == v0 == 4, (name, v, v0)
     assert _max_diff(together["a"][0], together["b"][0]) > 1e-3          # two policies, not one
+    # a's samples scored with b's adapter (the other policy's version) are far from a's own logprobs
+    assert float((together["a"][1] - together["b"][1]).abs().max()) > 1e-2
 
 
 def test_control_one_optimizer_state_for_both_policies_differs(runs):
