@@ -85,7 +85,7 @@ def policies_png(png: Path, result: dict) -> Path:
     style(held, "held-out success of each policy")
     wall.bar(["apart (one after the other)", "together"], [result["job_s_apart"], result["job_s_together"]],
              color=["C7", "C2"])
-    wall.set_title(f"job seconds: {result['speedup']:.2f}x (predicted {result['predicted_speedup']:.2f}x)",
-                   fontsize=10)
+    pred = f" (predicted {result['predicted_speedup']:.2f}x)" if "predicted_speedup" in result else ""
+    wall.set_title(f"job seconds: {result['speedup']:.2f}x{pred}", fontsize=10)
     wall.grid(alpha=0.3, axis="y")
     return save(fig, f"Two policies on one base and engine, {result['steps']} steps each", png)
