@@ -8,7 +8,6 @@ mode=async runs rl/async_run.py's loop on the same pieces; rl/modes.py picks the
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from .preflight import run_config
 from .prompting import resolve_template
 from .groups import group_plan
 from .inputs import load_problems, model_dir
-from .samples import _numel, samples_digest, token_versions
+from .samples import samples_digest, token_versions
+from .summary import length_percentiles
 from .survivor import _Survivor, _died
 
 
@@ -440,51 +440,6 @@ class GRPORun:
             self.save(step + 1, history, evals)
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
-        def mean(key, rows):
-            vals = [r[key] for r in rows if key in r and math.isfinite(r[key])]   # a skipped step's grad norm
-            return sum(vals) / len(vals) if vals else None
+        from .summary import run_summary
 
-        k = min(5, len(history))
-        by_len = {f"{name}_{tag}": mean(f"{pre}{name}", history) for tag, pre in (("r3", "r3_"), ("no_r3", "no_r3_"))
-                  for name in ("seq_ratio_gt2", "seq_log_ratio_max", "kl_first_half", "kl_second_half")}
-        return {"wall_s": wall, **self.warmup, "setup_s": self.setup_s,
-                **self.start_lens, "s_per_step": (wall - self.eval_s) / max(1, len(history)),
-                "response_len_mean": mean("response_len", history), **by_len,
-                "free_disagreement_first_half": mean("free_disagreement_first_half", history),
-                "free_disagreement_second_half": mean("free_disagreement_second_half", history),
-                "reward_start": mean("reward", history[:k]), "reward_end": mean("reward", history[-k:]),
-                "eval_start": evals[0], "eval_end": evals[max(evals)], "evals": evals,
-                "kl_mean_r3": mean("r3_kl", history), "kl_mean_no_r3": mean("no_r3_kl", history),
-                "ratio_gt2": mean("r3_ratio_gt2", history), "ratio_gt5": mean("r3_ratio_gt5", history),
-                "ratio_gt2_no_r3": mean("no_r3_ratio_gt2", history),
-                "ratio_gt5_no_r3": mean("no_r3_ratio_gt5", history),
-                "disagreement_mean": mean("disagreement", history),
-                "token_disagreement_mean": mean("token_disagreement", history),
-                "free_disagreement_mean": mean("free_disagreement", history),
-                "free_token_disagreement_mean": mean("free_token_disagreement", history),
-                "grad_norm_mean": mean("grad_norm", history), "clipfrac_mean": mean("pg_clipfrac", history),
-                "refit_bytes_per_step": mean("refit_bytes", history), "full_bytes": self.full_bytes(),
-                "rollout_busy_frac": self.busy["rollout"] / wall, "train_busy_frac": self.busy["train"] / wall,
-                "steps": len(history), "mode": self.cfg.mode, "eval_s": self.eval_s,
-                "engine_restarts": self.engine_restarts, "replay": self.cfg.replay, "serving": self.cfg.serving,
-                "layout": self.cfg.layout.layout().name, "model": str(self.path)}
-
-    def full_bytes(self) -> int:
-        """What a full-weight refit would send: every parameter of the checkpoint at the serving dtype."""
-        from safetensors import safe_open
-
-        per = 2 if self.cfg.runtime.rollout_dtype == "bfloat16" else 4
-        n = 0
-        for f in sorted(Path(self.path).glob("*.safetensors")):
-            with safe_open(f, "pt") as h:
-                n += sum(_numel(h.get_slice(k).get_shape()) for k in h.keys())
-        return n * per
-
-
-def length_percentiles(lens: list[int], prefix: str) -> dict:
-    """{prefix}p10, p50, p90 and max of response lengths in tokens (nearest rank; {} for none)."""
-    if not lens:
-        return {}
-    s = sorted(lens)
-    return {**{f"{prefix}p{q}": s[min(len(s) - 1, q * len(s) // 100)] for q in (10, 50, 90)}, f"{prefix}max": s[-1]}
-
+        return run_summary(self, history, evals, wall)
