@@ -87,7 +87,7 @@ def test_one_evaluator_zero_adapter_equals_base_and_a_perturbed_one_fails(tmp_pa
     with torch.no_grad():
         for n, p in lora.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.5)
+                p.normal_(0, 4.0)
     lora.save_pretrained(str(tmp_path / "perturbed"))
     kw = dict(n_eval=64, samples=2, seed=0)
     ref = evaluate(base, None, **kw)
