@@ -1,8 +1,6 @@
 """The long-reasoning task (data.task=sort_long): the written selection sort, sizes from a skewed mix; its reward is
 the final result the trace writes (the picks, one per line), the remainders beside them not graded; its refusals
 are one line before anything starts."""
-import subprocess
-import sys
 
 import pytest
 
@@ -88,10 +86,8 @@ def test_run_refusals():
     preflight.check(config.load([], config_name="long"), 2)
 
 
-def test_cli_recipe_and_refusals():
+def test_cli_recipe_and_refusals(train_cli):
     for args, needle in ((["--config-name", "longest"], "no recipe recipes/longest.yaml"),
                          (["--config-name=long", "algo.max_response_tokens=100"], "max_response_tokens=100")):
-        p = subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *args], capture_output=True, text=True,
-                           timeout=120)
-        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-        assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        rc, lines, err = train_cli(*args)
+        assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err

@@ -37,16 +37,20 @@ def test_async_refusals():
     assert config.load(["mode=async", "max_staleness=0", "mode=sync"]).mode == "sync"  # the bound is async's only
 
 
-def test_cli_one_line_errors():
+def test_cli_one_line_errors(train_cli):
     for args, needle in ((["lora.rnk=4"], "unknown config key"), (["replay=r4"], "replay='r4'"),
                          (["data.train_file=/nonexistent.parquet"], "/nonexistent.parquet"),
                          (["mode=async", "max_staleness=0"], "max_staleness=0"),
                          (["policies=[{name: a}, {name: a}]"], "policies: name 'a' is given 2 times")):
-        p = subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *args], capture_output=True, text=True,
-                           timeout=120)
-        assert p.returncode == 2, p.stderr
-        assert needle in p.stderr and "Traceback" not in p.stderr
-        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        rc, lines, err = train_cli(*args)
+        assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_cli_error_of_the_process_is_one_line():
+    p = subprocess.run([sys.executable, "-m", "moe_lora_rl.train", "replay=r4"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "replay='r4'" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_replicas_prompt_template_and_resume_refusals(tmp_path, monkeypatch):
