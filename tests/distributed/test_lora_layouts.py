@@ -11,22 +11,21 @@ experts with odd token counts, export by local expert index (every global expert
 
 import pytest
 
-from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.checks.lora_layouts import REFERENCE, run
+from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS
+from moe_lora_rl.checks.lora_layouts import REFERENCE
 from moe_lora_rl.checks.tolerances import LORA_LAYOUT, LORA_LOGITS
-from moe_lora_rl.lora import LoRAConfig
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("lora")
+def work(lora_trained):
+    return lora_trained[2]
 
 
 @pytest.fixture(scope="module")
-def report(work):
-    return run(resolve_models(None), DEFAULT_LAYOUTS, LoRAConfig(rank=4, alpha=8.0), work)
+def report(lora_trained):
+    return lora_trained[1]
 
 
 def test_expert_load_is_uneven(report):

@@ -16,8 +16,6 @@ import os
 import pytest
 import torch
 
-from moe_lora_rl.checks import lora_layouts
-from moe_lora_rl.checks.layouts import resolve_models
 from moe_lora_rl.checks.logprobs import megatron_logprobs
 from moe_lora_rl.checks.refit_vllm import run_vllm_worker
 from moe_lora_rl.checks.tolerances import ADAPTER_MATTERS_MIN, REFIT_LOGPROBS
@@ -30,10 +28,10 @@ LAYOUTS = ["tp2ep2", "pp2ep2"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    work = tmp_path_factory.mktemp("refit")
-    models = resolve_models(None)
-    lora_layouts.run(models, ",".join([lora_layouts.REFERENCE] + LAYOUTS), CFG, work)
+def trained(lora_trained):
+    """The session's adapters trained at every default layout (tests/conftest.py); tp2ep2's and pp2ep2's are pushed."""
+    models, _, work, cfg = lora_trained
+    assert cfg == CFG, (cfg, CFG)
     return models, work
 
 
