@@ -72,6 +72,14 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--steps", type=int, default=80, help="with --policies: steps per policy")
     h.add_argument("--setup-s", type=float, default=0.0, help="with --policies: a job's seconds before its RL loop")
     h.add_argument("--eval-s", type=float, default=0.0, help="with --policies: a policy's evaluation seconds")
+    y = ap.add_argument_group("full-weight sync (the base to every rollout GPU; replaces the layout plan)")
+    y.add_argument("--sync", choices=("broadcast", "shard", "both"), help="predict the sync time of --model's "
+                   "base on --gpus rollout GPUs (presets: kimi-k2, deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b)")
+    y.add_argument("--sync-dtype", default="bf16", choices=("bf16", "fp8"))
+    y.add_argument("--engine-gpus", type=int, help="GPUs per engine (default: the fewest, a power of two, that "
+                   "hold the weights in 90%% of --memory-gb)")
+    y.add_argument("--nvlink-gbps", type=float, help="NCCL broadcast bandwidth inside a node (default 150)")
+    y.add_argument("--apply-gbps", type=float, help="an engine's weight-loading rate per GPU (default: fitted)")
     return ap
 
 
@@ -185,6 +193,18 @@ def host_table(d: dict) -> str:
 
 def run(argv=None) -> Plan | dict:
     a = parser().parse_args(argv)
+    if a.sync is not None:
+        from .sync_plan import SYNC_ARGS, run_sync, sync_table
+
+        defaults = parser().parse_args([])
+        other = [k for k, v in vars(a).items() if k not in SYNC_ARGS and v != getattr(defaults, k)]
+        if other:
+            raise ValueError(f"--{other[0].replace('_', '-')} does not apply to --sync (it takes --model, --gpus, "
+                             "--sync-dtype, --engine-gpus, --memory-gb, --link-gbps, --nvlink-gbps, --apply-gbps)")
+
+        d = run_sync(a)
+        sys.stdout.write(json.dumps(d) + "\n" if a.json else sync_table(d) + "\n")
+        return d
     if any(getattr(a, k) is not None for k in _HOST_FLAGS):
         return run_shared_host(a)
     if a.policies != 1:

@@ -22,7 +22,8 @@ ALLOWED = {
     "procs": set(),
     "models": set(),
     "algos": set(),                                                # verl's pure functions, nothing of ours
-    "plan": {"refit"},
+    "plan": {"refit", "weight_sync"},
+    "weight_sync": {"refit"},                                      # full-weight sync: its planner and calculator
     "megatron": {"models"},
     "lora": {"megatron", "models"},
     "router_replay": {"megatron", "models"},
