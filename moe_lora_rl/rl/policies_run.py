@@ -16,10 +16,6 @@ With policies_rollout=batched, every policy's step is instead generated in one e
 to its own policy's version: the requests of all policies share the engine's decode steps), then each policy trains
 and pushes in turn; if that batch fails, each policy's step is generated alone, so a bad input stops its policy only.
 
-The held-out evaluations due at a step (and the first ones) run once every policy has taken that step, in one engine
-batch (rl/producer.py's evaluate_together: each policy's problems, seeds and current version, as alone); each
-policy's metrics line and checkpoint of that step follow it.
-
 A policy that fails (a non-finite loss, an adapter or input the engine refuses: an error every rank sees) stops
 alone, with one line in its log and the reason in the summaries; its checkpoints stay as they were, and the other
 policies go on.
@@ -47,7 +43,6 @@ class PolicyRun(GRPORun):
     def __init__(self, job: "PoliciesRun", name: str, cfg):
         super().__init__(cfg, job.world)
         self.job, self.owner = job, name
-        self.preset_eval: float | None = None     # this policy's share of the job's joint evaluation, if one ran
 
     @property
     def policy(self):
@@ -59,13 +54,6 @@ class PolicyRun(GRPORun):
 
     def serving_version(self) -> int:
         return self.engine_version()
-
-    def evaluate(self, version: int | None = None, after_restart=None) -> float:
-        """The job's joint evaluation's result for this policy when one ran for its current version, else its own."""
-        if self.preset_eval is not None and version is None:
-            out, self.preset_eval = self.preset_eval, None
-            return out
-        return super().evaluate(version, after_restart)
 
     def push(self, restarts: bool = True, after_restart=None, engines=None) -> int:
         self.job.allocate(self.owner, self.policy.version)          # every rank, in the same order
@@ -137,21 +125,18 @@ class PoliciesRun:
         from concurrent.futures import ThreadPoolExecutor
 
         ahead = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if self.rank == 0 else None
-        started, done = {}, {}
+        started = {}
         try:
             for k, (step, r) in enumerate(turns):
-                if r.owner not in self.failed:
+                if r.owner in self.failed:
+                    continue
 
-                    def begin_next(k=k, r=r):              # once this turn's rollout is in: the next one's
-                        nxt = next((j for j in range(k + 1, len(turns)) if turns[j][1].owner not in self.failed),
-                                   None)
-                        if nxt is not None and turns[nxt][1] is not r:     # decided alike on every rank
-                            started[nxt] = ahead.submit(turns[nxt][1].generation(turns[nxt][0], {})) \
-                                if ahead is not None else True
-                    done[r] = self.turn(step, r, opened, started=started.pop(k, None), then=begin_next)
-                if k + 1 == len(turns) or turns[k + 1][0] != step:
-                    self.close_step(step, done, opened)
-                    done = {}
+                def begin_next(k=k, r=r):                  # once this turn's rollout is in: the next one's
+                    nxt = next((j for j in range(k + 1, len(turns)) if turns[j][1].owner not in self.failed), None)
+                    if nxt is not None and turns[nxt][1] is not r:     # decided alike on every rank
+                        started[nxt] = ahead.submit(turns[nxt][1].generation(turns[nxt][0], {})) \
+                            if ahead is not None else True
+                self.turn(step, r, opened, started=started.pop(k, None), then=begin_next)
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)
@@ -168,7 +153,8 @@ class PoliciesRun:
                 live[0].log.note(f"the batched rollout of step {step + 1} failed ({' '.join(str(e).split())}); "
                                  "generating each policy's step alone")
                 rolled = {}
-            self.close_step(step, {r: self.turn(step, r, opened, rolled.get(r.owner)) for r in live}, opened)
+            for r in live:
+                self.turn(step, r, opened, rolled.get(r.owner))
 
     def batched(self, step: int, live: list):
         """Rank 0: a function generating every live policy's groups of `step` in one engine call per engine, each
@@ -207,9 +193,9 @@ class PoliciesRun:
 
         return generate
 
-    def turn(self, step: int, r: PolicyRun, opened: dict, rolled=None, started=None, then=None) -> dict | None:
-        """One policy's step: its rollout (given, begun ahead, or now), then(), training and the push; its metrics,
-        or None when it failed: a failure every rank sees stops the policy alone."""
+    def turn(self, step: int, r: PolicyRun, opened: dict, rolled=None, started=None, then=None) -> None:
+        """One policy's step: its rollout (given, begun ahead, or now), then(), training and the push, the record;
+        a failure every rank sees stops the policy alone."""
         try:
             samples, kv, plans = rolled if rolled is not None else r.rollout(step, started)
             if then is not None:
@@ -220,46 +206,9 @@ class PoliciesRun:
         except (ValueError, RuntimeError) as e:    # raised on every rank: the policy stops alone
             self.failed[r.owner] = f"step {step + 1}: {' '.join(str(e).split())}"
             r.log.note(f"policy {r.owner} stopped at {self.failed[r.owner]}; the other policies go on")
-            return None
-        return m
-
-    def close_step(self, step: int, done: dict, opened: dict) -> None:
-        """Every policy has taken `step`: one joint evaluation of those due, then each policy's record (metrics
-        line, checkpoint) in order."""
-        self.evaluate_together([r for r, m in done.items() if m is not None and r.eval_due(step + 1)])
-        for r, m in done.items():
-            if m is not None:
-                _, history, evals, _ = opened[r.owner]
-                r.record(step, m, history, evals)
-
-    def evaluate_together(self, runs: list) -> None:
-        """The held-out evaluation of several policies in one engine batch (each request with its own policy's
-        current version, the same problems and seeds as each alone); each result is what that policy's next
-        evaluate() returns. If the joint batch fails, each policy evaluates alone (its own recovery and errors)."""
-        from .producer import evaluate_together
-
-        if len(runs) < 2:
             return
-        keep: dict = {}
-
-        def run_eval():
-            t0 = time.perf_counter()
-            out = evaluate_together([r.prod for r in runs], [r.serving_version() for r in runs],
-                                    self.head.prod.engines, keep)
-            for r in runs:
-                r.eval_s += (time.perf_counter() - t0) / len(runs)
-                r.busy["rollout"] += (time.perf_counter() - t0) / len(runs)
-            return out
-
-        try:
-            rates = runs[0]._on_engine("the joint held-out evaluation", run_eval)
-        except (ValueError, RuntimeError) as e:       # every rank
-            runs[0].log.note(f"the joint evaluation failed ({' '.join(str(e).split())}); evaluating each policy alone")
-            return
-        for r, rate in zip(runs, rates):
-            r.preset_eval = rate
-            if self.rank == 0:
-                r.eval_lens = list(r.prod.eval_lens)
+        _, history, evals, _ = opened[r.owner]
+        r.record(step, m, history, evals)
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -275,10 +224,7 @@ class PoliciesRun:
         t_rl = time.perf_counter()                        # as a run of one policy: its first evaluation on
         for r in self.runs:
             r.setup_s += t_rl - t0
-            r.begin(opened[r.owner][2], evaluate=False)
-        self.evaluate_together([r for r in self.runs if 0 not in opened[r.owner][2]])
-        for r in self.runs:
-            r.first_evaluation(opened[r.owner][2])
+            r.begin(opened[r.owner][2])
         turns = [(step, r) for step in range(min(o[0] for o in opened.values()), cfg.steps) for r in self.runs
                  if step >= opened[r.owner][0]]
         if cfg.policies_rollout == "batched":

@@ -124,61 +124,28 @@ class Producer:
         """Held-out success rate: data.eval_samples responses per problem, sampled at the training temperature with
         seeds fixed for the run, the problems spread over the engines. version (a pin engine): every request served
         with that held version, while other requests go on. keep: as in generate."""
-        return evaluate_together([self], [version], self.engines, keep)[0]
-
-    def eval_requests(self, problems: list[int], version: int | None) -> dict:
-        """The engine requests of held-out problems (indices), data.eval_samples each: prompts, seeds, versions."""
+        from ..rollout.replicas import spread
         from .hf_sampling import prompt_ids
 
         k = self.cfg.data.eval_samples
         if self._eval_prompts is None:
             self._eval_prompts = prompt_ids(self.tok, self.eval_problems, self.template)
-        return {"prompts": [self._eval_prompts[q] for q in problems for _ in range(k)],
-                "seeds": [eval_seed(self.cfg.seed, q, j) for q in problems for j in range(k)],
-                "versions": [version] * len(problems) * k}
+
+        def run(i, engine):          # a problem's k samples on one engine (its prompt computed once)
+            mine = parts[i]
+            out = engine.generate([self._eval_prompts[q] for q in mine for _ in range(k)],
+                                  seeds=[eval_seed(self.cfg.seed, q, j) for q in mine for j in range(k)],
+                                  **self.sampling(), versions=None if version is None else [version] * len(mine) * k)
+            lens.extend(len(o.response) for o in out)
+            return sum(self.rewards(out, [self.eval_problems[q] for q in mine for _ in range(k)]))
+
+        lens: list[int] = []
+        parts = spread(len(self.eval_problems), len(self.engines))
+        done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
+        self._kv_mark = self.kv_snapshot()          # the next step's KV figures leave the evaluation out
+        self.eval_lens = lens
+        return sum(done.values()) / (len(self.eval_problems) * k)
 
     def stop(self) -> None:
         if self.engines is not None:
             self.engines.stop()
-
-
-def evaluate_together(prods: list, versions: list, engines, keep: dict | None = None) -> list[float]:
-    """Held-out success rates of several producers (policies) sharing `engines`, in one engine call per engine:
-    every policy's problems spread over the engines, each request served with its policy's version (None: the
-    engine's current one; then every version must be None). Sets each producer's eval_lens. One producer: its
-    evaluate(). keep: as in Producer.generate."""
-    from ..rollout.replicas import spread
-
-    items = [(i, q) for i, p in enumerate(prods) for q in range(len(p.eval_problems))]
-    parts = spread(len(items), len(engines))
-    sampling = prods[0].sampling()
-    if any(p.sampling() != sampling for p in prods[1:]):
-        raise ValueError("evaluate_together: the policies sample with different settings; evaluate each alone")
-    pinned = [v is not None for v in versions]
-    if any(pinned) and not all(pinned):
-        raise ValueError(f"evaluate_together: versions {versions}: give every policy's version or none")
-
-    def run(e, engine):          # this engine's share: {policy: (reward sum, response lengths)}
-        mine = [items[j] for j in parts[e]]
-        reqs = [prods[i].eval_requests([q], versions[i]) for i, q in mine]
-        out = engine.generate([x for r in reqs for x in r["prompts"]], seeds=[x for r in reqs for x in r["seeds"]],
-                              **sampling, versions=[x for r in reqs for x in r["versions"]] if all(pinned) else None)
-        got: dict = {}
-        at = 0
-        for (i, q), r in zip(mine, reqs):
-            n = len(r["prompts"])
-            these = out[at:at + n]
-            at += n
-            total, lens = got.setdefault(i, [0.0, []])
-            got[i][0] = total + sum(prods[i].rewards(these, [prods[i].eval_problems[q]] * n))
-            lens.extend(len(o.response) for o in these)
-        return got
-
-    done = engines.map(run, [e for e, part in enumerate(parts) if part], {} if keep is None else keep)
-    rates = []
-    for i, p in enumerate(prods):
-        shares = [d[i] for _, d in sorted(done.items()) if i in d]
-        p.eval_lens = [n for _, lens in shares for n in lens]
-        p._kv_mark = p.kv_snapshot()             # the next step's KV figures leave the evaluation out
-        rates.append(sum(t for t, _ in shares) / (len(p.eval_problems) * p.cfg.data.eval_samples))
-    return rates

@@ -361,9 +361,8 @@ class GRPORun:
         self.start = start
         return start, history, evals, state
 
-    def begin(self, evals: dict, evaluate: bool = True) -> None:
-        """Once the engines serve this policy: the notes, the clocks, the first evaluation (none on a resume;
-        evaluate=False: the caller runs first_evaluation)."""
+    def begin(self, evals: dict) -> None:
+        """Once the engines serve this policy: the notes, the clocks, the first evaluation (none on a resume)."""
         cfg, start = self.cfg, self.start
         if self.resuming:
             self.log.note(f"resumed from the checkpoint of step {start} (adapter version {self.policy.version}, "
@@ -377,10 +376,6 @@ class GRPORun:
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.eval_s = 0.0
         self.eval_lens, self.start_lens = [], {}     # start_lens: the first evaluation's (none on a resume)
-        if evaluate:
-            self.first_evaluation(evals)
-
-    def first_evaluation(self, evals: dict) -> None:
         if 0 not in evals:
             evals[0] = self.evaluate()
             self.start_lens = length_percentiles(self.eval_lens, "len_")
