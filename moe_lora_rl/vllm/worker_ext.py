@@ -316,3 +316,36 @@ class MoELoRAWorkerExtension:
             cap.stop()
             self._moe_lora_capture = None
         return {"stopped": True}
+
+    # -- the base weights (vllm/base_sync.py): sent through vLLM's start/update/finish_weight_update ----------------
+    @entry
+    def moe_lora_base_init(self) -> dict:
+        """Our full-weight backend as this worker's weight-transfer engine; the base comes before any adapter."""
+        from .base_sync import BACKEND, install
+
+        rt = getattr(self, "_moe_lora_rt", None)
+        if rt is not None and rt.table.held:
+            raise ValueError(f"adapter versions {rt.table.held} are served: the base is synced before any adapter")
+        return {"backend": BACKEND, "served": install(self).served}
+
+    @entry
+    def moe_lora_base_abort(self) -> dict:
+        """Drop an open base update (what arrived of it is discarded; the weights were not touched)."""
+        from .base_sync import install
+
+        eng = install(self)
+        eng.shutdown()
+        if getattr(self, "_weight_update_active", False):
+            eng.reset_weight_update_target()
+            self._weight_update_active = False
+        return {"served": eng.served}
+
+    @entry
+    def moe_lora_base_status(self) -> dict:
+        """served: the base version these weights are (None: never synced), and the receiver's timers."""
+        from .base_sync import engine_class
+
+        eng = getattr(self, "weight_transfer_engine", None)
+        if eng is None or type(eng) is not engine_class():
+            return {"served": None}
+        return {"served": eng.served, **eng.timers}
