@@ -38,7 +38,18 @@ def run_summary(run, history: list[dict], evals: dict, wall: float) -> dict:
             "rollout_busy_frac": run.busy["rollout"] / wall, "train_busy_frac": run.busy["train"] / wall,
             "steps": len(history), "mode": cfg.mode, "eval_s": run.eval_s,
             "engine_restarts": run.engine_restarts, "replay": cfg.replay, "serving": cfg.serving,
-            "layout": cfg.layout.layout().name, "model": str(run.path)}
+            "layout": cfg.layout.layout().name, "model": str(run.path), **base_syncs(run)}
+
+
+def base_syncs(run) -> dict:
+    """rollout.base_from=trainer, rank 0: how many times the base was sent to an engine (every start and restart of
+    every engine), and the seconds of the first."""
+    engines = getattr(run.prod, "engines", None)
+    if run.cfg.rollout.base_from == "disk" or engines is None:
+        return {}
+    syncs = [t for e in engines for t in e.base_syncs]
+    return {"base_syncs": len(syncs), "base_sync_s": syncs[0]["total_s"] if syncs else None,
+            "base_sync_bytes": syncs[0]["bytes"] if syncs else None}
 
 
 def full_bytes(path, rollout_dtype: str) -> int:

@@ -130,7 +130,8 @@ class RolloutEngine:
                  threads: int | None = None, port: int | None = None, request_timeout=600.0,
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
-                 stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0):
+                 stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0,
+                 base_from: str = "disk", base_bucket_mb: float = 64.0):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -149,6 +150,8 @@ class RolloutEngine:
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
         stage_timeout_s = check_stage_timeout(stage_timeout_s)
+        if base_from not in ("disk", "trainer"):
+            raise ValueError(f"base_from={base_from!r}: expected 'disk' or 'trainer'")
         from .kv_compression import check_compression
 
         check_compression(kv_compression, kv_budget, max_model_len,
@@ -158,7 +161,9 @@ class RolloutEngine:
                              max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads,
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
                              step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
-                             kv_compression=kv_compression, kv_budget=kv_budget)
+                             kv_compression=kv_compression, kv_budget=kv_budget, base_from=base_from,
+                             base_bucket_mb=base_bucket_mb)
+        self.base_syncs: list[dict] = []     # base_from=trainer: each start's sync timers
         self.token = new_token()             # per engine object: every call but /health carries it
         self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
         self.generate_s = self.push_s = 0.0
@@ -203,6 +208,8 @@ class RolloutEngine:
             cmd += ["--step-delay-s", str(s["step_delay_s"])]
         if s["kv_compression"] != "none":
             cmd += ["--kv-compression", s["kv_compression"], "--kv-budget", str(s["kv_budget"])]
+        if s["base_from"] == "trainer":
+            cmd += ["--load-format", "dummy"]
         env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})
         if s["threads"] is None:
             env.pop("OMP_NUM_THREADS", None)            # e.g. torchrun's 1: the engine uses the cores while it runs
@@ -229,7 +236,19 @@ class RolloutEngine:
                 raise EngineDied(f"rollout engine did not become healthy within {self.startup_timeout} s "
                                  f"(stopped); log {self.log_path}:\n{self._log_tail()}")
             time.sleep(0.5)
+        if s["base_from"] == "trainer":
+            self.sync_base()
         self.started_at = time.time()
+
+    def sync_base(self) -> dict:
+        """The checkpoint this process holds (the trainer's base) into the engine, which started empty, over shared
+        memory through vLLM's weight-transfer calls (weight_sync/shm_sender.py); the timers."""
+        from ..weight_sync.shm_sender import checkpoint_tensors, send_base
+
+        t = send_base(self.transport._call, checkpoint_tensors(self.model_dir), len(self.base_syncs) + 1,
+                      int(self.settings["base_bucket_mb"] * (1 << 20)))
+        self.base_syncs.append(t)
+        return t
 
     @property
     def pid(self) -> int | None:

@@ -28,6 +28,9 @@ RPC_METHODS = frozenset({
     "moe_lora_begin", "moe_lora_bucket", "moe_lora_bucket_blob", "moe_lora_bucket_shm", "moe_lora_bucket_ipc",
     "moe_lora_commit", "moe_lora_abort", "moe_lora_push", "moe_lora_push_blob", "moe_lora_push_shm",
     "moe_lora_status", "moe_lora_clear", "moe_lora_set_mode",
+    # the base weights (vllm/base_sync.py): our backend, then vLLM's own weight-transfer calls
+    "moe_lora_base_init", "moe_lora_base_abort", "moe_lora_base_status",
+    "start_weight_update", "update_weights", "finish_weight_update",
 })
 
 

@@ -63,12 +63,14 @@ class Engine:
         kv = engine_kwargs(a.kv_compression, a.kv_budget, a.model_config)
         self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len, **kv,
                                prefix_caching=a.prefix_caching, serving=a.serving, block_size=a.block_size,
+                               load_format=a.load_format,
                                logprobs_mode="processed_logprobs", additional_config=extra,
                                stage_timeout_s=a.stage_timeout_s,
                                # a prompt is never split over engine steps: vLLM's sampler rewinds a seeded
                                # request's generator after a partial prefill (Generator.set_offset), which CPU
                                # generators refuse; and the commit barrier of loop.py counts a prefill as one step
                                enable_chunked_prefill=False, max_num_batched_tokens=max(8192, a.max_model_len))
+        self.has_base = a.load_format != "dummy"     # dummy: nothing is served until a base sync completed
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         verify(self.llm, a.kv_compression, a.kv_budget)
         self.kv = KVMeter(self.llm)
@@ -77,7 +79,8 @@ class Engine:
                                step_delay_s=a.step_delay_s, kv_meter=self.kv).start()
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
-        self.generate({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0})
+        self.loop.generate(self.requests({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0},
+                                         warm_up=True))
         print(f"warm-up generate: {time.perf_counter() - t0:.2f} s", flush=True)
         self.expire_every_s = min(a.stage_timeout_s / 4, 1.0)
         threading.Thread(target=self._expire_stages, name="stage-expiry", daemon=True).start()
@@ -108,8 +111,14 @@ class Engine:
                 "kv_compression": a.kv_compression, "kv_budget": a.kv_budget,
                 "kv": self.loop.call(lambda llm: self.kv.snapshot())}
 
-    def requests(self, body: dict) -> list[Request]:
+    def requests(self, body: dict, warm_up: bool = False) -> list[Request]:
         from vllm import SamplingParams
+
+        if not (self.has_base or warm_up):
+            self.has_base = self.loop.rpc("moe_lora_base_status")["served"] is not None
+            if not self.has_base:
+                raise ValueError("this engine started empty (load_format=dummy) and has no base weights yet: "
+                                 "sync the base first (weight_sync/shm_sender.py)")
 
         if not isinstance(body, dict):
             raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
@@ -130,11 +139,6 @@ class Engine:
                                           seed=None if seeds is None else seeds[i], stop_token_ids=stop,
                                           detokenize=False), None if versions is None else versions[i])
                 for i, p in enumerate(prompts)]
-
-    def generate(self, body: dict) -> dict:
-        t0 = time.perf_counter()
-        gens = self.loop.generate(self.requests(body))
-        return {"samples": [sample_json(g) for g in gens], "generate_s": time.perf_counter() - t0}
 
 
 def sample_json(g) -> dict:
@@ -319,6 +323,8 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=32,
                     help="KV block size (the CPU attention backend needs a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                    help="dummy: start empty; nothing is served until the base was synced (weight_sync/)")
     ap.add_argument("--kv-compression", default="none",
                     help="KV compression of the rollouts (rollout/kv_compression.py): none or window")
     ap.add_argument("--kv-budget", type=int, default=0, help="tokens of KV a sequence keeps (window: its length)")

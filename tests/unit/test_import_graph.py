@@ -31,15 +31,15 @@ ALLOWED = {
     "vllm": {"models", "procs", "refit", "router_replay"},
     "checkpoint": {"lora", "megatron", "models"},
     "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay"},
-    "rollout": {"models", "procs", "refit", "router_replay", "vllm"},
+    "rollout": {"models", "procs", "refit", "router_replay", "vllm", "weight_sync"},
     "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
                     "procs"},
     "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
     "train": {"rl"},
     "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
-               "rollout", "router_replay", "vllm"},
+               "rollout", "router_replay", "vllm", "weight_sync"},
     "bench": {"algos", "checkpoint", "checks", "integration", "lora", "megatron", "models", "plan", "policy",
-              "procs", "refit", "rl", "rollout", "router_replay", "vllm"},
+              "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {
