@@ -21,6 +21,7 @@ BENCHES = {
     "long": "moe_lora_rl.bench.long",
     "peers": "moe_lora_rl.bench.peers",
     "policies": "moe_lora_rl.bench.policies",
+    "sync": "moe_lora_rl.bench.sync",
 }
 
 

@@ -104,7 +104,7 @@ def engine_class():
                             or part in t["chunks"] or got[key].numel() != nbytes:
                         raise ValueError(f"bucket {u.index}: piece {part} of {name!r} does not match its other "
                                          f"pieces (or repeats one)")
-                    t["chunks"][part] = (start, got[key].clone())
+                    t["chunks"][part] = (start, got[key])      # a view of this bucket's private copy
                 self.got.add(u.index)
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:

@@ -81,6 +81,7 @@ def send_base(rpc, tensors: dict[str, torch.Tensor], version: int, size: int) ->
                 rpc("update_weights", info)
                 timers["transport_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
+        timers["move_s"] = t0 - t_all                  # init, start and every bucket (copies overlapping reads)
         rpc("finish_weight_update")
         timers["load_s"] = time.perf_counter() - t0
     except BaseException:

@@ -37,6 +37,8 @@ from moe_lora_rl.megatron.layout import Layout
     (["verl", "--learn-steps", "0"], "--learn-steps 0 / --test-freq 10 / --async-steps 4: each must be >= 1"),
     (["verl", "--no-runs", "--png", "x.png"], "--no-runs runs no main_ppo"),
     (["verl", "--main-job", "/nonexistent"], "--main-job '/nonexistent': no metrics.jsonl there"),
+    (["sync", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
+    (["sync", "--model", "/nonexistent"], "/nonexistent: no *.safetensors files to send"),
 ])
 def test_user_errors_are_one_line(argv, needle, capsys):
     """In process, through the bench CLI's own main (what `python -m moe_lora_rl.bench` runs): exit code 2 and one
