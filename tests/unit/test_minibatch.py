@@ -1,9 +1,6 @@
 """PPO mini-batches (pure parts): the rows of each mini-step and its sub-batch (rl/minibatch.py), the metrics of a
 rollout batch's mini-steps (rl/step.py), staleness counted in pushes when a push carries several optimizer steps
 (rl/groups.py), and the refusals of algo.mini_batches / algo.epochs (config, preflight, the CLI's one line)."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -149,12 +146,12 @@ def test_preflight_refuses_a_mini_batch_that_does_not_split_over_dp():
     check(["algo.mini_batches=4", "algo.micro_batch_size=8"], 2)                 # the control: 16 = 2 x 8
 
 
-def test_cli_one_line_errors():
+def test_cli_one_line_errors(train_cli, monkeypatch):
     for args, world, line in (
             (["algo.epochs=0"], "1", "train: error: algo.epochs=0 must be an integer >= 1"),
             (["algo.mini_batches=4"], "2", "train: error: algo.mini_batches=4: a mini-batch of 16 responses (batch "
                                            "64 / 4) does not split over data-parallel size 2 into microbatches of "
                                            "micro_batch_size=16")):
-        p = subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *args], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "WORLD_SIZE": world})
-        assert p.returncode == 2 and p.stderr.strip() == line, p.stderr
+        monkeypatch.setenv("WORLD_SIZE", world)
+        rc, lines, err = train_cli(*args)
+        assert rc == 2 and lines == [line], err
