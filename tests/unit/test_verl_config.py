@@ -180,10 +180,14 @@ def test_routes_from_verl_layer_indexing():
     assert not (a.samples[0] == full[:5, [0, 1]].numpy()).all()               # the dense layer's rows are not used
 
 
-def _run(code, **env):
-    out = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True, timeout=300,
-                         env=os.environ | {"PYTHONWARNINGS": "ignore"} | env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+def _start(code, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code + "print('ok')\n"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=os.environ | {"PYTHONWARNINGS": "ignore"} | env)
+
+
+def _check(p: subprocess.Popen) -> None:
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0 and stdout.strip().endswith("ok"), stderr[-2000:]
 
 
 REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
@@ -192,8 +196,9 @@ REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
 
 
 def test_plugin_is_inert_unless_imported():
+    """Three fresh processes, started together (each imports verl: most of the time)."""
     # our other modules (algos, the vLLM plugin) import no verl and register nothing
-    _run("import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm, moe_lora_rl.integration.verl\n"
+    first = _start("import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm, moe_lora_rl.integration.verl\n"
          "assert 'verl' not in sys.modules, 'importing algos or the integration package must not import verl'\n"
          "import verl\n" + REGISTRIES +
          "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"
@@ -211,7 +216,7 @@ def test_plugin_is_inert_unless_imported():
          "from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig\n"
          "assert cls is MoELoRAEngineConfig\n")
     # verl imports the package as external_lib: registered; the CPU platform is never auto-detected
-    _run("import verl\n" + REGISTRIES +
+    second = _start("import verl\n" + REGISTRIES +
          "assert not ours()\n"
          "from verl.utils.import_utils import import_external_libs\n"
          "import_external_libs('moe_lora_rl.integration.verl.plugin')\n"
@@ -220,8 +225,10 @@ def test_plugin_is_inert_unless_imported():
          "from verl.plugin.platform.platform_manager import _detect_platform_name\n"
          "assert _detect_platform_name() != 'moe_lora_cpu'\n")
     # Ray workers on the CPU platform: verl imports the plugin while verl itself is imported
-    _run("import verl\n" + REGISTRIES + "assert ours() and PlatformRegistry.get('moe_lora_cpu') is not None\n",
-         VERL_USE_EXTERNAL_MODULES="moe_lora_rl.integration.verl.plugin")
+    third = _start("import verl\n" + REGISTRIES + "assert ours() and PlatformRegistry.get('moe_lora_cpu') is not None\n",
+                   VERL_USE_EXTERNAL_MODULES="moe_lora_rl.integration.verl.plugin")
+    for p in (first, second, third):
+        _check(p)
 
 
 def test_task_runner_swaps_the_worker_only_on_the_cpu_platform(compose, monkeypatch):
