@@ -19,3 +19,24 @@ def lora_trained(tmp_path_factory):
     work = tmp_path_factory.mktemp("lora")
     models, cfg = resolve_models(None), LoRAConfig(rank=4, alpha=8.0)
     return models, run(models, DEFAULT_LAYOUTS, cfg, work), work, cfg
+
+
+@pytest.fixture
+def train_cli(monkeypatch, capsys):
+    """The train CLI's main in this process, for refusals that come before any process group or engine starts:
+    returns (exit code, stderr lines). The console's warning routing it installs is undone after the test."""
+    import warnings
+
+    from moe_lora_rl.rl import console
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(console, "_router", None)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+
+    def run(*args):
+        from moe_lora_rl.train import main
+
+        rc = main(list(args))
+        err = capsys.readouterr().err
+        return rc, [line for line in err.splitlines() if line.strip()], err
+    return run

@@ -158,14 +158,15 @@ def test_console_is_quiet(runs):
     assert "Apex is not installed" in kept      # control: the warnings were raised, and kept
 
 
-def test_resume_refusals(runs, tmp_path):
-    """One process, no torchrun: the refusals come before any engine starts, as one line."""
+def test_resume_refusals(runs, tmp_path, train_cli):
+    """No torchrun: the refusals come before any engine starts, as one line (the first in this process, through the
+    CLI's main; the second, found once the run reads the checkpoint, in a process of its own)."""
     def train(out, *extra):
         return subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *SHORT, *extra, f"out_dir={out}"],
                               env=worker_env(), capture_output=True, text=True, timeout=600)
 
-    p = train(tmp_path / "none", "resume=true", "checkpoint_every=2")
-    assert p.returncode == 2 and "no checkpoint" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    rc, lines, err = train_cli(*SHORT, "resume=true", "checkpoint_every=2", f"out_dir={tmp_path / 'none'}")
+    assert rc == 2 and len(lines) == 1 and "no checkpoint" in lines[0] and "Traceback" not in err, err[-2000:]
     p = train(runs["root"] / "b", "resume=auto", "checkpoint_every=1", "steps=5", "lora.rank=4")
     err = [l for l in p.stderr.splitlines() if l.startswith("train: error")]
     assert p.returncode == 2 and err and "rank" in err[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
