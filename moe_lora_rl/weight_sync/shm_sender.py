@@ -21,18 +21,16 @@ from .buckets import Bucket, TensorMeta, plan
 
 
 def checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint directory by name (the base a trainer holds and sends)."""
+    """Every tensor of an HF checkpoint directory by name (the base a trainer holds and sends), read through
+    models/checkpoint.py's reader (sharded checkpoints included)."""
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from ..models.checkpoint import HFCheckpoint
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+    if not sorted(Path(model_dir).glob("*.safetensors")):
         raise ValueError(f"{model_dir}: no *.safetensors files to send")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+    ck = HFCheckpoint(model_dir)
+    return {name: ck.get(name) for name in ck.weight_map}
 
 
 def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
