@@ -97,7 +97,7 @@ def main(argv=None):
 
     # single: train_on(1, 1) vs today's path by hand
     restore()
-    m1, skipped1, _ = train_on(pol, cfg(1, 1), off_batch)
+    m1, skipped1, prox1 = train_on(pol, cfg(1, 1), off_batch)       # the proximal from the update's own forward
     single = gather_adapters(pol.model)
     out["single_version"] = pol.version
     restore()
@@ -109,6 +109,12 @@ def main(argv=None):
     out["single_bit_equal"] = all(torch.equal(single[k], v) for k, v in gather_adapters(pol.model).items())
     out["single_metrics_equal"] = {k: m1.get(k) == v for k, v in today.items()} | {"skipped": skipped1 == today_skipped}
     out["single_metrics"] = {k: v for k, v in m1.items() if isinstance(v, (int, float))}
+    out["fused_proximal_equal"] = torch.equal(prox1, replayed.logprobs)
+    out["fused_disagreement_equal"] = m1.get("disagreement") == sum(replayed.disagreement.values()) / len(
+        replayed.disagreement) and m1.get("token_disagreement") == replayed.token_disagreement
+    restore()                               # control: a proximal off by 0.01 per token moves the update
+    pol.update(off_batch, replayed.logprobs + 0.01 * off_batch.loss_mask, replay="r3", rollout_is="token")
+    out["single_control_equal"] = all(torch.equal(single[k], v) for k, v in gather_adapters(pol.model).items())
 
     # mini4: train_on(4, 1) vs 4 updates by hand on the row slices, old = the proximal recompute of the whole batch
     restore()

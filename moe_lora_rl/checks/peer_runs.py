@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 
 PROMPTS, GROUP = 8, 8            # the main job's algo.prompts_per_step and algo.group_size: every peer's batch
+# our main job's best settings on a 2-core CPU: one microbatch per rank (32 rows each on 2 data-parallel ranks: the
+# 128-expert forward pays its per-expert Python once, not twice) and the free-routing diagnostic recompute every
+# 10th step instead of every step (TRL and verl compute no such figure)
+OURS_SETTINGS = {"algo.micro_batch_size": 32, "free_routing_every": 10}
 
 
 class PeerFailed(RuntimeError):
@@ -26,7 +30,8 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
 
     if not reuse:
         extra = [f"steps={steps}", f"seed={seed}", f"mode={mode}", f"eval_every={steps}",
-                 f"runtime.rollout_dtype={rollout_dtype}", f"checkpoint_every={every}"]
+                 f"runtime.rollout_dtype={rollout_dtype}", f"checkpoint_every={every}",
+                 *(f"{k}={v}" for k, v in OURS_SETTINGS.items())]
         if model:
             extra.append(f"model.path={model}")
         t0 = time.perf_counter()
@@ -53,9 +58,10 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
             "trainable_expert_params": expert,
             "time_split_s": {"rollout": summary["rollout_busy_frac"] * summary["wall_s"],
                              "train": summary["train_busy_frac"] * summary["wall_s"], "eval": summary["eval_s"]},
+            "s_per_step": {k: summary.get(f"{k}_s_per_step") for k in ("rollout", "train", "push")},
             "settings": {"mode": summary["mode"], "steps": summary["steps"], "seed": seed,
                          "replay": summary["replay"], "rollout_dtype": rollout_dtype, "serving": summary["serving"],
-                         "layout": summary["layout"], "rollout": "vLLM (CPU)"}}
+                         "layout": summary["layout"], "rollout": "vLLM (CPU)", **OURS_SETTINGS}}
 
 
 def _ours_points(out: Path, model: str) -> list[list]:

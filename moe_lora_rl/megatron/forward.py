@@ -35,6 +35,15 @@ def schedule_scope(rc: RunConfig):
     return cpu_support.cuda_device_kwargs_to_cpu()
 
 
+def model_scope(rc: RunConfig):
+    """Inside schedule_scope: the model's forward itself runs without the CPU rewrite (cpu_support.model_code)."""
+    if rc.device != "cpu":
+        return contextlib.nullcontext()
+    from . import cpu_support
+
+    return cpu_support.model_code()
+
+
 def causal_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """position ids and the explicit boolean causal mask ([1,1,S,S], True = masked): megatron's default mask is
     allocated on 'cuda'."""
@@ -81,7 +90,8 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
         batch = next(data_iterator)
         pos, mask = causal_inputs(batch["tokens"])
         pos, mask = batch.get("position_ids", pos), batch.get("attention_mask", mask)
-        out = m(input_ids=batch["tokens"].to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev))
+        with model_scope(rc):
+            out = m(input_ids=batch["tokens"].to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev))
         if forward_only:
             return out, lambda t, non_loss_data=False: on_output(t, batch)
         return out, partial(on_output, batch=batch)

@@ -141,19 +141,25 @@ class Policy:
         with self.core.adapters(adapter):
             res = self._run(batch, plan, replay, routes, forward_only=True, measure=True,
                             on_output=lambda t, mb: self._label_logprobs(t, mb["tokens"], s).cpu())
-        full = torch.zeros(batch.num_rows, s - 1, dtype=torch.float32)
+        return LogprobResult(self._gather_rows(batch, zip(plan.microbatches, res.outputs)), res.disagreement,
+                             res.recorded, res.token_disagreement)
+
+    def _gather_rows(self, batch: PolicyBatch, parts) -> torch.Tensor:
+        """[N, S-1] fp32 on every rank from (rows, logprobs) pieces held by the last stage (0 on padding labels)."""
+        from megatron.core import parallel_state as ps
+
+        full = torch.zeros(batch.num_rows, batch.seq_len - 1, dtype=torch.float32)
         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-            for ids, lp in zip(plan.microbatches, res.outputs):
+            for ids, lp in parts:
                 full[ids] = lp.float()
         dist.all_reduce(full)                   # one contributor per row: the last stage's TP rank 0 of its DP rank
-        full = torch.where(batch.label_mask(), full, torch.zeros(()))
-        return LogprobResult(full, res.disagreement, res.recorded, res.token_disagreement)
+        return torch.where(batch.label_mask(), full, torch.zeros(()))
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
     def update(self, batch: PolicyBatch, old_logprobs: torch.Tensor, *, replay: str = "r3",
                routes: RoutesBatch | None = None, ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                rollout_is: str | None = "token", rollout_is_threshold: float = 2.0,
-               sparse: SparseCorrection = SparseCorrection()) -> dict:
+               sparse: SparseCorrection = SparseCorrection(), proximal_out: list | None = None) -> dict:
         """One AdamW step of the adapters over the global batch. replay: "r3" replays `routes` if given, else
         batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
         Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (no step, the version unchanged: a
@@ -180,7 +186,15 @@ class Policy:
         the consistency ratio between the dense proximal recompute and the sparse sampler; sequences with a token
         below sparse.veto are rejected whole, tokens outside [sparse.lower, sparse.upper] leave the loss mask (so
         the normalisers, as "mis"), the kept tokens are weighted by the truncated, batch-normalised ratio; the
-        returned metrics add algos' sparse/* (sequence rejection rate, ratio statistics)."""
+        returned metrics add algos' sparse/* (sequence rejection rate, ratio statistics).
+
+        old_logprobs=None (one update on the batch the rollout just produced: one mini-batch, one epoch): the
+        proximal policy is this update's own forward, as a forward pass before it would compute (the same adapters
+        and routes): the clip ratio is 1 and the rollout correction's weights are computed per microbatch from the
+        forward's detached logprobs, which saves the separate proximal pass. Only per-token or per-sequence
+        truncation (or none) can be computed that way ("mis" and "sparse" change the normalisers before the
+        forward: refused). proximal_out, a list: receives the LogprobResult of that forward (the logprobs the
+        proximal pass would return, with the router disagreement measured under r3)."""
         from megatron.core import parallel_state as ps
 
         if replay not in UPDATE_REPLAY:
@@ -194,8 +208,10 @@ class Policy:
         for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
             if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
                 raise ValueError(f"{name} has shape {tuple(getattr(t, 'shape', ()))}, expected {shape}")
-        if old_logprobs is None:
-            raise ValueError("old_logprobs is None")
+        self_proximal = old_logprobs is None
+        if self_proximal and rollout_is not in ("token", "sequence", None) and batch.rollout_logprobs is not None:
+            raise ValueError(f"rollout_is={rollout_is!r} needs the proximal logprobs of the whole batch before the "
+                             "update: pass old_logprobs")
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
         if replay == "r2" and routes is None:
@@ -205,9 +221,11 @@ class Policy:
         n_valid = int(mask.sum())
         if n_valid == 0:
             raise ValueError("loss_mask selects no token: nothing to train on")
-        old = old_logprobs.float()
+        old = None if self_proximal else old_logprobs.float()
         weights, extra = None, {}
-        if rollout_is == "sparse" and batch.rollout_logprobs is not None:
+        if self_proximal:
+            pass                                    # weights per microbatch in loss_fn, from the forward itself
+        elif rollout_is == "sparse" and batch.rollout_logprobs is not None:
             mask, weights, extra = sparse_correction(old, batch.rollout_logprobs.float(), mask, sparse)
         elif rollout_is == "mis" and batch.rollout_logprobs is not None:
             mask, _ = rollout_rejection(old, batch.rollout_logprobs.float(), mask, threshold=rollout_is_threshold)
@@ -230,8 +248,15 @@ class Policy:
             dev = logits_local.device
             lp = self._label_logprobs(logits_local, batch["tokens"], s)
             m = mask[ids].to(dev)
-            pg, metrics = policy_loss(old[ids].to(dev), lp, advantages[ids].to(dev), m, self.loss, gb,
-                                      rollout_is_weights=None if weights is None else weights[ids].to(dev))
+            w = None if weights is None else weights[ids].to(dev)
+            if self_proximal:
+                own = lp.detach()
+                parts.append((ids, own.cpu()))
+                if rollout_is is not None and rollout is not None:
+                    w = rollout_correction(own.cpu().float(), rollout[ids].float(), mask[ids], level=rollout_is,
+                                           threshold=rollout_is_threshold)[0].to(dev)
+            pg, metrics = policy_loss(own if self_proximal else old[ids].to(dev), lp, advantages[ids].to(dev), m,
+                                      self.loss, gb, rollout_is_weights=w)
             total, kl_loss = pg, torch.zeros((), device=dev)
             if ref_logprobs is not None:            # reported whenever given; in the loss when kl_coef > 0
                 kl_loss = aggregate(kl_penalty(lp, ref_logprobs[ids].float().to(dev)), m, self.loss.loss_agg_mode, gb)
@@ -246,9 +271,14 @@ class Policy:
                                   dtype=torch.float64)
             return total, torch.tensor(1, dtype=torch.int, device=dev), {"stats": logged}
 
+        parts: list = []
         self.core.zero_grad()
         self.model.train()
-        res = self._run(batch, plan, replay, routes, forward_only=False, on_output=loss_fn)
+        res = self._run(batch, plan, replay, routes, forward_only=False, on_output=loss_fn,
+                        measure=self_proximal and proximal_out is not None)
+        if self_proximal and proximal_out is not None:
+            proximal_out.append(LogprobResult(self._gather_rows(batch, parts), res.disagreement, None,
+                                              res.token_disagreement))
         stats = torch.zeros(4, dtype=torch.float64)
         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
             stats = sum((o["stats"] for o in res.outputs), stats)

@@ -274,6 +274,10 @@ class TrainConfig:
     """Held-out evaluation every N steps (and at the start and the end); 0: only start and end."""
     checkpoint_every: int = 0
     """Checkpoint every N steps; 0: none."""
+    free_routing_every: int = 1
+    """With replay=r3: the trainer's recompute without replay (its own routing: the no-R3 KL, ratio and free router
+    disagreement figures) every N steps; 0: never. A diagnostic pass: one forward of the batch, a fifth of a step's
+    trainer time on the default model. replay=r2/off need that pass every step (it is their proximal policy)."""
     resume: Any = False
     """true: continue from the latest complete checkpoint in out_dir/checkpoints (the engines restart and get that
     version); auto: the same if a checkpoint exists, else start fresh (for torchrun --max-restarts / requeued slurm
@@ -308,7 +312,7 @@ class TrainConfig:
                                  f"{self.rollout.max_versions} (raise it or lower max_staleness)")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps={self.steps!r} must be an integer >= 1")
-        for k in ("eval_every", "checkpoint_every", "seed", "engine_restarts"):
+        for k in ("eval_every", "checkpoint_every", "free_routing_every", "seed", "engine_restarts"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{k}={v!r} must be an integer >= 0")

@@ -198,7 +198,9 @@ class GRPORun:
         t0 = time.perf_counter()
         batch = policy_batch(samples, rewards, group_ids, self.tok.pad_token_id, moe_layers=self.moe_layers,
                              num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std)
-        m, skipped, proximal = train_on(self.policy, self.cfg, batch)
+        every = self.cfg.free_routing_every                   # counted in steps of the synchronous order
+        m, skipped, proximal = train_on(self.policy, self.cfg, batch,
+                                        free_routing=bool(every) and plans[-1].step % every == 0)
         if self.cfg.delay.train_s:
             time.sleep(self.cfg.delay.train_s)
         self.busy["train"] += time.perf_counter() - t0
@@ -208,7 +210,10 @@ class GRPORun:
                 **({"skipped": True} if skipped else {})}, batch, proximal
 
     def sync_step(self, step: int) -> dict:
-        return self.train_push(*self.rollout(step))
+        t0 = time.perf_counter()
+        out = self.rollout(step)
+        took = time.perf_counter() - t0
+        return {**self.train_push(*out), "time_rollout_s": took}
 
     def generation(self, step: int, keep: dict | None = None):
         """Rank 0: a function generating the step's groups (with the version requests are pinned to, read now)
@@ -244,9 +249,12 @@ class GRPORun:
 
     def train_push(self, samples: list, kv: dict, plans: list) -> dict:
         """Train on a step's samples and push the new version; the step's metrics."""
+        t0 = time.perf_counter()
         m, _, _ = self.train(samples, plans)
+        t1 = time.perf_counter()
         pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
-        return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version,
+        return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version, "time_train_s": t1 - t0,
+                "time_push_s": time.perf_counter() - t1,
                 "samples_sha256": samples_digest(samples), "rollout_versions": token_versions(samples)}
 
     def push(self, restarts: bool = True, after_restart=None, engines=None) -> int:

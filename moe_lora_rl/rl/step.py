@@ -24,39 +24,54 @@ from .diagnostics import step_diagnostics
 from .minibatch import mini_batch_rows, select, select_routes
 
 
-def train_on(policy, cfg, batch) -> tuple[dict, bool, torch.Tensor]:
+def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True) -> tuple[dict, bool, torch.Tensor]:
     """The step's metrics, whether it was skipped (every optimizer step of it skipped), and the proximal logprobs it
     used. "ministep0_rollout_kl" / "ministep_last_rollout_kl": the k3 between the engine's logprobs and the first /
     last update forward's (Policy.update's update_rollout_kl; with rollout logprobs only): the first is the
-    engine-vs-trainer mismatch of the policy that sampled, the last includes how far the mini-steps moved it."""
+    engine-vs-trainer mismatch of the policy that sampled, the last includes how far the mini-steps moved it.
+    free_routing: run the recompute without replay (with replay=r3 a diagnostic only: the no_r3_* and free_*
+    figures). fuse: with replay=r3, one mini-batch and one epoch and a per-token/sequence (or no) rollout
+    correction, the proximal logprobs come from the update's own forward (Policy.update with old_logprobs=None: the
+    same numbers as a separate pass, one forward fewer); False: the separate pass."""
     a = cfg.algo
-    replayed = policy.logprobs(batch, replay="r3")              # R3: the rollout's routes
-    unreplayed = policy.logprobs(batch, replay="record")       # the trainer's own routing, recorded
-    old = {"r3": replayed, "r2": unreplayed, "off": unreplayed}[cfg.replay]
+    single = a.mini_batches == 1 and a.epochs == 1
+    fused = fuse and single and cfg.replay == "r3" and a.rollout_is in ("token", "sequence", "off")
+    replayed = None if fused else policy.logprobs(batch, replay="r3")        # R3: the rollout's routes
+    unreplayed = policy.logprobs(batch, replay="record") \
+        if free_routing or cfg.replay != "r3" else None                      # the trainer's own routing, recorded
     ref = policy.logprobs(batch, replay="r3" if cfg.replay == "r3" else "off", adapter=False).logprobs \
         if a.kl_coef > 0 else None
     kw = dict(replay="off" if cfg.replay == "off" else "r3", kl_coef=a.kl_coef,
               rollout_is=None if a.rollout_is == "off" else a.rollout_is,
               rollout_is_threshold=a.rollout_is_threshold, sparse=a.sparse_settings())
     routes = unreplayed.recorded if cfg.replay == "r2" else None
-    if a.mini_batches == 1 and a.epochs == 1:
-        upd = policy.update(batch, old.logprobs, routes=routes, ref_logprobs=ref, **kw)
+    if single:
+        own: list = []
+        old = None if fused else (replayed if cfg.replay == "r3" else unreplayed).logprobs
+        upd = policy.update(batch, old, routes=routes, ref_logprobs=ref, proximal_out=own if fused else None, **kw)
+        if fused:
+            replayed = own[0]
         skipped = upd.pop("skipped")        # a non-finite grad norm: no step, the version unchanged
         if "update_rollout_kl" in upd:
             upd["ministep0_rollout_kl"] = upd["ministep_last_rollout_kl"] = upd["update_rollout_kl"]
     else:
+        old = (replayed if cfg.replay == "r3" else unreplayed).logprobs
         steps = []
         for _ in range(a.epochs):
             for rows in mini_batch_rows(batch.num_rows, a.mini_batches):
-                steps.append(policy.update(select(batch, rows), old.logprobs[rows], routes=select_routes(routes, rows),
+                steps.append(policy.update(select(batch, rows), old[rows], routes=select_routes(routes, rows),
                                            ref_logprobs=None if ref is None else ref[rows], **kw))
         upd = mini_step_metrics(steps)
         skipped = upd.pop("skipped")
-    diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask, replayed=replayed.logprobs,
-                            unreplayed=unreplayed.logprobs, disagreement=replayed.disagreement,
-                            token_disagreement=replayed.token_disagreement,
-                            free_routes=unreplayed.recorded, rollout_routes=batch.routes)
-    return {**upd, **diag}, skipped, old.logprobs
+    proximal = (replayed if cfg.replay == "r3" else unreplayed).logprobs
+    diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask,
+                            replayed=None if replayed is None else replayed.logprobs,
+                            unreplayed=None if unreplayed is None else unreplayed.logprobs,
+                            disagreement=None if replayed is None else replayed.disagreement,
+                            token_disagreement=None if replayed is None else replayed.token_disagreement,
+                            free_routes=None if unreplayed is None else unreplayed.recorded,
+                            rollout_routes=batch.routes)
+    return {**upd, **diag}, skipped, proximal
 
 
 def mini_step_metrics(steps: list[dict]) -> dict:

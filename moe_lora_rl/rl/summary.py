@@ -20,6 +20,7 @@ def run_summary(run, history: list[dict], evals: dict, wall: float) -> dict:
     return {"wall_s": wall, **run.warmup, "setup_s": run.setup_s,
             **run.start_lens, "s_per_step": (wall - run.eval_s) / max(1, len(history)),
             "response_len_mean": mean("response_len", history), **by_len,
+            **{f"{k}_s_per_step": mean(f"time_{k}_s", history) for k in ("rollout", "train", "push")},
             "free_disagreement_first_half": mean("free_disagreement_first_half", history),
             "free_disagreement_second_half": mean("free_disagreement_second_half", history),
             "reward_start": mean("reward", history[:k]), "reward_end": mean("reward", history[-k:]),

@@ -1,8 +1,10 @@
 """PPO mini-batches and epochs through rl/step.py's train_on (moe_lora_rl/checks/minibatch_worker.py): one torchrun
 launch of 2 ranks (ep2, dp 2) on the tiny GLM4-MoE, fp32, R3 with random routes, lr 2e-2 so later mini-steps clip.
 
-Tolerances: train_on with 1 mini-batch and 1 epoch runs today's path, so adapters and metrics are compared bit for
-bit; mini_batches=4 against 4 updates by hand on the same slices with the same old logprobs runs the same
+Tolerances: train_on with 1 mini-batch and 1 epoch takes its proximal logprobs from the update's own forward
+(Policy.update with old_logprobs=None), which must equal the separate proximal pass followed by the update: adapters,
+metrics, the proximal logprobs and the router disagreement are compared bit for bit (control: a proximal off by 0.01
+per token gives other adapters); mini_batches=4 against 4 updates by hand on the same slices with the same old logprobs runs the same
 computations, so <= 1e-6 is loose (measured 0.0). ministep0_rollout_kl with the rollout logprobs taken as the
 replayed recompute: <= 1e-10 (measured 0.0: the update forward reproduces it); the control replays the routes
 shuffled over tokens in the update: > 1e-3 (measured 193). Controls for the adapters: the mini-batches in reverse
@@ -27,6 +29,10 @@ def rep():
 def test_one_mini_batch_one_epoch_is_todays_update(rep):
     assert rep["single_bit_equal"] is True and rep["single_version"] == 1
     assert all(rep["single_metrics_equal"].values()), rep["single_metrics_equal"]
+    # the fused proximal (the update's own forward) is the separate pass's, bit for bit; a proximal off by 0.01
+    # per token gives other adapters (the comparison can fail)
+    assert rep["fused_proximal_equal"] is True and rep["fused_disagreement_equal"] is True
+    assert rep["single_control_equal"] is False
     m = rep["single_metrics"]
     assert m["grad_norm"] > 0 and "mini_steps" not in m                       # the single-step path
     assert m["ministep0_rollout_kl"] == m["ministep_last_rollout_kl"] == m["update_rollout_kl"]

@@ -12,7 +12,7 @@ Two launches of the same seed, 4 steps:
   step 1 is logged (only that engine restarts, gets the base again, then the current adapter, and repeats its
   groups; the other keeps its samples) and then trainer rank 1 once step 2 is logged (torchrun restarts the group;
   the run resumes by itself from its latest complete checkpoint, with new engines given the base and that adapter
-  version).
+  version); the free-routing recompute (no_r3_* figures) only every other step (`free_routing_every=2`).
 b must equal a (so an engine synced from the trainer serves bit for bit what one loaded from disk serves): the same
 sampled tokens and rewards at every step (the per-sample seeds do not depend on the engine
 that serves them), losses within 1e-6, the same final adapter within 1e-6, and every step's tokens of one version.
@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
     a = start(root / "a", ["checkpoint_every=2"])
     uninterrupted = finish(a, root / "a")
     b = start(root / "b", ["rollout.engines=2", "rollout.base_from=trainer", "rollout.base_bucket_mb=4", "resume=auto",
-                           "checkpoint_every=1"], torchrun=["--max-restarts=1"])
+                           "checkpoint_every=1", "free_routing_every=2"], torchrun=["--max-restarts=1"])
     kill_engine_after_step(root / "b", b, 1)
     kill_rank_after_step(root / "b", b, 2, rank=1)
     return {"a": uninterrupted, "b": finish(b, root / "b"), "root": root}
@@ -70,6 +70,9 @@ def test_short_run_trains_and_refits_adapters_only(runs):
     assert 0 < summary["refit_bytes_per_step"] < summary["full_bytes"] / 4
     assert 0.0 <= summary["eval_start"] <= 1.0 and 0.0 <= summary["eval_end"] <= 1.0
     assert 0 < summary["rollout_busy_frac"] < 1 and 0 < summary["train_busy_frac"] < 1
+    assert all(r["time_rollout_s"] > 0 and r["time_train_s"] > 0 and r["time_push_s"] > 0 for r in rows), rows
+    assert summary["rollout_s_per_step"] + summary["train_s_per_step"] + summary["push_s_per_step"] \
+        <= summary["s_per_step"] * 1.001
     root = runs["root"] / "a"
     assert (root / "metrics.png").stat().st_size > 10_000 and list((root / "tb").glob("events.out.tfevents.*"))
     assert (root / "adapter" / "adapter_model.safetensors").is_file()
@@ -101,6 +104,8 @@ def test_replicas_crashes_and_elastic_resume_equal_the_uninterrupted_run(runs):
     assert len(resumed) == 1 and "resume=auto" in resumed[0], log_b[-3000:]       # torchrun's restart: resumed
     assert int(resumed[0].split("step ")[1].split()[0]) in (1, 2)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]             # the resumed log keeps its steps, adds the rest
+    # b's free-routing recompute (a diagnostic under R3) ran every other step: training is the same without it
+    assert all("no_r3_kl" in r for r in rows_a) and "no_r3_kl" in rows_b[0] and "no_r3_kl" not in rows_b[1], rows_b
     for ra, rb in zip(rows_a, rows_b):
         assert ra["samples_sha256"] == rb["samples_sha256"] and ra["reward"] == rb["reward"], (ra, rb)
         assert abs(ra["loss"] - rb["loss"]) <= 1e-6 and abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-6, (ra, rb)

@@ -49,6 +49,7 @@ def test_overrides_from_command_line_list():
     ("data.train_file=/no/such.parquet", "data.train_file='/no/such.parquet'"),
     ("model.size=huge", "'glm4_moe'/'huge'"),
     ("resume=true", "resume=true needs checkpoint_every"),
+    ("free_routing_every=-1", "free_routing_every=-1"),
 ])
 def test_bad_values_one_line(override, message):
     with pytest.raises(ValueError) as e:
