@@ -7,6 +7,8 @@ GLM4-MoE, each case from the same adapters and a fresh AdamW (restored between c
               built here (not with rl/minibatch.py), each with the proximal recompute of the whole batch as its old
               logprobs; controls: the same slices in reverse order, and the single update, give other adapters
   epochs2     mini_batches=4, epochs=2: 8 optimizer steps, the version +8
+  grouped     the same replayed logprobs and one update on the legacy GroupedMLP (runtime.experts=grouped) from the
+              same adapters; control: the grouped model with the routes shuffled over tokens
   rollout_kl  rollout logprobs = the replayed recompute itself (the engine is not needed for this check: with R3 in
               fp32 the update forward must reproduce it), so ministep0_rollout_kl is ~0; the control replays the
               routes shuffled over tokens in the update (the batch's routes shuffled), and the k3 is far off
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from ..algos import PolicyLossSettings, SparseCorrection
-from ..lora import LoRAConfig, gather_adapters
+from ..lora import LoRAConfig, adapter_factors, gather_adapters
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..policy.core import Policy, PolicyBatch
@@ -152,6 +154,25 @@ def main(argv=None):
     restore()
     mc, _, _ = train_on(pol, cfg(4, 1), dataclasses.replace(batch, routes=shuffled))
     out["kl_shuffled"] = {k: mc[k] for k in ("ministep0_rollout_kl", "ministep_last_rollout_kl")}
+
+    # grouped: the same update on the legacy GroupedMLP (runtime.experts=grouped), from the same adapters
+    restore()
+    pol_g = Policy(a.model, Layout(ep=2), dataclasses.replace(a.rc, grouped_experts=True),
+                   LoRAConfig(rank=4, alpha=8.0), lr=LR, weight_decay=0.0, grad_clip=1.0, loss=PolicyLossSettings(),
+                   micro_batch_size=1)
+    mine = {p.lora_meta.global_name: p for _, p in adapter_factors(pol.model)}
+    with torch.no_grad():
+        for _, p in adapter_factors(pol_g.model):         # the same factors, listed in another order
+            p.copy_(mine[p.lora_meta.global_name])
+    out["grouped_class"] = sorted({type(m).__name__ for m in pol_g.model.modules() if "MLP" in type(m).__name__})
+    lp_s, lp_g = (p.logprobs(off_batch, replay="r3").logprobs for p in (pol, pol_g))
+    out["grouped_logprobs_diff"] = float((lp_s - lp_g).abs().max())
+    out["grouped_shuffled_diff"] = float((pol_g.logprobs(dataclasses.replace(off_batch, routes=shuffled),
+                                                         replay="r3").logprobs - lp_s).abs().max())
+    train_on(pol, cfg(1, 1), off_batch)
+    train_on(pol_g, cfg(1, 1), off_batch)
+    out["grouped_update_diff"] = max_diff(gather_adapters(pol.model), gather_adapters(pol_g.model))
+    pol_g.replayer.detach()
 
     pol.replayer.detach()
     teardown()

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 PROMPTS, GROUP = 8, 8            # the main job's algo.prompts_per_step and algo.group_size: every peer's batch
-# our main job's best settings on a 2-core CPU: one microbatch per rank (32 rows each on 2 data-parallel ranks: the
-# 128-expert forward pays its per-expert Python once, not twice) and the free-routing diagnostic recompute every
-# 10th step instead of every step (TRL and verl compute no such figure)
-OURS_SETTINGS = {"algo.micro_batch_size": 32, "free_routing_every": 10}
+# our main job's best settings on a 2-core CPU: megatron's grouped experts (grouped GEMMs, not a loop over 128
+# experts), one microbatch per rank (32 rows each on 2 data-parallel ranks) and the free-routing diagnostic
+# recompute every 10th step instead of every step (TRL and verl compute no such figure)
+OURS_SETTINGS = {"runtime.experts": "grouped", "algo.micro_batch_size": 32, "free_routing_every": 10}
 
 
 class PeerFailed(RuntimeError):

@@ -102,13 +102,14 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
     """The GPTModel stage of this rank (parallel state must be initialised for `layout`), in rc's dtype on rc's
     device; rc (default: fp32 on CPU) is kept as model.run_config for the forward.
 
-    grouped_experts: the legacy GroupedMLP (one weight1/weight2 for all local experts, grouped GEMM; megatron-core
-    0.16 only; on CPU its gmm is cpu_support.torch_gmm) instead of SequentialMLP."""
+    grouped_experts (or rc.grouped_experts): the legacy GroupedMLP (one weight1/weight2 for all local experts,
+    grouped GEMM; megatron-core 0.16 only; on CPU its gmm is cpu_support.torch_gmm) instead of SequentialMLP."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     rc = rc or RunConfig()
+    grouped_experts = grouped_experts or rc.grouped_experts
     check_layout(arch, layout)
     if arch.tie_embeddings and layout.pp > 1:
         raise ValueError(f"layout {layout.name}: tied input/output embeddings with pp={layout.pp} are not supported; "

@@ -43,6 +43,9 @@ class RunConfig:
     """Full-weight training in bf16 keeps fp32 main grads and reduces them in fp32 (DDP grad_reduce_in_fp32)."""
     adapter_dtype: str = "fp32"
     """LoRA adapter parameters (LoRAConfig.dtype is set from this by the caller); fp32 whatever the base dtype."""
+    grouped_experts: bool = False
+    """layer_spec local: the legacy GroupedMLP (one weight per projection for all local experts, grouped GEMM,
+    megatron-core 0.16 only) instead of SequentialMLP's expert-by-expert loop (megatron.build.build_model)."""
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -74,6 +77,10 @@ class RunConfig:
         if self.layer_spec == "te" and self.device != "cuda":
             raise ValueError(f"layer_spec='te' with device={self.device!r}: Transformer Engine runs on CUDA only; "
                              "use layer_spec='local'")
+
+        if self.grouped_experts and self.layer_spec == "te":
+            raise ValueError("grouped_experts=True with layer_spec='te': the TE spec has its own grouped experts "
+                             "(TEGroupedMLP)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

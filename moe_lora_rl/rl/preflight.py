@@ -26,7 +26,8 @@ def base_model_dir(cfg: TrainConfig) -> Path:
 
 
 def run_config(cfg: TrainConfig) -> RunConfig:
-    return RunConfig(device=cfg.runtime.device, dtype=TORCH_DTYPES[cfg.runtime.train_dtype])
+    return RunConfig(device=cfg.runtime.device, dtype=TORCH_DTYPES[cfg.runtime.train_dtype],
+                     grouped_experts=cfg.runtime.experts == "grouped")
 
 
 def check(cfg: TrainConfig, world_size: int):
@@ -37,6 +38,15 @@ def check(cfg: TrainConfig, world_size: int):
     check_layout(arch, layout)
     if arch.tie_embeddings and layout.pp > 1:
         raise ValueError(f"layout.pp={layout.pp}: the model ties its input and output embeddings; use pp=1")
+    if cfg.runtime.experts == "grouped":
+        from ..megatron.cpu_support import mcore_version
+
+        if not mcore_version().startswith("0.16."):
+            raise ValueError(f"runtime.experts=grouped: megatron-core {mcore_version()} has no legacy GroupedMLP; "
+                             "use runtime.experts=sequential")
+        if cfg.runtime.device == "cuda" and cfg.runtime.train_dtype != "bfloat16":
+            raise ValueError(f"runtime.experts=grouped with runtime.train_dtype={cfg.runtime.train_dtype}: the "
+                             "grouped_gemm kernel on cuda is bf16-only")
     if cfg.rollout.kv_compression != "none":          # the model's attention must be one the engine can window
         import json
 

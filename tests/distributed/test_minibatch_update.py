@@ -59,3 +59,12 @@ def test_first_mini_step_reproduces_the_replayed_rollout(rep):
     assert ok["ministep0_rollout_kl"] <= 1e-10, ok
     assert ok["ministep_last_rollout_kl"] > 1e-3, ok            # the last mini-step's policy has moved
     assert ctrl["ministep0_rollout_kl"] > 1e-3, ctrl            # wrong routes in the update: far off
+
+
+def test_grouped_experts_update_as_sequential(rep):
+    """runtime.experts=grouped: megatron's legacy GroupedMLP (grouped GEMMs) in place of SequentialMLP gives the
+    same replayed logprobs and the same update to fp32 rounding (<= 1e-5, measured 0.0: the per-expert GEMMs are
+    the same products); the control, the grouped model replaying the routes shuffled over tokens, is far off."""
+    assert "GroupedMLP" in rep["grouped_class"] and "SequentialMLP" not in rep["grouped_class"], rep["grouped_class"]
+    assert rep["grouped_logprobs_diff"] <= 1e-5 and rep["grouped_update_diff"] <= 1e-5, rep
+    assert rep["grouped_shuffled_diff"] > 1e-2, rep

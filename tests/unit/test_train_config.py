@@ -50,6 +50,7 @@ def test_overrides_from_command_line_list():
     ("model.size=huge", "'glm4_moe'/'huge'"),
     ("resume=true", "resume=true needs checkpoint_every"),
     ("free_routing_every=-1", "free_routing_every=-1"),
+    ("runtime.experts=batched", "runtime.experts='batched'"),
 ])
 def test_bad_values_one_line(override, message):
     with pytest.raises(ValueError) as e:

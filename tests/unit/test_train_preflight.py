@@ -23,6 +23,18 @@ def test_layout_against_world_and_model():
     assert check(["model.size=small"], 2).num_experts == 16                        # the former default, by name
 
 
+def test_grouped_experts_needs_the_legacy_grouped_mlp(monkeypatch):
+    from moe_lora_rl.megatron import cpu_support
+
+    assert check(["runtime.experts=grouped"], 2).num_experts == 128          # megatron-core 0.16 has it
+    assert preflight.run_config(config.load(["runtime.experts=grouped"])).grouped_experts is True
+    with pytest.raises(ValueError, match="bf16-only"):
+        check(["runtime.experts=grouped", "runtime.device=cuda"], 2)
+    monkeypatch.setattr(cpu_support, "mcore_version", lambda: "0.19.2")
+    with pytest.raises(ValueError, match="megatron-core 0.19.2 has no legacy GroupedMLP"):
+        check(["runtime.experts=grouped"], 2)
+
+
 def test_async_refusals():
     for overrides, world, needle in (
             (["mode=async", "max_staleness=0"], 2, "max_staleness=0"),
