@@ -17,7 +17,8 @@ import time
 from collections import Counter
 
 from .groups import PushClock, StalenessGate
-from .run import GRPORun, _broadcast
+from .recovery import _broadcast
+from .run import GRPORun
 
 
 class AsyncGRPORun(GRPORun):
