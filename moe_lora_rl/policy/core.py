@@ -253,7 +253,7 @@ class Policy:
                 own = lp.detach()
                 parts.append((ids, own.cpu()))
                 if rollout_is is not None and rollout is not None:
-                    w = rollout_correction(own.cpu().float(), rollout[ids].float(), mask[ids], level=rollout_is,
+                    w = rollout_correction(parts[-1][1], rollout[ids].float(), mask[ids], level=rollout_is,
                                            threshold=rollout_is_threshold)[0].to(dev)
             pg, metrics = policy_loss(own if self_proximal else old[ids].to(dev), lp, advantages[ids].to(dev), m,
                                       self.loss, gb, rollout_is_weights=w)

@@ -107,7 +107,6 @@ class GRPORun(EngineRecovery):
         a = self.cfg.algo
         return group_plan(len(self.train_problems), a.prompts_per_step, a.group_size, self.cfg.seed, g)
 
-    # -- the engine, with crash recovery ------------------------------------------------------------------------
     # -- the trainer side ---------------------------------------------------------------------------------------
     def train(self, samples, plans) -> tuple[dict, object, torch.Tensor]:
         """One update on whole groups (every rank); its metrics, the batch and the proximal logprobs."""

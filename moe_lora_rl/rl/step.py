@@ -45,9 +45,9 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
               rollout_is=None if a.rollout_is == "off" else a.rollout_is,
               rollout_is_threshold=a.rollout_is_threshold, sparse=a.sparse_settings())
     routes = unreplayed.recorded if cfg.replay == "r2" else None
+    old = None if fused else (replayed if cfg.replay == "r3" else unreplayed).logprobs
     if single:
         own: list = []
-        old = None if fused else (replayed if cfg.replay == "r3" else unreplayed).logprobs
         upd = policy.update(batch, old, routes=routes, ref_logprobs=ref, proximal_out=own if fused else None, **kw)
         if fused:
             replayed = own[0]
@@ -55,7 +55,6 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
         if "update_rollout_kl" in upd:
             upd["ministep0_rollout_kl"] = upd["ministep_last_rollout_kl"] = upd["update_rollout_kl"]
     else:
-        old = (replayed if cfg.replay == "r3" else unreplayed).logprobs
         steps = []
         for _ in range(a.epochs):
             for rows in mini_batch_rows(batch.num_rows, a.mini_batches):
@@ -63,7 +62,7 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
                                            ref_logprobs=None if ref is None else ref[rows], **kw))
         upd = mini_step_metrics(steps)
         skipped = upd.pop("skipped")
-    proximal = (replayed if cfg.replay == "r3" else unreplayed).logprobs
+    proximal = replayed.logprobs if fused else old
     diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask,
                             replayed=None if replayed is None else replayed.logprobs,
                             unreplayed=None if unreplayed is None else unreplayed.logprobs,
