@@ -18,7 +18,7 @@ from ..lora import LoRAConfig, adapter_factors, gather_adapters
 from ..megatron.layout import Layout
 from ..policy.model import build_from_hf
 from ..refit.export import stream_to_peft
-from ..refit.gather import build_plan, local_reports, stream
+from ..refit.gather import build_plan, local_reports, prepare, stream
 from ..refit.rename import to_peft_tensors
 from ..refit.transports import push_stream
 from ..refit.wire import checksum
@@ -78,7 +78,9 @@ def run_one(path: str, key: str, cfg: LoRAConfig, buckets: list[int], work: Path
     folder = work / f"engine-{key}-{Path(path).name}"
     folder.mkdir(exist_ok=True)
     engine = FakeEngine(arch, folder=folder)                    # every rank reaches the same engine
-    res = push_stream(model, arch, engine, 7, cfg.rank, cfg.alpha, bucket_bytes=min(buckets), collect_to=None)
+    kept = prepare(model, arch, min(buckets))                   # planned once, reused after the values change
+    res = push_stream(model, arch, engine, 7, cfg.rank, cfg.alpha, bucket_bytes=min(buckets), collect_to=None,
+                      prepared=kept)
     if me == 0:
         got = engine.received
         rec["push_exact"] = sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
@@ -94,6 +96,10 @@ def run_one(path: str, key: str, cfg: LoRAConfig, buckets: list[int], work: Path
 
         got = load_file(str(work / f"peft-{key}-changed" / "adapter_model.safetensors"))
         rec["changed_exact"] = all(torch.equal(got[n], ref[n]) for n in ref)
+    push_stream(model, arch, engine, 8, cfg.rank, cfg.alpha, bucket_bytes=min(buckets), collect_to=None,
+                prepared=kept)                                  # the stream planned before the change
+    if me == 0:
+        rec["kept_plan_push_exact"] = all(torch.equal(engine.received[n], got[n]) for n in got)
     try:
         build_plan(model, arch, 1024)
         rec["small_bucket_error"] = "accepted"

@@ -52,6 +52,7 @@ class TrainingCore:
         self.view = stage_view(self.model, self.arch)
         self.version = 0
         self.last_step: StepResult | None = None
+        self._stream = None                     # refit/gather.prepare's plan of this model, made at the first push
 
     def adapters(self, enabled: bool):
         """A scope with the adapters on (nothing changes) or off (the reference policy: exactly the base model)."""
@@ -106,7 +107,10 @@ class TrainingCore:
         """LoRA-only push of the adapters (collective: every rank calls it). collect_to=0: rank 0 holds the
         transport (the others may pass None); None: every rank holds one. Returns the PushResult on the committing
         rank, None elsewhere. owner: the policy whose version it is, when several share the engine."""
-        from ..refit.transports import push_stream
+        from ..refit.gather import prepare
+        from ..refit.transports import BUCKET_BYTES, push_stream
 
+        if self._stream is None:                # the model keeps its adapter parameters: planned once
+            self._stream = prepare(self.model, self.arch, BUCKET_BYTES)
         return push_stream(self.model, self.arch, transport, version, self.lora.rank, self.lora.alpha,
-                           collect_to=collect_to, owner=owner)
+                           collect_to=collect_to, owner=owner, prepared=self._stream)

@@ -11,6 +11,7 @@ walks the same bucket order, so the point-to-point pairs always match.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -22,7 +23,7 @@ from ..lora.state import is_owner
 from ..models.arch import MoEArch
 from .rename import place
 from .stream_plan import DTYPE, FactorReport, StreamBucket, StreamPlan, expected_factors, plan_stream
-from .wire import combine, tensor_crc, unpack
+from .wire import buffer_crcs, combine, unpack
 
 
 def _members(group: str | None) -> tuple[int, ...]:
@@ -47,12 +48,26 @@ def local_reports(model) -> tuple[list[FactorReport], dict[str, torch.nn.Paramet
     return reports, params
 
 
-def build_plan(model, arch: MoEArch, bucket_bytes: int) -> StreamPlan:
+@dataclass(frozen=True)
+class Prepared:
+    """A model's stream, planned once: the plan (the same on every rank) and this rank's factors by global name.
+    Valid for as long as the model keeps its adapter parameters (their values may change: they are read at
+    send time)."""
+    plan: StreamPlan
+    params: dict
+
+
+def prepare(model, arch: MoEArch, bucket_bytes: int) -> Prepared:
     """Collective: every rank's factor metadata (names and shapes, no tensors) -> the same plan on every rank."""
-    reports, _ = local_reports(model)
+    reports, params = local_reports(model)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reports)
-    return plan_stream(everyone, arch, bucket_bytes, expected_factors(arch, model.lora_config))
+    return Prepared(plan_stream(everyone, arch, bucket_bytes, expected_factors(arch, model.lora_config)), params)
+
+
+def build_plan(model, arch: MoEArch, bucket_bytes: int) -> StreamPlan:
+    """Collective: prepare's plan."""
+    return prepare(model, arch, bucket_bytes).plan
 
 
 @torch.no_grad()
@@ -81,14 +96,14 @@ def _assemble(bucket: StreamBucket, params: dict, arch: MoEArch) -> torch.Tensor
     return buf
 
 
-def stream_buckets(model, plan: StreamPlan, arch: MoEArch, collect_to: int | None = None
+def stream_buckets(model, plan: StreamPlan, arch: MoEArch, collect_to: int | None = None, params: dict | None = None
                    ) -> Iterator[tuple[StreamBucket, torch.Tensor]]:
     """Collective. Yields (bucket, flat uint8 buffer) on the rank that consumes it: the bucket's sender, or
     `collect_to` (which receives every bucket). Drop the buffer before asking for the next bucket: this generator
     holds no reference to it across the yield (no torch.no_grad around a yield: its wrapper keeps the last
-    value alive until the next one exists)."""
+    value alive until the next one exists). params: Prepared.params (None: read from the model)."""
     me = dist.get_rank()
-    _, params = local_reports(model)
+    params = local_reports(model)[1] if params is None else params
     for bucket in plan.buckets:
         buf = _assemble(bucket, params, arch)
         if collect_to is not None and collect_to != bucket.sender:
@@ -105,13 +120,13 @@ def stream_buckets(model, plan: StreamPlan, arch: MoEArch, collect_to: int | Non
 
 
 def stream(model, arch: MoEArch, plan: StreamPlan, consume: Callable[[StreamBucket, torch.Tensor], None],
-           collect_to: int | None = None) -> str:
+           collect_to: int | None = None, params: dict | None = None) -> str:
     """Collective: hand every bucket's buffer to `consume` on its consuming rank (`wire.unpack(buf,
     bucket.entries())` gives its PEFT tensors as views). Returns the adapter checksum (refit/wire.py), the same on
     every rank."""
     crcs: dict[str, int] = {}
-    for bucket, buf in stream_buckets(model, plan, arch, collect_to):
-        crcs.update({n: tensor_crc(n, t) for n, t in unpack(buf, bucket.entries()).items()})
+    for bucket, buf in stream_buckets(model, plan, arch, collect_to, params):
+        crcs.update(buffer_crcs(buf, bucket.entries()))
         consume(bucket, buf)
         del buf
     everyone: list = [None] * dist.get_world_size()

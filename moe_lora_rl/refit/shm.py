@@ -73,6 +73,13 @@ def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
     of what was written, hashed in pieces of about _PIECE bytes right after they were written (still in cache)."""
     h = SegmentHash([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     raw = dst.numpy()
+    span = _span(list(tensors.values()))
+    if span is not None:                # views of one buffer, back to back in order (a gathered bucket): one copy
+        for lo in range(0, span.numel(), _PIECE):
+            hi = min(span.numel(), lo + _PIECE)
+            dst[lo:hi].copy_(span[lo:hi])
+            h.update(raw[lo:hi])
+        return h.digest()
     offset = hashed = 0
     for t in tensors.values():
         t = t.detach()
@@ -84,6 +91,22 @@ def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
             h.update(raw[hashed:offset])
             hashed = offset
     return h.update(raw[hashed:offset]).digest()
+
+
+def _span(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of tensors that lie back to back, in this order, in one CPU storage, as one flat uint8 view; None
+    when they do not."""
+    ts = [t for t in ts if t.numel()]                 # an empty tensor has no bytes (and no address)
+    if not ts or any(t.device.type != "cpu" or not t.is_contiguous() for t in ts):
+        return None
+    store, end = ts[0].untyped_storage(), ts[0].data_ptr()
+    for t in ts:
+        if t.untyped_storage().data_ptr() != store.data_ptr() or t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    start = ts[0].data_ptr() - store.data_ptr()
+    flat = torch.empty(0, dtype=torch.uint8).set_(store)
+    return flat[start:start + end - ts[0].data_ptr()]
 
 
 def _total(tensors: dict[str, torch.Tensor]) -> int:

@@ -22,6 +22,8 @@ import torch
 from .plan import plan_buckets
 from .wire import checksum, combine, encode_blob, tensor_crc
 
+BUCKET_BYTES = 64 << 20
+
 
 class RefitError(RuntimeError):
     """The engine did not take the push (unreachable, died, or refused); it still serves its previous version."""
@@ -36,7 +38,7 @@ class PushResult:
 
 
 class _Base:
-    bucket_bytes = 64 << 20
+    bucket_bytes = BUCKET_BYTES
 
     def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
         plan = plan_buckets(version, {k: v.numel() * v.element_size() for k, v in tensors.items()},
@@ -71,21 +73,25 @@ class _Base:
 
 
 def push_stream(model, arch, transport: "_Base | None", version: int, rank: int, alpha: float,
-                bucket_bytes: int = 64 << 20, collect_to: int | None = 0,
-                owner: str | None = None) -> PushResult | None:
+                bucket_bytes: int = BUCKET_BYTES, collect_to: int | None = 0,
+                owner: str | None = None, prepared=None) -> PushResult | None:
     """Collective: a streaming push from a sharded Megatron model (refit/gather.py). collect_to=R: rank R holds
     the transport (e.g. an in-process engine) and receives every bucket; collect_to=None: every rank holds a
     transport to the same engine (e.g. HttpTransport) and sends its own buckets. The checksum travels with the
     commit, after the last bucket. owner: the policy whose version this is, when several share the engine.
-    Returns the result on the committing rank."""
+    prepared: gather.prepare's stream of this model, kept by the caller across pushes (None: planned here, a
+    collective of every rank's factor metadata). Returns the result on the committing rank."""
     import torch.distributed as dist
 
-    from .gather import build_plan, stream
+    from .gather import prepare, stream
     from .wire import unpack
 
     lead = 0 if collect_to is None else collect_to
     me = dist.get_rank()
-    plan = build_plan(model, arch, bucket_bytes)
+    prepared = prepare(model, arch, bucket_bytes) if prepared is None else prepared
+    plan = prepared.plan
+    if plan.bucket_bytes != bucket_bytes:
+        raise ValueError(f"the prepared stream has {plan.bucket_bytes}-byte buckets, not bucket_bytes={bucket_bytes}")
     t0 = time.perf_counter()
     began: list = [None]
     if me == lead:
@@ -98,7 +104,8 @@ def push_stream(model, arch, transport: "_Base | None", version: int, rank: int,
     if began[0] is not None:
         raise began[0]
     digest = stream(model, arch, plan, lambda b, buf: transport._send_bucket(version, b.index,
-                                                                           unpack(buf, b.entries())), collect_to)
+                                                                           unpack(buf, b.entries())), collect_to,
+                    prepared.params)
     dist.barrier()
     if me != lead:
         return None

@@ -23,8 +23,20 @@ def bytes_crc(name: str, dtype: torch.dtype, shape: tuple[int, ...], data) -> in
 
 
 def tensor_crc(name: str, t: torch.Tensor) -> int:
-    t = t.detach().contiguous().cpu()
-    return bytes_crc(name, t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
+    return bytes_crc(name, t.dtype, tuple(t.shape), t.view(-1).view(torch.uint8).numpy())
+
+
+def buffer_crcs(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, int]:
+    """tensor_crc of each tensor unpack(buffer, entries) would give, read from the flat buffer's bytes."""
+    raw, out, lo = buffer.numpy(), {}, 0
+    for name, dtype, shape in entries:
+        hi = lo + nbytes(shape, dtype)
+        out[name] = bytes_crc(name, dtype, tuple(shape), raw[lo:hi])
+        lo = hi
+    return out
 
 
 def combine(crcs: dict[str, int]) -> str:
@@ -122,13 +134,19 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def unpack(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
     """Views of a flat uint8 buffer as the named tensors, back to back in `entries` order."""
-    out, offset = {}, 0
+    sizes, offset = [], 0
     for name, dtype, shape in entries:
         n = nbytes(shape, dtype)
         if offset + n > buffer.numel():
             raise ValueError(f"buffer of {buffer.numel()} bytes too short for {name} at offset {offset}")
-        out[name] = buffer[offset:offset + n].view(dtype).view(shape)
+        sizes.append(n)
         offset += n
     if offset != buffer.numel():
         raise ValueError(f"buffer of {buffer.numel()} bytes holds {offset} bytes of tensors")
-    return out
+    dtypes = {dtype for _, dtype, _ in entries}
+    if len(dtypes) == 1 and all(n % next(iter(dtypes)).itemsize == 0 for n in sizes) and buffer.numel():
+        dt = next(iter(dtypes))                     # one dtype: split its view (one call, not one per tensor)
+        parts = torch.split(buffer.view(dt), [n // dt.itemsize for n in sizes])
+        return {name: p.view(shape) for (name, _, shape), p in zip(entries, parts)}
+    parts = torch.split(buffer, sizes)
+    return {name: p.view(dtype).view(shape) for (name, dtype, shape), p in zip(entries, parts)}

@@ -64,6 +64,29 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
+_FINITE_CHUNK = 16 << 20
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], version: int) -> None:
+    """ValueError naming the first tensor holding inf or nan: one check per group of tensors up to _FINITE_CHUNK
+    elements (a bounded copy), then a search of a failing group."""
+    floats = [(n, t) for n, t in tensors.items() if t.is_floating_point() and t.numel()]
+    group, size = [], 0
+    for i, (_, t) in enumerate(floats):
+        group.append(t.reshape(-1))
+        size += t.numel()
+        if i + 1 < len(floats) and size < _FINITE_CHUNK:
+            continue
+        if not bool(torch.isfinite(torch.cat(group)).all()):
+            break
+        group, size = [], 0
+    else:
+        return
+    name = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
+    raise ValueError(f"adapter version {version}: tensor {name!r} holds non-finite values (inf or nan); "
+                     "the served version stays")
+
+
 def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: int, alpha: float, version: int,
                       expected_checksum: str | None = None, dtype: torch.dtype = torch.float32,
                       checksum_verified: bool = False) -> AdapterSet:
@@ -87,12 +110,10 @@ def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: 
         if tuple(t.shape) != want:
             raise ValueError(f"adapter tensor {name!r} has shape {tuple(t.shape)}, the model needs {want} "
                              f"(rank {rank})")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"adapter version {version}: tensor {name!r} holds non-finite values (inf or nan); "
-                             "the served version stays")
         pairs.setdefault((layer, module), {})[ab] = t
         if expert_key is not None:
             experts.setdefault(expert_key, set()).add(expert)
+    _check_finite(tensors, version)
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:

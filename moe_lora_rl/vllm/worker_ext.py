@@ -27,13 +27,15 @@ _FIXES_APPLIED = False
 
 
 def _ensure_ready() -> None:
+    """The version check and the fixes, once per process (every push calls several entries)."""
     global _FIXES_APPLIED
+    if _FIXES_APPLIED:
+        return
     check_vllm_version()
-    if not _FIXES_APPLIED:
-        from . import reload_fix
+    from . import reload_fix
 
-        reload_fix.apply()
-        _FIXES_APPLIED = True
+    reload_fix.apply()
+    _FIXES_APPLIED = True
 
 
 def entry(method):

@@ -55,6 +55,7 @@ def test_streamed_adapter_equals_full_gather_bit_for_bit(report):
         assert r0["digest_ok"] and r0["push_exact"], (layout, model)
         assert r0["push_served"]["version"] == 7, r0["push_served"]
         assert r0["changed_exact"] is False, (layout, model)             # the comparison can fail
+        assert r0["kept_plan_push_exact"], (layout, model)               # a kept plan sends the changed values
         assert sum(r["send_bytes"][str(BUCKETS[0])] for r in ranks) == r0["full_bytes"]
 
 

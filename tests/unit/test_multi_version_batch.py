@@ -255,3 +255,19 @@ def test_a_non_finite_adapter_is_refused_naming_its_tensor():
     t[f"{pre}.lora_B.weight"][1, 0] = float("nan")
     with pytest.raises(ValueError, match=f"adapter version 3: tensor '{pre}.lora_B.weight' holds non-finite"):
         build_adapter_set(t, ARCH, rank=RANK, alpha=8.0, version=3)
+
+
+def test_the_finite_check_in_groups_names_the_tensor(monkeypatch):
+    """The tensors are checked in groups of at most _FINITE_CHUNK elements: an inf in a later group is found and
+    named; a nan in the first tensor too; all finite passes."""
+    from moe_lora_rl.vllm import adapter_set
+
+    monkeypatch.setattr(adapter_set, "_FINITE_CHUNK", 10)
+    t = {f"t{i}": torch.ones(2, 3) for i in range(9)}
+    adapter_set._check_finite(t, 1)
+    t["t6"][1, 2] = float("-inf")
+    with pytest.raises(ValueError, match="adapter version 1: tensor 't6' holds non-finite"):
+        adapter_set._check_finite(t, 1)
+    t["t0"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="tensor 't0' holds non-finite"):
+        adapter_set._check_finite(t, 1)

@@ -143,3 +143,35 @@ def test_digest_in_pieces_equals_one_pass(tmp_path, monkeypatch):
     assert digest == _digest(big)
     got = shm.read_segment(h, shm.entries_of(big), digest, root=tmp_path)
     assert all(torch.equal(got[k], v) for k, v in big.items())
+
+
+def test_views_of_one_buffer_written_in_one_copy(tmp_path, monkeypatch):
+    """A gathered bucket (wire.unpack's views of one buffer, in order, mixed dtypes) is written as one span: the same
+    segment bytes and digest as the tensors written one by one (clones), in pieces smaller than the span. Views out
+    of order, or of two buffers, are not a span."""
+    from moe_lora_rl.refit.wire import buffer_crcs, tensor_crc, unpack
+
+    monkeypatch.setattr(shm, "_PIECE", 64)
+    g = torch.Generator().manual_seed(2)
+    src = {"x": torch.randn(40, generator=g), "e": torch.zeros(0), "h": torch.randn(6, generator=g).bfloat16(),
+           "y": torch.randn(3, 5, generator=g)}
+    entries = [(n, t.dtype, tuple(t.shape)) for n, t in src.items()]
+    buf = torch.cat([t.reshape(-1).view(torch.uint8) for t in src.values()])
+    views = unpack(buf, entries)
+    assert all(torch.equal(views[n], t) for n, t in src.items())
+    assert buffer_crcs(buf, entries) == {n: tensor_crc(n, t) for n, t in src.items()}
+    assert shm._span(list(views.values())) is not None
+    assert shm._span(list(reversed(views.values()))) is None
+    assert shm._span([views["x"], src["y"]]) is None
+    h1, d1 = shm.write_segment(views, 1, 0, root=tmp_path)
+    h2, d2 = shm.write_segment({n: t.clone() for n, t in views.items()}, 1, 1, root=tmp_path)
+    assert d1 == d2 == _digest(src)
+    assert (tmp_path / h1).read_bytes() == (tmp_path / h2).read_bytes() == buf.numpy().tobytes()
+    same_dtype = [("a", torch.float32, (2, 3)), ("b", torch.float32, (4,))]
+    flat = torch.arange(10, dtype=torch.float32).view(torch.uint8)
+    got = unpack(flat, same_dtype)                               # one dtype: split of the typed view
+    assert torch.equal(got["b"], torch.arange(6, 10, dtype=torch.float32)) and got["a"].shape == (2, 3)
+    with pytest.raises(ValueError, match="too short for b"):
+        unpack(flat[:-4], same_dtype)
+    with pytest.raises(ValueError, match="holds 40 bytes"):
+        unpack(torch.cat([flat, flat[:4]]), same_dtype)
