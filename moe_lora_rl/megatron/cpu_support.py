@@ -118,12 +118,27 @@ def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_g
     return total[start : start + sizes[group.rank()]].contiguous()
 
 
+def _grouped_mm_takes(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm's CPU kernel takes these operands: fp32/bf16, rows of whole 16-byte multiples."""
+    return (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and a.dtype == w.dtype
+            and a.dtype in (torch.float32, torch.bfloat16) and a.dim() == 2
+            and all(n * a.element_size() % 16 == 0 for n in (a.shape[1], w.shape[2])))
+
+
 def torch_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) -> torch.Tensor:
     """Pure-torch grouped GEMM with grouped_gemm.ops.gmm's contract: rows of `a` split by batch_sizes, group i
-    multiplied by b[i] (or b[i].T with trans_b). Autograd comes from the per-group matmuls."""
+    multiplied by b[i] (or b[i].T with trans_b). torch._grouped_mm where it takes the operands (one call over all
+    groups, forward and backward bit-equal to the per-group matmuls: tests/unit/test_cpu_support.py), else a
+    matmul per group; autograd from either."""
     sizes = [int(x) for x in (batch_sizes.tolist() if torch.is_tensor(batch_sizes) else batch_sizes)]
     if len(sizes) != b.shape[0]:
         raise ValueError(f"gmm: {len(sizes)} group sizes for {b.shape[0]} weight groups")
+    w = b.transpose(1, 2) if trans_b else b
+    if _grouped_mm_takes(a, w):
+        out = torch._grouped_mm(a, w, offs=torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32))
+        if out.requires_grad:               # its backward needs a strided gradient (not e.g. sum's expanded one)
+            out.register_hook(lambda g: g.contiguous())
+        return out
     outs = [torch.matmul(x, w.t() if trans_b else w) for x, w in zip(torch.split(a, sizes), b.unbind(0))]
     return torch.cat(outs, dim=0) if outs else a.new_zeros(0, b.shape[1] if trans_b else b.shape[2])
 

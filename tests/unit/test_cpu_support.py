@@ -77,3 +77,35 @@ def test_device_mode_rewrites_cuda_kwargs():
         assert t.device.type == "cpu"
     finally:
         h.restore()
+
+
+def _per_group(a, b, sizes, trans_b):
+    outs = [x @ (w.t() if trans_b else w) for x, w in zip(torch.split(a, sizes), b.unbind(0))]
+    return torch.cat(outs, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_torch_gmm_equals_a_matmul_per_group_forward_and_backward(dtype, trans_b):
+    """torch_gmm (torch._grouped_mm where it takes the operands, e.g. the experts' 256 -> 128 and LoRA's rank-8
+    factors; a matmul per group for rows of 12 bytes) gives the per-group matmuls' output and gradients bit for bit,
+    an empty group and sum's expanded gradient included. Control: the same rows with the group sizes of another
+    routing give another output."""
+    from moe_lora_rl.megatron.cpu_support import _grouped_mm_takes, torch_gmm
+
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((256, 128), (256, 8), (8, 64), (3, 5)):
+        sizes = [5, 0, 9, 1, 7, 2]
+        a = torch.randn(sum(sizes), k, generator=g).to(dtype)
+        b = torch.randn(len(sizes), *((n, k) if trans_b else (k, n)), generator=g).to(dtype)
+        got, want = [], []
+        for f, out in ((lambda x, w: torch_gmm(x, w, torch.tensor(sizes), trans_b), got),
+                       (lambda x, w: _per_group(x, w, sizes, trans_b), want)):
+            x, w = a.clone().requires_grad_(), b.clone().requires_grad_()
+            y = f(x, w)
+            y.sum().backward()
+            out += [y.detach(), x.grad, w.grad]
+        assert all(torch.equal(p, q) for p, q in zip(got, want)), (k, n)
+        assert _grouped_mm_takes(a, b.transpose(1, 2) if trans_b else b) == ((k, n) != (3, 5))
+        other = torch_gmm(a, b, torch.tensor([9, 1, 5, 0, 2, 7]), trans_b)
+        assert not torch.equal(other, got[0])
