@@ -27,7 +27,7 @@ from ..router_replay.routes import RoutesBatch
 from ..router_replay.staging import (check_routes, disagreement, gather_recorded, queue_routes, stage_view,
                                      token_disagreement)
 from .model import build_from_hf
-from .step import StepResult, adapter_step
+from .step import StepResult, adapter_step, make_adamw
 
 REPLAY = ("off", "record", "replay")
 
@@ -47,7 +47,7 @@ class TrainingCore:
         self.lora = lora
         self.arch, self.model = build_from_hf(model_path, layout, rc, lora=lora)
         self.params = [p for _, p in adapter_factors(self.model)]
-        self.optimizer = None if adamw is None else torch.optim.AdamW(self.params, **adamw)
+        self.optimizer = None if adamw is None else make_adamw(self.params, **adamw)
         self.replayer = RouterReplayer(self.model)
         self.view = stage_view(self.model, self.arch)
         self.version = 0
