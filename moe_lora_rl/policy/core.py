@@ -251,9 +251,10 @@ class Policy:
             w = None if weights is None else weights[ids].to(dev)
             if self_proximal:
                 own = lp.detach()
-                parts.append((ids, own.cpu()))
+                own_cpu = own.cpu()
+                parts.append((ids, own_cpu))
                 if rollout_is is not None and rollout is not None:
-                    w = rollout_correction(parts[-1][1], rollout[ids].float(), mask[ids], level=rollout_is,
+                    w = rollout_correction(own_cpu, rollout[ids].float(), mask[ids], level=rollout_is,
                                            threshold=rollout_is_threshold)[0].to(dev)
             pg, metrics = policy_loss(own if self_proximal else old[ids].to(dev), lp, advantages[ids].to(dev), m,
                                       self.loss, gb, rollout_is_weights=w)

@@ -143,10 +143,5 @@ def unpack(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tuple[int
         offset += n
     if offset != buffer.numel():
         raise ValueError(f"buffer of {buffer.numel()} bytes holds {offset} bytes of tensors")
-    dtypes = {dtype for _, dtype, _ in entries}
-    if len(dtypes) == 1 and all(n % next(iter(dtypes)).itemsize == 0 for n in sizes) and buffer.numel():
-        dt = next(iter(dtypes))                     # one dtype: split its view (one call, not one per tensor)
-        parts = torch.split(buffer.view(dt), [n // dt.itemsize for n in sizes])
-        return {name: p.view(shape) for (name, _, shape), p in zip(entries, parts)}
-    parts = torch.split(buffer, sizes)
+    parts = torch.split(buffer, sizes)                  # one call for every tensor's bytes
     return {name: p.view(dtype).view(shape) for (name, dtype, shape), p in zip(entries, parts)}

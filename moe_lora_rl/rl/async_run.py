@@ -17,7 +17,7 @@ import time
 from collections import Counter
 
 from .groups import PushClock, StalenessGate
-from .recovery import _broadcast
+from .recovery import broadcast
 from .run import GRPORun
 
 
@@ -57,7 +57,7 @@ class AsyncGRPORun(GRPORun):
                 self.log.log(step + 1, m)
                 if self.checkpoint_due(step + 1):
                     self.save(step + 1, history, evals,
-                              groups_done=sorted(_broadcast(self.pipe.done if self.rank == 0 else None)))
+                              groups_done=sorted(broadcast(self.pipe.done if self.rank == 0 else None)))
         finally:
             if self.pipe is not None:
                 self.pipe.stop()

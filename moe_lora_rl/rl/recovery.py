@@ -9,7 +9,7 @@ import torch.distributed as dist
 from .survivor import _died
 
 
-def _broadcast(obj, src: int = 0):
+def broadcast(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     if isinstance(box[0], BaseException):
@@ -36,7 +36,7 @@ class EngineRecovery:
                     result = _died(e)
                 except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
                     result = ("error", e)
-            kind, value = _broadcast(result)
+            kind, value = broadcast(result)
             if kind == "ok":
                 return value
             if kind == "error":
@@ -87,7 +87,7 @@ class EngineRecovery:
                 result = ("ok", (lagging, restarted))
             except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others wait forever
                 result = ("error", e)
-        kind, value = _broadcast(result)
+        kind, value = broadcast(result)
         if kind == "error":
             raise value if self.rank == 0 else RuntimeError(f"rank 0 failed to restart the rollout engine: {value}")
         return value

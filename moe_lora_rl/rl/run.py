@@ -23,9 +23,9 @@ from .preflight import run_config
 from .prompting import resolve_template
 from .groups import group_plan
 from .inputs import load_problems, model_dir
+from .recovery import EngineRecovery, broadcast
 from .samples import samples_digest, token_versions
 from .summary import length_percentiles
-from .recovery import EngineRecovery, _broadcast
 from .survivor import _Survivor, _died
 
 
@@ -68,7 +68,7 @@ class GRPORun(EngineRecovery):
             cores = len(os.sched_getaffinity(0))  # those this process may use (taskset), not the machine's
             torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         init_distributed(cfg.layout.layout(), rc)
-        self.path, self.warmup = _broadcast((self.path, self.warmup) if self.rank == 0 else None)
+        self.path, self.warmup = broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
         self.template = resolve_template(self.tok, cfg.data.prompt_template, where=str(self.path))
         self.train_problems, self.eval_problems = load_problems(cfg)
@@ -160,7 +160,7 @@ class GRPORun(EngineRecovery):
                     res = ("ok", started.result())
                 except Exception as e:  # noqa: BLE001 - every rank must learn it; the rollout is repeated below
                     res = ("again", f"{type(e).__name__}: {e}")
-            kind, value = _broadcast(res)
+            kind, value = broadcast(res)
             if kind == "ok":
                 return (*value, plans)
             self.log.note(f"the rollout of step {step + 1} begun ahead failed ({value}); generating it again")
@@ -196,7 +196,7 @@ class GRPORun(EngineRecovery):
             result = ("error", e)
         if self.rank == 0:
             self.busy["rollout"] += time.perf_counter() - t0
-        kind, value = _broadcast(result)
+        kind, value = broadcast(result)
         if kind == "ok":
             return value
         if kind == "error":
@@ -252,7 +252,7 @@ class GRPORun(EngineRecovery):
         from ..checkpoint.store import resumable_step
 
         found = resumable_step(self.out / "checkpoints") if self.rank == 0 else None
-        return _broadcast(found) is not None
+        return broadcast(found) is not None
 
     def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets

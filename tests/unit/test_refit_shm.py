@@ -169,7 +169,7 @@ def test_views_of_one_buffer_written_in_one_copy(tmp_path, monkeypatch):
     assert (tmp_path / h1).read_bytes() == (tmp_path / h2).read_bytes() == buf.numpy().tobytes()
     same_dtype = [("a", torch.float32, (2, 3)), ("b", torch.float32, (4,))]
     flat = torch.arange(10, dtype=torch.float32).view(torch.uint8)
-    got = unpack(flat, same_dtype)                               # one dtype: split of the typed view
+    got = unpack(flat, same_dtype)
     assert torch.equal(got["b"], torch.arange(6, 10, dtype=torch.float32)) and got["a"].shape == (2, 3)
     with pytest.raises(ValueError, match="too short for b"):
         unpack(flat[:-4], same_dtype)
