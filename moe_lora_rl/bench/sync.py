@@ -7,12 +7,16 @@ side in one run, with the calculator's figures at scale.
 Figures (one engine server process each, on this host):
 - disk_start_s / trainer_start_s: from launching the engine to serving (health, warm-up), loaded from disk against
   started empty plus the sync (rollout.base_from=trainer's path: RolloutEngine with base_from="trainer");
-- sync_s and its phases copy_s (the sender's segment writes and digests), transport_s (the engine's bucket reads and
-  digest checks, through the RPCs), load_s (the engine puts the tensors together and loads them);
-- shm_gbps: the model's bytes over move_s (from the first call to the last bucket's answer: the copies overlap the
-  engine's reads), against memcpy_gbps, one in-memory copy of the same tensors into buffers already allocated, in
+- sync_s and its phases copy_s (the sender writes the buckets into its shared-memory store, with their digests),
+  transport_s (the engine maps each bucket and checks its digest, through the RPCs), load_s (the engine checks the
+  bytes again and loads them into the model, the kernels' post-load processing included);
+- shm_gbps: the model's bytes over move_s (from start_weight_update to the last bucket's answer: the writes overlap
+  the engine's reads; init_s, our backend made the worker's engine once per process, beside it), against memcpy_gbps, one in-memory copy of the same tensors into buffers already allocated, in
   this process (shm_vs_memcpy = their ratio);
-- exact: both engines sample the same tokens with the same logprobs (fixed seeds, temperature 1) after the sync;
+- restart_*: the same engine restarted (a fresh process, as after a crash) and synced from the store already
+  written: no copy on the sending side (restart_shm_gbps, restart_sync_s, restart_start_s);
+- exact: both engines sample the same tokens with the same logprobs (fixed seeds, temperature 1) after the sync,
+  and the restarted one too (restart_exact);
 - calc_error_max and kimi_k2_bf16_128_s: weight_sync/calc.py against checkpoint-engine's published figures, and
   Kimi-K2 bf16 on 128 GPUs shard-aware (calculated, not measured).
 What is not built is named under "skipped" with the reason (the HTTP transport of the base, a 2-engine gloo
@@ -66,21 +70,34 @@ def main(argv=None) -> dict:
                 start_s = time.perf_counter() - t0
                 out = eng.generate(prompts, **sample)
                 runs[name] = {"start_s": start_s, "tokens": [s.response for s in out],
-                              "logprobs": [s.logprobs for s in out], "syncs": list(eng.base_syncs)}
+                              "logprobs": [s.logprobs for s in out]}
+                if base_from == "trainer":
+                    t0 = time.perf_counter()
+                    eng.restart()
+                    runs["restart"] = {"start_s": time.perf_counter() - t0}
+                    out = eng.generate(prompts, **sample)
+                    runs["restart"].update(tokens=[s.response for s in out], logprobs=[s.logprobs for s in out])
+                    syncs = list(eng.base_syncs)
             finally:
                 eng.stop()
-    t = runs["trainer"]["syncs"][0]
+    t, r = syncs
     moved = t["move_s"]
     calc = published_check()
     result = {
         "model": model, "model_bytes": nbytes, "dtype": a.dtype, "bucket_mb": a.bucket_mb, "buckets": t["buckets"],
         "exact": runs["disk"]["tokens"] == runs["trainer"]["tokens"]
         and runs["disk"]["logprobs"] == runs["trainer"]["logprobs"],
+        "restart_exact": runs["disk"]["tokens"] == runs["restart"]["tokens"]
+        and runs["disk"]["logprobs"] == runs["restart"]["logprobs"],
         "disk_start_s": runs["disk"]["start_s"], "trainer_start_s": runs["trainer"]["start_s"],
-        "sync_s": t["total_s"], "move_s": t["move_s"], "copy_s": t["copy_s"], "transport_s": t["transport_s"],
+        "sync_s": t["total_s"], "init_s": t["init_s"], "move_s": t["move_s"], "copy_s": t["copy_s"], "transport_s": t["transport_s"],
         "load_s": t["load_s"],
         "shm_gbps": t["bytes"] / moved / 1e9, "memcpy_gbps": nbytes / memcpy_s / 1e9,
         "shm_vs_memcpy": (t["bytes"] / moved) / (nbytes / memcpy_s),
+        "restart_start_s": runs["restart"]["start_s"], "restart_sync_s": r["total_s"], "restart_move_s": r["move_s"],
+        "restart_copy_s": r["copy_s"], "restart_load_s": r["load_s"],
+        "restart_shm_gbps": r["bytes"] / r["move_s"] / 1e9,
+        "restart_vs_memcpy": (r["bytes"] / r["move_s"]) / (nbytes / memcpy_s),
         "calc_error_max": calc["calc_error_max"], "kimi_k2_bf16_128_s": kimi_k2_bf16(128)["shard"]["seconds"],
         "skipped": {
             "http_gbps": "the base over HTTP is not built (shared memory only: one host)",

@@ -32,7 +32,7 @@ from .wire import SegmentHash, nbytes, segment_algo
 ROOT = Path("/dev/shm")
 PREFIX = "moe_lora_rl-"
 _NAME = re.compile(r"^moe_lora_rl-(\d+)-\d+-\d+-[0-9a-f]+$")
-_PIECE = 512 << 10               # bytes hashed right after they were written / read (in cache)
+HASH_PIECE = 512 << 10           # bytes hashed right after they were written / read (in cache)
 
 
 def remove_stale(root: Path = ROOT) -> list[str]:
@@ -64,19 +64,19 @@ def _parse(entries) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     return out
 
 
-def _name(version: int, index: int) -> str:
+def segment_name(version: int, index: int) -> str:
     return f"{PREFIX}{os.getpid()}-{version}-{index}-{secrets.token_hex(4)}"
 
 
 def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
     """Copy the tensors back to back into the uint8 tensor dst (a mapping of the segment); returns the segment digest
-    of what was written, hashed in pieces of about _PIECE bytes right after they were written (still in cache)."""
+    of what was written, hashed in pieces of about HASH_PIECE bytes right after they were written (still in cache)."""
     h = SegmentHash([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     raw = dst.numpy()
     span = _span(list(tensors.values()))
     if span is not None:                # views of one buffer, back to back in order (a gathered bucket): one copy
-        for lo in range(0, span.numel(), _PIECE):
-            hi = min(span.numel(), lo + _PIECE)
+        for lo in range(0, span.numel(), HASH_PIECE):
+            hi = min(span.numel(), lo + HASH_PIECE)
             dst[lo:hi].copy_(span[lo:hi])
             h.update(raw[lo:hi])
         return h.digest()
@@ -87,7 +87,7 @@ def _fill(dst: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
         if k:
             dst[offset:offset + k].view(t.dtype).view(t.shape).copy_(t)
         offset += k
-        if offset - hashed >= _PIECE:
+        if offset - hashed >= HASH_PIECE:
             h.update(raw[hashed:offset])
             hashed = offset
     return h.update(raw[hashed:offset]).digest()
@@ -113,7 +113,8 @@ def _total(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-class _Segment:
+class Segment:
+    """A segment file of `size` bytes, created 0600 under `root` and mapped read-write by its sender (`view`)."""
     def __init__(self, root: Path, name: str, size: int):
         self.root, self.name, self.size = root, name, size
         fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -146,7 +147,7 @@ class SegmentPool:
 
     def __init__(self, root: Path = ROOT):
         self.root = Path(root)
-        self._segs: dict[int, _Segment] = {}
+        self._segs: dict[int, Segment] = {}
         self._finalizer = weakref.finalize(self, SegmentPool._close_all, self._segs)
         atexit.register(self._finalizer)
 
@@ -155,15 +156,15 @@ class SegmentPool:
         written)."""
         size = _total(tensors)
         seg = self._segs.get(size)
-        name = _name(version, index)
+        name = segment_name(version, index)
         if seg is None:
-            seg = self._segs[size] = _Segment(self.root, name, size)
+            seg = self._segs[size] = Segment(self.root, name, size)
         else:
             try:
                 seg.rename(name)
             except FileNotFoundError:          # removed under us (e.g. remove_stale by a confused peer): recreate
                 seg.close()
-                seg = self._segs[size] = _Segment(self.root, name, size)
+                seg = self._segs[size] = Segment(self.root, name, size)
         return seg.name, _fill(seg.view, tensors)
 
     def handles(self) -> list[str]:
@@ -174,7 +175,7 @@ class SegmentPool:
         SegmentPool._close_all(self._segs)
 
     @staticmethod
-    def _close_all(segs: dict[int, _Segment]) -> None:
+    def _close_all(segs: dict[int, Segment]) -> None:
         for s in segs.values():
             s.close()
         segs.clear()
@@ -183,7 +184,7 @@ class SegmentPool:
 def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int,
                   root: Path = ROOT) -> tuple[str, str]:
     """A one-off segment holding the tensors (the caller removes it): (handle, segment digest)."""
-    seg = _Segment(Path(root), _name(version, index), _total(tensors))
+    seg = Segment(Path(root), segment_name(version, index), _total(tensors))
     try:
         digest = _fill(seg.view, tensors)
     except BaseException:
@@ -218,30 +219,92 @@ class RecvBuffers:
         return buf
 
 
+def _check_handle(handle: str) -> None:
+    if not _NAME.match(str(handle)):
+        raise ValueError(f"shared-memory handle {handle!r} is not a moe_lora_rl segment name")
+
+
+def _open(handle: str, total: int, root: Path):
+    """The segment file `handle` opened for reading, its size checked (ValueError naming what is wrong)."""
+    _check_handle(handle)
+    try:
+        f = open(Path(root) / handle, "rb", buffering=0)
+    except FileNotFoundError:
+        raise ValueError(f"stale shared-memory handle {handle!r}: the segment no longer exists (removed, or "
+                         "reused by a later push of its sender); resend the bucket") from None
+    size = os.fstat(f.fileno()).st_size
+    if size != total:
+        f.close()
+        raise ValueError(f"shared-memory segment {handle!r} holds {size} bytes, its entries need {total}")
+    return f
+
+
+def layout_entries(rows: list[list]) -> list[list]:
+    """The digest header of a segment of pieces at offsets (a full-weight sync's bucket): rows [name, dtype, shape,
+    start, nbytes, part, parts, offset], each piece's name, part and place, so that a digest over the bytes also
+    fixes where each piece lies."""
+    return [[f"{name}#{part}/{parts}+{start}@{offset}", "uint8", [nbytes]]
+            for name, _, _, start, nbytes, part, parts, offset in rows]
+
+
+class MappedSegment:
+    """A segment mapped read-only into this process and checked against the sender's
+    digest over all `total` bytes: the reader uses the bytes where they lie, without a private copy. For a sender
+    that does not write the segment again while it is mapped (weight_sync/store.py); verify() hashes it again
+    before the bytes are used. ValueError as read_segment's."""
+
+    def __init__(self, handle: str, entries, digest: str, total: int, root: Path = ROOT):
+        _check_handle(handle)
+        self.handle, self.entries, self.digest, self.total = handle, _parse(entries), digest, int(total)
+        self.algo = segment_algo(digest)
+        with _open(handle, self.total, root) as f:
+            self.map = mmap.mmap(f.fileno(), self.total, prot=mmap.PROT_READ) if self.total else None
+        import warnings
+
+        with warnings.catch_warnings():               # read-only pages: torch warns that it cannot mark them so
+            warnings.simplefilter("ignore", UserWarning)
+            self.view = torch.frombuffer(self.map, dtype=torch.uint8) if self.total else \
+                torch.empty(0, dtype=torch.uint8)
+        try:
+            self.verify()
+        except BaseException:
+            self.close()
+            raise
+
+    def verify(self) -> None:
+        h = SegmentHash(self.entries, self.algo)
+        if self.map is not None:
+            h.update(self.map)
+        if h.digest() != self.digest:
+            raise ValueError(f"shared-memory segment {self.handle!r}: checksum mismatch (sent {self.digest}, "
+                             f"read {h.digest()})")
+
+    def close(self) -> None:
+        """Unmap (left to the garbage collector while a tensor still views the bytes)."""
+        self.view = None
+        m, self.map = self.map, None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass
+
+
 def read_segment(handle: str, entries, digest: str, root: Path = ROOT,
                  buffers: RecvBuffers | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a segment, copied out once into a private buffer (from `buffers` when given) and checked
     against the sender's segment digest (wire.segment_digest, the algorithm it names); the returned tensors are
     views of that buffer. ValueError for a handle that is not ours, no longer exists, has the wrong size, or whose
     contents fail the digest."""
-    if not _NAME.match(str(handle)):
-        raise ValueError(f"shared-memory handle {handle!r} is not a moe_lora_rl segment name")
+    _check_handle(handle)
     parsed = _parse(entries)
     algo = segment_algo(digest)
     total = sum(nbytes(shape, dt) for _, dt, shape in parsed)
-    try:
-        f = open(Path(root) / handle, "rb", buffering=0)
-    except FileNotFoundError:
-        raise ValueError(f"stale shared-memory handle {handle!r}: the segment no longer exists (removed, or "
-                         "reused by a later push of its sender); resend the bucket") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != total:
-            raise ValueError(f"shared-memory segment {handle!r} holds {size} bytes, its entries need {total}")
+    with _open(handle, total, root) as f:
         buf = buffers.get(total) if buffers is not None else torch.empty(total, dtype=torch.uint8)
         raw, done, h = buf.numpy(), 0, SegmentHash(parsed, algo)
         while done < total:                         # read a piece, hash it while it is in cache
-            end = min(total, done + _PIECE)
+            end = min(total, done + HASH_PIECE)
             while done < end:
                 got = f.readinto(memoryview(raw[done:end]))
                 if not got:

@@ -42,11 +42,12 @@ class RolloutSettings:
     kv_budget: int = 0
     """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
     base_from: str = "disk"
-    """Where an engine gets the base weights: disk (it loads the checkpoint), or trainer (it starts empty,
+    """Where an engine gets the base weights: disk (it loads the checkpoint); trainer (it starts empty,
     load_format=dummy, and rank 0 sends it the checkpoint it holds over shared memory through vLLM's weight-transfer
-    calls, at start and at every restart: weight_sync/). peer (from a live engine) is not built yet."""
+    calls, at start and at every restart: weight_sync/); peer (from the trainer at start, and after a restart from a
+    live engine, which sends its own tensors while it keeps serving; engines >= 2)."""
     base_bucket_mb: float = 64.0
-    """base_from=trainer: the sync's bucket size (MiB)."""
+    """base_from=trainer or peer: the sync's bucket size (MiB)."""
 
     def __post_init__(self):
         from ..rollout.client import DEFAULT_MAX_MODEL_LEN
@@ -61,13 +62,14 @@ class RolloutSettings:
             self.node = list(self.node)             # a ListConfig from hydra
         plan_placements(self.engines, nodes=self.node, gpus=self.gpus, this_host="")
         _positive("rollout.stage_timeout_s", self.stage_timeout_s)
-        if self.base_from == "peer":
-            raise ValueError("rollout.base_from='peer': a base from a live engine is not built yet (disk or trainer)")
-        _choice("rollout.base_from", self.base_from, ("disk", "trainer"))
+        _choice("rollout.base_from", self.base_from, ("disk", "trainer", "peer"))
         _positive("rollout.base_bucket_mb", self.base_bucket_mb)
-        if self.base_from == "trainer" and self.node is not None:
-            raise ValueError(f"rollout.base_from='trainer' with rollout.node={self.node!r}: the base travels over "
-                             "shared memory, so the engines must run on rank 0's host (node: null)")
+        if self.base_from != "disk" and self.node is not None:
+            raise ValueError(f"rollout.base_from={self.base_from!r} with rollout.node={self.node!r}: the base travels "
+                             "over shared memory, so the engines must run on rank 0's host (node: null)")
+        if self.base_from == "peer" and self.engines < 2:
+            raise ValueError(f"rollout.base_from='peer' with rollout.engines={self.engines}: a restarted engine "
+                             "takes the base from another live engine, so at least 2 are needed")
 
 
 @dataclass

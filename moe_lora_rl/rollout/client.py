@@ -124,6 +124,14 @@ class _EngineHttpTransport(_EngineTransport):
 DEFAULT_MAX_MODEL_LEN = 512          # tokens of context of an engine the driver starts
 
 
+def base_store_of(model_dir, bucket_mb: float):
+    """The checkpoint's tensors (the trainer's base) as a BaseStore (weight_sync/store.py) of buckets of bucket_mb."""
+    from ..weight_sync.shm_sender import checkpoint_tensors
+    from ..weight_sync.store import BaseStore
+
+    return BaseStore(checkpoint_tensors(model_dir), int(bucket_mb * (1 << 20)), version=1)
+
+
 class RolloutEngine:
     def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
                  log_dir=".", max_model_len=DEFAULT_MAX_MODEL_LEN, seed=0, startup_timeout=300.0, block_size=32,
@@ -150,8 +158,10 @@ class RolloutEngine:
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
         stage_timeout_s = check_stage_timeout(stage_timeout_s)
-        if base_from not in ("disk", "trainer"):
-            raise ValueError(f"base_from={base_from!r}: expected 'disk' or 'trainer'")
+        if base_from not in ("disk", "trainer", "peer"):
+            raise ValueError(f"base_from={base_from!r}: expected 'disk', 'trainer' or 'peer'")
+        if base_from == "peer" and serving == "merged":
+            raise ValueError("base_from='peer' with serving='merged': a peer's base tensors hold its merged adapter")
         from .kv_compression import check_compression
 
         check_compression(kv_compression, kv_budget, max_model_len,
@@ -164,6 +174,9 @@ class RolloutEngine:
                              kv_compression=kv_compression, kv_budget=kv_budget, base_from=base_from,
                              base_bucket_mb=base_bucket_mb)
         self.base_syncs: list[dict] = []     # base_from=trainer: each start's sync timers
+        self.base_store = None               # base_from=trainer: the base in shared memory, kept across restarts
+        self.owns_base = True                # False: the store is shared by several engines (rollout/replicas.py)
+        self.peers = lambda: []              # base_from=peer: the other engines (set by rollout/replicas.py)
         self.token = new_token()             # per engine object: every call but /health carries it
         self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
         self.generate_s = self.push_s = 0.0
@@ -184,7 +197,9 @@ class RolloutEngine:
         engine._launch()
         return engine
 
-    def _launch(self) -> None:
+    def _launch(self, sync: bool = True) -> None:
+        """Start the engine process and wait for its health; then, unless not sync, send it its base (base_from
+        trainer or peer)."""
         s = self.settings
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
@@ -208,7 +223,7 @@ class RolloutEngine:
             cmd += ["--step-delay-s", str(s["step_delay_s"])]
         if s["kv_compression"] != "none":
             cmd += ["--kv-compression", s["kv_compression"], "--kv-budget", str(s["kv_budget"])]
-        if s["base_from"] == "trainer":
+        if s["base_from"] in ("trainer", "peer"):
             cmd += ["--load-format", "dummy"]
         env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})
         if s["threads"] is None:
@@ -236,17 +251,38 @@ class RolloutEngine:
                 raise EngineDied(f"rollout engine did not become healthy within {self.startup_timeout} s "
                                  f"(stopped); log {self.log_path}:\n{self._log_tail()}")
             time.sleep(0.5)
-        if s["base_from"] == "trainer":
+        if sync and s["base_from"] == "peer" and self.restarts:
+            self.sync_base_from_peer()
+        elif sync and s["base_from"] in ("trainer", "peer"):
             self.sync_base()
         self.started_at = time.time()
 
     def sync_base(self) -> dict:
         """The checkpoint this process holds (the trainer's base) into the engine, which started empty, over shared
-        memory through vLLM's weight-transfer calls (weight_sync/shm_sender.py); the timers."""
-        from ..weight_sync.shm_sender import checkpoint_tensors, send_base
+        memory through vLLM's weight-transfer calls (weight_sync/shm_sender.py); the timers. The base is read and
+        written into shared memory once (weight_sync/store.py); a restarted engine maps the same segments."""
+        from ..weight_sync.shm_sender import send_store
 
-        t = send_base(self.transport._call, checkpoint_tensors(self.model_dir), len(self.base_syncs) + 1,
-                      int(self.settings["base_bucket_mb"] * (1 << 20)))
+        if self.base_store is None:
+            self.base_store = base_store_of(self.model_dir, self.settings["base_bucket_mb"])
+        t = send_store(self.transport._call, self.base_store, keep=self.settings["base_from"] == "peer")
+        self.base_syncs.append(t)
+        return t
+
+    def sync_base_from_peer(self) -> dict:
+        """The base a live peer engine keeps (the first alive; the checkpoint bytes it was synced with) into this
+        engine, which started empty and keeps it in turn; the timers, with the peer's port. ValueError when no peer
+        is alive."""
+        from ..weight_sync.shm_sender import send_from_peer
+
+        live = [p for p in self.peers() if p is not self and p.alive()]
+        if not live:
+            raise ValueError(f"base_from=peer: no live peer engine to take the base from (engine on port "
+                             f"{self.port}, {len(self.peers())} peers)")
+        peer = live[0]
+        t = send_from_peer(self.transport._call, peer.transport._call,
+                           int(self.settings["base_bucket_mb"] * (1 << 20)))
+        t["peer_port"] = peer.port
         self.base_syncs.append(t)
         return t
 
@@ -272,10 +308,14 @@ class RolloutEngine:
             raise EngineDied(f"rollout engine (pid {self.proc.pid}) exited with code {_signal_name(code)}; "
                              f"log {self.log_path}, last lines:\n{self._log_tail()}")
 
-    def stop(self) -> None:
-        """Stop the process and remove this client's shared-memory segments (idempotent; also run at interpreter
-        exit)."""
+    def stop(self, keep_base: bool = False) -> None:
+        """Stop the process and remove this client's shared-memory segments, the base's too unless keep_base (a
+        restart); idempotent, also run at interpreter exit."""
         atexit.unregister(self.stop)
+        if self.base_store is not None and not keep_base:
+            if self.owns_base:
+                self.base_store.close()
+            self.base_store = None
         if self.transport is not None:
             self.transport.close()
         proc, self.proc = self.proc, None
@@ -290,7 +330,7 @@ class RolloutEngine:
 
     def restart(self) -> None:
         """A fresh engine process with the same settings and port; it serves the base model until the next push."""
-        self.stop()
+        self.stop(keep_base=True)
         self.restarts += 1
         self._launch()
 

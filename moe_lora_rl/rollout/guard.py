@@ -30,6 +30,8 @@ RPC_METHODS = frozenset({
     "moe_lora_status", "moe_lora_clear", "moe_lora_set_mode",
     # the base weights (vllm/base_sync.py): our backend, then vLLM's own weight-transfer calls
     "moe_lora_base_init", "moe_lora_base_abort", "moe_lora_base_status",
+    # a peer's base: the live engine's export of the base it keeps
+    "moe_lora_base_export_begin", "moe_lora_base_export_bucket", "moe_lora_base_export_end",
     "start_weight_update", "update_weights", "finish_weight_update",
 })
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from .client import EngineDied, RolloutEngine
+from .client import EngineDied, RolloutEngine, base_store_of
 
 
 class ReplicaDied(EngineDied):
@@ -54,6 +54,7 @@ def gather(spread_units: list[list[int]], per_engine: dict[int, list], n_units: 
 class Replicas:
     def __init__(self, engines: list[RolloutEngine]):
         self.engines = engines
+        self.base_store = None               # shared by the engines (base_from=trainer), removed by stop()
 
     @classmethod
     def start(cls, model_dir, placements, **kw) -> "Replicas":
@@ -61,6 +62,12 @@ class Replicas:
         start, the others are stopped and the error raised."""
         engines = [RolloutEngine(model_dir, placement=p, **kw) for p in placements]
         out = cls(engines)
+        if kw.get("base_from") in ("trainer", "peer") and len(engines) > 1:    # one copy of the base for all
+            out.base_store = base_store_of(model_dir, engines[0].settings["base_bucket_mb"])
+            for e in engines:
+                e.base_store, e.owns_base = out.base_store, False
+        for e in engines:
+            e.peers = lambda: out.engines
         try:
             out.map(lambda i, e: e._launch(), range(len(engines)), {})
         except BaseException:
@@ -119,6 +126,9 @@ class Replicas:
     def stop(self) -> None:
         for e in self.engines:
             e.stop()
+        if self.base_store is not None:
+            self.base_store.close()
+            self.base_store = None
 
 
 def _as_replica(i: int, e: BaseException) -> ReplicaDied:

@@ -1,15 +1,16 @@
 """Full base weights into a running engine through vLLM's own weight-transfer API (vllm/distributed/weight_transfer:
 the worker's start_weight_update / update_weights / finish_weight_update), with our backend "moe_lora_shm":
-buckets in shared-memory segments (refit/shm.py), each checked against its digest.
+buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies.
 
     moe_lora_base_init()            (the worker extension) registers the backend with vLLM's factory and creates
                                     this worker's engine: scoped to engines started with our extension
     start_weight_update()           opens an update
-    update_weights(info)            one bucket: {version, buckets, index, handle, entries, digest, pieces}; read
-                                    from its segment and checked against its digest before anything is kept
-    finish_weight_update()          every bucket of the version in: each tensor put together from its pieces and
-                                    loaded (vLLM's layerwise reload: the kernels' post-load processing runs again),
-                                    then the version serves
+    update_weights(info)            one bucket: {version, buckets, index, handle, nbytes, digest, pieces}; its
+                                    segment mapped read-only and checked against its digest before anything is kept
+    finish_weight_update()          every bucket of the version in: the segments checked again, each tensor taken
+                                    where it lies (put together first if it came in pieces) and loaded (vLLM's
+                                    layerwise reload: the kernels' post-load processing runs again), then the
+                                    version serves
 
 The model's weights are written at finish only, from bytes that all passed their digests, so a refused bucket or an
 incomplete version changes nothing: the engine keeps its previous weights (or, started with load_format=dummy,
@@ -37,14 +38,15 @@ class UpdateInfo:
     buckets: int
     index: int
     handle: str
-    entries: list
+    nbytes: int
     digest: str
-    pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts] per entry
+    pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts, offset]
 
 
 def available_bytes() -> int | None:
-    """The host's available memory (Linux MemAvailable), None where it cannot be read: the engine keeps a private
-    copy of each bucket until the version is complete, so a bucket must fit what is left."""
+    """The host's available memory (Linux MemAvailable), None where it cannot be read: the engine maps each bucket
+    until the version is complete and puts the tensors that came in pieces together, so a bucket must fit what is
+    left."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -62,6 +64,38 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+class PeerExport:
+    """The base this engine was synced with, for a peer that starts empty: the checkpoint tensors it kept (views of
+    the segments it mapped, which stay valid after their sender removed them), written into a store (weight_sync/
+    store.py) bucket by bucket as the peer asks for them, so that serving pauses for one bucket's copy at a time."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], bucket_bytes: int, version: int):
+        from ..weight_sync.store import BaseStore
+
+        self.store = BaseStore(dict(weights), int(bucket_bytes), version)
+
+    def begin(self) -> dict:
+        return {"version": self.store.version, "buckets": len(self.store.buckets), "bytes": self.store.nbytes}
+
+    def bucket(self, i: int) -> dict:
+        if not 0 <= i < len(self.store.buckets):
+            raise ValueError(f"bucket {i}: this export has {len(self.store.buckets)}")
+        return self.store.info(i)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _check_no_alias(model, maps) -> None:
+    """RuntimeError naming a parameter or buffer whose bytes are still those of a mapped (read-only) segment: the
+    loaders must have copied every tensor into the model's own memory before the segments are unmapped."""
+    spans = [(m.view.data_ptr(), m.view.data_ptr() + m.total) for m in maps if m.total]
+    for name, t in model.state_dict(keep_vars=True).items():
+        p = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
+        if p is not None and any(lo <= p < hi for lo, hi in spans):
+            raise RuntimeError(f"{name!r} was loaded as a view of a shared-memory segment, not copied")
+
+
 def engine_class():
     """The backend class (defined on first use: it subclasses vLLM's WeightTransferEngine)."""
     global _ENGINE
@@ -77,11 +111,16 @@ def engine_class():
         def __init__(self, config, vllm_config, device, model):
             super().__init__(config, vllm_config, device, model)
             self.served: int | None = None
+            self.keep = False                  # keep the served base's checkpoint bytes for a peer (set_keep)
+            self.kept: tuple | None = None     # (version, {name: tensor}, the segments they view)
             self.timers = {"read_s": 0.0, "load_s": 0.0}
             self._reset()
 
         def _reset(self):
+            for seg in getattr(self, "maps", ()):
+                seg.close()
             self.version, self.expect, self.got = None, None, set()
+            self.maps: list = []                             # this version's mapped segments (refit/shm.py)
             self.parts: dict[str, dict] = {}                 # name -> {dtype, shape, chunks: {part: bytes}, parts}
 
         def init_transfer_engine(self, init_info) -> None:
@@ -91,7 +130,7 @@ def engine_class():
             self._reset()
 
         def receive_weights(self, u: UpdateInfo) -> None:
-            from ..refit.shm import read_segment
+            from ..refit.shm import MappedSegment, layout_entries
 
             try:
                 if self.version is None:
@@ -106,23 +145,25 @@ def engine_class():
                 if not 0 <= u.index < self.expect or u.index in self.got:
                     raise ValueError(f"base version {u.version}: bucket index {u.index} (of {self.expect}) "
                                      f"{'repeated' if u.index in self.got else 'out of range'}")
-                if len(u.pieces) != len(u.entries):
-                    raise ValueError(f"bucket {u.index}: {len(u.pieces)} pieces for {len(u.entries)} entries")
-                need, free = sum(int(p[4]) for p in u.pieces), available_bytes()
+                for p in u.pieces:
+                    if len(p) != 8 or not 0 <= int(p[7]) <= int(p[7]) + int(p[4]) <= int(u.nbytes):
+                        raise ValueError(f"bucket {u.index}: piece {p[:2]} does not lie inside its {u.nbytes} bytes")
+                need, free = int(u.nbytes), available_bytes()
                 if free is not None and need > free:
                     raise ValueError(f"base version {u.version}: bucket {u.index} of {need} bytes is larger than the "
                                      f"engine's free memory ({free} bytes); send smaller buckets "
                                      "(rollout.base_bucket_mb)")
                 t0 = time.perf_counter()
-                got = read_segment(u.handle, u.entries, u.digest)          # ValueError on a digest mismatch
-                for (key, _, _), (name, dtype, shape, start, nbytes, part, parts) in zip(u.entries, u.pieces):
+                seg = MappedSegment(u.handle, layout_entries(u.pieces), u.digest, u.nbytes)   # checks the digest
+                self.maps.append(seg)
+                for name, dtype, shape, start, nbytes, part, parts, offset in u.pieces:
                     t = self.parts.setdefault(name, {"dtype": _dtype(dtype), "shape": tuple(shape), "parts": parts,
                                                       "chunks": {}})
                     if (t["dtype"], t["shape"], t["parts"]) != (_dtype(dtype), tuple(shape), parts) \
-                            or part in t["chunks"] or got[key].numel() != nbytes:
+                            or part in t["chunks"]:
                         raise ValueError(f"bucket {u.index}: piece {part} of {name!r} does not match its other "
                                          f"pieces (or repeats one)")
-                    t["chunks"][part] = (start, got[key])      # a view of this bucket's private copy
+                    t["chunks"][part] = (start, seg.view[offset:offset + nbytes])    # the bytes where they lie
                 self.got.add(u.index)
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:
@@ -130,7 +171,8 @@ def engine_class():
                 raise
 
         def tensors(self) -> dict[str, torch.Tensor]:
-            """The staged tensors, each from its pieces; ValueError naming what is missing."""
+            """The staged tensors (views of the mapped segments; put together where they came in pieces);
+            ValueError naming what is missing."""
             missing = sorted(set(range(self.expect or 0)) - self.got)
             if self.version is None or missing:
                 raise ValueError(f"base version {self.version}: buckets {missing[:8]} of {self.expect} never "
@@ -139,13 +181,15 @@ def engine_class():
             for name, t in self.parts.items():
                 if len(t["chunks"]) != t["parts"]:
                     raise ValueError(f"{name!r}: {len(t['chunks'])} of {t['parts']} pieces arrived")
-                flat = torch.empty(torch.Size(t["shape"]).numel() * torch.empty((), dtype=t["dtype"]).element_size(),
-                                   dtype=torch.uint8)
+                size = torch.Size(t["shape"]).numel() * torch.empty((), dtype=t["dtype"]).element_size()
+                chunks = sorted(t["chunks"].values(), key=lambda c: c[0])
+                flat = chunks[0][1] if len(chunks) == 1 else torch.empty(size, dtype=torch.uint8)
                 at = 0
-                for start, data in sorted(t["chunks"].values(), key=lambda c: c[0]):
+                for start, data in chunks:
                     if start != at:
                         raise ValueError(f"{name!r}: its pieces leave a gap at byte {at}")
-                    flat[at:at + data.numel()] = data
+                    if len(chunks) > 1:
+                        flat[at:at + data.numel()] = data
                     at += data.numel()
                 if at != flat.numel():
                     raise ValueError(f"{name!r}: {at} of {flat.numel()} bytes arrived")
@@ -159,13 +203,41 @@ def engine_class():
             try:
                 weights = self.tensors()
                 t0 = time.perf_counter()
+                for seg in self.maps:        # the bytes as they were checked on arrival (nothing wrote them since)
+                    seg.verify()
                 initialize_layerwise_reload(self.model)
                 self.model.load_weights(list(weights.items()))
                 finalize_layerwise_reload(self.model, self.model_config)
+                _check_no_alias(self.model, self.maps)
                 self.timers["load_s"] += time.perf_counter() - t0
                 self.served = self.version
+                self._keep(weights)
             finally:
                 self._reset()
+
+        def set_keep(self, keep: bool) -> None:
+            """Whether the next version that serves keeps its checkpoint bytes (the kept copy changes only then)."""
+            self.keep = bool(keep)
+
+        def _keep(self, weights: dict) -> None:
+            """After a version serves: keep its checkpoint bytes (the mappings, taken from this version) when asked
+            to, else let them go."""
+            self._drop_kept()
+            if self.keep:
+                self.kept, self.maps = (self.served, weights, self.maps), []
+
+        def _drop_kept(self) -> None:
+            kept, self.kept = self.kept, None
+            for seg in (kept[2] if kept else ()):
+                seg.close()
+
+        def export(self, bucket_bytes: int) -> PeerExport:
+            """The kept base for a peer; ValueError when this engine keeps none."""
+            if self.kept is None:
+                raise ValueError("this engine keeps no copy of its base to give a peer (it was loaded from disk, "
+                                 "never synced, or synced without keep)")
+            version, weights, _ = self.kept
+            return PeerExport(weights, bucket_bytes, version)
 
         def shutdown(self) -> None:
             self._reset()

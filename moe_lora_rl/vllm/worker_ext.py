@@ -321,14 +321,17 @@ class MoELoRAWorkerExtension:
 
     # -- the base weights (vllm/base_sync.py): sent through vLLM's start/update/finish_weight_update ----------------
     @entry
-    def moe_lora_base_init(self) -> dict:
-        """Our full-weight backend as this worker's weight-transfer engine; the base comes before any adapter."""
+    def moe_lora_base_init(self, keep: bool = False) -> dict:
+        """Our full-weight backend as this worker's weight-transfer engine; the base comes before any adapter. keep:
+        the version that serves next keeps its checkpoint bytes for a peer (moe_lora_base_export_begin)."""
         from .base_sync import BACKEND, install
 
         rt = getattr(self, "_moe_lora_rt", None)
         if rt is not None and rt.table.held:
             raise ValueError(f"adapter versions {rt.table.held} are served: the base is synced before any adapter")
-        return {"backend": BACKEND, "served": install(self).served}
+        eng = install(self)
+        eng.set_keep(keep)
+        return {"backend": BACKEND, "served": eng.served}
 
     @entry
     def moe_lora_base_abort(self) -> dict:
@@ -341,6 +344,37 @@ class MoELoRAWorkerExtension:
             eng.reset_weight_update_target()
             self._weight_update_active = False
         return {"served": eng.served}
+
+    # -- a peer's base: an engine that starts empty gets the checkpoint bytes a live engine kept -----------------
+    @entry
+    def moe_lora_base_export_begin(self, bucket_bytes: int) -> dict:
+        """Open an export of the base this engine keeps (synced with keep) for a peer: {version, buckets, bytes}.
+        ValueError when it keeps none."""
+        from .base_sync import engine_class
+
+        eng = getattr(self, "weight_transfer_engine", None)
+        if eng is None or type(eng) is not engine_class():
+            raise ValueError("this engine keeps no copy of its base to give a peer (it was loaded from disk, "
+                             "never synced, or synced without keep)")
+        self.moe_lora_base_export_end()
+        self._moe_lora_export = eng.export(int(bucket_bytes))
+        return self._moe_lora_export.begin()
+
+    @entry
+    def moe_lora_base_export_bucket(self, index: int) -> dict:
+        """Bucket `index` of the open export (written now), as the peer's update_weights takes it."""
+        exp = getattr(self, "_moe_lora_export", None)
+        if exp is None:
+            raise ValueError("no base export is open on this engine (moe_lora_base_export_begin first)")
+        return exp.bucket(int(index))
+
+    @entry
+    def moe_lora_base_export_end(self) -> dict:
+        """Close the export (its shared-memory segments removed); idempotent."""
+        exp, self._moe_lora_export = getattr(self, "_moe_lora_export", None), None
+        if exp is not None:
+            exp.close()
+        return {"closed": exp is not None}
 
     @entry
     def moe_lora_base_status(self) -> dict:

@@ -1,14 +1,16 @@
-"""The sending side of a full-weight sync over shared memory (one host): the bucket plan (buckets.py) executed into
-shared-memory segments, each bucket sent through vLLM's weight-transfer calls of the engine (vllm/base_sync.py).
+"""The sending side of a full-weight sync over shared memory (one host): a BaseStore (store.py: the bucket plan's
+buckets in segments) sent through vLLM's weight-transfer calls of the engine (vllm/base_sync.py).
 
     moe_lora_base_init -> start_weight_update -> update_weights(bucket i) ... -> finish_weight_update
 
-Double-buffered: two segment pools take turns, so bucket i+1 is copied (and its digest computed) while the engine
-reads bucket i. On any error the engine's open update is aborted (moe_lora_base_abort): it keeps its previous
-weights. Timers per phase: copy (into the segment, with the digest), transport (the engine's read and check of each
-bucket), load (the engine's finish: pieces put together, weights loaded).
+The engine maps each bucket and checks its digest where it lies. A store's buckets are written on first use, bucket
+i+1 while the engine reads bucket i; a store already written (an engine restarted or added) is sent without a copy.
+On any error the engine's open update is aborted (moe_lora_base_abort): it keeps its previous weights. Timers per
+phase: init (our backend made the worker's weight-transfer engine), copy (buckets written into the store during this sync, with their digests), transport (the engine's map and
+check of each bucket, through the RPCs), load (the engine's finish: the bytes checked again, loaded into the model).
 
-    timers = send_base(rpc, tensors, version=1, size=64 << 20)    # rpc(method, *args) -> the workers' answers
+    timers = send_store(rpc, store)                        # rpc(method, *args) -> the workers' answers
+    timers = send_base(rpc, tensors, version=1, size=64 << 20)     # a store made for this sync and removed after
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .buckets import Bucket, TensorMeta, plan
+from .store import BaseStore
 
 
 def checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
@@ -33,53 +35,60 @@ def checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
     return {name: ck.get(name) for name in ck.weight_map}
 
 
-def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
-    return [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+def send_store(rpc, store: BaseStore, keep: bool = False) -> dict:
+    """The store's base into the engine as its version (keep: the engine keeps the bytes for a peer); the timers."""
+    written_s, before = store.write_s, store.written()
+    timers = _send(rpc, len(store.buckets), store.info, keep)
+    timers.update(bytes=store.nbytes, written_before=before, copy_s=store.write_s - written_s)
+    return timers
 
 
-def bucket_tensors(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list]:
-    """A bucket's pieces as uint8 views of the tensors' bytes (keyed name@part) and their descriptions
-    [name, dtype, shape, start, nbytes, part, parts] for the receiver."""
-    out, pieces = {}, []
-    for p in bucket.pieces:
-        t = tensors[p.name].detach().contiguous().cpu()
-        out[f"{p.name}@{p.part}"] = t.reshape(-1).view(torch.uint8)[p.start:p.start + p.nbytes]
-        pieces.append([p.name, str(p.dtype).removeprefix("torch."), list(p.shape), p.start, p.nbytes, p.part,
-                       p.parts])
-    return out, pieces
-
-
-def send_base(rpc, tensors: dict[str, torch.Tensor], version: int, size: int) -> dict:
-    """Every tensor to the engine as base `version`, in buckets of at most `size` bytes; the timers."""
-    from ..refit.shm import SegmentPool, entries_of
-
-    buckets = plan(metas_of(tensors), size)
-    pools = (SegmentPool(), SegmentPool())
-    timers = {"copy_s": 0.0, "transport_s": 0.0, "load_s": 0.0, "buckets": len(buckets),
-              "bytes": sum(b.nbytes for b in buckets)}
-
-    def write(i: int):
+def send_from_peer(rpc, peer_rpc, bucket_bytes: int, keep: bool = True) -> dict:
+    """The base a live peer engine keeps (the checkpoint bytes it was synced with) into the engine, which started
+    empty and keeps it in turn: the peer writes each bucket when it is asked for it (between its own engine steps),
+    the engine maps and checks it; the timers (copy_s: the peer's writes). The peer's export is closed whatever
+    happens."""
+    try:
         t0 = time.perf_counter()
-        data, pieces = bucket_tensors(buckets[i], tensors)
-        handle, digest = pools[i % 2].write(data, version, i)
-        timers["copy_s"] += time.perf_counter() - t0
-        return {"version": version, "buckets": len(buckets), "index": i, "handle": handle,
-                "entries": entries_of(data), "digest": digest, "pieces": pieces}
+        head = peer_rpc("moe_lora_base_export_begin", int(bucket_bytes))
+        begin_s = time.perf_counter() - t0
+        copy = [0.0]
 
+        def bucket(i):
+            t = time.perf_counter()
+            info = peer_rpc("moe_lora_base_export_bucket", i)
+            copy[0] += time.perf_counter() - t
+            return info
+
+        timers = _send(rpc, head["buckets"], bucket, keep)
+        timers.update(bytes=head["bytes"], version=head["version"], copy_s=copy[0], begin_s=begin_s)
+        return timers
+    finally:
+        try:
+            peer_rpc("moe_lora_base_export_end")
+        except Exception:  # noqa: BLE001 - the sync's own error (or result) is the one to report
+            pass
+
+
+def _send(rpc, n: int, bucket, keep: bool) -> dict:
+    """start, update_weights(bucket(i)) for i < n (bucket i+1 made while the engine reads bucket i), finish."""
+    timers = {"copy_s": 0.0, "transport_s": 0.0, "load_s": 0.0, "buckets": n}
     t_all = time.perf_counter()
     try:
-        rpc("moe_lora_base_init")
+        rpc("moe_lora_base_init", bool(keep))
+        t_move = time.perf_counter()
+        timers["init_s"] = t_move - t_all              # the backend made the worker's engine (once per process)
         rpc("start_weight_update")
-        with ThreadPoolExecutor(1, thread_name_prefix="bucket-copy") as ahead:
-            nxt = ahead.submit(write, 0) if buckets else None
-            for i in range(len(buckets)):
+        with ThreadPoolExecutor(1, thread_name_prefix="bucket-write") as ahead:
+            nxt = ahead.submit(bucket, 0) if n else None
+            for i in range(n):
                 info = nxt.result()
-                nxt = ahead.submit(write, i + 1) if i + 1 < len(buckets) else None
+                nxt = ahead.submit(bucket, i + 1) if i + 1 < n else None
                 t0 = time.perf_counter()
                 rpc("update_weights", info)
                 timers["transport_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        timers["move_s"] = t0 - t_all                  # init, start and every bucket (copies overlapping reads)
+        timers["move_s"] = t0 - t_move                 # start and every bucket (the writes overlapping the reads)
         rpc("finish_weight_update")
         timers["load_s"] = time.perf_counter() - t0
     except BaseException:
@@ -88,8 +97,15 @@ def send_base(rpc, tensors: dict[str, torch.Tensor], version: int, size: int) ->
         except Exception:  # noqa: BLE001 - the first error is the one to report
             pass
         raise
-    finally:
-        for p in pools:
-            p.close()
     timers["total_s"] = time.perf_counter() - t_all
     return timers
+
+
+def send_base(rpc, tensors: dict[str, torch.Tensor], version: int, size: int) -> dict:
+    """Every tensor to the engine as base `version`, in buckets of at most `size` bytes, through a store made for
+    this sync; the timers."""
+    store = BaseStore(tensors, size, version)
+    try:
+        return send_store(rpc, store)
+    finally:
+        store.close()

@@ -20,18 +20,13 @@ def engine():
 
 @pytest.fixture
 def bucket():
-    from moe_lora_rl.refit.shm import SegmentPool, entries_of
     from moe_lora_rl.vllm.base_sync import UpdateInfo
-    from moe_lora_rl.weight_sync.buckets import plan
-    from moe_lora_rl.weight_sync.shm_sender import bucket_tensors, metas_of
+    from moe_lora_rl.weight_sync.store import BaseStore
 
     tensors = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
-    (b,) = plan(metas_of(tensors), 1 << 20)
-    data, pieces = bucket_tensors(b, tensors)
-    pool = SegmentPool()
-    handle, digest = pool.write(data, 1, 0)
-    yield tensors, UpdateInfo(1, 1, 0, handle, entries_of(data), digest, pieces)
-    pool.close()
+    store = BaseStore(dict(tensors), 1 << 20, 1)
+    yield tensors, UpdateInfo(**store.info(0))
+    store.close()
 
 
 def test_a_bucket_that_fits_is_kept_whole(engine, bucket):
@@ -46,14 +41,14 @@ def test_a_bucket_larger_than_free_memory_is_refused_and_drops_the_version(engin
     from moe_lora_rl.vllm import base_sync
 
     _, info = bucket
-    need = sum(p[4] for p in info.pieces)
+    need = info.nbytes
     monkeypatch.setattr(base_sync, "available_bytes", lambda: need - 1)
     engine.start_weight_update()
     with pytest.raises(ValueError) as e:
         engine.receive_weights(info)
     msg = str(e.value)
     assert f"{need} bytes" in msg and f"({need - 1} bytes)" in msg and "base_bucket_mb" in msg and "\n" not in msg
-    assert engine.version is None and not engine.parts and not engine.got            # nothing kept
+    assert engine.version is None and not engine.parts and not engine.got and not engine.maps  # nothing kept
     monkeypatch.setattr(base_sync, "available_bytes", lambda: need)                  # control: it fits exactly
     engine.receive_weights(info)
     assert engine.got == {0}

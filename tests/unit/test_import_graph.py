@@ -28,7 +28,7 @@ ALLOWED = {
     "lora": {"megatron", "models"},
     "router_replay": {"megatron", "models"},
     "refit": {"lora", "models", "procs"},
-    "vllm": {"models", "procs", "refit", "router_replay"},
+    "vllm": {"models", "procs", "refit", "router_replay", "weight_sync"},   # weight_sync: a peer engine's export
     "checkpoint": {"lora", "megatron", "models"},
     "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay"},
     "rollout": {"models", "procs", "refit", "router_replay", "vllm", "weight_sync"},

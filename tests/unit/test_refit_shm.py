@@ -135,7 +135,7 @@ def test_receive_buffers_reused_only_once_nothing_views_them(tmp_path, tensors):
 def test_digest_in_pieces_equals_one_pass(tmp_path, monkeypatch):
     """Hashing while writing / reading in pieces (smaller than, equal to and spanning tensors) gives the one-pass
     digest, and the copy is exact."""
-    monkeypatch.setattr(shm, "_PIECE", 64)
+    monkeypatch.setattr(shm, "HASH_PIECE", 64)
     g = torch.Generator().manual_seed(1)
     big = {"big": torch.randn(100, generator=g), "s1": torch.randn(3, generator=g), "s2": torch.randn(2, generator=g),
            "empty": torch.zeros(0), "tail": torch.randn(33, generator=g)}
@@ -151,7 +151,7 @@ def test_views_of_one_buffer_written_in_one_copy(tmp_path, monkeypatch):
     of order, or of two buffers, are not a span."""
     from moe_lora_rl.refit.wire import buffer_crcs, tensor_crc, unpack
 
-    monkeypatch.setattr(shm, "_PIECE", 64)
+    monkeypatch.setattr(shm, "HASH_PIECE", 64)
     g = torch.Generator().manual_seed(2)
     src = {"x": torch.randn(40, generator=g), "e": torch.zeros(0), "h": torch.randn(6, generator=g).bfloat16(),
            "y": torch.randn(3, 5, generator=g)}

@@ -54,8 +54,8 @@ def test_cli_one_line_errors(train_cli):
                          (["data.train_file=/nonexistent.parquet"], "/nonexistent.parquet"),
                          (["mode=async", "max_staleness=0"], "max_staleness=0"),
                          (["policies=[{name: a}, {name: a}]"], "policies: name 'a' is given 2 times"),
-                         (["rollout.base_from=peer"], "rollout.base_from='peer': a base from a live engine is not"),
-                         (["rollout.base_from=nfs"], "rollout.base_from='nfs'; choose one of ('disk', 'trainer')"),
+                         (["rollout.base_from=peer"], "rollout.base_from='peer' with rollout.engines=1: a restarted"),
+                         (["rollout.base_from=nfs"], "rollout.base_from='nfs'; choose one of ('disk', 'trainer', 'peer')"),
                          (["rollout.base_from=trainer", "rollout.node=n1"], "rollout.node='n1': the base travels")):
         rc, lines, err = train_cli(*args)
         assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err

