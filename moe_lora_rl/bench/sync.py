@@ -15,12 +15,17 @@ Figures (one engine server process each, on this host):
   this process (shm_vs_memcpy = their ratio);
 - restart_*: the same engine restarted (a fresh process, as after a crash) and synced from the store already
   written: no copy on the sending side (restart_shm_gbps, restart_sync_s, restart_start_s);
+- peer_*: two engines (rollout.base_from=peer), one SIGKILLed and restarted while the other generates without a
+  pause: the restarted engine takes the base from the live one (bench/sync_peer.py). peer_join_s: from the kill to
+  serving (against disk_start_s); peer_tokens_per_s_ratio: the live engine's tokens/s while it gives the base (the
+  sync) over its rate before; peer_tokens_per_s_ratio_restart: the same over the whole restart (the new engine's
+  own start, which competes for the same cores here, included);
 - exact: both engines sample the same tokens with the same logprobs (fixed seeds, temperature 1) after the sync,
-  and the restarted one too (restart_exact);
+  and the restarted one too (restart_exact), and the one that joined from its peer (peer_exact);
 - calc_error_max and kimi_k2_bf16_128_s: weight_sync/calc.py against checkpoint-engine's published figures, and
   Kimi-K2 bf16 on 128 GPUs shard-aware (calculated, not measured).
 What is not built is named under "skipped" with the reason (the HTTP transport of the base, a 2-engine gloo
-broadcast, a peer join).
+broadcast).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ def main(argv=None) -> dict:
     from ..rollout.client import RolloutEngine
     from ..weight_sync.calc import kimi_k2_bf16, published_check
     from ..weight_sync.shm_sender import checkpoint_tensors
+    from .sync_peer import peer_join
 
     model = a.model or str(get_model("glm4_moe", "medium"))
     tensors = checkpoint_tensors(model)                  # refuses a directory without safetensors
@@ -80,6 +86,8 @@ def main(argv=None) -> dict:
                     syncs = list(eng.base_syncs)
             finally:
                 eng.stop()
+        peer = peer_join(model, d, prompts, sample, dtype=a.dtype, bucket_mb=a.bucket_mb)
+    peer_sampled = (peer.pop("peer_tokens"), peer.pop("peer_logprobs"))
     t, r = syncs
     moved = t["move_s"]
     calc = published_check()
@@ -98,12 +106,11 @@ def main(argv=None) -> dict:
         "restart_copy_s": r["copy_s"], "restart_load_s": r["load_s"],
         "restart_shm_gbps": r["bytes"] / r["move_s"] / 1e9,
         "restart_vs_memcpy": (r["bytes"] / r["move_s"]) / (nbytes / memcpy_s),
+        "peer_exact": (runs["disk"]["tokens"], runs["disk"]["logprobs"]) == peer_sampled, **peer,
         "calc_error_max": calc["calc_error_max"], "kimi_k2_bf16_128_s": kimi_k2_bf16(128)["shard"]["seconds"],
         "skipped": {
             "http_gbps": "the base over HTTP is not built (shared memory only: one host)",
             "gloo_broadcast_gbps": "a gloo broadcast to several engines is not built",
-            "peer_join_s": "rollout.base_from=peer (a restarted engine pulling the base from a live one) is not built",
-            "peer_tokens_per_s_ratio": "needs the peer join",
         },
     }
     emit(result, a.json)

@@ -72,7 +72,12 @@ class EngineRecovery:
         result = None
         if self.rank == 0:
             try:
+                synced = len(self.engines[index].base_syncs)
                 self.engines.restart(index)
+                for t in self.engines[index].base_syncs[synced:]:
+                    if "peer_port" in t:
+                        self.log.note(f"rollout engine {index} took the base from the live engine on port "
+                                      f"{t['peer_port']} ({t['bytes'] / 1e6:.1f} MB in {t['total_s']:.2f} s)")
                 restarted, lagging = [index], []
                 for i, e in enumerate(self.engines):
                     try:

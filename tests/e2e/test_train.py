@@ -7,13 +7,14 @@ train-inference mismatch is numerical noise only where refit and R3 work.
 Two launches of the same seed, 4 steps:
 - a: uninterrupted, one engine, a checkpoint every 2 steps;
 - b: two engine replicas (`rollout.engines=2`) that start empty and get the base from rank 0
-  (`rollout.base_from=trainer`: the checkpoint over shared memory through vLLM's weight-transfer calls), under
-  `torchrun --max-restarts=1` with `resume=auto` and a checkpoint every step; this test SIGKILLs one engine once
-  step 1 is logged (only that engine restarts, gets the base again, then the current adapter, and repeats its
-  groups; the other keeps its samples) and then trainer rank 1 once step 2 is logged (torchrun restarts the group;
+  (`rollout.base_from=peer`: the checkpoint over shared memory through vLLM's weight-transfer calls at start, from
+  a live engine after a restart), under `torchrun --max-restarts=1` with `resume=auto` and a checkpoint every step;
+  this test SIGKILLs one engine once step 1 is logged (only that engine restarts, takes the base from the other
+  engine, then the current adapter, and repeats its groups; the other keeps its samples) and then trainer rank 1 once step 2 is logged (torchrun restarts the group;
   the run resumes by itself from its latest complete checkpoint, with new engines given the base and that adapter
   version); the free-routing recompute (no_r3_* figures) only every other step (`free_routing_every=2`).
-b must equal a (so an engine synced from the trainer serves bit for bit what one loaded from disk serves): the same
+b must equal a (so an engine synced from the trainer or from a peer serves bit for bit what one loaded from disk
+serves): the same
 sampled tokens and rewards at every step (the per-sample seeds do not depend on the engine
 that serves them), losses within 1e-6, the same final adapter within 1e-6, and every step's tokens of one version.
 Both run without a rollout correction (algo.rollout_is=off): an engine's fp32 logprobs depend on what it batches
@@ -56,7 +57,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     a = start(root / "a", ["checkpoint_every=2"])
     uninterrupted = finish(a, root / "a")
-    b = start(root / "b", ["rollout.engines=2", "rollout.base_from=trainer", "rollout.base_bucket_mb=4", "resume=auto",
+    b = start(root / "b", ["rollout.engines=2", "rollout.base_from=peer", "rollout.base_bucket_mb=4", "resume=auto",
                            "checkpoint_every=1", "free_routing_every=2"], torchrun=["--max-restarts=1"])
     kill_engine_after_step(root / "b", b, 1)
     kill_rank_after_step(root / "b", b, 2, rank=1)
@@ -99,6 +100,8 @@ def test_replicas_crashes_and_elastic_resume_equal_the_uninterrupted_run(runs):
     assert summary_b["base_syncs"] >= 2 and summary_b["base_sync_bytes"] > 10e6, summary_b   # b's, from rank 0
     died = [l for l in log_b.splitlines() if "died during" in l]
     assert len(died) == 1 and "rollout engine" in died[0] and "restarting it" in died[0], log_b[-3000:]
+    joined = [l for l in log_b.splitlines() if "took the base from the live engine on port" in l]
+    assert len(joined) == 1, log_b[-3000:]                            # the restarted engine: from its peer
     assert "resume=auto: no checkpoint" in log_b                      # the first start: fresh
     resumed = [l for l in log_b.splitlines() if "resumed from the checkpoint of step" in l]
     assert len(resumed) == 1 and "resume=auto" in resumed[0], log_b[-3000:]       # torchrun's restart: resumed
