@@ -1,6 +1,7 @@
-"""bench sync's peer join: two engines get the base from the trainer's store (rollout.base_from=peer), engine A
-generates without a pause while engine B is SIGKILLed and restarted, taking the base from A; A's tokens per second
-while it gives B the base, against its rate before.
+"""bench sync's two-engine figures: two engines get the base from the trainer's store (rollout.base_from=peer),
+engine A generates without a pause while engine B is SIGKILLed and restarted, taking the base from A (A's tokens per
+second while it gives B the base, against its rate before); then the base broadcast to both at once over gloo as a
+new version (weight_sync/gloo_sender.py).
 
     figures = peer_join(model, log_dir, prompts, sample, dtype=..., bucket_mb=..., before_s=6.0)
 """
@@ -59,6 +60,7 @@ def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_
         if errors:
             raise errors[0]
         out = b.generate(prompts, **sample)
+        gloo = _gloo(reps, model, bucket_mb)
         before = _rate(calls, t_kill - before_s + 1.0, t_kill)
         during = _rate(calls, t_up - sync["total_s"], t_up)
         return {"peer_join_s": t_up - t_kill, "peer_sync_s": sync["total_s"], "peer_move_s": sync["move_s"],
@@ -67,7 +69,29 @@ def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_
                 "peer_tokens_per_s_before": before, "peer_tokens_per_s_during": during,
                 "peer_tokens_per_s_ratio": during / before,
                 "peer_tokens_per_s_ratio_restart": _rate(calls, t_kill, t_up) / before,
-                "peer_tokens": [s.response for s in out], "peer_logprobs": [s.logprobs for s in out]}
+                "peer_tokens": [s.response for s in out], "peer_logprobs": [s.logprobs for s in out], **gloo}
     finally:
         stop.set()
         reps.stop()
+
+
+def _gloo(reps, model: str, bucket_mb: float) -> dict:
+    """The checkpoint to both engines at once over one gloo group, as base version 2 (the same bytes)."""
+    from ..weight_sync.gloo_sender import GlooBroadcast
+    from ..weight_sync.shm_sender import checkpoint_tensors
+    from ..weight_sync.store import BaseStore
+
+    store = BaseStore(checkpoint_tensors(model), int(bucket_mb * (1 << 20)), version=2)
+    try:
+        store_s = time.perf_counter()
+        for i in range(len(store.buckets)):
+            store.data(i)                           # written before the timing: the broadcast reads them
+        store_s = time.perf_counter() - store_s
+        with GlooBroadcast([e.transport._call for e in reps]) as cast:
+            t = cast.send(store)
+            served = [e.transport._call("moe_lora_base_status")["served"] for e in reps]
+    finally:
+        store.close()
+    return {"gloo_engines": t["engines"], "gloo_init_s": cast.init_s, "gloo_sync_s": t["total_s"],
+            "gloo_move_s": t["move_s"], "gloo_load_s": t["load_s"], "gloo_store_s": store_s,
+            "gloo_broadcast_gbps": t["bytes"] / t["move_s"] / 1e9, "gloo_served": served}

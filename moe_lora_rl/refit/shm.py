@@ -247,6 +247,15 @@ def layout_entries(rows: list[list]) -> list[list]:
             for name, _, _, start, nbytes, part, parts, offset in rows]
 
 
+def check_digest(data, entries, digest: str, what: str) -> None:
+    """ValueError "<what>: checksum mismatch" unless the segment digest of `entries` and the bytes `data` (a buffer
+    or a uint8 tensor) is `digest` (its algorithm named by the digest)."""
+    h = SegmentHash(_parse(entries), segment_algo(digest))
+    h.update(data.numpy() if isinstance(data, torch.Tensor) else data)
+    if h.digest() != digest:
+        raise ValueError(f"{what}: checksum mismatch (sent {digest}, read {h.digest()})")
+
+
 class MappedSegment:
     """A segment mapped read-only into this process and checked against the sender's
     digest over all `total` bytes: the reader uses the bytes where they lie, without a private copy. For a sender
@@ -255,8 +264,8 @@ class MappedSegment:
 
     def __init__(self, handle: str, entries, digest: str, total: int, root: Path = ROOT):
         _check_handle(handle)
-        self.handle, self.entries, self.digest, self.total = handle, _parse(entries), digest, int(total)
-        self.algo = segment_algo(digest)
+        _parse(entries), segment_algo(digest)                 # ValueError for a bad entry or digest, before opening
+        self.handle, self.entries, self.digest, self.total = handle, entries, digest, int(total)
         with _open(handle, self.total, root) as f:
             self.map = mmap.mmap(f.fileno(), self.total, prot=mmap.PROT_READ) if self.total else None
         import warnings
@@ -272,12 +281,8 @@ class MappedSegment:
             raise
 
     def verify(self) -> None:
-        h = SegmentHash(self.entries, self.algo)
-        if self.map is not None:
-            h.update(self.map)
-        if h.digest() != self.digest:
-            raise ValueError(f"shared-memory segment {self.handle!r}: checksum mismatch (sent {self.digest}, "
-                             f"read {h.digest()})")
+        check_digest(self.map if self.map is not None else b"", self.entries, self.digest,
+                     f"shared-memory segment {self.handle!r}")
 
     def close(self) -> None:
         """Unmap (left to the garbage collector while a tensor still views the bytes)."""

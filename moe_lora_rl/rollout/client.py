@@ -194,10 +194,10 @@ class RolloutEngine:
               log_dir=".", max_model_len=DEFAULT_MAX_MODEL_LEN, seed=0, startup_timeout=300, **kw) -> "RolloutEngine":
         engine = cls(model_dir, dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
                      log_dir=log_dir, max_model_len=max_model_len, seed=seed, startup_timeout=startup_timeout, **kw)
-        engine._launch()
+        engine.launch()
         return engine
 
-    def _launch(self, sync: bool = True) -> None:
+    def launch(self, sync: bool = True) -> None:
         """Start the engine process and wait for its health; then, unless not sync, send it its base (base_from
         trainer or peer)."""
         s = self.settings
@@ -332,7 +332,7 @@ class RolloutEngine:
         """A fresh engine process with the same settings and port; it serves the base model until the next push."""
         self.stop(keep_base=True)
         self.restarts += 1
-        self._launch()
+        self.launch()
 
     # -- requests --------------------------------------------------------------------------------------------
     def _open(self, method: str, path: str, body: dict | None = None):

@@ -33,6 +33,7 @@ RPC_METHODS = frozenset({
     # a peer's base: the live engine's export of the base it keeps
     "moe_lora_base_export_begin", "moe_lora_base_export_bucket", "moe_lora_base_export_end",
     "start_weight_update", "update_weights", "finish_weight_update",
+    "init_weight_transfer_engine", "shutdown_weight_transfer_engine",     # a gloo group for a broadcast
 })
 
 

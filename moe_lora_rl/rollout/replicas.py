@@ -69,7 +69,7 @@ class Replicas:
         for e in engines:
             e.peers = lambda: out.engines
         try:
-            out.map(lambda i, e: e._launch(), range(len(engines)), {})
+            out.map(lambda i, e: e.launch(), range(len(engines)), {})
         except BaseException:
             out.stop()
             raise

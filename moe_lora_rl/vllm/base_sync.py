@@ -29,7 +29,13 @@ BACKEND = "moe_lora_shm"
 
 @dataclass
 class InitInfo:
-    """Nothing to agree on: segments are named per bucket."""
+    """Shared memory needs nothing (segments are named per bucket). A gloo broadcast (several engines at once): the
+    sender's TCP store and this engine's rank in the group (refit/gloo_bucket.py)."""
+    master_addr: str = ""
+    master_port: int = 0
+    rank: int = 0
+    world_size: int = 0
+    timeout_s: float = 120.0
 
 
 @dataclass
@@ -41,6 +47,7 @@ class UpdateInfo:
     nbytes: int
     digest: str
     pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts, offset]
+    transport: str = "shm"        # shm: the segment `handle`; gloo: the bytes broadcast over the group
 
 
 def available_bytes() -> int | None:
@@ -124,51 +131,85 @@ def engine_class():
             self.parts: dict[str, dict] = {}                 # name -> {dtype, shape, chunks: {part: bytes}, parts}
 
         def init_transfer_engine(self, init_info) -> None:
-            pass
+            """A gloo group with the sender and the other engines (an empty master_addr: shared memory only)."""
+            from ..refit.gloo_bucket import join
+
+            self.pg = None
+            if init_info.master_addr:
+                if not 0 < init_info.rank < init_info.world_size:
+                    raise ValueError(f"gloo rank {init_info.rank} of {init_info.world_size}: receivers are ranks "
+                                     "1 .. world_size - 1")
+                self.pg = join(init_info.master_addr, init_info.master_port, init_info.rank, init_info.world_size,
+                               init_info.timeout_s)
 
         def start_weight_update(self) -> None:
             self._reset()
 
         def receive_weights(self, u: UpdateInfo) -> None:
-            from ..refit.shm import MappedSegment, layout_entries
+            from ..refit import gloo_bucket
+            from ..refit.shm import MappedSegment, check_digest, layout_entries
 
             try:
-                if self.version is None:
-                    if self.served is not None and u.version <= self.served:
-                        raise ValueError(f"base version {u.version}: not newer than the served version {self.served}")
-                    if u.buckets < 1:
-                        raise ValueError(f"base version {u.version}: buckets={u.buckets}")
-                    self.version, self.expect = u.version, u.buckets
-                if (u.version, u.buckets) != (self.version, self.expect):
-                    raise ValueError(f"bucket of version {u.version} ({u.buckets} buckets) inside the update of "
-                                     f"version {self.version} ({self.expect} buckets)")
-                if not 0 <= u.index < self.expect or u.index in self.got:
-                    raise ValueError(f"base version {u.version}: bucket index {u.index} (of {self.expect}) "
-                                     f"{'repeated' if u.index in self.got else 'out of range'}")
-                for p in u.pieces:
-                    if len(p) != 8 or not 0 <= int(p[7]) <= int(p[7]) + int(p[4]) <= int(u.nbytes):
-                        raise ValueError(f"bucket {u.index}: piece {p[:2]} does not lie inside its {u.nbytes} bytes")
-                need, free = int(u.nbytes), available_bytes()
-                if free is not None and need > free:
-                    raise ValueError(f"base version {u.version}: bucket {u.index} of {need} bytes is larger than the "
-                                     f"engine's free memory ({free} bytes); send smaller buckets "
-                                     "(rollout.base_bucket_mb)")
-                t0 = time.perf_counter()
-                seg = MappedSegment(u.handle, layout_entries(u.pieces), u.digest, u.nbytes)   # checks the digest
-                self.maps.append(seg)
-                for name, dtype, shape, start, nbytes, part, parts, offset in u.pieces:
-                    t = self.parts.setdefault(name, {"dtype": _dtype(dtype), "shape": tuple(shape), "parts": parts,
-                                                      "chunks": {}})
-                    if (t["dtype"], t["shape"], t["parts"]) != (_dtype(dtype), tuple(shape), parts) \
-                            or part in t["chunks"]:
-                        raise ValueError(f"bucket {u.index}: piece {part} of {name!r} does not match its other "
-                                         f"pieces (or repeats one)")
-                    t["chunks"][part] = (start, seg.view[offset:offset + nbytes])    # the bytes where they lie
-                self.got.add(u.index)
+                if u.transport == "gloo":
+                    if getattr(self, "pg", None) is None:
+                        raise ValueError("a gloo bucket, but this engine joined no gloo group "
+                                         "(init_weight_transfer_engine)")
+                    problem = None
+                    try:
+                        self._check(u)
+                    except ValueError as e:
+                        problem = e
+                    t0 = time.perf_counter()
+                    data = gloo_bucket.receive(self.pg, u.nbytes, u.index, problem, lambda b: check_digest(
+                        b, layout_entries(u.pieces), u.digest, f"gloo bucket {u.index}"))
+                elif u.transport == "shm":
+                    self._check(u)
+                    t0 = time.perf_counter()
+                    seg = MappedSegment(u.handle, layout_entries(u.pieces), u.digest, u.nbytes)   # checks the digest
+                    self.maps.append(seg)
+                    data = seg.view
+                else:
+                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm' or 'gloo'")
+                self._stage(u, data)
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:
                 self._reset()                        # the whole version is dropped; the weights were not touched
                 raise
+
+        def _check(self, u: UpdateInfo) -> None:
+            """The bucket fits this version and the engine's memory (ValueError naming what does not)."""
+            if self.version is None:
+                if self.served is not None and u.version <= self.served:
+                    raise ValueError(f"base version {u.version}: not newer than the served version {self.served}")
+                if u.buckets < 1:
+                    raise ValueError(f"base version {u.version}: buckets={u.buckets}")
+                self.version, self.expect = u.version, u.buckets
+            if (u.version, u.buckets) != (self.version, self.expect):
+                raise ValueError(f"bucket of version {u.version} ({u.buckets} buckets) inside the update of "
+                                 f"version {self.version} ({self.expect} buckets)")
+            if not 0 <= u.index < self.expect or u.index in self.got:
+                raise ValueError(f"base version {u.version}: bucket index {u.index} (of {self.expect}) "
+                                 f"{'repeated' if u.index in self.got else 'out of range'}")
+            for p in u.pieces:
+                if len(p) != 8 or not 0 <= int(p[7]) <= int(p[7]) + int(p[4]) <= int(u.nbytes):
+                    raise ValueError(f"bucket {u.index}: piece {p[:2]} does not lie inside its {u.nbytes} bytes")
+            need, free = int(u.nbytes), available_bytes()
+            if free is not None and need > free:
+                raise ValueError(f"base version {u.version}: bucket {u.index} of {need} bytes is larger than the "
+                                 f"engine's free memory ({free} bytes); send smaller buckets "
+                                 "(rollout.base_bucket_mb)")
+
+        def _stage(self, u: UpdateInfo, data: torch.Tensor) -> None:
+            """The bucket's pieces as views of its checked bytes, for finish."""
+            for name, dtype, shape, start, nbytes, part, parts, offset in u.pieces:
+                t = self.parts.setdefault(name, {"dtype": _dtype(dtype), "shape": tuple(shape), "parts": parts,
+                                                 "chunks": {}})
+                if (t["dtype"], t["shape"], t["parts"]) != (_dtype(dtype), tuple(shape), parts) \
+                        or part in t["chunks"]:
+                    raise ValueError(f"bucket {u.index}: piece {part} of {name!r} does not match its other "
+                                     f"pieces (or repeats one)")
+                t["chunks"][part] = (start, data[offset:offset + nbytes])    # the bytes where they lie
+            self.got.add(u.index)
 
         def tensors(self) -> dict[str, torch.Tensor]:
             """The staged tensors (views of the mapped segments; put together where they came in pieces);
@@ -239,8 +280,13 @@ def engine_class():
             version, weights, _ = self.kept
             return PeerExport(weights, bucket_bytes, version)
 
+        def abort(self) -> None:
+            """Drop the open update (the served weights, the kept base and the gloo group stay)."""
+            self._reset()
+
         def shutdown(self) -> None:
             self._reset()
+            self.pg = None
 
     _ENGINE = ShmBaseEngine
     return _ENGINE

@@ -339,7 +339,7 @@ class MoELoRAWorkerExtension:
         from .base_sync import install
 
         eng = install(self)
-        eng.shutdown()
+        eng.abort()
         if getattr(self, "_weight_update_active", False):
             eng.reset_weight_update_target()
             self._weight_update_active = False

@@ -87,6 +87,11 @@ class BaseStore:
             self.write_s += time.perf_counter() - t0
             return self._infos[i]
 
+    def data(self, i: int) -> torch.Tensor:
+        """Bucket i's bytes (a uint8 view of its segment), written on first use."""
+        self.info(i)
+        return self._segs[i].view
+
     def close(self) -> None:
         with self._lock:
             self._tensors = None

@@ -5,7 +5,10 @@ restarted engine samples exactly what an engine loaded from disk samples (fp32: 
 |diff| 0). Control: a peer synced with a perturbed base (one attention projection + 0.05, version 2) passes exactly that
 base on: the joiner then samples what the peer samples, not what the disk engine samples. Refused, the joiner
 serving nothing: a bucket with one byte flipped on its way (its digest), a peer that keeps no base (started empty
-and never synced), base_from=peer with no live peer."""
+and never synced), base_from=peer with no live peer.
+Then a gloo broadcast (weight_sync/gloo_sender.py) to both engines restarted empty: both sample exactly what the disk
+engine samples. A bucket one engine refuses (a version not newer than its own) is dropped by the other too, which
+keeps its weights; a byte flipped after the digest is refused by both."""
 import os
 import signal
 
@@ -38,6 +41,7 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
     from moe_lora_rl.rollout.placement import Placement
     from moe_lora_rl.rollout.replicas import Replicas
     from moe_lora_rl.weight_sync.shm_sender import checkpoint_tensors, send_from_peer, send_store
+    from moe_lora_rl.weight_sync.gloo_sender import GlooBroadcast
     from moe_lora_rl.weight_sync.store import BaseStore
 
     model = str(get_model("glm4_moe", "wide"))
@@ -59,7 +63,7 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
 
         # refusals: the joiner (restarted again, empty) keeps nothing and serves nothing
         b.stop(keep_base=True)
-        b._launch(sync=False)                                           # started empty, synced by hand below
+        b.launch(sync=False)                                           # started empty, synced by hand below
 
         def flip_on_the_way(method, *args):
             info = a.transport._call(method, *args)
@@ -88,6 +92,31 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         send_from_peer(b.transport._call, a.transport._call, 2 << 20)
         assert b.transport._call("moe_lora_base_status")["served"] == 2
         assert _sample(b) == perturbed
+
+        # a gloo broadcast to both engines at once, restarted empty: exact on both
+        for e in (a, b):
+            e.stop(keep_base=True)
+            e.launch(sync=False)
+        base = BaseStore(tensors, 2 << 20, 1)
+        with GlooBroadcast([a.transport._call, b.transport._call]) as cast:
+            t = cast.send(base)
+            assert t["engines"] == 2 and t["buckets"] > 4 and t["bytes"] == base.nbytes, t
+            assert _sample(a) == ref and _sample(b) == ref
+            # a sends version 2 to `a` alone; the broadcast of version 2 is refused by `a` (not newer), so `b` drops
+            # it too and keeps version 1
+            send_store(a.transport._call, BaseStore(tensors, 2 << 20, 2))
+            msg = _refused(lambda: cast.send(BaseStore(tensors, 2 << 20, 2)))
+            assert "not newer than the served version 2" in msg, msg
+            assert [e.transport._call("moe_lora_base_status")["served"] for e in (a, b)] == [2, 1]
+            # a byte flipped in a bucket after its digest: refused by both
+            bad = BaseStore(tensors, 2 << 20, 3)
+            bad.data(1)[bad.buckets[1].nbytes // 2] ^= 1
+            msg = _refused(lambda: cast.send(bad))
+            assert "checksum mismatch" in msg, msg
+            assert [e.transport._call("moe_lora_base_status")["served"] for e in (a, b)] == [2, 1]
+            assert _sample(b) == ref
+        base.close()
+        bad.close()
 
         # no live peer
         a.stop()

@@ -22,7 +22,8 @@ def test_bench_sync_json_line():
     d = json.loads(p.stdout.strip().splitlines()[-1])
     assert d["exact"] is True and d["restart_exact"] is True and d["buckets"] >= 1 and d["shm_gbps"] > 0 and d["memcpy_gbps"] > 0, d
     assert d["calc_error_max"] <= 0.25 and d["kimi_k2_bf16_128_s"] <= 10, d
-    assert {"http_gbps", "gloo_broadcast_gbps"} <= set(d["skipped"]), d
+    assert {"http_gbps"} <= set(d["skipped"]), d
+    assert d["gloo_engines"] == 2 and d["gloo_served"] == [2, 2] and d["gloo_broadcast_gbps"] > 0, d
     assert d["peer_exact"] is True and d["peer_port_ok"] is True and d["peer_join_s"] > 0, d
     assert d["peer_tokens_per_s_ratio"] > 0 and d["peer_copy_s"] > 0, d      # the live engine wrote the buckets
     for k in ("disk_start_s", "trainer_start_s", "sync_s", "copy_s", "transport_s", "load_s", "restart_start_s",

@@ -23,7 +23,7 @@ ALLOWED = {
     "models": set(),
     "algos": set(),                                                # verl's pure functions, nothing of ours
     "plan": {"refit", "weight_sync"},
-    "weight_sync": {"models", "refit"},                                      # full-weight sync: its planner and calculator
+    "weight_sync": {"models", "procs", "refit"},                                    # full-weight sync: its planner and calculator
     "megatron": {"models"},
     "lora": {"megatron", "models"},
     "router_replay": {"megatron", "models"},

@@ -1,0 +1,75 @@
+"""The gloo bucket protocol (refit/gloo_bucket.py) with three parties in threads: every receiver gets the sender's
+bytes; a receiver that refuses before the broadcast, or whose check fails after it, makes every party fail for that
+bucket (the sender and the other receiver too) instead of leaving anyone waiting, and the group stays usable."""
+import threading
+
+import pytest
+import torch
+
+from moe_lora_rl.procs import free_port
+from moe_lora_rl.refit import gloo_bucket
+
+
+def _run(parties):
+    """parties[r](pg) for ranks 0..n-1 in threads on one group; each rank's result or exception."""
+    port, n = free_port(), len(parties)
+    out = [None] * n
+
+    def one(r):
+        pg = gloo_bucket.join("127.0.0.1", port, r, n, 30.0)
+        try:
+            out[r] = ("ok", parties[r](pg))
+        except Exception as e:  # noqa: BLE001 - the result under test
+            out[r] = ("error", str(e))
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _fails_on(bad):
+    def check(buf):
+        if bad:
+            raise ValueError("checksum mismatch (test)")
+    return check
+
+
+@pytest.mark.parametrize("case", ["ok", "refused_before", "bad_after"])
+def test_one_party_refusing_fails_every_party_for_that_bucket(case):
+    data = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+
+    def sender(pg):
+        res = []
+        for i in (7, 8):                                        # the next bucket goes through either way
+            try:
+                gloo_bucket.send(pg, data, i)
+                res.append("sent")
+            except ValueError as e:
+                res.append(str(e))
+        return res
+
+    def receiver(refuse, bad):
+        def run(pg):
+            got = []
+            for i in (7, 8):
+                try:
+                    got.append(gloo_bucket.receive(pg, data.numel(), i,
+                                                    ValueError("refused (test)") if refuse and i == 7 else None,
+                                                    _fails_on(bad and i == 7)))
+                except ValueError as e:
+                    got.append(str(e))
+            return got
+        return run
+
+    out = _run([sender, receiver(case == "refused_before", case == "bad_after"), receiver(False, False)])
+    sent, own, other = out[0][1], out[1][1], out[2][1]
+    assert sent[1] == "sent" and torch.equal(own[1], data) and torch.equal(other[1], data), out
+    if case == "ok":
+        assert sent[0] == "sent" and torch.equal(own[0], data) and torch.equal(other[0], data), out
+        return
+    assert ("before" if case == "refused_before" else "after") in sent[0], out
+    assert own[0] == ("refused (test)" if case == "refused_before" else "checksum mismatch (test)"), own
+    assert "bucket 7: refused by another" in other[0], other
