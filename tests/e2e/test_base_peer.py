@@ -6,8 +6,8 @@ restarted engine samples exactly what an engine loaded from disk samples (fp32: 
 base on: the joiner then samples what the peer samples, not what the disk engine samples. Refused, the joiner
 serving nothing: a bucket with one byte flipped on its way (its digest), a peer that keeps no base (started empty
 and never synced), base_from=peer with no live peer.
-Then a gloo broadcast (weight_sync/gloo_sender.py) to both engines restarted empty: both sample exactly what the disk
-engine samples. A bucket one engine refuses (a version not newer than its own) is dropped by the other too, which
+Then a gloo broadcast (weight_sync/gloo_sender.py) of the checkpoint to both engines (serving the perturbed base):
+both sample exactly what the disk engine samples. A bucket one engine refuses (a version not newer than its own) is dropped by the other too, which
 keeps its weights; a byte flipped after the digest is refused by both."""
 import os
 import signal
@@ -93,27 +93,25 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         assert b.transport._call("moe_lora_base_status")["served"] == 2
         assert _sample(b) == perturbed
 
-        # a gloo broadcast to both engines at once, restarted empty: exact on both
-        for e in (a, b):
-            e.stop(keep_base=True)
-            e.launch(sync=False)
-        base = BaseStore(tensors, 2 << 20, 1)
+        # a gloo broadcast to both engines at once (both serve the perturbed base): the checkpoint as version 3,
+        # then exact on both
+        base = BaseStore(tensors, 2 << 20, 3)
         with GlooBroadcast([a.transport._call, b.transport._call]) as cast:
             t = cast.send(base)
             assert t["engines"] == 2 and t["buckets"] > 4 and t["bytes"] == base.nbytes, t
             assert _sample(a) == ref and _sample(b) == ref
-            # a sends version 2 to `a` alone; the broadcast of version 2 is refused by `a` (not newer), so `b` drops
-            # it too and keeps version 1
-            send_store(a.transport._call, BaseStore(tensors, 2 << 20, 2))
-            msg = _refused(lambda: cast.send(BaseStore(tensors, 2 << 20, 2)))
-            assert "not newer than the served version 2" in msg, msg
-            assert [e.transport._call("moe_lora_base_status")["served"] for e in (a, b)] == [2, 1]
+            # version 4 to `a` alone; the broadcast of version 4 is refused by `a` (not newer), so `b` drops it too
+            # and keeps version 3
+            send_store(a.transport._call, BaseStore(tensors, 2 << 20, 4))
+            msg = _refused(lambda: cast.send(BaseStore(tensors, 2 << 20, 4)))
+            assert "not newer than the served version 4" in msg, msg
+            assert [e.transport._call("moe_lora_base_status")["served"] for e in (a, b)] == [4, 3]
             # a byte flipped in a bucket after its digest: refused by both
-            bad = BaseStore(tensors, 2 << 20, 3)
+            bad = BaseStore(tensors, 2 << 20, 5)
             bad.data(1)[bad.buckets[1].nbytes // 2] ^= 1
             msg = _refused(lambda: cast.send(bad))
             assert "checksum mismatch" in msg, msg
-            assert [e.transport._call("moe_lora_base_status")["served"] for e in (a, b)] == [2, 1]
+            assert [e.transport._call("moe_lora_base_status")["served"] for e in (a, b)] == [4, 3]
             assert _sample(b) == ref
         base.close()
         bad.close()
