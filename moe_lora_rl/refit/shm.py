@@ -148,7 +148,7 @@ class SegmentPool:
     def __init__(self, root: Path = ROOT):
         self.root = Path(root)
         self._segs: dict[int, Segment] = {}
-        self._finalizer = weakref.finalize(self, SegmentPool._close_all, self._segs)
+        self._finalizer = weakref.finalize(self, close_segments, self._segs)
         atexit.register(self._finalizer)
 
     def write(self, tensors: dict[str, torch.Tensor], version: int, index: int) -> tuple[str, str]:
@@ -172,13 +172,14 @@ class SegmentPool:
 
     def close(self) -> None:
         """Remove every segment; the pool stays usable (a later write creates its segment again)."""
-        SegmentPool._close_all(self._segs)
+        close_segments(self._segs)
 
-    @staticmethod
-    def _close_all(segs: dict[int, Segment]) -> None:
-        for s in segs.values():
-            s.close()
-        segs.clear()
+
+def close_segments(segs: dict) -> None:
+    """Unmap and remove every segment of segs (values: Segment) and empty it."""
+    for s in segs.values():
+        s.close()
+    segs.clear()
 
 
 def write_segment(tensors: dict[str, torch.Tensor], version: int, index: int,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..refit.shm import HASH_PIECE, ROOT, Segment, layout_entries, segment_name
+from ..refit.shm import HASH_PIECE, ROOT, Segment, close_segments, layout_entries, segment_name
 from ..refit.wire import SegmentHash
 from .buckets import Bucket, TensorMeta, plan
 
@@ -60,7 +60,7 @@ class BaseStore:
         self._segs: dict[int, Segment] = {}
         self._lock = threading.Lock()
         self.write_s = 0.0
-        self._finalizer = weakref.finalize(self, BaseStore._close_all, self._segs)
+        self._finalizer = weakref.finalize(self, close_segments, self._segs)
         atexit.register(self._finalizer)
 
     def written(self) -> int:
@@ -96,10 +96,4 @@ class BaseStore:
         with self._lock:
             self._tensors = None
             self._infos.clear()
-            BaseStore._close_all(self._segs)
-
-    @staticmethod
-    def _close_all(segs: dict[int, Segment]) -> None:
-        for s in segs.values():
-            s.close()
-        segs.clear()
+            close_segments(self._segs)
