@@ -173,8 +173,8 @@ class RolloutEngine:
                              step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
                              kv_compression=kv_compression, kv_budget=kv_budget, base_from=base_from,
                              base_bucket_mb=base_bucket_mb)
-        self.base_syncs: list[dict] = []     # base_from=trainer: each start's sync timers
-        self.base_store = None               # base_from=trainer: the base in shared memory, kept across restarts
+        self.base_syncs: list[dict] = []     # base_from=trainer or peer: each start's sync timers
+        self.base_store = None               # the trainer's base in shared memory, kept across restarts
         self.owns_base = True                # False: the store is shared by several engines (rollout/replicas.py)
         self.peers = lambda: []              # base_from=peer: the other engines (set by rollout/replicas.py)
         self.token = new_token()             # per engine object: every call but /health carries it
@@ -270,21 +270,26 @@ class RolloutEngine:
         return t
 
     def sync_base_from_peer(self) -> dict:
-        """The base a live peer engine keeps (the first alive; the checkpoint bytes it was synced with) into this
-        engine, which started empty and keeps it in turn; the timers, with the peer's port. ValueError when no peer
-        is alive."""
+        """The base a live peer engine keeps (the checkpoint bytes it was synced with) into this engine, which
+        started empty and keeps it in turn: the first live peer that gives it; the timers, with the peer's port.
+        ValueError when no peer is alive, or naming the last refusal when none gives it."""
         from ..weight_sync.shm_sender import send_from_peer
 
         live = [p for p in self.peers() if p is not self and p.alive()]
         if not live:
             raise ValueError(f"base_from=peer: no live peer engine to take the base from (engine on port "
                              f"{self.port}, {len(self.peers())} peers)")
-        peer = live[0]
-        t = send_from_peer(self.transport._call, peer.transport._call,
-                           int(self.settings["base_bucket_mb"] * (1 << 20)))
-        t["peer_port"] = peer.port
-        self.base_syncs.append(t)
-        return t
+        for k, peer in enumerate(live):
+            try:
+                t = send_from_peer(self.transport._call, peer.transport._call,
+                                   int(self.settings["base_bucket_mb"] * (1 << 20)))
+            except ValueError:
+                if k == len(live) - 1:
+                    raise
+                continue                     # this peer keeps no base (or refused a bucket): the next one
+            t["peer_port"] = peer.port
+            self.base_syncs.append(t)
+            return t
 
     @property
     def pid(self) -> int | None:
