@@ -1,12 +1,14 @@
 """Full base weights into a running engine through vLLM's own weight-transfer API (vllm/distributed/weight_transfer:
 the worker's start_weight_update / update_weights / finish_weight_update), with our backend "moe_lora_shm":
-buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies.
+buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies, or
+broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it).
 
     moe_lora_base_init()            (the worker extension) registers the backend with vLLM's factory and creates
                                     this worker's engine: scoped to engines started with our extension
     start_weight_update()           opens an update
-    update_weights(info)            one bucket: {version, buckets, index, handle, nbytes, digest, pieces}; its
-                                    segment mapped read-only and checked against its digest before anything is kept
+    update_weights(info)            one bucket: {version, buckets, index, handle, nbytes, digest, pieces,
+                                    transport}; its segment mapped read-only (or its broadcast received) and
+                                    checked against its digest before anything is kept
     finish_weight_update()          every bucket of the version in: the segments checked again, each tensor taken
                                     where it lies (put together first if it came in pieces) and loaded (vLLM's
                                     layerwise reload: the kernels' post-load processing runs again), then the
@@ -16,6 +18,8 @@ The model's weights are written at finish only, from bytes that all passed their
 incomplete version changes nothing: the engine keeps its previous weights (or, started with load_format=dummy,
 keeps serving nothing: `served` stays None). A version older than the served one is refused. The base comes first:
 an update after an adapter was pushed is refused (the adapters' serving state holds references to the base).
+With keep (moe_lora_base_init(keep=True)) the version that serves keeps its checkpoint bytes, and PeerExport gives
+them to an engine that starts empty (rollout.base_from=peer).
 """
 from __future__ import annotations
 
