@@ -5,6 +5,8 @@ Megatron+LoRA's. Prints one line "RESULT <json>".
     engine.get_per_tensor_param()  x2     first: header + base + adapters, then header + adapters only
     colocated ("naive"): verl's BucketedWeightSender -> update_weights_from_ipc (base sync, then adapters, version 1)
     checkpoint-engine: MoELoRACheckpointEngine.send_weights -> moe_lora_begin / bucket / commit (version 2)
+    base backend: MoELoRABaseCheckpointEngine.send_weights into a second engine started empty: the first stream's
+      base through vLLM's weight-transfer calls (weight_sync/), its adapters (version 1); then version 2
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def main(argv=None):
     from .adapters import randomize_adapters
     from ..rollout.engine import make_engine, set_engine_env
     from .logprobs import prompt_logprobs
-    from ..integration.verl.checkpoint_engine import MoELoRACheckpointEngine
+    from ..integration.verl.checkpoint_engine import MoELoRABaseCheckpointEngine, MoELoRACheckpointEngine
     from ..integration.verl.config import WORKER_EXTENSION, MoELoRAEngineConfig
     from ..integration.verl.engine import MoELoRAEngine
     from ..integration.verl.weight_sync import META, decode_meta, encode_meta
@@ -137,6 +139,17 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
         refused = str(e).splitlines()[0]
     after_bad = prompt_logprobs(llm, seqs.tolist())
+    # the base too ("moe_lora_base"): a second engine started empty gets verl's first stream (header + base +
+    # adapters of version 1) through vLLM's weight-transfer API, then the adapters-only stream of version 2
+    del llm
+    fresh = make_engine(a.model, dtype="float32", prefix_caching=False, extension=WORKER_EXTENSION,
+                        load_format="dummy")
+    ck_base = MoELoRABaseCheckpointEngine(bucket_size=1 << 16)
+    ck_base.transports = [InprocTransport(fresh)]
+    base_out = asyncio.run(ck_base.send_weights(iter(first)))
+    base_got = prompt_logprobs(fresh, seqs.tolist())
+    base_out2 = asyncio.run(ck_base.send_weights(iter(v2)))
+    base_got2 = prompt_logprobs(fresh, seqs.tolist())
     res = {
         "first_meta": decode_meta(first[0][1]), "second_meta": decode_meta(second[0][1]),
         "first_names": len(first) - 1, "first_lora_names": sum(".lora_" in n for n, _ in first),
@@ -151,6 +164,8 @@ def main(argv=None):
         "colocated_bad_refused": colo_refused, "colocated_after_bad_diff": float((after_bad_colo - want).abs().max()),
         "buckets": ck.last["buckets"], "served": str(ck.last["served"])[:200],
         "bad_refused": refused, "after_bad_diff": float((after_bad - want2).abs().max()),
+        "base_backend_out": base_out, "base_backend_diff": float((base_got - want).abs().max()),
+        "base_backend_out2": base_out2, "base_backend_diff2": float((base_got2 - want2).abs().max()),
     }
     print("RESULT " + json.dumps(res))
 

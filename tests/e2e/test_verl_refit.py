@@ -59,3 +59,15 @@ def test_vllm_logprobs_match_megatron_after_refit(res):
 def test_corrupted_stream_refused_and_version_kept(res):
     assert "checksum" in res["bad_refused"], res["bad_refused"]
     assert res["after_bad_diff"] == res["refit_logprob_diff"], res
+
+
+def test_base_backend_fills_an_empty_engine(res):
+    """"moe_lora_base": verl's first stream (header + base + adapters) into a second engine started on dummy weights
+    (which serve far off: dummy_vs_megatron_base), through vLLM's weight-transfer calls; then the adapters-only
+    stream of the next version."""
+    out, out2 = res["base_backend_out"], res["base_backend_out2"]
+    assert out["moe_lora/base_version"] == 1 and out["moe_lora/base_tensors"] == res["first_names"] - \
+        res["first_lora_names"], out
+    assert res["base_backend_diff"] <= 1e-3 < res["base_vs_lora"], res
+    assert "moe_lora/base_version" not in out2 and out2["moe_lora/refit_version"] == 2, out2
+    assert res["base_backend_diff2"] <= 1e-3 < res["v1_vs_v2"], res

@@ -33,7 +33,7 @@ ALLOWED = {
     "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay"},
     "rollout": {"models", "procs", "refit", "router_replay", "vllm", "weight_sync"},
     "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
-                    "procs"},
+                    "procs", "weight_sync"},
     "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
     "train": {"rl"},
     "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",

@@ -9,6 +9,8 @@ adapter stream (weight_sync.py) into each rollout server's worker extension as o
     server_urls (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller): send_weights pushes
       moe_lora_begin / bucket ... / commit(checksum) to each server itself; receive_weights yields nothing
 
+"moe_lora_base" (MoELoRABaseCheckpointEngine, push delivery) sends the base too, for servers started empty.
+
 verl's own backends drop peft_config here, so adapters never reach the engine; this one needs no peft_config (the
 header says version, checksum, rank and alpha). Select it with rollout.checkpoint_engine.backend=moe_lora and
 rollout.checkpoint_engine.custom_backend_module=moe_lora_rl.integration.verl.plugin. engine_kwargs.moe_lora.sync_log:
@@ -23,6 +25,7 @@ from verl.checkpoint_engine.base import CheckpointEngine
 from .weight_sync import META, decode_meta
 
 BACKEND = "moe_lora"
+BASE_BACKEND = "moe_lora_base"
 
 
 def split_buckets(tensors: dict, bucket_bytes: int) -> list[dict]:
@@ -39,20 +42,28 @@ def split_buckets(tensors: dict, bucket_bytes: int) -> list[dict]:
     return buckets
 
 
-def read_stream(weights) -> tuple[dict, dict]:
-    """(header, adapter tensors) from our engine's stream; base tensors are skipped (the server loads the base from
-    the same checkpoint), anything else is an error."""
+def split_stream(weights) -> tuple[dict, dict, dict]:
+    """(header, base tensors, adapter tensors) from our engine's stream (base tensors only where the header says
+    base); a stream that does not start with our header is an error."""
     it = iter(weights)
     first = next(it, None)
     if first is None:
-        return {}, {}
+        return {}, {}, {}
     name, t = first
     if name != META:
         raise ValueError(f"weight stream starts with {name!r}, not {META!r}: it does not come from our engine "
                          "(actor_rollout_ref.actor.megatron._target_ must be our engine config)")
-    meta = decode_meta(t)
-    tensors = {n: x for n, x in it if ".lora_" in n}
-    return meta, tensors
+    meta, base, adapters = decode_meta(t), {}, {}
+    for n, x in it:
+        (adapters if ".lora_" in n else base)[n] = x
+    return meta, base, adapters
+
+
+def read_stream(weights) -> tuple[dict, dict]:
+    """(header, adapter tensors) from our engine's stream; base tensors are skipped (the server loads the base from
+    the same checkpoint)."""
+    meta, _, adapters = split_stream(weights)
+    return meta, adapters
 
 
 class MoELoRACheckpointEngine(CheckpointEngine):
@@ -91,6 +102,10 @@ class MoELoRACheckpointEngine(CheckpointEngine):
             log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
                                      "global_steps": global_steps, "seq": seq})
             return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors)}
+        return self._push(meta, tensors)
+
+    def _push(self, meta: dict, tensors: dict) -> dict:
+        """The adapters to every server as one staged version (server_urls delivery)."""
         buckets = split_buckets(tensors, self.bucket_size)
         served = []
         for tr in self.transports:
@@ -116,6 +131,40 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         yield META, encode_meta({**meta, "base": False, "base_from_checkpoint": True})
         for item in tensors.items():
             yield item
+
+
+class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
+    """Backend "moe_lora_base": the base weights too, for rollout servers started empty (rollout.load_format=dummy,
+    no copy of the checkpoint on the rollout side). A stream that carries the base (verl's first sync) reaches each
+    server through vLLM's weight-transfer API (weight_sync/: one shared-memory store of buckets, each checked by its
+    digest; the servers on this host), then its adapters as the "moe_lora" backend pushes them; later streams carry
+    adapters only. Push delivery only (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller)."""
+
+    def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, **kw: Any):
+        super().__init__(bucket_size, server_urls, **kw)
+        self.base_version = 0
+
+    async def send_weights(self, weights, global_steps: int | None = None):
+        from ...weight_sync.shm_sender import send_store
+        from ...weight_sync.store import BaseStore
+
+        meta, base, tensors = split_stream(weights)
+        if not meta:                           # ranks other than the trainer's rank 0 send nothing
+            return {}
+        if not self.transports:
+            raise ValueError(f"checkpoint engine {BASE_BACKEND!r} pushes to the rollout servers itself: set "
+                             "engine_kwargs.moe_lora.server_urls")
+        out = {}
+        if base:
+            self.base_version += 1
+            store = BaseStore(base, self.bucket_size, self.base_version)
+            try:
+                syncs = [send_store(tr._call, store) for tr in self.transports]
+            finally:
+                store.close()
+            out = {"moe_lora/base_version": self.base_version, "moe_lora/base_tensors": len(base),
+                   "moe_lora/base_sync_s": sum(t["total_s"] for t in syncs)}
+        return {**out, **self._push(meta, tensors)}
 
 
 def log_sync(path: str | None, line: dict) -> None:

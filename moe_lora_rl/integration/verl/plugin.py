@@ -14,6 +14,7 @@ It only adds names, so verl behaves as before unless the config selects them:
     RolloutReplicaRegistry      "moe_lora_vllm" -> replica.MoELoRAvLLMReplica (loaded lazily, imports vLLM)
     rollout ServerAdapter       ("moe_lora_vllm", "async") -> verl's vLLM ServerAdapter (the worker side)
     CheckpointEngineRegistry    "moe_lora" -> checkpoint_engine.MoELoRACheckpointEngine
+                                "moe_lora_base" -> checkpoint_engine.MoELoRABaseCheckpointEngine
 """
 from __future__ import annotations
 
@@ -42,15 +43,17 @@ def register() -> None:
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from .checkpoint_engine import BACKEND as CKPT_BACKEND, MoELoRACheckpointEngine
+    from .checkpoint_engine import (BACKEND as CKPT_BACKEND, BASE_BACKEND, MoELoRABaseCheckpointEngine,
+                                    MoELoRACheckpointEngine)
     from .engine import MoELoRAEngine
 
     engines = EngineRegistry._engines.get("language_model", {}).get(BACKEND, {})
     if engines.get("cuda") is not MoELoRAEngine:
         EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])(MoELoRAEngine)
     RolloutReplicaRegistry.register(REPLICA, _load_replica)
-    if CheckpointEngineRegistry._registry.get(CKPT_BACKEND) is not MoELoRACheckpointEngine:
-        CheckpointEngineRegistry.register(CKPT_BACKEND)(MoELoRACheckpointEngine)
+    for name, cls in ((CKPT_BACKEND, MoELoRACheckpointEngine), (BASE_BACKEND, MoELoRABaseCheckpointEngine)):
+        if CheckpointEngineRegistry._registry.get(name) is not cls:
+            CheckpointEngineRegistry.register(name)(cls)
     rollout_base._ROLLOUT_REGISTRY[(REPLICA, "async")] = rollout_base._ROLLOUT_REGISTRY[("vllm", "async")]
 
 
