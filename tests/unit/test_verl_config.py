@@ -94,14 +94,14 @@ def test_vllm_engine_args_through_replica_hooks(compose):
 
     from moe_lora_rl.integration.verl.replica import MoELoRAvLLMHttpServer
 
-    for prefix_caching, backend in ((True, "naive"), (False, "moe_lora")):
+    for prefix_caching, backend in ((True, "naive"), (False, "moe_lora"), (True, "moe_lora_base")):
         cfg = compose(**{"actor_rollout_ref.rollout.enable_prefix_caching": prefix_caching,
                          "actor_rollout_ref.rollout.enforce_eager": False,
                          "actor_rollout_ref.rollout.checkpoint_engine.backend": backend})
         ours = _launch_args(MoELoRAvLLMHttpServer, cfg)
         assert ours["worker_extension_cls"] == "moe_lora_rl.integration.verl.worker_ext.VerlMoELoRAWorkerExtension"
-        # colocated syncs carry the base once (dummy start is fine); our backend carries adapters only
-        assert ours["load_format"] == ("dummy" if backend == "naive" else "auto"), (backend, ours["load_format"])
+        # colocated syncs and moe_lora_base carry the base once (dummy start is fine); moe_lora carries adapters only
+        assert ours["load_format"] == ("auto" if backend == "moe_lora" else "dummy"), (backend, ours["load_format"])
         assert not ours.get("enable_lora") and not ours.get("fully_sharded_loras")
         assert ours["enforce_eager"] is True and ours["enable_prefix_caching"] is prefix_caching
         assert ours["_sleep_level"] == 1                       # base weights stay resident between adapter refits

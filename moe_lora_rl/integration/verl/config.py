@@ -151,11 +151,12 @@ WORKER_EXTENSION = "moe_lora_rl.integration.verl.worker_ext.VerlMoELoRAWorkerExt
 
 def rollout_load_format(rollout) -> str:
     """verl starts vLLM on dummy weights and relies on the first sync for the base. Colocated ("naive") syncs carry
-    the base once (our worker extension loads it); our "moe_lora" checkpoint-engine backend carries adapters only, so
-    there vLLM loads the base from the checkpoint itself (it never trains)."""
+    the base once (our worker extension loads it), and so does our "moe_lora_base" checkpoint-engine backend (vLLM's
+    weight-transfer calls); our "moe_lora" backend carries adapters only, so there vLLM loads the base from the
+    checkpoint itself (it never trains)."""
     fmt = _get(rollout, "load_format", "dummy")
     backend = _get(_get(rollout, "checkpoint_engine"), "backend", "naive")
-    return "auto" if fmt == "dummy" and backend != "naive" else fmt
+    return "auto" if fmt == "dummy" and backend not in ("naive", "moe_lora_base") else fmt
 
 
 def check_rollout(rollout, router_replay=None) -> None:
