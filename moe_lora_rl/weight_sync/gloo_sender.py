@@ -35,9 +35,26 @@ class GlooBroadcast:
                                                 "world_size": self.world, "timeout_s": timeout_s})
 
         t0 = time.perf_counter()
+        box: dict = {}
+
+        def join_as_sender():
+            try:
+                box["pg"] = gloo_bucket.join(host, port, 0, self.world, timeout_s)
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                box["error"] = e
+
+        sender = threading.Thread(target=join_as_sender, name="gloo-sender-join", daemon=True)
+        sender.start()
         threads = self._start(join)
-        self.pg = gloo_bucket.join(host, port, 0, self.world, timeout_s)
+        while sender.is_alive():                # an engine that fails to join fails the group now, not at its timeout
+            failed = [t for t in threads if not t.is_alive() and t.errors]
+            if failed:
+                raise failed[0].errors[0]
+            sender.join(0.05)
         self._join(threads)
+        if "error" in box:
+            raise box["error"]
+        self.pg = box["pg"]
         self.init_s = time.perf_counter() - t0
 
     def _start(self, fn, *args) -> list:

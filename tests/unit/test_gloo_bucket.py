@@ -1,6 +1,7 @@
 """The gloo bucket protocol (refit/gloo_bucket.py) with three parties in threads: every receiver gets the sender's
 bytes; a receiver that refuses before the broadcast, or whose check fails after it, makes every party fail for that
-bucket (the sender and the other receiver too) instead of leaving anyone waiting, and the group stays usable."""
+bucket (the sender and the other receiver too) instead of leaving anyone waiting, and the group stays usable. An
+engine that cannot join the group fails the broadcast at once."""
 import threading
 
 import pytest
@@ -73,3 +74,23 @@ def test_one_party_refusing_fails_every_party_for_that_bucket(case):
     assert ("before" if case == "refused_before" else "after") in sent[0], out
     assert own[0] == ("refused (test)" if case == "refused_before" else "checksum mismatch (test)"), own
     assert "bucket 7: refused by another" in other[0], other
+
+
+def test_an_engine_that_cannot_join_fails_the_broadcast_at_once():
+    """GlooBroadcast: one engine refuses to join (its error is the one raised) and the sender does not wait for the
+    group's timeout; the other engine never joins either."""
+    import time
+
+    from moe_lora_rl.weight_sync.gloo_sender import GlooBroadcast
+
+    def refuses(method, *args):
+        if method == "moe_lora_base_init":
+            raise ValueError("engine 0 refused moe_lora_base_init (test)")
+
+    def silent(method, *args):
+        return None
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="engine 0 refused"):
+        GlooBroadcast([refuses, silent], timeout_s=60.0)
+    assert time.monotonic() - t0 < 30.0
