@@ -36,10 +36,19 @@ def start_train(out: Path, extra=(), nproc: int = 2, env: dict | None = None, to
 def finish_train(p: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[dict, list[dict], str]:
     """The run's summary, its per-step records (step >= 1) and its console output; AssertionError if it failed."""
     stdout, stderr = p.communicate(timeout=timeout)
-    assert p.returncode == 0, (stdout + stderr)[-4000:]
     out = Path(out)
+    (out / "console.log").write_text(stdout + stderr)
+    assert p.returncode == 0, failure_report(stdout + stderr)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return json.loads((out / "summary.json").read_text()), [r for r in rows if r["step"] >= 1], stdout + stderr
+
+
+def failure_report(console: str, tail: int = 3000) -> str:
+    """What a failed run printed, for an assertion message: every line that tells of a restart, a dead process or an
+    error, from the whole console (the first failure is often far from the end), then its tail."""
+    marks = ("restart", "died", "Error", "error:", "FAILED", "exitcode", "Signal ")
+    lines = [line for line in console.splitlines() if any(m in line for m in marks)]
+    return "\n".join(["-- marked lines --", *lines[:80], "-- tail --", console[-tail:]])
 
 
 def _processes():
