@@ -83,10 +83,11 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
             base = AdapterName(aname.linear, aname.layer, None).canonical if is_shared else gname
             return f"{base}.lora_{factor}"
 
-        A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce)
+        A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce,
+                       target=target)
         b_shape = (2, out_full // 2, r) if glu else (out_full, r)
         b_dim = None if rule.B.shard_dim is None else (1 if glu else 0)
-        B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu)
+        B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu, target=target)
         plans.append(AdapterPlan(name, target, rule, A, B, shared))
     _check_explicit_targets(cfg, plans)
     if not plans:

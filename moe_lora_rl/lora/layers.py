@@ -26,6 +26,7 @@ class FactorMeta:
     group: str | None              # "tp" | "etp" | None
     reduce: tuple[str, ...]
     glu: bool = False
+    target: str = ""               # the LoRA target of the base linear (lora/config.py), "" when not known
 
     def canonical(self, local: torch.Tensor) -> torch.Tensor:
         return local.view(2, -1, local.shape[-1]) if self.glu else local

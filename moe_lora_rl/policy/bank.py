@@ -1,7 +1,9 @@
-"""Several policies' adapters on one training core: one Megatron base, N adapter sets of one shape, one of them
-active (its tensors in the model's adapter parameters). Switching swaps references, copies nothing: the
+"""Several policies' adapters on one training core: one Megatron base, N adapter sets in the modules' shape, one of
+them active (its tensors in the model's adapter parameters). A policy of a lower rank or fewer targets than the
+modules holds zeros outside its own (lora/padding.py) and trains exactly as an adapter of its own shape. Switching swaps references, copies nothing: the
 parameters' storage, the optimizer's per-parameter state (AdamW moments and step), the learning rate, the LoRA
-scale (alpha / rank), the LoRA config the refit header and the PEFT export read, and the adapter version.
+scale (its alpha / its rank), the LoRA config the refit header and checkpoints read (the modules' rank and
+targets at the policy's scale), and the adapter version.
 
     bank = AdapterBank(core, {"a": PolicyAdapter(lr=1e-3, lora=cfg_a), "b": PolicyAdapter(lr=3e-3, lora=cfg_b)})
     bank.activate("b")       # the core now trains, scores and pushes policy b, exactly as a core of b alone
@@ -20,6 +22,7 @@ import torch
 from ..lora import LoRAConfig
 from ..lora.apply import initial_factor
 from ..lora.layers import LoRAAdapter
+from ..lora.padding import check_fits, pad_factor, push_config
 
 
 @dataclass(frozen=True)
@@ -38,22 +41,21 @@ class _Slot:
 
 class AdapterBank:
     def __init__(self, core, policies: dict[str, PolicyAdapter]):
-        """core: a TrainingCore with an optimizer; policies: name -> its learning rate and LoRA config (same rank,
-        targets and adapter layout as the core's; alpha and init_seed its own). The first policy is active."""
+        """core: a TrainingCore with an optimizer; policies: name -> its learning rate and its own LoRA config (a
+        rank up to the core's, targets among the core's, the core's adapter layout). The first policy is active."""
         if not policies:
             raise ValueError("AdapterBank needs at least one policy")
         if core.optimizer is None:
             raise ValueError("AdapterBank needs a training core with an optimizer")
-        shape = _shape(core.lora)
+        self.module = core.lora                   # the adapter modules' shape
         for name, spec in policies.items():
-            if _shape(spec.lora) != shape:
-                raise ValueError(f"policy {name!r}: LoRA rank/targets/adapter layout {_shape(spec.lora)} differ from "
-                                 f"the base's adapters {shape}: one adapter shape per base")
+            check_fits(self.module, spec.lora, name)
             if not spec.lr >= 0:
                 raise ValueError(f"policy {name!r}: lr={spec.lr!r} must be >= 0")
         self.core = core
         self.adapters = [m for m in core.model.modules() if isinstance(m, LoRAAdapter)]
-        self.slots = {name: _Slot(spec, [initial_factor(p, spec.lora.init_seed) for p in core.params])
+        self.slots = {name: _Slot(spec, [pad_factor(initial_factor(p, spec.lora.init_seed), p.lora_meta, spec.lora)
+                                         for p in core.params])
                       for name, spec in policies.items()}
         self.active: str | None = None
         self.activate(next(iter(policies)))
@@ -84,7 +86,7 @@ class AdapterBank:
             g["lr"] = new.spec.lr
         for m in self.adapters:
             m.scale = new.spec.lora.scale
-        core.lora = core.model.lora_config = new.spec.lora
+        core.lora = core.model.lora_config = push_config(self.module, new.spec.lora)
         core.version = new.version
         new.tensors = []                          # the parameters hold them while active
         self.active = name
@@ -93,7 +95,3 @@ class AdapterBank:
         if name not in self.slots:
             raise ValueError(f"no policy {name!r} on this base; policies: {self.names}")
         return self.slots[name]
-
-
-def _shape(lora: LoRAConfig) -> tuple:
-    return lora.rank, tuple(sorted(lora.targets)), lora.adapter_layout

@@ -76,6 +76,23 @@ def stream_to_peft(model, arch: MoEArch, out_dir: str | Path, bucket_bytes: int 
     return digest
 
 
+def trim_peft_dir(out_dir: str | Path, policy: LoRAConfig, arch: MoEArch) -> Path:
+    """A PEFT directory written from adapter modules larger than the policy's (lora/padding.py) rewritten as the
+    policy's own: its targets' modules, its rank, its alpha. ValueError if what is cut is not zero."""
+    from safetensors.torch import load_file, save_file
+
+    from ..lora.padding import trim_peft
+
+    out = Path(out_dir)
+    naming = naming_for(arch)
+    config = json.loads((out / "adapter_config.json").read_text())
+    tensors = trim_peft(load_file(str(out / "adapter_model.safetensors")), policy,
+                        lambda name: naming.parse_peft(name)[0].linear.target)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    write_config(out, policy, tensors, arch, config.get("base_model_name_or_path"))
+    return out
+
+
 class SafetensorsWriter:
     """A safetensors file written in order: the header (every name, dtype and shape, known from the plan) first,
     then each tensor's bytes as they arrive, so no more than the caller's buffer is ever held."""

@@ -329,7 +329,7 @@ class TrainConfig:
                 and not isinstance(self.resume, bool):
             raise ValueError(f"resume={self.resume!r}; choose one of (true, false, 'auto')")
         _choice("policies_rollout", self.policies_rollout, POLICIES_ROLLOUT)
-        check_policies(self.policies, lora=self.lora, rollout=self.rollout, mode=self.mode, inflight=self.inflight,
+        check_policies(self.policies, rollout=self.rollout, mode=self.mode, inflight=self.inflight,
                        max_staleness=self.max_staleness)
         if self.resume and self.checkpoint_every == 0:
             raise ValueError(f"resume={str(self.resume).lower()} needs checkpoint_every > 0 (a run without "

@@ -4,9 +4,10 @@ config, the one it would be trained with alone.
     policies: [{name: a, seed: 1}, {name: b, seed: 2, lr: 3e-3, task: sort_trace}]
 
 A policy is the run's settings with a few of them replaced (its seed, which also seeds its adapter's
-initialisation, learning rate, alpha, task or data files, staleness bound) and its outputs under out_dir/<name>/.
-Every policy holds an adapter of one shape on the shared base (rank, targets and adapter layout from `lora`): the
-trainer swaps adapters in place (policy/bank.py), so a policy naming another rank or other targets is refused.
+initialisation, learning rate, alpha, rank, targets, task or data files, staleness bound) and its outputs under
+out_dir/<name>/. The shared base's adapter modules take the largest rank and every policy's targets
+(`module_lora`); a policy of a lower rank or fewer targets holds zeros outside its own (lora/padding.py) and trains
+exactly as its own shape would alone. The adapter layout is one for all (`lora.adapter_layout`).
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class PolicySettings:
     alpha: Optional[float] = None
     """Its LoRA alpha; null: lora.alpha."""
     rank: Optional[int] = None
-    """Must equal lora.rank when set (one adapter shape per base); listed so a differing one is refused by name."""
+    """Its LoRA rank; null: lora.rank."""
     targets: Optional[list] = None
-    """Must equal lora.targets when set, as rank."""
+    """Its LoRA targets; null: lora.targets."""
     task: Optional[str] = None
     """Its task (data.task); null: the run's."""
     length: Optional[int] = None
@@ -49,9 +50,9 @@ class PolicySettings:
             self.targets = list(self.targets)           # a ListConfig from hydra
 
 
-def check_policies(policies: list, *, lora, rollout, mode: str, inflight: str, max_staleness: int) -> None:
-    """The checks that need the whole list (ValueError naming the value): names unique, one adapter shape, and the
-    engine's adapter slots enough for every policy's versions at once."""
+def check_policies(policies: list, *, rollout, mode: str, inflight: str, max_staleness: int) -> None:
+    """The checks that need the whole list (ValueError naming the value): names unique and the engine's adapter
+    slots enough for every policy's versions at once (each policy's own values are checked by policy_config)."""
     if policies and mode != "sync":
         raise ValueError(f"policies with mode={mode}: several policies take their steps in turns (mode=sync); "
                          "a policy running asynchronously within its own bound is not built yet")
@@ -60,13 +61,6 @@ def check_policies(policies: list, *, lora, rollout, mode: str, inflight: str, m
     if dup:
         raise ValueError(f"policies: name {dup[0]!r} is given {names.count(dup[0])} times; each policy needs its own "
                          "name (its outputs go to out_dir/<name>/)")
-    for p in policies:
-        if p.rank is not None and p.rank != lora.rank:
-            raise ValueError(f"policies: {p.name!r} has rank={p.rank}, lora.rank={lora.rank}: the policies on one "
-                             "base share one adapter shape (rank, targets, adapter layout); set lora.rank instead")
-        if p.targets is not None and sorted(p.targets) != sorted(lora.targets):
-            raise ValueError(f"policies: {p.name!r} has targets={p.targets}, lora.targets={list(lora.targets)}: "
-                             "the policies on one base share one adapter shape; set lora.targets instead")
     need = sum(slots(p, mode=mode, inflight=inflight, max_staleness=max_staleness) for p in policies)
     if policies and need > rollout.max_versions:
         raise ValueError(f"policies: {len(policies)} policies need {need} adapter slots in the engine at once, "
@@ -87,7 +81,7 @@ def policy_config(cfg, p: PolicySettings):
     data = r(cfg.data, **{k: getattr(p, k) for k in ("task", "length", "train_file", "eval_file")
                           if getattr(p, k) is not None})
     algo = r(cfg.algo, lr=p.lr) if p.lr is not None else cfg.algo
-    lora = r(cfg.lora, alpha=p.alpha) if p.alpha is not None else cfg.lora
+    lora = r(cfg.lora, **{k: getattr(p, k) for k in ("alpha", "rank", "targets") if getattr(p, k) is not None})
     extra = {"seed": p.seed} if p.seed is not None else {}
     if p.max_staleness is not None:
         extra["max_staleness"] = p.max_staleness
@@ -97,3 +91,14 @@ def policy_config(cfg, p: PolicySettings):
 def policy_configs(cfg) -> list[tuple[str, object]]:
     """(name, run config) of every policy, in the order given."""
     return [(p.name, policy_config(cfg, p)) for p in cfg.policies]
+
+
+def module_lora(cfg):
+    """The lora section of the shared base's adapter modules: the largest of the policies' ranks, every policy's
+    targets (cfg.lora itself when there are no policies)."""
+    from ..lora.padding import module_shape
+
+    if not cfg.policies:
+        return cfg.lora
+    rank, targets = module_shape([pcfg.lora.lora_config() for _, pcfg in policy_configs(cfg)])
+    return dataclasses.replace(cfg.lora, rank=rank, targets=list(targets))

@@ -59,6 +59,17 @@ class PolicyRun(GRPORun):
         self.job.allocate(self.owner, self.policy.version)          # every rank, in the same order
         return super().push(restarts, after_restart, engines)
 
+    def export_adapter(self) -> None:
+        """As GRPORun's, then (rank 0) cut to the policy's own rank and targets when the base's adapter modules are
+        larger: the adapter the policy would have exported alone."""
+        from ..refit.export import trim_peft_dir
+
+        super().export_adapter()
+        own = self.cfg.lora.lora_config(init_seed=self.cfg.seed)
+        module = self.job.bank.module
+        if self.rank == 0 and (own.rank, own.targets) != (module.rank, module.targets):
+            trim_peft_dir(self.out / "adapter", own, self.policy.arch)
+
     def summary(self, history: list, evals: dict, wall: float) -> dict:
         s = super().summary(history, evals, wall)
         return {**s, "failed": self.job.failed[self.owner]} if self.owner in self.job.failed else s
@@ -98,18 +109,16 @@ class PoliciesRun:
     def setup(self) -> None:
         """The shared pieces once (base, tokenizer, the engines' producer), the bank, then each policy's own."""
         from ..policy.bank import AdapterBank, PolicyAdapter
-        from .config_policies import policy_configs
+        from .config_policies import module_lora, policy_configs
         from .inputs import load_problems
         from .producer import Producer
 
-        head = GRPORun(self.cfg, self.world)
+        head = GRPORun(dataclasses.replace(self.cfg, lora=module_lora(self.cfg)), self.world)
         head.setup()
         self.head, self.policy = head, head.policy
         configs = policy_configs(self.cfg)
         self.bank = AdapterBank(head.policy.core, {
-            name: PolicyAdapter(pcfg.algo.lr, dataclasses.replace(head.policy.lora, alpha=float(pcfg.lora.alpha),
-                                                                  init_seed=pcfg.seed))
-            for name, pcfg in configs})
+            name: PolicyAdapter(pcfg.algo.lr, pcfg.lora.lora_config(init_seed=pcfg.seed)) for name, pcfg in configs})
         for name, pcfg in configs:
             r = PolicyRun(self, name, pcfg)
             r.path, r.warmup, r.tok, r.template = head.path, head.warmup, head.tok, head.template

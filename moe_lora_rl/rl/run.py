@@ -309,15 +309,19 @@ class GRPORun(EngineRecovery):
             self.start_lens = length_percentiles(self.eval_lens, "len_")
             self.log.log(0, {"eval": evals[0], **length_percentiles(self.eval_lens, "eval_len_")})
 
+    def export_adapter(self) -> None:
+        """Collective: the trained adapter as a PEFT directory, out_dir/adapter."""
+        from ..refit.export import stream_to_peft
+
+        stream_to_peft(self.policy.model, self.policy.arch, self.out / "adapter", base_model=str(self.path))
+
     def finish(self, history: list, evals: dict, wall: float) -> dict:
         """After the last step: the dense evaluation (sparse rollouts), the PEFT adapter, summary.json, the plot."""
         from .metrics import plot
 
         cfg = self.cfg
         eval_dense = self.dense_eval() if cfg.rollout.kv_compression != "none" else None
-        from ..refit.export import stream_to_peft
-
-        stream_to_peft(self.policy.model, self.policy.arch, self.out / "adapter", base_model=str(self.path))
+        self.export_adapter()
         summary = self.summary(history, evals, wall)
         if eval_dense is not None:
             summary["eval_end_dense"] = eval_dense

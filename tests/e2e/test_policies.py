@@ -3,7 +3,9 @@ the warm-started small model, fp32 rollouts, 2 steps each, the policies of diffe
 and a third policy whose training file the engine refuses.
 
 - Each policy has its own outputs in out_dir/<name>/ (metrics, plot, summary, PEFT adapter) and the job a summary
-  naming them.
+  naming them. b has its own rank and targets (rank 4 on the experts; the base's adapter modules are lora's, rank 8
+  on the experts and attention): its adapter is exported in its own shape, and the engine serves it at its own
+  scale (the k3 below would be far off with the modules' alpha / rank).
 - The engine held every policy's version and served each request with its own policy's: the engine numbers the
   versions over all (a's 0 -> 1, b's 0 -> 2, bad's 0 -> 3, a's 1 -> 4, b's 1 -> 5, in push order), and every rollout
   token carries its policy's number. With R3 in fp32 the trainer's recompute (that policy's adapter, the sample's routes) matches
@@ -42,7 +44,7 @@ def long_prompts(path):
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("policies")
     bad = long_prompts(out / "long.parquet")
-    p = start_train(out, [*SHORT, "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 1e-2}, "
+    p = start_train(out, [*SHORT, "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 1e-2, rank: 4, targets: [experts]}, "
                                   f"{{name: bad, seed: 3, train_file: '{bad}'}}]"])
     stdout, stderr = p.communicate(timeout=900)
     assert p.returncode == 0, (stdout + stderr)[-4000:]
@@ -83,7 +85,13 @@ def test_each_request_served_with_its_own_policys_version(run):
     from safetensors.torch import load_file
 
     a, b = (load_file(str(out / n / "adapter" / "adapter_model.safetensors")) for n in ("a", "b"))
-    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-3
+    assert set(b) < set(a) and all(".experts." in k for k in b) and any("self_attn" in k for k in a)
+    assert all(t.shape[0 if ".lora_A." in k else 1] == 4 for k, t in b.items())
+    assert all(t.shape[0 if ".lora_A." in k else 1] == 8 for k, t in a.items())
+    assert max(float(((a[k][:4] if ".lora_A." in k else a[k][:, :4]) - b[k]).abs().max()) for k in b) > 1e-3
+    config = json.loads((out / "b" / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 16.0) and set(config["target_modules"]) <= {
+        "gate_proj", "up_proj", "down_proj"}, config
 
 
 

@@ -3,7 +3,7 @@ would be trained with alone), and every bad list refused with one line naming th
 import pytest
 
 from moe_lora_rl.rl.config import load
-from moe_lora_rl.rl.config_policies import policy_configs
+from moe_lora_rl.rl.config_policies import module_lora, policy_configs
 
 TWO = "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 3e-3, alpha: 4, task: sort_trace, length: 9}]"
 
@@ -17,13 +17,25 @@ def test_each_policy_is_the_run_with_its_settings():
     assert policy_configs(load([])) == []
 
 
+def test_the_base_adapters_hold_every_policys_rank_and_targets():
+    """Each policy keeps its own rank and targets; the shared base's modules take the largest rank and every
+    policy's targets (in order of first appearance); without policies they are lora's."""
+    cfg = load(["policies=[{name: a, rank: 4, targets: [experts]}, {name: b, rank: 16, targets: [attention, "
+                "dense_mlp]}, {name: c}]"])
+    own = {n: (p.lora.rank, p.lora.targets) for n, p in policy_configs(cfg)}
+    assert own == {"a": (4, ["experts"]), "b": (16, ["attention", "dense_mlp"]), "c": (8, ["experts", "attention"])}
+    m = module_lora(cfg)
+    assert (m.rank, m.targets, m.alpha) == (16, ["experts", "attention", "dense_mlp"], cfg.lora.alpha)
+    assert module_lora(load(["lora.rank=4"])).rank == 4
+
+
 @pytest.mark.parametrize("override,match", [
     ("policies=[{name: a}, {name: a}]", "policies: name 'a' is given 2 times"),
     ("policies=[{name: 'a/b'}]", "policies: name='a/b' must be 1-64 letters"),
     ("policies=[{seed: 1}]", "policies: name='' must be"),
-    ("policies=[{name: a, rank: 4}]", "policies: 'a' has rank=4, lora.rank=8: the policies on one base share one "
-                                      "adapter shape"),
-    ("policies=[{name: a, targets: [experts]}]", "policies: 'a' has targets=\\['experts'\\]"),
+    ("policies=[{name: a, rank: 0}]", "policies: 'a': LoRA rank must be a positive integer, got rank=0"),
+    ("policies=[{name: a, targets: [nonsense]}]", "policies: 'a': unknown LoRA targets \\['nonsense'\\]"),
+    ("policies=[{name: a, targets: []}]", "policies: 'a': LoRA targets is empty"),
     ("policies=[{name: a, colour: red}]", "unknown config key"),
     ("policies=[{name: a, lr: -1}]", "policies: 'a': algo.lr=-1.0 must be >= 0"),
     ("policies=[{name: a, lr: inf}]", "policies: 'a': algo.lr=inf must be finite"),

@@ -131,7 +131,7 @@ def test_bank_refusals(runs, world):
     with pytest.raises(ValueError, match="no policy 'c' on this base; policies: \\['a', 'b'\\]"):
         bank.activate("c")
     core = bank.core
-    with pytest.raises(ValueError, match="policy 'r8': LoRA rank/targets/adapter layout"):
+    with pytest.raises(ValueError, match="policy 'r8': rank=8 is above the base's adapter rank 4"):
         AdapterBank(core, {"r8": PolicyAdapter(1e-3, dataclasses.replace(core.lora, rank=8))})
     bank.activate("b")
     core.params[0].grad = torch.ones_like(core.params[0])           # the last update's gradients: not b's
