@@ -74,11 +74,11 @@ def _peft(pol):
     return to_peft_tensors(gather_adapters(pol.model), pol.arch)
 
 
-def _together(world, pad=True):
+def _together(pol, pad=True):
+    """Both policies trained in turns on a bank over pol's core (a fresh bank: each policy from its own start)."""
     from moe_lora_rl.policy import bank as bank_mod
     from moe_lora_rl.policy.bank import AdapterBank, PolicyAdapter
 
-    pol = _policy(world, _lora(seed=0, alpha=16.0, **MODULE), lr=1e-3)
     original = bank_mod.pad_factor
     if not pad:                                       # the control: a's factors drawn at the modules' shape
         bank_mod.pad_factor = lambda t, meta, lora: t
@@ -96,21 +96,22 @@ def _together(world, pad=True):
         bank.activate(name)
         out[name] = (_peft(pol), pol.logprobs(data["a"], replay="r3").logprobs, pol.version,
                      pol.core.lora, [m.scale for m in bank.adapters][:1])
-    pol.replayer.detach()
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(world):
-    together = _together(world)
+    base = _policy(world, _lora(seed=0, alpha=16.0, **MODULE), lr=1e-3)
+    together = _together(base)
+    control = _together(base, pad=False)
+    base.replayer.detach()
     pol = _policy(world, _lora(**A), lr=A["lr"])
     data = _batches(pol.arch)
     for _ in range(2):
         _step(pol, data["a"])
     alone = (_peft(pol), pol.logprobs(data["a"], replay="r3").logprobs, pol.version)
     pol.replayer.detach()
-    control = _together(world, pad=False)
-    return together, alone, control
+    return together, alone, control, pol.core
 
 
 def _cut(world, peft, lora):
@@ -126,7 +127,7 @@ def _max_diff(x: dict, y: dict) -> float:
 
 
 def test_a_lower_rank_policy_on_a_larger_base_is_its_run_alone(runs, world):
-    together, alone, _ = runs
+    together, alone, _, _ = runs
     (peft, lp, v, pushed, scale), (peft0, lp0, v0) = together["a"], alone
     own = _cut(world, peft, _lora(**A))
     assert own.keys() == peft0.keys() and all(own[k].shape == peft0[k].shape for k in own)
@@ -138,7 +139,7 @@ def test_a_lower_rank_policy_on_a_larger_base_is_its_run_alone(runs, world):
 
 
 def test_b_at_the_modules_shape_cuts_to_nothing_smaller(runs, world):
-    together, _, _ = runs
+    together, _, _, _ = runs
     peft_b = together["b"][0]
     assert any("self_attn" in k and float(t.abs().max()) > 0 for k, t in peft_b.items() if ".lora_B." in k)
     with pytest.raises(ValueError, match="nonzero values outside policy rank 4"):
@@ -147,7 +148,7 @@ def test_b_at_the_modules_shape_cuts_to_nothing_smaller(runs, world):
 
 
 def test_control_without_the_zeros_a_trains_elsewhere(runs):
-    _, alone, control = runs
+    _, alone, control, _ = runs
     peft, lp, _, _, _ = control["a"]
     lp0 = alone[1]
     assert float((lp - lp0).abs().max()) > 5e-2, float((lp - lp0).abs().max())
@@ -157,12 +158,10 @@ def test_control_without_the_zeros_a_trains_elsewhere(runs):
 def test_bank_refusals_name_the_policy(runs, world):
     from moe_lora_rl.policy.bank import AdapterBank, PolicyAdapter
 
-    pol = _policy(world, _lora(seed=0, alpha=16.0, rank=4, targets=("experts",)), lr=1e-3)
-    core = pol.core
+    core = runs[3]                                    # rank 4 on the experts
     with pytest.raises(ValueError, match="policy 'big': rank=8 is above the base's adapter rank 4"):
         AdapterBank(core, {"big": PolicyAdapter(1e-3, _lora(seed=1, alpha=8.0, rank=8, targets=("experts",)))})
     with pytest.raises(ValueError, match=r"policy 'att': targets \['proj', 'qkv'\] are not adapted on this base"):
         AdapterBank(core, {"att": PolicyAdapter(1e-3, _lora(seed=1, alpha=8.0, rank=4, targets=("attention",)))})
     with pytest.raises(ValueError, match="policy 'sh': adapter_layout='shared'"):
         AdapterBank(core, {"sh": PolicyAdapter(1e-3, dataclasses.replace(core.lora, adapter_layout="shared"))})
-    pol.replayer.detach()
