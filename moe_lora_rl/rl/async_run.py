@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import torch
+
 from .groups import PushClock, StalenessGate
 from .recovery import broadcast
 from .run import GRPORun
@@ -31,40 +33,52 @@ class AsyncGRPORun(GRPORun):
             self.served = ServedAdapters(self.out, keep=cfg.max_staleness + 1)
 
     def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
+        self.open_pipe(state)
+        try:
+            for step in range(start, self.cfg.steps):
+                self.record_async(step, self.async_step(step), history, evals)
+        finally:
+            self.close_pipe()
+
+    def open_pipe(self, state: dict) -> None:
+        """Every rank: the staleness clock; rank 0: the producer started (a resumed run's trained and dropped groups
+        are not generated again). Versions are counted in the engine's numbers (a run of one policy: its own)."""
         cfg, a = self.cfg, self.cfg.algo
-        done = set(state.get("groups_done", ()))      # a resumed run's trained and dropped groups
+        done = set(state.get("groups_done", ()))
         self.pipe = None
-        self.clock = PushClock(self.policy.version)     # every rank: staleness in pushes for the step's metrics
+        self.clock = PushClock(self.engine_version())     # every rank: staleness in pushes for the step's metrics
         if self.rank == 0:
             from .pipeline import Pipeline
 
-            gate = StalenessGate(a.prompts_per_step, cfg.max_staleness, version=self.policy.version)
-            self.pipe = Pipeline(self.prod, gate, self.group, done=done)
+            gate = StalenessGate(a.prompts_per_step, cfg.max_staleness, version=self.engine_version())
+            self.pipe = Pipeline(self.prod, gate, self.group, done=done, pin=self.serving_version() is not None)
             self.pipe.start()
         self.trained_samples = self.dropped_samples = self.consumed_tokens = 0
         self._engine_step_s_seen = self._engine_step_s()
         self.engine_busy_s = 0.0          # the engines' stepping seconds in this loop (per engine), across restarts
-        try:
-            for step in range(start, cfg.steps):
-                m = self.async_step(step)
-                if step + 1 == cfg.steps and self.rank == 0:
-                    self.pipe.stop()          # nothing more to produce: the last evaluation has the engine
-                if self.eval_due(step + 1):
-                    evals[step + 1] = m["eval"] = self.evaluate(self._eval_version(), after_restart=self.pipe_recover)
-                m["wall_s"] = time.perf_counter() - self.t_rl
-                m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
-                history.append(m)
-                self.log.log(step + 1, m)
-                if self.checkpoint_due(step + 1):
-                    self.save(step + 1, history, evals,
-                              groups_done=sorted(broadcast(self.pipe.done if self.rank == 0 else None)))
-        finally:
-            if self.pipe is not None:
-                self.pipe.stop()
+
+    def close_pipe(self) -> None:
+        if getattr(self, "pipe", None) is not None:
+            self.pipe.stop()
+
+    def record_async(self, step: int, m: dict, history: list, evals: dict) -> None:
+        """A finished step: the evaluation if due (the producer stopped before the last), the metrics line, the
+        checkpoint if due."""
+        if step + 1 == self.cfg.steps and self.rank == 0:
+            self.pipe.stop()          # nothing more to produce: the last evaluation has the engine
+        if self.eval_due(step + 1):
+            evals[step + 1] = m["eval"] = self.evaluate(self._eval_version(), after_restart=self.pipe_recover)
+        m["wall_s"] = time.perf_counter() - self.t_rl
+        m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
+        history.append(m)
+        self.log.log(step + 1, m)
+        if self.checkpoint_due(step + 1):
+            self.save(step + 1, history, evals,
+                      groups_done=sorted(broadcast(self.pipe.done if self.rank == 0 else None)))
 
     def async_step(self, step: int) -> dict:
         a = self.cfg.algo
-        version = self.policy.version
+        version = self.engine_version()
         got = self._on_engine(f"the groups of step {step + 1}",
                               lambda: self._take(a.prompts_per_step, version), after_restart=self.pipe_recover)
         groups, dropped, wait_s = got
@@ -76,11 +90,12 @@ class AsyncGRPORun(GRPORun):
         pushed = 0
         if not m.get("skipped"):
             pushed = self.push(after_restart=self.pipe_recover)     # in flight: the engine keeps generating
-            self.clock.serve(self.policy.version)
+            self.clock.serve(self.engine_version())
             if self.rank == 0:
-                self.pipe.serve(self.policy.version)
+                self.pipe.serve(self.engine_version())
         return {**m, **self.step_metrics(samples, dropped, version, batch, proximal, wait_s),
-                "refit_bytes": pushed, "version": self.policy.version}
+                "refit_bytes": pushed, "version": self.policy.version,
+                "engine_versions": [version, self.engine_version()]}   # the engine's numbers: trained at, pushed
 
     def _take(self, n: int, version: int):
         """Rank 0: n groups within the bound (plans and samples, picklable), the dropped groups' sample count and
@@ -97,7 +112,7 @@ class AsyncGRPORun(GRPORun):
         self.pipe.recover(index)
 
     def _eval_version(self) -> int | None:
-        return self.policy.version if self.cfg.inflight == "pin" and self.policy.version > 0 else None
+        return self.engine_version() if self.cfg.inflight == "pin" and self.policy.version > 0 else None
 
     def _engine_step_s(self) -> list[float]:
         """Seconds each engine's loop has spent stepping (rank 0; [] elsewhere)."""
@@ -109,6 +124,8 @@ class AsyncGRPORun(GRPORun):
             return [0.0] * len(self.engines)
 
     def step_metrics(self, samples, dropped: int, version: int, batch, proximal, wait_s: float) -> dict:
+        from ..router_replay.metrics import k3_kl
+        from .samples import token_versions
         from .step import effective_sample_size
 
         stale = [self.clock.staleness(version, s.versions) for s in samples]
@@ -123,7 +140,12 @@ class AsyncGRPORun(GRPORun):
                "dropped": dropped,
                "dropped_frac": self.dropped_samples / max(1, self.dropped_samples + self.trained_samples),
                "ess": effective_sample_size(proximal, batch.rollout_logprobs, batch.loss_mask),
-               "train_wait_s": wait_s, "tokens_consumed_per_s": self.consumed_tokens / wall}
+               "train_wait_s": wait_s, "tokens_consumed_per_s": self.consumed_tokens / wall,
+               "rollout_versions": token_versions(samples)}
+        fresh = torch.tensor([k == 0 for k in stale])
+        if fresh.any() and proximal.shape[0] == len(samples):    # behaviour = the trainer before the update
+            out["fresh_rollout_kl"] = k3_kl(proximal[fresh], batch.rollout_logprobs[fresh],
+                                            batch.loss_mask[fresh].to(proximal.dtype))
         if self.rank == 0:
             try:
                 sts = self.engines.status()

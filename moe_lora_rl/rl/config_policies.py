@@ -53,9 +53,9 @@ class PolicySettings:
 def check_policies(policies: list, *, rollout, mode: str, inflight: str, max_staleness: int) -> None:
     """The checks that need the whole list (ValueError naming the value): names unique and the engine's adapter
     slots enough for every policy's versions at once (each policy's own values are checked by policy_config)."""
-    if policies and mode != "sync":
-        raise ValueError(f"policies with mode={mode}: several policies take their steps in turns (mode=sync); "
-                         "a policy running asynchronously within its own bound is not built yet")
+    if policies and mode == "async" and inflight != "pin":
+        raise ValueError(f"policies with mode=async and inflight={inflight}: the engine serves several policies by "
+                         "pinning each request to its own policy's version; set inflight=pin")
     names = [p.name for p in policies]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -31,8 +31,10 @@ class FinishedGroup:
 
 
 class Pipeline:
-    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset()):
-        self.prod, self.gate, self.plan_of = producer, gate, plan_of
+    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset(), pin: bool = False):
+        """pin: each request pinned to the version last served (gate.served) when it starts, instead of the
+        engine's newest (several policies on one engine: the newest may be another policy's)."""
+        self.prod, self.gate, self.plan_of, self.pin = producer, gate, plan_of, pin
         self.done = set(done)                # trained on or dropped (a resumed run's included): never generated
         self.group_size = producer.cfg.algo.group_size
         self.cond = threading.Condition()
@@ -89,7 +91,11 @@ class Pipeline:
         g = self.group_size
         try:
             engine = self.prod.engines[e]
-            for i, sample in engine.stream(**self.prod.requests(plans), **self.prod.sampling()):
+            req = self.prod.requests(plans)
+            if self.pin:
+                with self.cond:
+                    req["versions"] = [self.gate.served] * len(req["prompts"])
+            for i, sample in engine.stream(**req, **self.prod.sampling()):
                 plan = plans[i // g]
                 with self.cond:
                     if self.stopping:

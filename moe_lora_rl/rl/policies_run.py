@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .async_run import AsyncGRPORun
 from .run import GRPORun
 
 
@@ -93,6 +94,16 @@ class PolicyRun(GRPORun):
         return pushed
 
 
+class AsyncPolicyRun(PolicyRun, AsyncGRPORun):
+    """One policy of a mode=async job: its own producer on the job's engines (its requests pinned to its newest
+    pushed version), its own staleness bound counted in its own pushes, taking its turn to train."""
+
+    def pipe_recover(self, index: int) -> None:
+        for r in self.job.runs:                   # every policy's streams to that engine were lost
+            if getattr(r, "pipe", None) is not None:
+                r.pipe.recover(index)
+
+
 class PoliciesRun:
     def __init__(self, cfg, world_size: int):
         self.cfg, self.world = cfg, world_size
@@ -119,8 +130,9 @@ class PoliciesRun:
         configs = policy_configs(self.cfg)
         self.bank = AdapterBank(head.policy.core, {
             name: PolicyAdapter(pcfg.algo.lr, pcfg.lora.lora_config(init_seed=pcfg.seed)) for name, pcfg in configs})
+        kind = AsyncPolicyRun if self.cfg.mode == "async" else PolicyRun
         for name, pcfg in configs:
-            r = PolicyRun(self, name, pcfg)
+            r = kind(self, name, pcfg)
             r.path, r.warmup, r.tok, r.template = head.path, head.warmup, head.tok, head.template
             r.moe_layers, r.setup_s = head.moe_layers, head.setup_s
             r.train_problems, r.eval_problems = load_problems(pcfg)
@@ -149,6 +161,34 @@ class PoliciesRun:
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)
+
+    def take_async_steps(self, opened: dict) -> None:
+        """mode=async: every policy's producer keeps the engines full within its own bound while the policies take
+        their updates in turn (each takes its finished groups, trains and pushes in flight)."""
+        for r in self.runs:
+            r.open_pipe(opened[r.owner][3])
+        try:
+            for step in range(min(o[0] for o in opened.values()), self.cfg.steps):
+                for r in self.runs:
+                    if r.owner in self.failed or step < opened[r.owner][0]:
+                        continue
+                    try:
+                        m = r.async_step(step)
+                        if not math.isfinite(m.get("loss", 0.0)):
+                            raise ValueError(f"non-finite loss {m['loss']}")
+                    except (ValueError, RuntimeError) as e:    # raised on every rank: the policy stops alone
+                        self.stop_policy(r, step, e)
+                        r.close_pipe()
+                        continue
+                    _, history, evals, _ = opened[r.owner]
+                    r.record_async(step, m, history, evals)
+        finally:
+            for r in self.runs:
+                r.close_pipe()
+
+    def stop_policy(self, r: PolicyRun, step: int, e: BaseException) -> None:
+        self.failed[r.owner] = f"step {step + 1}: {' '.join(str(e).split())}"
+        r.log.note(f"policy {r.owner} stopped at {self.failed[r.owner]}; the other policies go on")
 
     def take_batched_steps(self, opened: dict) -> None:
         """Each step: every live policy's groups in one engine batch, then each policy trains and pushes."""
@@ -213,8 +253,7 @@ class PoliciesRun:
             if not math.isfinite(m.get("loss", 0.0)):
                 raise ValueError(f"non-finite loss {m['loss']}")
         except (ValueError, RuntimeError) as e:    # raised on every rank: the policy stops alone
-            self.failed[r.owner] = f"step {step + 1}: {' '.join(str(e).split())}"
-            r.log.note(f"policy {r.owner} stopped at {self.failed[r.owner]}; the other policies go on")
+            self.stop_policy(r, step, e)
             return
         _, history, evals, _ = opened[r.owner]
         r.record(step, m, history, evals)
@@ -236,7 +275,9 @@ class PoliciesRun:
             r.begin(opened[r.owner][2])
         turns = [(step, r) for step in range(min(o[0] for o in opened.values()), cfg.steps) for r in self.runs
                  if step >= opened[r.owner][0]]
-        if cfg.policies_rollout == "batched":
+        if cfg.mode == "async":
+            self.take_async_steps(opened)
+        elif cfg.policies_rollout == "batched":
             self.take_batched_steps(opened)
         else:
             self.take_turns(turns, opened)

@@ -50,6 +50,11 @@ def test_bad_policies_named(override, match):
 
 
 def test_policies_take_turns():
-    with pytest.raises(ValueError, match="policies with mode=async: several policies take their steps in turns"):
+    with pytest.raises(ValueError, match="policies with mode=async and inflight=switch: .* set inflight=pin"):
         load(["policies=[{name: a}]", "mode=async"])
+    with pytest.raises(ValueError, match="policies: 2 policies need 6 adapter slots in the engine at once, "
+                                         "rollout.max_versions=4"):
+        load(["policies=[{name: a}, {name: b, max_staleness: 1}]", "mode=async", "inflight=pin", "max_staleness=3"])
+    cfg = load(["policies=[{name: a}, {name: b, max_staleness: 1}]", "mode=async", "inflight=pin"])
+    assert [p.max_staleness for _, p in policy_configs(cfg)] == [1, 1]
     load(["policies=[{name: a}, {name: b}, {name: c}, {name: d}, {name: e}]", "rollout.max_versions=5"])
