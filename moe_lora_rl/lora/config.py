@@ -66,6 +66,10 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def unmatched(self, adaptable: set[str]) -> list[str]:
+        """The explicitly named targets (or groups) none of whose linears is among `adaptable`."""
+        return [t for t in self.explicit if not set(GROUPS.get(t, (t,))) & adaptable]
+
     def resolved_targets(self) -> tuple[str, ...]:
         """Concrete target names, expanded from groups and "all"."""
         out: list[str] = []

@@ -41,6 +41,15 @@ class MoEArch:
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
 
+    def adaptable(self) -> set[str]:
+        """The LoRA targets (lora/config.py's names) this model has a linear for."""
+        out = {"qkv", "proj"}
+        if any(self.moe_layers):
+            out |= {"expert_fc1", "expert_fc2"} | ({"shared_fc1", "shared_fc2"} if self.shared_expert_ffn else set())
+        if not all(self.moe_layers):
+            out |= {"dense_fc1", "dense_fc2"}
+        return out
+
 
 def _get(cfg: Any, name: str, default=None):
     return getattr(cfg, name, default) if not isinstance(cfg, dict) else cfg.get(name, default)

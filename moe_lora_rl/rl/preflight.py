@@ -77,6 +77,7 @@ def check(cfg: TrainConfig, world_size: int):
         try:
             if name is not None:
                 check_prompts(pcfg)
+            check_targets(pcfg, arch)
             check_resumable(pcfg)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
@@ -84,6 +85,12 @@ def check(cfg: TrainConfig, world_size: int):
         check_engine_cores(cfg)
     run_config(cfg).check_host()
     return arch
+
+
+def check_targets(cfg: TrainConfig, arch) -> None:
+    unmatched = cfg.lora.lora_config().unmatched(arch.adaptable())
+    if unmatched:
+        raise ValueError(f"lora.targets {unmatched} match no layer of this model (it has {sorted(arch.adaptable())})")
 
 
 def check_resumable(cfg: TrainConfig) -> None:

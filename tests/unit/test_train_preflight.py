@@ -107,3 +107,18 @@ def test_plain_prompt_template():
     assert resolve_template(tok, "auto") == "plain"
     with pytest.raises(ValueError, match="has no chat template"):
         resolve_template(tok, "chat")
+
+
+def test_targets_the_model_lacks():
+    """A target named for a linear the model does not have is refused before anything starts, naming the policy
+    (qwen3_moe has no shared expert and no dense MLP layer; glm4_moe has both)."""
+    q = ["model.family=qwen3_moe", "model.size=tiny"]
+    assert preflight.check(config.load(q), 1).adaptable() == {"qkv", "proj", "expert_fc1", "expert_fc2"}
+    with pytest.raises(ValueError, match=r"policies: 'b': lora.targets \['shared_experts'\] match no layer of this "
+                                         r"model \(it has \['expert_fc1', 'expert_fc2', 'proj', 'qkv'\]\)"):
+        check([*q, "policies=[{name: a}, {name: b, targets: [shared_experts]}]"], 1)
+    with pytest.raises(ValueError, match=r"lora.targets \['dense_fc1'\] match no layer"):
+        check([*q, "lora.targets=[experts, dense_fc1]"], 1)
+    glm = check(["model.size=tiny", "policies=[{name: a, targets: [shared_experts, dense_mlp]}]"], 1)
+    assert glm.adaptable() == {"qkv", "proj", "expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2", "dense_fc1",
+                               "dense_fc2"}
