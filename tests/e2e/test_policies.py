@@ -142,25 +142,37 @@ def test_a_policy_with_a_non_finite_loss_stops_alone_and_the_other_keeps_its_cur
     """Policy nan (learning rate 1e30: its adapters blow up, its third step's loss is nan) stops alone with one line;
     policy a takes every step with the curve it has in a job without nan (a separate job, run beside it): the same
     samples, rewards and losses at every step and the same exported adapter (rollout correction off, so that a's
-    updates read only its samples: measured bit for bit). Control, measured: with the bank's swap of the AdamW
-    state left out (policy/bank.py), a's third step draws other samples."""
+    updates read only its samples: measured bit for bit). The job with nan is also stopped after step 2 and resumed
+    (resume=true, 3 steps): both policies continue from their own checkpoints of step 2. Control, measured: with
+    the bank's swap of the AdamW state left out (policy/bank.py), a's third step draws other samples."""
     from safetensors.torch import load_file
 
-    tiny = ["model.size=tiny", "steps=3", "algo.group_size=4", "algo.prompts_per_step=2", "algo.micro_batch_size=4",
+    tiny = ["model.size=tiny", "algo.group_size=4", "algo.prompts_per_step=2", "algo.micro_batch_size=4",
             "algo.max_response_tokens=6", "data.n_eval=8", "eval_every=0", "runtime.rollout_dtype=float32",
-            "algo.rollout_is=off", "free_routing_every=0"]
+            "algo.rollout_is=off", "free_routing_every=0", "checkpoint_every=1"]
     jobs = {"with": "policies=[{name: a, seed: 1}, {name: nan, seed: 2, lr: 1e30}]",
             "without": "policies=[{name: a, seed: 1}]"}
-    procs = {k: start_train(tmp_path / k, [*tiny, v], nproc=1) for k, v in jobs.items()}
-    for k, p in procs.items():
+
+    def launch(k, *extra):
+        return start_train(tmp_path / k, [*tiny, jobs[k], *extra], nproc=1)
+
+    def wait(k, p):
         stdout, stderr = p.communicate(timeout=900)
         assert p.returncode == 0, (k, (stdout + stderr)[-4000:])
+        return stdout + stderr
+
+    first, without = launch("with", "steps=2"), launch("without", "steps=3")
+    wait("with", first)
+    assert not json.loads((tmp_path / "with" / "summary.json").read_text())["failed"]
+    out = wait("with", launch("with", "steps=3", "resume=true"))
+    assert out.count("resumed from the checkpoint of step 2") == 2, out[-3000:]
+    wait("without", without)
     summary = json.loads((tmp_path / "with" / "summary.json").read_text())
-    assert list(summary["failed"]) == ["nan"] and "non-finite loss" in summary["failed"]["nan"], summary["failed"]
+    assert list(summary["failed"]) == ["nan"] and "step 3: non-finite loss" in summary["failed"]["nan"], summary
     curves = {}
     for k in jobs:
         rows = [json.loads(l) for l in (tmp_path / k / "a" / "metrics.jsonl").read_text().splitlines() if l.strip()]
-        curves[k] = [(r["samples_sha256"], r["reward"], r["loss"]) for r in rows if r["step"] >= 1]
-    assert len(curves["with"]) == 3 and curves["with"] == curves["without"], curves
+        curves[k] = [(r["step"], r["samples_sha256"], r["reward"], r["loss"]) for r in rows if r["step"] >= 1]
+    assert [c[0] for c in curves["with"]] == [1, 2, 3] and curves["with"] == curves["without"], curves
     a, a0 = (load_file(str(tmp_path / k / "a" / "adapter" / "adapter_model.safetensors")) for k in jobs)
     assert a.keys() == a0.keys() and all(torch.equal(a[k], a0[k]) for k in a)
