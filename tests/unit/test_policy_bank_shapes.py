@@ -25,15 +25,9 @@ B = {"seed": 2, "alpha": 16.0, "lr": 1e-2, **MODULE}
 
 @pytest.fixture(scope="module")
 def world():
-    from moe_lora_rl.megatron.layout import Layout
-    from moe_lora_rl.megatron.parallel import init_distributed
-    from moe_lora_rl.megatron.run_config import RunConfig, prepare_host
-    from moe_lora_rl.models import get_model
+    from moe_lora_rl.checks.bank_setup import tiny_world
 
-    rc = RunConfig()
-    prepare_host(rc)
-    init_distributed(Layout(), rc)
-    return str(get_model("glm4_moe", "tiny")), rc
+    return tiny_world()
 
 
 def _lora(seed, alpha, rank, targets, lr=None):
@@ -53,18 +47,15 @@ def _policy(world, lora, lr):
 
 
 def _batches(arch):
-    from moe_lora_rl.checks.minibatch_worker import make_batch
+    from moe_lora_rl.checks.bank_setup import two_batches
 
-    batch, _ = make_batch(arch)
-    return {"a": batch, "b": dataclasses.replace(batch, advantages=-0.5 * batch.advantages)}
+    return two_batches(arch)
 
 
 def _step(pol, batch):
-    from moe_lora_rl.checks.minibatch_worker import cfg
-    from moe_lora_rl.rl.step import train_on
+    from moe_lora_rl.checks.bank_setup import ppo_round
 
-    b = dataclasses.replace(batch, rollout_logprobs=pol.logprobs(batch, replay="r3").logprobs)
-    train_on(pol, cfg(2, 1), b)
+    ppo_round(pol, batch)
 
 
 def _peft(pol):
