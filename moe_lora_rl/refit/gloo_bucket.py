@@ -14,14 +14,18 @@ import datetime
 import torch
 
 
-def join(host: str, port: int, rank: int, world: int, timeout_s: float, store=None):
-    """This process's member of the group (rank 0 hosts the TCP store, or passes its own `store`)."""
+def join(host: str, port: int, rank: int, world: int, timeout_s: float, key: str, store=None):
+    """This process's member of the group (rank 0 hosts the TCP store, or passes its own `store`). key: a secret the
+    sender hands each engine over its authenticated RPC; the group's rendezvous lives under it in the store, so a
+    process that reaches the store's port without the key cannot join the group or learn where its members listen."""
     import torch.distributed as dist
 
+    if not isinstance(key, str) or len(key) < 16:
+        raise ValueError("a gloo group needs a key of at least 16 characters (weight_sync/gloo_sender.py makes one)")
     timeout = datetime.timedelta(seconds=float(timeout_s))
     if store is None:
         store = dist.TCPStore(host, int(port), int(world), rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore("moe_lora_base", store), int(rank), int(world), timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"moe_lora_base/{key}", store), int(rank), int(world), timeout)
 
 
 def agree(pg, ok: bool) -> bool:

@@ -40,6 +40,7 @@ class InitInfo:
     rank: int = 0
     world_size: int = 0
     timeout_s: float = 120.0
+    group_key: str = ""           # the group's rendezvous key (refit/gloo_bucket.join)
 
 
 @dataclass
@@ -144,7 +145,7 @@ def engine_class():
                     raise ValueError(f"gloo rank {init_info.rank} of {init_info.world_size}: receivers are ranks "
                                      "1 .. world_size - 1")
                 self.pg = join(init_info.master_addr, init_info.master_port, init_info.rank, init_info.world_size,
-                               init_info.timeout_s)
+                               init_info.timeout_s, init_info.group_key)
 
         def start_weight_update(self) -> None:
             self._reset()

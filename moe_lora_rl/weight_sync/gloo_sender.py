@@ -11,6 +11,7 @@ reaches them, so each engine's call runs in its own thread while this one broadc
 """
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 
@@ -28,18 +29,19 @@ class GlooBroadcast:
         self.rpcs, self.keep = list(rpcs), keep
         self.world = len(self.rpcs) + 1
         port = port or free_port()
+        key = secrets.token_hex(16)             # the group's rendezvous key, handed over the authenticated RPC
 
         def join(i, rpc):
             rpc("moe_lora_base_init", bool(keep))
             rpc("init_weight_transfer_engine", {"master_addr": host, "master_port": port, "rank": i + 1,
-                                                "world_size": self.world, "timeout_s": timeout_s})
+                                                "world_size": self.world, "timeout_s": timeout_s, "group_key": key})
 
         t0 = time.perf_counter()
         box: dict = {}
 
         def join_as_sender():
             try:
-                box["pg"] = gloo_bucket.join(host, port, 0, self.world, timeout_s)
+                box["pg"] = gloo_bucket.join(host, port, 0, self.world, timeout_s, key)
             except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
                 box["error"] = e
 

@@ -1,7 +1,7 @@
 """The gloo bucket protocol (refit/gloo_bucket.py) with three parties in threads: every receiver gets the sender's
 bytes; a receiver that refuses before the broadcast, or whose check fails after it, makes every party fail for that
 bucket (the sender and the other receiver too) instead of leaving anyone waiting, and the group stays usable. An
-engine that cannot join the group fails the broadcast at once."""
+engine that cannot join the group fails the broadcast at once. A member without the group's key cannot join it."""
 import threading
 
 import pytest
@@ -11,13 +11,16 @@ from moe_lora_rl.procs import free_port
 from moe_lora_rl.refit import gloo_bucket
 
 
+KEY = "k" * 32
+
+
 def _run(parties):
     """parties[r](pg) for ranks 0..n-1 in threads on one group; each rank's result or exception."""
     port, n = free_port(), len(parties)
     out = [None] * n
 
     def one(r):
-        pg = gloo_bucket.join("127.0.0.1", port, r, n, 30.0)
+        pg = gloo_bucket.join("127.0.0.1", port, r, n, 30.0, KEY)
         try:
             out[r] = ("ok", parties[r](pg))
         except Exception as e:  # noqa: BLE001 - the result under test
@@ -94,3 +97,29 @@ def test_an_engine_that_cannot_join_fails_the_broadcast_at_once():
     with pytest.raises(ValueError, match="engine 0 refused"):
         GlooBroadcast([refuses, silent], timeout_s=60.0)
     assert time.monotonic() - t0 < 30.0
+
+
+def test_a_member_without_the_key_does_not_join():
+    """The rendezvous lives under the group's key: rank 1 with another key never meets rank 0 (both time out);
+    control: the same two joins with one key form the group."""
+    def joins(keys, timeout_s):
+        port, out = free_port(), {}
+
+        def one(r):
+            try:
+                out[r] = gloo_bucket.join("127.0.0.1", port, r, 2, timeout_s, keys[r]).size()
+            except Exception as e:  # noqa: BLE001 - the result under test
+                out[r] = type(e).__name__
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    assert joins([KEY, KEY], 30.0) == {0: 2, 1: 2}
+    other = joins([KEY, "o" * 32], 3.0)
+    assert set(other) == {0, 1} and all(v != 2 for v in other.values()), other
+    with pytest.raises(ValueError, match="a gloo group needs a key of at least 16 characters"):
+        gloo_bucket.join("127.0.0.1", free_port(), 0, 1, 1.0, "short")
