@@ -74,11 +74,11 @@ def push_config(module: LoRAConfig, policy: LoRAConfig) -> LoRAConfig:
 def trim_peft(tensors: dict[str, torch.Tensor], policy: LoRAConfig, target_of) -> dict[str, torch.Tensor]:
     """A padded policy's PEFT tensors cut to what it holds: its targets' modules only (target_of(name) -> target),
     lora_A [:rank], lora_B [:, :rank]. ValueError if a cut part is not zero (the tensors are not that policy's)."""
-    out = {}
+    out, wanted = {}, set(policy.resolved_targets())
     for name, t in tensors.items():
         a = ".lora_A." in name
         cut = t.clone()
-        kept = target_of(name) in policy.resolved_targets()
+        kept = target_of(name) in wanted
         if kept:
             (cut[:policy.rank] if a else cut[:, :policy.rank]).zero_()
         if cut.count_nonzero():

@@ -42,13 +42,13 @@ class MoEArch:
         return [i for i, m in enumerate(self.moe_layers) if m]
 
     def adaptable(self) -> set[str]:
-        """The LoRA targets (lora/config.py's names) this model has a linear for."""
-        out = {"qkv", "proj"}
-        if any(self.moe_layers):
-            out |= {"expert_fc1", "expert_fc2"} | ({"shared_fc1", "shared_fc2"} if self.shared_expert_ffn else set())
-        if not all(self.moe_layers):
-            out |= {"dense_fc1", "dense_fc2"}
-        return out
+        """The LoRA targets (the family naming's linears) this model has a linear for."""
+        from .naming import naming_for
+
+        moe = any(self.moe_layers)
+        present = {"attention": True, "dense": not all(self.moe_layers), "expert": moe,
+                   "shared": moe and bool(self.shared_expert_ffn)}
+        return {li.target for li in naming_for(self).linears if present[li.part]}
 
 
 def _get(cfg: Any, name: str, default=None):

@@ -64,6 +64,10 @@ class AdapterBank:
     def names(self) -> list[str]:
         return list(self.slots)
 
+    def lora(self, name: str) -> LoRAConfig:
+        """The policy's own LoRA config (its rank and targets, not the modules')."""
+        return self._slot(name).spec.lora
+
     def version(self, name: str) -> int:
         self._slot(name)
         return self.core.version if name == self.active else self.slots[name].version

@@ -66,8 +66,7 @@ class PolicyRun(GRPORun):
         from ..refit.export import trim_peft_dir
 
         super().export_adapter()
-        own = self.cfg.lora.lora_config(init_seed=self.cfg.seed)
-        module = self.job.bank.module
+        own, module = self.job.bank.lora(self.owner), self.job.bank.module
         if self.rank == 0 and (own.rank, own.targets) != (module.rank, module.targets):
             trim_peft_dir(self.out / "adapter", own, self.policy.arch)
 
