@@ -3,7 +3,8 @@ vllm/base_sync.py, through vLLM's weight-transfer calls) and must then serve exa
 from disk serves: fp32 greedy tokens identical, prompt logprobs max |diff| 0. Then the refusals, each leaving the
 served weights as they were: a bucket with one byte flipped (its digest), a version with a bucket never sent, an
 older version. Control: a base with one tensor perturbed is sent and served (its logprobs differ), and a refused
-update after it leaves exactly its logprobs. Afterwards (the base sent again), an expert adapter is pushed and served
+update after it leaves exactly its logprobs. The base sent again inline (transport http, the bytes inside each call):
+a flipped byte refused, then exactly the disk-loaded engine's tokens and logprobs. Then an expert adapter is pushed and served
 with routing capture on: the sampled tokens, their logprobs and the captured routes equal the disk-loaded engine's
 under the same adapter. Used by tests/e2e/test_base_sync.py.
 
@@ -12,6 +13,7 @@ under the same adapter. Used by tests/e2e/test_base_sync.py.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 from pathlib import Path
@@ -103,6 +105,15 @@ def main(argv=None) -> dict:
             return rpc(method, *args)
         return wrapped
 
+    def flip_inline(k):                  # bucket k's inline bytes with one byte changed on the way
+        def wrapped(method, *args):
+            if method == "update_weights" and args[0]["index"] == k:
+                raw = bytearray(base64.b64decode(args[0]["data"]))
+                raw[len(raw) // 2] ^= 1
+                args = ({**args[0], "data": base64.b64encode(bytes(raw)).decode()},)
+            return rpc(method, *args)
+        return wrapped
+
     def skip_bucket(k):
         def wrapped(method, *args):
             if method == "update_weights" and args[0]["index"] == k:
@@ -131,13 +142,21 @@ def main(argv=None) -> dict:
     _, lp3 = serve(llm)
     res["after_refused_vs_v2"] = (lp3 - lp2).abs().max().item()
     res["served_final"] = status()
-    send_base(rpc, tensors, 4, size)
+    # the same base inline (transport http: each bucket's bytes inside its call, for an engine on another host): a
+    # flipped byte refused by the digest, then version 4 serves exactly the disk-loaded base
+    res["http_corrupt_refused"] = _refused(lambda: send_base(flip_inline(1), tensors, 4, size, transport="http"))
+    res["served_after_http_corrupt"] = status()
+    res["http_timers"] = send_base(rpc, tensors, 4, size, transport="http")
+    tokens4, lp4 = serve(llm)
+    res["http_tokens_equal"] = tokens4 == ref_tokens
+    res["http_logprob_max_diff"] = (lp4 - ref_lp).abs().max().item()
     toks, lps, routes = adapted(llm)
     res["adapted_tokens_equal"] = toks == ref_adapted[0]
     res["adapted_logprob_max_diff"] = max(abs(x - y) for u, v in zip(lps, ref_adapted[1]) for x, y in zip(u, v))
     res["adapted_routes_equal"] = all(np.array_equal(r, q) for r, q in zip(routes, ref_adapted[2]))
     res["adapted_routes_rows"] = int(sum(r.shape[0] for r in routes))
     res["base_after_adapter_refused"] = _refused(lambda: send_base(rpc, tensors, 5, size))
+    res["http_after_adapter_refused"] = _refused(lambda: send_base(rpc, tensors, 5, size, transport="http"))
     print("RESULT " + json.dumps(res), flush=True)
     return res
 

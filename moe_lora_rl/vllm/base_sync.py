@@ -1,14 +1,16 @@
 """Full base weights into a running engine through vLLM's own weight-transfer API (vllm/distributed/weight_transfer:
 the worker's start_weight_update / update_weights / finish_weight_update), with our backend "moe_lora_shm":
-buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies, or
-broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it).
+buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies,
+broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it), or
+carried inside the call itself (http: base64 in the RPC's body, for an engine on another host).
 
     moe_lora_base_init()            (the worker extension) registers the backend with vLLM's factory and creates
                                     this worker's engine: scoped to engines started with our extension
     start_weight_update()           opens an update
     update_weights(info)            one bucket: {version, buckets, index, handle, nbytes, digest, pieces,
-                                    transport}; its segment mapped read-only (or its broadcast received) and
-                                    checked against its digest before anything is kept
+                                    transport, data}; its segment mapped read-only (or its broadcast received, or
+                                    its inline bytes decoded) and checked against its digest before anything is
+                                    kept
     finish_weight_update()          every bucket of the version in: the segments checked again, each tensor taken
                                     where it lies (put together first if it came in pieces) and loaded (vLLM's
                                     layerwise reload: the kernels' post-load processing runs again), then the
@@ -52,7 +54,8 @@ class UpdateInfo:
     nbytes: int
     digest: str
     pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts, offset]
-    transport: str = "shm"        # shm: the segment `handle`; gloo: the bytes broadcast over the group
+    transport: str = "shm"        # shm: the segment `handle`; gloo: the bytes broadcast over the group; http: `data`
+    data: str = ""                # http: the bucket's bytes, base64
 
 
 def available_bytes() -> int | None:
@@ -89,10 +92,14 @@ class PeerExport:
     def begin(self) -> dict:
         return {"version": self.store.version, "buckets": len(self.store.buckets), "bytes": self.store.nbytes}
 
-    def bucket(self, i: int) -> dict:
+    def bucket(self, i: int, inline: bool = False) -> dict:
+        """Bucket i's update info (written now); inline: its bytes in it (weight_sync/inline.py)."""
+        from ..weight_sync.inline import encode_inline
+
         if not 0 <= i < len(self.store.buckets):
             raise ValueError(f"bucket {i}: this export has {len(self.store.buckets)}")
-        return self.store.info(i)
+        info = self.store.info(i)
+        return encode_inline(info, self.store.data(i)) if inline else info
 
     def close(self) -> None:
         self.store.close()
@@ -153,6 +160,7 @@ def engine_class():
         def receive_weights(self, u: UpdateInfo) -> None:
             from ..refit import gloo_bucket
             from ..refit.shm import MappedSegment, check_digest, layout_entries
+            from ..weight_sync.inline import decode_inline
 
             try:
                 if u.transport == "gloo":
@@ -167,6 +175,10 @@ def engine_class():
                     t0 = time.perf_counter()
                     data = gloo_bucket.receive(self.pg, u.nbytes, u.index, problem, lambda b: check_digest(
                         b, layout_entries(u.pieces), u.digest, f"gloo bucket {u.index}"))
+                elif u.transport == "http":
+                    self._check(u)
+                    t0 = time.perf_counter()
+                    data = decode_inline(u)              # weight_sync/inline.py
                 elif u.transport == "shm":
                     self._check(u)
                     t0 = time.perf_counter()
@@ -174,7 +186,7 @@ def engine_class():
                     self.maps.append(seg)
                     data = seg.view
                 else:
-                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm' or 'gloo'")
+                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo' or 'http'")
                 self._stage(u, data)
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:

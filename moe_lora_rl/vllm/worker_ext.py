@@ -361,12 +361,13 @@ class MoELoRAWorkerExtension:
         return self._moe_lora_export.begin()
 
     @entry
-    def moe_lora_base_export_bucket(self, index: int) -> dict:
-        """Bucket `index` of the open export (written now), as the peer's update_weights takes it."""
+    def moe_lora_base_export_bucket(self, index: int, inline: bool = False) -> dict:
+        """Bucket `index` of the open export (written now), as the peer's update_weights takes it; inline: with its
+        bytes (transport http, for a peer on another host)."""
         exp = getattr(self, "_moe_lora_export", None)
         if exp is None:
             raise ValueError("no base export is open on this engine (moe_lora_base_export_begin first)")
-        return exp.bucket(int(index))
+        return exp.bucket(int(index), bool(inline))
 
     @entry
     def moe_lora_base_export_end(self) -> dict:

@@ -1,5 +1,7 @@
-"""The sending side of a full-weight sync over shared memory (one host): a BaseStore (store.py: the bucket plan's
-buckets in segments) sent through vLLM's weight-transfer calls of the engine (vllm/base_sync.py).
+"""The sending side of a full-weight sync to one engine: a BaseStore (store.py: the bucket plan's buckets in
+segments) sent through vLLM's weight-transfer calls of the engine (vllm/base_sync.py), over shared memory (one host:
+the engine maps the segments) or inline (transport http: each bucket's bytes inside its call, inline.py, for an
+engine on another host).
 
     moe_lora_base_init -> start_weight_update -> update_weights(bucket i) ... -> finish_weight_update
 
@@ -10,6 +12,7 @@ phase: init (our backend made the worker's weight-transfer engine), copy (bucket
 check of each bucket, through the RPCs), load (the engine's finish: the bytes checked again, loaded into the model).
 
     timers = send_store(rpc, store)                        # rpc(method, *args) -> the workers' answers
+    timers = send_store(rpc, store, transport="http")      # the same buckets, their bytes in the calls
     timers = send_base(rpc, tensors, version=1, size=64 << 20)     # a store made for this sync and removed after
 """
 from __future__ import annotations
@@ -35,19 +38,43 @@ def checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
     return {name: ck.get(name) for name in ck.weight_map}
 
 
-def send_store(rpc, store: BaseStore, keep: bool = False) -> dict:
-    """The store's base into the engine as its version (keep: the engine keeps the bytes for a peer); the timers."""
+TRANSPORTS = ("shm", "http")
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"base transport {transport!r}: expected one of {TRANSPORTS}")
+
+
+def send_store(rpc, store: BaseStore, keep: bool = False, transport: str = "shm") -> dict:
+    """The store's base into the engine as its version (keep: the engine keeps the bytes for a peer); the timers
+    (copy_s: the store's writes during this sync, with the base64 encoding for http)."""
+    from .inline import encode_inline
+
+    _check_transport(transport)
     written_s, before = store.write_s, store.written()
-    timers = _send(rpc, len(store.buckets), store.info, keep)
-    timers.update(bytes=store.nbytes, written_before=before, copy_s=store.write_s - written_s)
+    encode = [0.0]
+
+    def inline(i):
+        info, data = store.info(i), store.data(i)
+        t0 = time.perf_counter()
+        out = encode_inline(info, data)
+        encode[0] += time.perf_counter() - t0
+        return out
+
+    timers = _send(rpc, len(store.buckets), store.info if transport == "shm" else inline, keep)
+    timers["transport"] = transport
+    timers.update(bytes=store.nbytes, written_before=before, copy_s=store.write_s - written_s + encode[0])
     return timers
 
 
-def send_from_peer(rpc, peer_rpc, bucket_bytes: int, keep: bool = True) -> dict:
+def send_from_peer(rpc, peer_rpc, bucket_bytes: int, keep: bool = True, transport: str = "shm") -> dict:
     """The base a live peer engine keeps (the checkpoint bytes it was synced with) into the engine, which started
     empty and keeps it in turn: the peer writes each bucket when it is asked for it (between its own engine steps),
-    the engine maps and checks it; the timers (copy_s: the peer's writes). The peer's export is closed whatever
-    happens."""
+    the engine maps and checks it (http: the peer answers with the bucket's bytes, passed on in the engine's call:
+    the two engines need not share a host with each other or with this process); the timers (copy_s: the peer's
+    writes). The peer's export is closed whatever happens."""
+    _check_transport(transport)
     try:
         t0 = time.perf_counter()
         head = peer_rpc("moe_lora_base_export_begin", int(bucket_bytes))
@@ -56,12 +83,13 @@ def send_from_peer(rpc, peer_rpc, bucket_bytes: int, keep: bool = True) -> dict:
 
         def bucket(i):
             t = time.perf_counter()
-            info = peer_rpc("moe_lora_base_export_bucket", i)
+            info = peer_rpc("moe_lora_base_export_bucket", i, transport == "http")
             copy[0] += time.perf_counter() - t
             return info
 
         timers = _send(rpc, head["buckets"], bucket, keep)
-        timers.update(bytes=head["bytes"], version=head["version"], copy_s=copy[0], begin_s=begin_s)
+        timers.update(bytes=head["bytes"], version=head["version"], copy_s=copy[0], begin_s=begin_s,
+                      transport=transport)
         return timers
     finally:
         try:
@@ -101,11 +129,11 @@ def _send(rpc, n: int, bucket, keep: bool) -> dict:
     return timers
 
 
-def send_base(rpc, tensors: dict[str, torch.Tensor], version: int, size: int) -> dict:
+def send_base(rpc, tensors: dict[str, torch.Tensor], version: int, size: int, transport: str = "shm") -> dict:
     """Every tensor to the engine as base `version`, in buckets of at most `size` bytes, through a store made for
     this sync; the timers."""
     store = BaseStore(tensors, size, version)
     try:
-        return send_store(rpc, store)
+        return send_store(rpc, store, transport=transport)
     finally:
         store.close()
