@@ -43,11 +43,15 @@ class RolloutSettings:
     """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
     base_from: str = "disk"
     """Where an engine gets the base weights: disk (it loads the checkpoint); trainer (it starts empty,
-    load_format=dummy, and rank 0 sends it the checkpoint it holds over shared memory through vLLM's weight-transfer
-    calls, at start and at every restart: weight_sync/); peer (from the trainer at start, and after a restart from a
-    live engine, which sends its own tensors while it keeps serving; engines >= 2)."""
+    load_format=dummy, and rank 0 sends it the checkpoint it holds through vLLM's weight-transfer calls, at start
+    and at every restart: weight_sync/); peer (from the trainer at start, and after a restart from a live engine,
+    which sends the checkpoint bytes it kept while it keeps serving; engines >= 2)."""
     base_bucket_mb: float = 64.0
     """base_from=trainer or peer: the sync's bucket size (MiB)."""
+    base_transport: str = "auto"
+    """base_from=trainer or peer: how the base travels (rollout/base.py). auto: shared memory to an engine on rank
+    0's host, http to one on another node; shm; http (each bucket's bytes inside its call); gloo (one broadcast to
+    every engine at once at start; a restarted engine alone)."""
 
     def __post_init__(self):
         from ..rollout.client import DEFAULT_MAX_MODEL_LEN
@@ -64,9 +68,12 @@ class RolloutSettings:
         _positive("rollout.stage_timeout_s", self.stage_timeout_s)
         _choice("rollout.base_from", self.base_from, ("disk", "trainer", "peer"))
         _positive("rollout.base_bucket_mb", self.base_bucket_mb)
-        if self.base_from != "disk" and self.node is not None:
-            raise ValueError(f"rollout.base_from={self.base_from!r} with rollout.node={self.node!r}: the base travels "
-                             "over shared memory, so the engines must run on rank 0's host (node: null)")
+        from ..rollout.base import BASE_TRANSPORTS
+
+        _choice("rollout.base_transport", self.base_transport, BASE_TRANSPORTS)
+        if self.base_from != "disk" and self.base_transport == "shm" and self.node is not None:
+            raise ValueError(f"rollout.base_transport='shm' with rollout.node={self.node!r}: shared memory reaches "
+                             "engines on rank 0's host only (auto, http or gloo reach other nodes)")
         if self.base_from == "peer" and self.engines < 2:
             raise ValueError(f"rollout.base_from='peer' with rollout.engines={self.engines}: a restarted engine "
                              "takes the base from another live engine, so at least 2 are needed")

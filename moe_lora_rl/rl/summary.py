@@ -44,14 +44,15 @@ def run_summary(run, history: list[dict], evals: dict, wall: float) -> dict:
 
 def base_syncs(run) -> dict:
     """rollout.base_from=trainer or peer, rank 0: how many times the base was sent to an engine (every start and
-    restart of every engine), the seconds of the first, and how many came from a peer engine."""
+    restart of every engine), the seconds of the first, how many came from a peer engine, and the transports used."""
     engines = getattr(run.prod, "engines", None)
     if run.cfg.rollout.base_from == "disk" or engines is None:
         return {}
     syncs = [t for e in engines for t in e.base_syncs]
     return {"base_syncs": len(syncs), "base_sync_s": syncs[0]["total_s"] if syncs else None,
             "base_sync_bytes": syncs[0]["bytes"] if syncs else None,
-            "base_peer_syncs": sum("peer_port" in t for t in syncs)}
+            "base_peer_syncs": sum("peer_port" in t for t in syncs),
+            "base_transports": sorted({t.get("transport", "shm") for t in syncs})}
 
 
 def full_bytes(path, rollout_dtype: str) -> int:

@@ -124,14 +124,6 @@ class _EngineHttpTransport(_EngineTransport):
 DEFAULT_MAX_MODEL_LEN = 512          # tokens of context of an engine the driver starts
 
 
-def base_store_of(model_dir, bucket_mb: float):
-    """The checkpoint's tensors (the trainer's base) as a BaseStore (weight_sync/store.py) of buckets of bucket_mb."""
-    from ..weight_sync.shm_sender import checkpoint_tensors
-    from ..weight_sync.store import BaseStore
-
-    return BaseStore(checkpoint_tensors(model_dir), int(bucket_mb * (1 << 20)), version=1)
-
-
 class RolloutEngine:
     def __init__(self, model_dir, *, dtype="bfloat16", serving="unmerged", prefix_caching=True, capture=True,
                  log_dir=".", max_model_len=DEFAULT_MAX_MODEL_LEN, seed=0, startup_timeout=300.0, block_size=32,
@@ -139,7 +131,7 @@ class RolloutEngine:
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
                  stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0,
-                 base_from: str = "disk", base_bucket_mb: float = 64.0):
+                 base_from: str = "disk", base_bucket_mb: float = 64.0, base_transport: str = "auto"):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -162,6 +154,10 @@ class RolloutEngine:
             raise ValueError(f"base_from={base_from!r}: expected 'disk', 'trainer' or 'peer'")
         if base_from == "peer" and serving == "merged":
             raise ValueError("base_from='peer' with serving='merged': a peer's base tensors hold its merged adapter")
+        self.placement = placement or Placement()
+        from .base import check_base_transport
+
+        check_base_transport(base_from, base_transport, base_bucket_mb, self.placement, max_body_mb)
         from .kv_compression import check_compression
 
         check_compression(kv_compression, kv_budget, max_model_len,
@@ -172,7 +168,7 @@ class RolloutEngine:
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
                              step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
                              kv_compression=kv_compression, kv_budget=kv_budget, base_from=base_from,
-                             base_bucket_mb=base_bucket_mb)
+                             base_bucket_mb=base_bucket_mb, base_transport=base_transport)
         self.base_syncs: list[dict] = []     # base_from=trainer or peer: each start's sync timers
         self.base_store = None               # the trainer's base in shared memory, kept across restarts
         self.owns_base = True                # False: the store is shared by several engines (rollout/replicas.py)
@@ -186,7 +182,6 @@ class RolloutEngine:
         self.transport: ShmTransport | None = None
         self.log_path: Path | None = None
         self.restarts = 0
-        self.placement = placement or Placement()
 
     # -- process ---------------------------------------------------------------------------------------------
     @classmethod
@@ -257,39 +252,23 @@ class RolloutEngine:
             self.sync_base()
         self.started_at = time.time()
 
-    def sync_base(self) -> dict:
-        """The checkpoint this process holds (the trainer's base) into the engine, which started empty, over shared
-        memory through vLLM's weight-transfer calls (weight_sync/shm_sender.py); the timers. The base is read and
-        written into shared memory once (weight_sync/store.py); a restarted engine maps the same segments."""
-        from ..weight_sync.shm_sender import send_store
+    def base_transport(self) -> str:
+        """How the base reaches this engine (rollout/base.py): shm, http or gloo."""
+        from .base import resolve_transport
 
-        if self.base_store is None:
-            self.base_store = base_store_of(self.model_dir, self.settings["base_bucket_mb"])
-        t = send_store(self.transport._call, self.base_store, keep=self.settings["base_from"] == "peer")
-        self.base_syncs.append(t)
-        return t
+        return resolve_transport(self.settings["base_transport"], self.placement)
+
+    def sync_base(self) -> dict:
+        """The trainer's base into this engine, which started empty (rollout/base.py); the timers."""
+        from .base import sync_base
+
+        return sync_base(self)
 
     def sync_base_from_peer(self) -> dict:
-        """The base a live peer engine keeps (the checkpoint bytes it was synced with) into this engine, which
-        started empty and keeps it in turn: the first live peer that gives it; the timers, with the peer's port.
-        ValueError when no peer is alive, or naming the last refusal when none gives it."""
-        from ..weight_sync.shm_sender import send_from_peer
+        """The base a live peer engine keeps into this engine, which started empty (rollout/base.py); the timers."""
+        from .base import sync_from_peer
 
-        live = [p for p in self.peers() if p is not self and p.alive()]
-        if not live:
-            raise ValueError(f"base_from=peer: no live peer engine to take the base from (engine on port "
-                             f"{self.port}, {len(self.peers())} peers)")
-        for k, peer in enumerate(live):
-            try:
-                t = send_from_peer(self.transport._call, peer.transport._call,
-                                   int(self.settings["base_bucket_mb"] * (1 << 20)))
-            except ValueError:
-                if k == len(live) - 1:
-                    raise
-                continue                     # this peer keeps no base (or refused a bucket): the next one
-            t["peer_port"] = peer.port
-            self.base_syncs.append(t)
-            return t
+        return sync_from_peer(self)
 
     @property
     def pid(self) -> int | None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 
-from .client import EngineDied, RolloutEngine, base_store_of
+from .base import base_store_of, broadcast_base
+from .client import EngineDied, RolloutEngine
 
 
 class ReplicaDied(EngineDied):
@@ -59,17 +60,22 @@ class Replicas:
     @classmethod
     def start(cls, model_dir, placements, **kw) -> "Replicas":
         """One engine per placement, started side by side (each waits for its own health check); if one fails to
-        start, the others are stopped and the error raised."""
+        start, the others are stopped and the error raised. base_transport=gloo: the base to all of them at once,
+        once every one is up."""
         engines = [RolloutEngine(model_dir, placement=p, **kw) for p in placements]
         out = cls(engines)
-        if kw.get("base_from") in ("trainer", "peer") and len(engines) > 1:    # one copy of the base for all
+        synced = kw.get("base_from") in ("trainer", "peer")
+        if synced and len(engines) > 1:                                       # one copy of the base for all
             out.base_store = base_store_of(model_dir, engines[0].settings["base_bucket_mb"])
             for e in engines:
                 e.base_store, e.owns_base = out.base_store, False
         for e in engines:
             e.peers = lambda: out.engines
+        together = synced and len(engines) > 1 and kw.get("base_transport") == "gloo"
         try:
-            out.map(lambda i, e: e.launch(), range(len(engines)), {})
+            out.map(lambda i, e: e.launch(sync=not together), range(len(engines)), {})
+            if together:
+                broadcast_base(engines, out.base_store)
         except BaseException:
             out.stop()
             raise

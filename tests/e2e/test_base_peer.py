@@ -1,14 +1,17 @@
 """A peer join (rollout.base_from=peer): two engines start empty and get the base from the trainer's store, each
 keeping the checkpoint bytes it was synced with; one is killed and restarted, and takes the base from the live one
 (weight_sync/shm_sender.send_from_peer: the peer writes what it kept into its own segments, bucket by bucket). The
-restarted engine samples exactly what an engine loaded from disk samples (fp32: tokens identical, logprobs max
-|diff| 0). Control: a peer synced with a perturbed base (one attention projection + 0.05, version 2) passes exactly that
+replicas run with base_transport=http, the path of engines on other nodes: the base inline in each call at start,
+and the peer's buckets passed on inline through this process at the join. The restarted engine samples exactly what
+an engine loaded from disk samples (fp32: tokens identical, logprobs max |diff| 0). The later syncs go over shared
+memory. Control: a peer synced with a perturbed base (one attention projection + 0.05, version 2) passes exactly that
 base on: the joiner then samples what the peer samples, not what the disk engine samples. Refused, the joiner
-serving nothing: a bucket with one byte flipped on its way (its digest), a peer that keeps no base (started empty
+serving nothing: a bucket with one byte flipped on its way (its digest; inline and in a segment), a peer that keeps no base (started empty
 and never synced), base_from=peer with no live peer.
 Then a gloo broadcast (weight_sync/gloo_sender.py) of the checkpoint to both engines (serving the perturbed base):
 both sample exactly what the disk engine samples. A bucket one engine refuses (a version not newer than its own) is dropped by the other too, which
 keeps its weights; a byte flipped after the digest is refused by both."""
+import base64
 import os
 import signal
 
@@ -48,9 +51,10 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
     kw = dict(dtype="float32", log_dir=tmp_path, prefix_caching=False, capture=False, base_bucket_mb=2)
     with RolloutEngine.start(model, **kw) as disk:
         ref = _sample(disk)
-    reps = Replicas.start(model, [Placement(), Placement()], base_from="peer", **kw)
+    reps = Replicas.start(model, [Placement(), Placement()], base_from="peer", base_transport="http", **kw)
     try:
         a, b = reps[0], reps[1]
+        assert [e.base_syncs[0]["transport"] for e in reps] == ["http", "http"]
         assert _sample(a) == ref and _sample(b) == ref                 # both from the trainer's store at start
         segments = set(ROOT.glob("moe_lora_rl-*"))
         os.kill(b.pid, signal.SIGKILL)
@@ -58,6 +62,7 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         reps.restart(1)
         joined = b.base_syncs[-1]
         assert joined["peer_port"] == a.port and joined["buckets"] > 4 and joined["copy_s"] > 0, joined
+        assert joined["transport"] == "http", joined                   # the peer's buckets inline, passed on
         assert _sample(b) == ref                                        # exact: tokens and logprobs
         assert set(ROOT.glob("moe_lora_rl-*")) == segments             # the peer's export segments are gone
 
@@ -77,6 +82,17 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
 
         msg = _refused(lambda: send_from_peer(b.transport._call, flip_on_the_way, 2 << 20))
         assert "checksum mismatch" in msg, msg
+
+        def flip_inline(method, *args):
+            info = a.transport._call(method, *args)
+            if method == "moe_lora_base_export_bucket" and args[0] == 2:
+                raw = bytearray(base64.b64decode(info["data"]))
+                raw[len(raw) // 3] ^= 1
+                info["data"] = base64.b64encode(bytes(raw)).decode()
+            return info
+
+        msg = _refused(lambda: send_from_peer(b.transport._call, flip_inline, 2 << 20, transport="http"))
+        assert "http bucket 2: checksum mismatch" in msg, msg
         msg = _refused(lambda: send_from_peer(a.transport._call, b.transport._call, 2 << 20))
         assert "keeps no copy of its base" in msg, msg
         assert b.transport._call("moe_lora_base_status")["served"] is None

@@ -57,7 +57,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     a = start(root / "a", ["checkpoint_every=2"])
     uninterrupted = finish(a, root / "a")
-    b = start(root / "b", ["rollout.engines=2", "rollout.base_from=peer", "rollout.base_bucket_mb=4", "resume=auto",
+    b = start(root / "b", ["rollout.engines=2", "rollout.base_from=peer", "rollout.base_transport=gloo",
+                           "rollout.base_bucket_mb=4", "resume=auto",
                            "checkpoint_every=1", "free_routing_every=2"], torchrun=["--max-restarts=1"])
     kill_engine_after_step(root / "b", b, 1)
     kill_rank_after_step(root / "b", b, 2, rank=1)
@@ -98,6 +99,9 @@ def test_replicas_crashes_and_elastic_resume_equal_the_uninterrupted_run(runs):
     summary_b, rows_b, log_b = runs["b"]
     assert "base_syncs" not in summary_a                            # a's engine loaded the base from disk
     assert summary_b["base_syncs"] >= 2 and summary_b["base_sync_bytes"] > 10e6, summary_b   # b's, from rank 0
+    # the summary is the resumed process's: its start, one gloo broadcast to both engines (the join below was the
+    # first process's)
+    assert summary_b["base_transports"] == ["gloo"], summary_b
     died = [l for l in log_b.splitlines() if "died during" in l]
     assert len(died) == 1 and "rollout engine" in died[0] and "restarting it" in died[0], log_b[-3000:]
     joined = [l for l in log_b.splitlines() if "took the base from the live engine on port" in l]

@@ -56,7 +56,10 @@ def test_cli_one_line_errors(train_cli):
                          (["policies=[{name: a}, {name: a}]"], "policies: name 'a' is given 2 times"),
                          (["rollout.base_from=peer"], "rollout.base_from='peer' with rollout.engines=1: a restarted"),
                          (["rollout.base_from=nfs"], "rollout.base_from='nfs'; choose one of ('disk', 'trainer', 'peer')"),
-                         (["rollout.base_from=trainer", "rollout.node=n1"], "rollout.node='n1': the base travels")):
+                         (["rollout.base_from=trainer", "rollout.base_transport=shm", "rollout.node=n1"],
+                          "rollout.base_transport='shm' with rollout.node='n1': shared memory reaches"),
+                         (["rollout.base_from=trainer", "rollout.base_transport=ipc"],
+                          "rollout.base_transport='ipc'; choose one of ('auto', 'shm', 'http', 'gloo')")):
         rc, lines, err = train_cli(*args)
         assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
 

@@ -1,0 +1,35 @@
+"""How the base travels to an engine by where it runs (rollout/base.py): auto is shared memory on this host and
+inline http on another; the refusals name the setting (shared memory to another host, a bucket whose inline body
+exceeds the engine's limit, an unknown transport); gloo's store is reached on loopback only when every engine runs
+here."""
+import pytest
+
+from moe_lora_rl.rollout.base import check_base_transport, gloo_host, resolve_transport
+from moe_lora_rl.rollout.placement import plan_placement
+
+HERE = plan_placement(node=None, gpus=[], this_host="h0")
+THERE = plan_placement(node="n1", gpus=[], this_host="h0")
+
+
+def test_auto_follows_the_placement_and_explicit_settings_stay():
+    assert resolve_transport("auto", HERE) == "shm"
+    assert resolve_transport("auto", THERE) == "http"
+    for t in ("shm", "http", "gloo"):
+        assert resolve_transport(t, HERE) == t
+    assert gloo_host([HERE, HERE]) == "127.0.0.1"
+    assert gloo_host([HERE, THERE]) not in ("127.0.0.1", "")
+
+
+def test_refusals_name_the_setting():
+    with pytest.raises(ValueError, match="base_transport='shm' for an engine on n1"):
+        check_base_transport("trainer", "shm", 64, THERE, None)
+    with pytest.raises(ValueError, match="base_transport='nccl'"):
+        check_base_transport("trainer", "nccl", 64, HERE, None)
+    # 400 MiB buckets inline are ~534 MiB of body, over the default 512 MiB; allowed with a larger limit
+    with pytest.raises(ValueError, match="base_bucket_mb=400: .* limit of 512 MiB"):
+        check_base_transport("peer", "auto", 400, THERE, None)
+    check_base_transport("peer", "auto", 400, THERE, 1024)
+    check_base_transport("peer", "auto", 400, HERE, None)          # shared memory: no body
+    check_base_transport("disk", "shm", 400, THERE, None)          # nothing travels
+    for t in ("http", "gloo", "auto"):
+        check_base_transport("trainer", t, 64, THERE, None)
