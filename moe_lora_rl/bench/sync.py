@@ -27,7 +27,9 @@ Figures (one engine server process each, on this host):
   and the restarted one too (restart_exact), and the one that joined from its peer (peer_exact);
 - calc_error_max and kimi_k2_bf16_128_s: weight_sync/calc.py against checkpoint-engine's published figures, and
   Kimi-K2 bf16 on 128 GPUs shard-aware (calculated, not measured).
-What is not built is named under "skipped" with the reason (the HTTP transport of the base).
+- http_*: then the same bytes as version 2 into the restarted engine inline (base_transport=http, each bucket base64
+  in its call: the path of an engine on another host), the store written before: http_gbps over http_move_s (the
+  encoding, http_encode_s, overlaps the calls), http_vs_shm against restart_shm_gbps, http_exact.
 """
 from __future__ import annotations
 
@@ -43,6 +45,26 @@ def _time_copy(tensors: dict, into: dict) -> float:
     for k, v in tensors.items():
         into[k].copy_(v)
     return time.perf_counter() - t0
+
+
+def _http(eng, tensors: dict, bucket_mb: float, prompts, sample: dict) -> dict:
+    """The same bytes again as base version 2, inline (transport http: each bucket base64 in its call, the path of an
+    engine on another host), from a store written before the timing; then the engine's samples."""
+    from ..weight_sync.shm_sender import send_store
+    from ..weight_sync.store import BaseStore
+
+    store = BaseStore(tensors, int(bucket_mb * (1 << 20)), version=2)
+    try:
+        for i in range(len(store.buckets)):
+            store.data(i)
+        t = send_store(eng.transport._call, store, transport="http")
+    finally:
+        store.close()
+    out = eng.generate(prompts, **sample)
+    return {"http_sync_s": t["total_s"], "http_move_s": t["move_s"], "http_encode_s": t["copy_s"],
+            "http_transport_s": t["transport_s"], "http_load_s": t["load_s"],
+            "http_gbps": t["bytes"] / t["move_s"] / 1e9,
+            "tokens": [s.response for s in out], "logprobs": [s.logprobs for s in out]}
 
 
 def main(argv=None) -> dict:
@@ -86,6 +108,7 @@ def main(argv=None) -> dict:
                     out = eng.generate(prompts, **sample)
                     runs["restart"].update(tokens=[s.response for s in out], logprobs=[s.logprobs for s in out])
                     syncs = list(eng.base_syncs)
+                    runs["http"] = _http(eng, tensors, a.bucket_mb, prompts, sample)
             finally:
                 eng.stop()
         peer = peer_join(model, d, prompts, sample, dtype=a.dtype, bucket_mb=a.bucket_mb)
@@ -110,7 +133,10 @@ def main(argv=None) -> dict:
         "restart_vs_memcpy": (r["bytes"] / r["move_s"]) / (nbytes / memcpy_s),
         "peer_exact": (runs["disk"]["tokens"], runs["disk"]["logprobs"]) == peer_sampled, **peer,
         "calc_error_max": calc["calc_error_max"], "kimi_k2_bf16_128_s": kimi_k2_bf16(128)["shard"]["seconds"],
-        "skipped": {"http_gbps": "the base over HTTP is not built (shared memory or gloo on one host)"},
+        **{k: v for k, v in runs["http"].items() if k not in ("tokens", "logprobs")},
+        "http_exact": (runs["disk"]["tokens"], runs["disk"]["logprobs"])
+        == (runs["http"]["tokens"], runs["http"]["logprobs"]),
+        "http_vs_shm": runs["http"]["http_gbps"] / (r["bytes"] / r["move_s"] / 1e9),
     }
     emit(result, a.json)
     return result
