@@ -26,8 +26,10 @@ def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_
     from ..rollout.placement import Placement
     from ..rollout.replicas import Replicas
 
+    # the host's cores split between the two engines, as the main job splits them (rl/producer.py)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
     reps = Replicas.start(model, [Placement(), Placement()], dtype=dtype, log_dir=log_dir, prefix_caching=False,
-                          capture=False, base_from="peer", base_bucket_mb=bucket_mb)
+                          capture=False, base_from="peer", base_bucket_mb=bucket_mb, threads=threads)
     calls: list[tuple[float, float, int]] = []
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -69,7 +71,7 @@ def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_
                 "peer_tokens_per_s_before": before, "peer_tokens_per_s_during": during,
                 "peer_tokens_per_s_ratio": during / before,
                 "peer_tokens_per_s_ratio_restart": _rate(calls, t_kill, t_up) / before,
-                "peer_tokens": [s.response for s in out], "peer_logprobs": [s.logprobs for s in out], **gloo}
+                "peer_engine_threads": threads, "peer_tokens": [s.response for s in out], "peer_logprobs": [s.logprobs for s in out], **gloo}
     finally:
         stop.set()
         reps.stop()

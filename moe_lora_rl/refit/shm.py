@@ -32,6 +32,7 @@ from .wire import SegmentHash, nbytes, segment_algo
 ROOT = Path("/dev/shm")
 PREFIX = "moe_lora_rl-"
 _NAME = re.compile(r"^moe_lora_rl-(\d+)-\d+-\d+-[0-9a-f]+$")
+_PROC = re.compile(r"^proc:(\d+):(\d+)$")     # a segment another process holds open (its unlinked file, if so)
 HASH_PIECE = 512 << 10           # bytes hashed right after they were written / read (in cache)
 
 
@@ -221,15 +222,39 @@ class RecvBuffers:
 
 
 def _check_handle(handle: str) -> None:
-    if not _NAME.match(str(handle)):
+    if not (_NAME.match(str(handle)) or _PROC.match(str(handle))):
         raise ValueError(f"shared-memory handle {handle!r} is not a moe_lora_rl segment name")
+
+
+def proc_handle(fd: int) -> str:
+    """A handle for a segment this process holds open as `fd` (its file may be unlinked already): another process
+    of this host opens it through /proc/<pid>/fd/<fd> and maps the same pages."""
+    return f"proc:{os.getpid()}:{int(fd)}"
+
+
+def _resolve(handle: str, root: Path) -> Path:
+    """The path to open for a handle: a segment file under root, or a descriptor another process holds open, which
+    must be one of our segment files under root (ValueError naming what it is otherwise)."""
+    m = _PROC.match(handle)
+    if m is None:
+        return Path(root) / handle
+    path = Path(f"/proc/{m[1]}/fd/{m[2]}")
+    try:
+        target = os.readlink(path)
+    except OSError:
+        raise ValueError(f"stale shared-memory handle {handle!r}: process {m[1]} holds no descriptor {m[2]} (it "
+                         "exited or closed it); ask again") from None
+    where = Path(target.removesuffix(" (deleted)"))
+    if where.parent != Path(root) or not _NAME.match(where.name):
+        raise ValueError(f"shared-memory handle {handle!r} names {target!r}, not a moe_lora_rl segment under {root}")
+    return path
 
 
 def _open(handle: str, total: int, root: Path):
     """The segment file `handle` opened for reading, its size checked (ValueError naming what is wrong)."""
     _check_handle(handle)
     try:
-        f = open(Path(root) / handle, "rb", buffering=0)
+        f = open(_resolve(handle, root), "rb", buffering=0)
     except FileNotFoundError:
         raise ValueError(f"stale shared-memory handle {handle!r}: the segment no longer exists (removed, or "
                          "reused by a later push of its sender); resend the bucket") from None
@@ -261,14 +286,18 @@ class MappedSegment:
     """A segment mapped read-only into this process and checked against the sender's
     digest over all `total` bytes: the reader uses the bytes where they lie, without a private copy. For a sender
     that does not write the segment again while it is mapped (weight_sync/store.py); verify() hashes it again
-    before the bytes are used. ValueError as read_segment's."""
+    before the bytes are used. ValueError as read_segment's. keep_fd: the file stays open (`fd`), so that another
+    process can map the same pages through proc_handle(fd) after the sender removed its name."""
 
-    def __init__(self, handle: str, entries, digest: str, total: int, root: Path = ROOT):
+    def __init__(self, handle: str, entries, digest: str, total: int, root: Path = ROOT, keep_fd: bool = False):
         _check_handle(handle)
         _parse(entries), segment_algo(digest)                 # ValueError for a bad entry or digest, before opening
         self.handle, self.entries, self.digest, self.total = handle, entries, digest, int(total)
+        self.fd = None
         with _open(handle, self.total, root) as f:
             self.map = mmap.mmap(f.fileno(), self.total, prot=mmap.PROT_READ) if self.total else None
+            if keep_fd:
+                self.fd = os.dup(f.fileno())
         import warnings
 
         with warnings.catch_warnings():               # read-only pages: torch warns that it cannot mark them so
@@ -288,6 +317,9 @@ class MappedSegment:
     def close(self) -> None:
         """Unmap (left to the garbage collector while a tensor still views the bytes)."""
         self.view = None
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
         m, self.map = self.map, None
         if m is not None:
             try:

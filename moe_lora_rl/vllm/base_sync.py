@@ -105,6 +105,34 @@ class PeerExport:
         self.store.close()
 
 
+class SharedExport:
+    """The base this engine was synced with over shared memory, for a peer on this host, without a copy: the
+    segments it mapped and holds open, each handed out as a descriptor the peer maps (refit/shm.proc_handle), with
+    the first sender's bucket plan and digests, so a peer checks the very bytes the trainer sent. Inline (a peer on
+    another host): each bucket's bytes encoded from the mapping."""
+
+    def __init__(self, version: int, buckets: list):
+        self.version, self.buckets = version, buckets                   # [(UpdateInfo, MappedSegment)]
+
+    def begin(self) -> dict:
+        return {"version": self.version, "buckets": len(self.buckets), "bytes": sum(u.nbytes for u, _ in self.buckets),
+                "shared": True}
+
+    def bucket(self, i: int, inline: bool = False) -> dict:
+        from ..refit.shm import proc_handle
+        from ..weight_sync.inline import encode_inline
+
+        if not 0 <= i < len(self.buckets):
+            raise ValueError(f"bucket {i}: this export has {len(self.buckets)}")
+        u, seg = self.buckets[i]
+        info = {"version": u.version, "buckets": u.buckets, "index": u.index, "handle": proc_handle(seg.fd),
+                "nbytes": u.nbytes, "digest": u.digest, "pieces": u.pieces}
+        return encode_inline(info, seg.view) if inline else info
+
+    def close(self) -> None:
+        """Nothing of its own: the segments stay the engine's kept base."""
+
+
 def _check_no_alias(model, maps) -> None:
     """RuntimeError naming a parameter or buffer whose bytes are still those of a mapped (read-only) segment: the
     loaders must have copied every tensor into the model's own memory before the segments are unmapped."""
@@ -131,7 +159,8 @@ def engine_class():
             super().__init__(config, vllm_config, device, model)
             self.served: int | None = None
             self.keep = False                  # keep the served base's checkpoint bytes for a peer (set_keep)
-            self.kept: tuple | None = None     # (version, {name: tensor}, the segments they view)
+            self.kept: tuple | None = None     # (version, {name: tensor}, the segments they view, the buckets of a
+            #                                   version that came whole over shared memory, for a SharedExport)
             self.timers = {"read_s": 0.0, "load_s": 0.0}
             self._reset()
 
@@ -140,6 +169,7 @@ def engine_class():
                 seg.close()
             self.version, self.expect, self.got = None, None, set()
             self.maps: list = []                             # this version's mapped segments (refit/shm.py)
+            self.segs: dict[int, tuple] = {}                 # index -> (UpdateInfo, MappedSegment) of those
             self.parts: dict[str, dict] = {}                 # name -> {dtype, shape, chunks: {part: bytes}, parts}
 
         def init_transfer_engine(self, init_info) -> None:
@@ -182,8 +212,10 @@ def engine_class():
                 elif u.transport == "shm":
                     self._check(u)
                     t0 = time.perf_counter()
-                    seg = MappedSegment(u.handle, layout_entries(u.pieces), u.digest, u.nbytes)   # checks the digest
+                    seg = MappedSegment(u.handle, layout_entries(u.pieces), u.digest, u.nbytes,   # checks the digest
+                                        keep_fd=self.keep)
                     self.maps.append(seg)
+                    self.segs[u.index] = (u, seg)
                     data = seg.view
                 else:
                     raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo' or 'http'")
@@ -282,7 +314,9 @@ def engine_class():
             to, else let them go."""
             self._drop_kept()
             if self.keep:
-                self.kept, self.maps = (self.served, weights, self.maps), []
+                shared = [self.segs.get(i) for i in range(self.expect)]
+                whole = all(b is not None and b[1].fd is not None for b in shared)
+                self.kept, self.maps = (self.served, weights, self.maps, shared if whole else None), []
 
         def _drop_kept(self) -> None:
             kept, self.kept = self.kept, None
@@ -294,7 +328,9 @@ def engine_class():
             if self.kept is None:
                 raise ValueError("this engine keeps no copy of its base to give a peer (it was loaded from disk, "
                                  "never synced, or synced without keep)")
-            version, weights, _ = self.kept
+            version, weights, _, shared = self.kept
+            if shared is not None:          # the segments as they came: a peer on this host maps the same pages
+                return SharedExport(version, shared)
             return PeerExport(weights, bucket_bytes, version)
 
         def abort(self) -> None:

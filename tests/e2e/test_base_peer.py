@@ -4,8 +4,10 @@ keeping the checkpoint bytes it was synced with; one is killed and restarted, an
 replicas run with base_transport=http, the path of engines on other nodes: the base inline in each call at start,
 and the peer's buckets passed on inline through this process at the join. The restarted engine samples exactly what
 an engine loaded from disk samples (fp32: tokens identical, logprobs max |diff| 0). The later syncs go over shared
-memory. Control: a peer synced with a perturbed base (one attention projection + 0.05, version 2) passes exactly that
-base on: the joiner then samples what the peer samples, not what the disk engine samples. Refused, the joiner
+memory. Control: a peer synced with a perturbed base (one attention projection + 0.05, version 2, over shared memory) passes
+exactly that base on: the joiner then samples what the peer samples, not what the disk engine samples. That join
+copies nothing: the joiner maps the segments the peer holds open (/proc/<pid>/fd), checked against the trainer's
+digests, and a byte flipped in those pages is refused. Refused, the joiner
 serving nothing: a bucket with one byte flipped on its way (its digest; inline and in a segment), a peer that keeps no base (started empty
 and never synced), base_from=peer with no live peer.
 Then a gloo broadcast (weight_sync/gloo_sender.py) of the checkpoint to both engines (serving the perturbed base):
@@ -97,7 +99,8 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         assert "keeps no copy of its base" in msg, msg
         assert b.transport._call("moe_lora_base_status")["served"] is None
 
-        # control: the peer serves a perturbed base (version 2); the joiner takes exactly that
+        # control: the peer serves a perturbed base (version 2, sent over shared memory); the joiner takes exactly
+        # that, mapping the very segments the peer holds (no copy: the trainer's digests, no new segment)
         tensors = checkpoint_tensors(model)
         name = next(n for n in tensors if "self_attn.o_proj" in n)
         store = BaseStore({**tensors, name: tensors[name] + 0.05}, 2 << 20, 2)
@@ -105,7 +108,28 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         store.close()                                                   # the peer's kept mappings outlive it
         perturbed = _sample(a)
         assert perturbed != ref
-        send_from_peer(b.transport._call, a.transport._call, 2 << 20)
+        head = a.transport._call("moe_lora_base_export_begin", 2 << 20)
+        held = a.transport._call("moe_lora_base_export_bucket", 1)
+        a.transport._call("moe_lora_base_export_end")
+        assert head["shared"] and held["handle"].startswith(f"proc:{a.pid}:"), (head, held)
+        # a byte flipped in the pages the peer holds: the joiner refuses them against the trainer's digest
+        page = f"/proc/{a.pid}/fd/{held['handle'].split(':')[2]}"
+
+        def flip_held():
+            with open(page, "r+b") as f:
+                f.seek(held["nbytes"] // 2)
+                c = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([c[0] ^ 1]))
+
+        flip_held()
+        msg = _refused(lambda: send_from_peer(b.transport._call, a.transport._call, 2 << 20))
+        assert "checksum mismatch" in msg, msg
+        assert b.transport._call("moe_lora_base_status")["served"] is None
+        flip_held()                                                     # the byte back
+        before = set(ROOT.glob("moe_lora_rl-*"))
+        joined = send_from_peer(b.transport._call, a.transport._call, 2 << 20)
+        assert set(ROOT.glob("moe_lora_rl-*")) == before, joined        # nothing written for the join
         assert b.transport._call("moe_lora_base_status")["served"] == 2
         assert _sample(b) == perturbed
 

@@ -71,3 +71,39 @@ def test_flipped_byte_moved_piece_and_later_write_are_refused(tmp_path, tensors)
         MappedSegment(info["handle"], entries, info["digest"], info["nbytes"] + 1, tmp_path)
     seg.close()
     store.close()
+
+
+def test_a_held_segment_is_mapped_through_its_holders_descriptor(tmp_path, tensors):
+    """A peer's zero-copy export (vllm/base_sync.SharedExport): a segment mapped with keep_fd is mapped again through
+    proc_handle(fd) after its sender removed it, with the same bytes and the sender's digest; a byte flipped in the
+    held pages is refused; a descriptor that is not one of our segments, or is closed, is refused by name."""
+    from moe_lora_rl.refit.shm import proc_handle
+
+    store = BaseStore(dict(tensors), 16 << 10, 3, root=tmp_path)
+    info = store.info(0)
+    entries = layout_entries(info["pieces"])
+    held = MappedSegment(info["handle"], entries, info["digest"], info["nbytes"], tmp_path, keep_fd=True)
+    store.close()                                                          # the name is gone, the pages are held
+    assert not (tmp_path / info["handle"]).exists()
+    again = MappedSegment(proc_handle(held.fd), entries, info["digest"], info["nbytes"], tmp_path)
+    assert torch.equal(again.view, held.view)
+    again.close()
+    with open(f"/proc/self/fd/{held.fd}", "r+b") as f:                   # one byte of the held pages flipped
+        f.seek(info["nbytes"] // 2)
+        c = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([c[0] ^ 1]))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        MappedSegment(proc_handle(held.fd), entries, info["digest"], info["nbytes"], tmp_path)
+    other = tmp_path / "not-a-segment"
+    other.write_bytes(b"\0" * info["nbytes"])
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="not a moe_lora_rl segment under"):
+            MappedSegment(proc_handle(fd), entries, info["digest"], info["nbytes"], tmp_path)
+    finally:
+        os.close(fd)
+    fd = held.fd
+    held.close()
+    with pytest.raises(ValueError, match=f"holds no descriptor {fd}"):
+        MappedSegment(proc_handle(fd), entries, info["digest"], info["nbytes"], tmp_path)
