@@ -144,7 +144,7 @@ def main(argv=None):
     del llm
     fresh = make_engine(a.model, dtype="float32", prefix_caching=False, extension=WORKER_EXTENSION,
                         load_format="dummy")
-    ck_base = MoELoRABaseCheckpointEngine(bucket_size=1 << 16)
+    ck_base = MoELoRABaseCheckpointEngine(bucket_size=1 << 16, base_transport="http")   # the base inline
     ck_base.transports = [InprocTransport(fresh)]
     base_out = asyncio.run(ck_base.send_weights(iter(first)))
     base_got = prompt_logprobs(fresh, seqs.tolist())

@@ -68,6 +68,7 @@ def test_base_backend_fills_an_empty_engine(res):
     out, out2 = res["base_backend_out"], res["base_backend_out2"]
     assert out["moe_lora/base_version"] == 1 and out["moe_lora/base_tensors"] == res["first_names"] - \
         res["first_lora_names"], out
+    assert out["moe_lora/base_transports"] == ["http"], out          # base_transport=http: each bucket inline
     assert res["base_backend_diff"] <= 1e-3 < res["base_vs_lora"], res
     assert "moe_lora/base_version" not in out2 and out2["moe_lora/refit_version"] == 2, out2
     assert res["base_backend_diff2"] <= 1e-3 < res["v1_vs_v2"], res

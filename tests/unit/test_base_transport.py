@@ -33,3 +33,15 @@ def test_refusals_name_the_setting():
     check_base_transport("disk", "shm", 400, THERE, None)          # nothing travels
     for t in ("http", "gloo", "auto"):
         check_base_transport("trainer", t, 64, THERE, None)
+
+
+def test_verl_base_backend_picks_the_transport_by_the_servers_host():
+    pytest.importorskip("verl", reason="verl is installed only in the main (Python 3.11) venv")
+    from moe_lora_rl.integration.verl.checkpoint_engine import MoELoRABaseCheckpointEngine
+
+    ck = MoELoRABaseCheckpointEngine(server_urls=["http://127.0.0.1:8000", "http://node7:8000"])
+    assert [ck.transport_for(t) for t in ck.transports] == ["shm", "http"]
+    ck = MoELoRABaseCheckpointEngine(server_urls=["http://127.0.0.1:8000"], base_transport="http")
+    assert [ck.transport_for(t) for t in ck.transports] == ["http"]
+    with pytest.raises(ValueError, match="base_transport='gloo'"):
+        MoELoRABaseCheckpointEngine(base_transport="gloo")

@@ -137,12 +137,26 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
     """Backend "moe_lora_base": the base weights too, for rollout servers started empty (rollout.load_format=dummy,
     no copy of the checkpoint on the rollout side). A stream that carries the base (verl's first sync) reaches each
     server through vLLM's weight-transfer API (weight_sync/: one shared-memory store of buckets, each checked by its
-    digest; the servers on this host), then its adapters as the "moe_lora" backend pushes them; later streams carry
-    adapters only. Push delivery only (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller)."""
+    digest, or each bucket inline for a server on another host), then its adapters as the "moe_lora" backend pushes them; later streams carry
+    adapters only. Push delivery only (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller).
+    engine_kwargs.moe_lora.base_transport: auto (shared memory to a server on loopback, the bytes inline in each call
+    to one on another host), shm or http."""
 
-    def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, **kw: Any):
+    def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, base_transport: str = "auto",
+                 **kw: Any):
+        if base_transport not in ("auto", "shm", "http"):
+            raise ValueError(f"engine_kwargs.moe_lora.base_transport={base_transport!r}: expected auto, shm or http")
         super().__init__(bucket_size, server_urls, **kw)
-        self.base_version = 0
+        self.base_version, self.base_transport = 0, base_transport
+
+    def transport_for(self, tr) -> str:
+        """shm or http for one server: auto is shm for a server on loopback (or in this process), http otherwise."""
+        if self.base_transport != "auto":
+            return self.base_transport
+        from urllib.parse import urlparse
+
+        url = getattr(tr, "base_url", None)
+        return "shm" if url is None or urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") else "http"
 
     async def send_weights(self, weights, global_steps: int | None = None):
         from ...weight_sync.shm_sender import send_store
@@ -159,11 +173,12 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
             self.base_version += 1
             store = BaseStore(base, self.bucket_size, self.base_version)
             try:
-                syncs = [send_store(tr._call, store) for tr in self.transports]
+                syncs = [send_store(tr._call, store, transport=self.transport_for(tr)) for tr in self.transports]
             finally:
                 store.close()
             out = {"moe_lora/base_version": self.base_version, "moe_lora/base_tensors": len(base),
-                   "moe_lora/base_sync_s": sum(t["total_s"] for t in syncs)}
+                   "moe_lora/base_sync_s": sum(t["total_s"] for t in syncs),
+                   "moe_lora/base_transports": [t["transport"] for t in syncs]}
         return {**out, **self._push(meta, tensors)}
 
 
