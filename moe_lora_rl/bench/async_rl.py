@@ -11,7 +11,9 @@ rates, since evaluation is the same work in both modes):
 - sync with every process pinned to one core (taskset -c 0, the best sync nproc): the one-core phase figures;
 - async, seed 0; then, for every further seed, sync (best nproc) and async again (held-out success after the same
   number of trained samples).
-steps_per_min = steps * 60 / (wall - evaluation seconds). Phase seconds per step: rollout = rollout busy (generation
+steps_per_min = steps * 60 / (wall - evaluation seconds). occupancy_sync / occupancy_async: the engines' sequences
+decoded per engine step over the training rollouts; engine_tokens_per_s_*: the tokens they generated over the same
+seconds as the rates. Phase seconds per step: rollout = rollout busy (generation
 and pushes) minus evaluation, train = train busy, from the sync summaries. overlap_bound = (rollout_C + train_C) /
 ((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py.
 --model, --layouts and the overrides after `--` reach every run.
@@ -95,6 +97,10 @@ def main(argv=None) -> dict:
            "samples_trained": a0["samples_trained"], "staleness_max": max(r["staleness_max"] for r in runs.values()),
            "staleness_bound": a.max_staleness, "dropped_frac": a0["dropped_frac"], "ess_mean": a0["ess_mean"],
            "multi_version_frac": a0["multi_version_frac"],
+           "occupancy_sync": s0.get("engine_occupancy"), "occupancy_async": a0.get("engine_occupancy"),
+           "engine_tokens_per_s_sync": s0.get("engine_tokens", 0) / (s0["wall_s"] - s0["eval_s"]),
+           "engine_tokens_per_s_async": a0.get("engine_tokens", 0) / (a0["wall_s"] - a0["eval_s"]),
+           "response_len_mean": a0.get("response_len_mean"),
            "rollout_idle_sync": 1.0 - rc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
            "train_idle_sync": 1.0 - tc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
            "rollout_idle_async": a0["rollout_idle_frac"], "train_idle_async": a0["train_idle_frac"],

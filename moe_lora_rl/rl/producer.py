@@ -27,6 +27,8 @@ class Producer:
         self._eval_prompts = None
         self.eval_lens: list[int] = []       # response lengths (tokens) of the last evaluation
         self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
+        self.occ_seq_steps = self.occ_steps = 0      # engine steps (and sequences decoded in them) of training
+        #                                              rollouts: evaluation left out (occupancy())
 
     def start(self) -> None:
         import os
@@ -53,6 +55,7 @@ class Producer:
             kw["threads"] = max(1, len(os.sched_getaffinity(0)) // here)
         self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                       log_dir=self.out, seed=cfg.seed, **kw)
+        self._kv_mark = self.kv_snapshot()           # the engines' own warm-up left out
 
     # -- prompts and groups -------------------------------------------------------------------------------------
     def prompt(self, problem: int) -> list[int]:
@@ -111,15 +114,33 @@ class Producer:
         (time-averaged over their steps; the peak so far), averaged over the engines that ran: one status call."""
         from ..rollout.kv_meter import per_seq_bytes
 
-        after = self.kv_snapshot()
-        before = self._kv_mark or [None] * len(after)
-        self._kv_mark = after
+        before, after = self._advance()
         per = [per_seq_bytes(b if b is not None and b["seq_steps"] <= a["seq_steps"] else None, a)  # restart: reset
                for b, a in zip(before, after) if b is None or a["seq_steps"] != b["seq_steps"]]
         if not per:
             return {}
         return {"kv_bytes_per_seq": sum(p["kv_bytes_per_seq"] for p in per) / len(per),
                 "kv_peak_bytes_per_seq": max(p["kv_peak_bytes_per_seq"] for p in per)}
+
+    def _advance(self) -> tuple[list, list]:
+        """(the meters at the last mark, now); the engine steps between them are counted as training rollouts'."""
+        after = self.kv_snapshot()
+        before = self._kv_mark or [None] * len(after)
+        self._kv_mark = after
+        for b, a in zip(before, after):
+            if b is None or b["decoded_seqs"] > a["decoded_seqs"]:                   # the start, or a restart
+                b = {"decoded_seqs": 0, "decode_steps": 0}
+            self.occ_seq_steps += a["decoded_seqs"] - b["decoded_seqs"]
+            self.occ_steps += a["decode_steps"] - b["decode_steps"]
+        return before, after
+
+    def occupancy(self) -> dict:
+        """The engines' occupancy over the training rollouts so far: sequences decoded per engine step (steps that
+        decoded any), from each engine's step outputs (rollout/kv_meter.py); engine_tokens: the tokens they
+        generated."""
+        self._advance()
+        return {"engine_occupancy": self.occ_seq_steps / self.occ_steps if self.occ_steps else None,
+                "engine_steps": self.occ_steps, "engine_tokens": self.occ_seq_steps}
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, version: int | None = None, keep: dict | None = None) -> float:
@@ -142,6 +163,7 @@ class Producer:
             return sum(self.rewards(out, [self.eval_problems[q] for q in mine for _ in range(k)]))
 
         lens: list[int] = []
+        self._advance()                              # the training rollouts' steps so far counted
         parts = spread(len(self.eval_problems), len(self.engines))
         done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
         self._kv_mark = self.kv_snapshot()          # the next step's KV figures leave the evaluation out

@@ -39,7 +39,13 @@ def run_summary(run, history: list[dict], evals: dict, wall: float) -> dict:
             "rollout_busy_frac": run.busy["rollout"] / wall, "train_busy_frac": run.busy["train"] / wall,
             "steps": len(history), "mode": cfg.mode, "eval_s": run.eval_s,
             "engine_restarts": run.engine_restarts, "replay": cfg.replay, "serving": cfg.serving,
-            "layout": cfg.layout.layout().name, "model": str(run.path), **base_syncs(run)}
+            "layout": cfg.layout.layout().name, "model": str(run.path), **base_syncs(run), **occupancy(run)}
+
+
+def occupancy(run) -> dict:
+    """Rank 0: the engines' mean running sequences per engine step over the training rollouts (rl/producer.py)."""
+    prod = getattr(run, "prod", None)
+    return prod.occupancy() if prod is not None and getattr(prod, "engines", None) is not None else {}
 
 
 def base_syncs(run) -> dict:

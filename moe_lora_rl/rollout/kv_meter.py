@@ -1,15 +1,19 @@
 """KV memory held by an engine's sequences, read from vLLM's own allocator after every engine step.
 
     meter = KVMeter(llm)          # an in-process engine (rollout/engine.make_engine)
-    meter.sample()                # after each engine step (the engine loop does it)
+    meter.sample(decoded)         # after each engine step (the engine loop does it): decoded, the sequences that got
+                                  # a token in it
     meter.snapshot()              # cumulative: {"block_bytes", "steps", "block_steps", "seq_steps", "peak_blocks_per_seq",
-                                  #              "sliding_window", "block_size"}
+                                  #              "sliding_window", "block_size", "decode_steps", "decoded_seqs"}
 
 Blocks held are the block pool's blocks with a reference (vLLM's `BlockPool`: total - free - its null block), so a
 sliding window's freed blocks (`SlidingWindowManager.remove_skipped_blocks`) and evictable prefix-cache blocks
 count as free. Per sequence: blocks held over the running requests, time-averaged over engine steps
 (block_steps / seq_steps) and at its peak; bytes: times the bytes of one block over every layer (the KV cache
 config's tensors / its blocks). Nothing is estimated from lengths.
+
+The engine's occupancy: the sequences that got a token in a step, over the steps that decoded any
+(decoded_seqs / decode_steps); decoded_seqs is the number of tokens the engine generated.
 """
 from __future__ import annotations
 
@@ -38,9 +42,13 @@ class KVMeter:
         self.pool = self.sched.kv_cache_manager.block_pool
         self.layout = kv_layout(llm)
         self.steps = self.block_steps = self.seq_steps = 0
+        self.decode_steps = self.decoded_seqs = 0
         self.peak = 0.0
 
-    def sample(self) -> None:
+    def sample(self, decoded: int = 0) -> None:
+        if decoded:
+            self.decode_steps += 1
+            self.decoded_seqs += decoded
         running = len(self.sched.running)
         if not running:
             return
@@ -52,7 +60,8 @@ class KVMeter:
 
     def snapshot(self) -> dict:
         return {**self.layout, "steps": self.steps, "block_steps": self.block_steps, "seq_steps": self.seq_steps,
-                "peak_blocks_per_seq": self.peak}
+                "peak_blocks_per_seq": self.peak, "decode_steps": self.decode_steps,
+                "decoded_seqs": self.decoded_seqs}
 
 
 def per_seq_bytes(before: dict | None, after: dict) -> dict:

@@ -296,7 +296,7 @@ class EngineLoop:
         self.stats["steps"] += 1
         self.stats["step_s"] += time.perf_counter() - t0 + self.step_delay_s     # the delay counts as busy
         if self.kv_meter is not None:
-            self.kv_meter.sample()
+            self.kv_meter.sample(sum(1 for o in outs if o.outputs and o.outputs[0].token_ids))
         if self.step_delay_s:
             self._next_step_at = time.perf_counter() + self.step_delay_s
         finished = []

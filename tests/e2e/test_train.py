@@ -79,6 +79,11 @@ def test_short_run_trains_and_refits_adapters_only(runs):
     assert (root / "metrics.png").stat().st_size > 10_000 and list((root / "tb").glob("events.out.tfevents.*"))
     assert (root / "adapter" / "adapter_model.safetensors").is_file()
     assert json.loads([l for l in out.splitlines() if l.startswith("{")][-1])["steps"] == 4   # the final line
+    # the engine's occupancy, read from its step outputs: the tokens it decoded over the training rollouts (the
+    # evaluations and its warm-up left out) are exactly the responses' tokens
+    n = 4 * 4 * summary["steps"]
+    assert summary["engine_tokens"] == round(summary["response_len_mean"] * n), summary
+    assert 1 <= summary["engine_occupancy"] <= 16 and summary["engine_steps"] >= summary["steps"], summary
 
 
 def test_engine_serves_the_trained_policy(runs):
