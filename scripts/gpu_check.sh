@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh [ARGS]                      with the Python that has torch (CUDA) and the deps
 #   PIP_FIND_LINKS=wheels/ bash scripts/gpu_check.sh      first installs every wheels/*.whl (--no-index --no-deps)
-#                                                         into a throwaway venv that sees the system's torch
+#                                                         into a throwaway folder put first on PYTHONPATH
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh      another interpreter (default python3)
 #   ARGS: --parts replay,ipc  --bucket-mib 2  --timeout 300  (python -m ... --help)
 #
@@ -32,13 +32,13 @@ if [[ -n "${PIP_FIND_LINKS:-}" ]]; then
   TMP="$(mktemp -d)"; trap 'rm -rf "$TMP"' EXIT
   shopt -s nullglob; WHEELS=("$PIP_FIND_LINKS"/*.whl); shopt -u nullglob
   if (( ${#WHEELS[@]} == 0 )); then echo "gpu_check: setup failed: no *.whl in PIP_FIND_LINKS=$PIP_FIND_LINKS"; exit 3; fi
-  if ! "$PY" -m venv --system-site-packages "$TMP/venv" >"$TMP/setup.log" 2>&1 \
-     || ! "$TMP/venv/bin/python" -m pip install -q --no-index --no-deps --find-links "$PIP_FIND_LINKS" "${WHEELS[@]}" \
-          >>"$TMP/setup.log" 2>&1; then
+  # into a folder of its own put first on PYTHONPATH (not a venv: a venv made from an interpreter that is itself a
+  # venv, such as an image's torch venv, would not see that venv's torch)
+  if ! "$PY" -m pip install -q --no-index --no-deps --target "$TMP/site" "${WHEELS[@]}" >"$TMP/setup.log" 2>&1; then
     echo "gpu_check: setup failed: installing ${#WHEELS[@]} wheels from $PIP_FIND_LINKS: $(grep -v '^\s*$' "$TMP/setup.log" | tail -1)"
     exit 3
   fi
-  PY="$TMP/venv/bin/python"
+  export PYTHONPATH="$TMP/site:$PYTHONPATH"
 fi
 
 timeout --kill-after=10 "$LIMIT_S" "$PY" -m moe_lora_rl.checks.gpu_check "$@"
