@@ -2,15 +2,18 @@
 and the shared-host planner's prediction of the speedup from phase figures measured in the same run.
 
     python -m moe_lora_rl.bench async --json [--model DIR] [--layouts tp1ep1pp1] [--steps 20] [--seeds 0,1]
-        [--sync-nproc 2,1] [--async-nproc 2] [--max-staleness 1] [--inflight switch] [--out DIR] [-- k=v ...]
+        [--sync-nproc 2,1] [--async-nproc 2] [--max-staleness 1] [--inflight switch] [--setting default|long]
+        [--engine-threads auto,1] [--out DIR] [-- k=v ...]
 
 Runs, each a whole job under torchrun (evaluation at the start and the end only; its seconds are left out of the
 rates, since evaluation is the same work in both modes):
 - sync, for each --sync-nproc (trainer ranks; each rank's torch threads = cores / ranks), seed 0: the best of them
   (steps/min) is the synchronous side, "each phase given every core it can use";
 - sync with every process pinned to one core (taskset -c 0, the best sync nproc): the one-core phase figures;
-- async, seed 0; then, for every further seed, sync (best nproc) and async again (held-out success after the same
-  number of trained samples).
+- async, seed 0, for each --engine-threads (the engine's torch threads: the placement of the engine beside the
+  trainer's ranks on the cores): the best of them is the async side; then, for every further seed, sync (best nproc)
+  and async (best engine threads) again (held-out success after the same number of trained samples).
+--setting long: the long-reasoning job (recipes/long.yaml: answers of ~60-400 tokens).
 steps_per_min = steps * 60 / (wall - evaluation seconds). occupancy_sync / occupancy_async: the engines' sequences
 decoded per engine step over the training rollouts; engine_tokens_per_s_*: the tokens they generated over the same
 seconds as the rates. Phase seconds per step: rollout = rollout busy (generation
@@ -27,6 +30,9 @@ from pathlib import Path
 
 from .common import emit
 from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+
+
+SETTINGS = {"default": [], "long": ["--config-name=long"]}
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -60,14 +66,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--async-nproc", type=int, default=2, help="trainer ranks of the async runs")
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--inflight", default="switch", choices=("switch", "pin"))
+    ap.add_argument("--setting", default="default", choices=sorted(SETTINGS),
+                    help="default: the main job; long: the long-reasoning job (recipes/long.yaml)")
+    ap.add_argument("--engine-threads", default="auto",
+                    help="the engine's torch threads tried for the async runs, e.g. auto,1 (auto: every core)")
     a = ap.parse_args(argv)
     lay, layout_over, model_over = job_layout(a, "async")
     seeds, sync_nproc = _ints(a.seeds, "--seeds"), _ints(a.sync_nproc, "--sync-nproc")
+    engine_threads = [t.strip() for t in a.engine_threads.split(",") if t.strip()]
+    if not engine_threads or any(t != "auto" and not (t.isdigit() and int(t) >= 1) for t in engine_threads):
+        raise ValueError(f"--engine-threads={a.engine_threads!r}: expected auto or integers >= 1, comma-separated")
     if a.steps < 1 or a.async_nproc < 1 or min(sync_nproc) < 1 or a.timeout <= 0 or a.max_staleness < 1:
         raise ValueError(f"--steps={a.steps}, --async-nproc={a.async_nproc}, --sync-nproc={a.sync_nproc}, "
                          f"--max-staleness={a.max_staleness}, --timeout={a.timeout}: must be >= 1 (positive)")
     cores = len(os.sched_getaffinity(0))
-    base = [*layout_over, f"steps={a.steps}", "eval_every=0", *model_over, *extra]
+    base = [*SETTINGS[a.setting], *layout_over, f"steps={a.steps}", "eval_every=0", *model_over, *extra]
     asyn = ["mode=async", f"max_staleness={a.max_staleness}", f"inflight={a.inflight}"]
     for n in {*sync_nproc, a.async_nproc}:
         _preflight([*base, *asyn], n)
@@ -82,10 +95,13 @@ def main(argv=None) -> dict:
         best_n = max(tried, key=lambda n: rate(tried[n]))
         one_core = job(f"sync1core-n{best_n}", best_n, [], seeds[0], prefix=("taskset", "-c", "0"))
         sync = {seeds[0]: tried[best_n]}
-        runs = {seeds[0]: job("async", a.async_nproc, asyn, seeds[0])}
+        placed = {t: [] if t == "auto" else [f"rollout.threads={t}"] for t in engine_threads}
+        tried_async = {t: job(f"async-t{t}", a.async_nproc, [*asyn, *placed[t]], seeds[0]) for t in engine_threads}
+        best_t = max(tried_async, key=lambda t: rate(tried_async[t]))
+        runs = {seeds[0]: tried_async[best_t]}
         for s in seeds[1:]:
             sync[s] = job(f"sync-n{best_n}", best_n, [], s)
-            runs[s] = job("async", a.async_nproc, asyn, s)
+            runs[s] = job(f"async-t{best_t}", a.async_nproc, [*asyn, *placed[best_t]], s)
     s0, a0 = sync[seeds[0]], runs[seeds[0]]
     (r1, t1), (rc, tc) = phases(one_core), phases(s0)
     pred = predict(HostPhases(rollout_1=r1, rollout_c=rc, train_1=t1, train_c=tc, cores=cores), a.max_staleness)
@@ -110,6 +126,8 @@ def main(argv=None) -> dict:
            "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc, "cores": cores},
            "sync_tried": {str(n): rate(s) for n, s in tried.items()}, "sync_nproc": best_n,
+           "async_tried_engine_threads": {t: rate(r) for t, r in tried_async.items()}, "engine_threads": best_t,
+           "setting": a.setting,
            "async_nproc": a.async_nproc, "inflight": a.inflight, "steps": a.steps, "layout": lay.name,
            "bench_wall_s": round(time.time() - t0, 1)}
     emit(out, a.json)

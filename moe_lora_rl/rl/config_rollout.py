@@ -41,6 +41,9 @@ class RolloutSettings:
     (sliding-window attention on every layer; the engine frees the blocks outside it)."""
     kv_budget: int = 0
     """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
+    threads: int | None = None
+    """Torch threads of each engine on a CPU host; null: every core for one engine, the host's cores split evenly
+    between several on it."""
     base_from: str = "disk"
     """Where an engine gets the base weights: disk (it loads the checkpoint); trainer (it starts empty,
     load_format=dummy, and rank 0 sends it the checkpoint it holds through vLLM's weight-transfer calls, at start
@@ -66,6 +69,9 @@ class RolloutSettings:
             self.node = list(self.node)             # a ListConfig from hydra
         plan_placements(self.engines, nodes=self.node, gpus=self.gpus, this_host="")
         _positive("rollout.stage_timeout_s", self.stage_timeout_s)
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ValueError(f"rollout.threads={self.threads!r} must be an integer >= 1 (or null)")
         _choice("rollout.base_from", self.base_from, ("disk", "trainer", "peer"))
         _positive("rollout.base_bucket_mb", self.base_bucket_mb)
         from ..rollout.base import BASE_TRANSPORTS

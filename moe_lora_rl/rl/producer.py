@@ -51,7 +51,9 @@ class Producer:
         if cfg.policies:                 # every policy's version held at once, each request pinned to its policy's
             kw |= {"inflight": "pin", "on_full": "wait", "max_versions": cfg.rollout.max_versions}
         here = sum(p.transport == "shm" for p in where)
-        if here > 1 and cfg.runtime.device == "cpu":   # replicas on this host share its cores
+        if cfg.rollout.threads is not None:
+            kw["threads"] = cfg.rollout.threads
+        elif here > 1 and cfg.runtime.device == "cpu":   # replicas on this host share its cores
             kw["threads"] = max(1, len(os.sched_getaffinity(0)) // here)
         self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                       log_dir=self.out, seed=cfg.seed, **kw)

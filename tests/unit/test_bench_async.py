@@ -19,18 +19,26 @@ def test_runs_and_figures(monkeypatch, tmp_path):
     calls = []
     # sync on all cores: 10 steps in 30 s (10 s evaluation): rollout 0.55*30-10 = 6.5 s, train 0.4*30 = 12 s
     canned = {"sync-n2": summary(10, 30.0, 10.0, 0.55, 0.4, 0.35), "sync-n1": summary(10, 40.0, 10.0, 0.4, 0.5, 0.3),
-              "sync1core-n2": summary(10, 50.0, 12.0, 0.4, 0.6, 0.35), "async": summary(10, 26.0, 10.0, 0.5, 0.6, 0.36, **ASYNC)}
+              "sync1core-n2": summary(10, 50.0, 12.0, 0.4, 0.6, 0.35),
+              "async-tauto": summary(10, 30.0, 10.0, 0.5, 0.6, 0.3, **ASYNC),
+              "async-t1": summary(10, 26.0, 10.0, 0.5, 0.6, 0.36, **ASYNC)}
 
     def run_job(nproc, overrides, out_dir, timeout, prefix=()):
-        calls.append((out_dir.name, nproc, tuple(prefix), [o for o in overrides if o.startswith(("seed=", "mode="))]))
+        calls.append((out_dir.name, nproc, tuple(prefix),
+                      [o for o in overrides if o.startswith(("seed=", "mode=", "rollout.threads=", "--config-name"))]))
         return canned[out_dir.name.rsplit("-s", 1)[0]]
 
     monkeypatch.setattr(async_rl, "run_job", run_job)
-    r = async_rl.main(["--steps", "10", "--seeds", "0,1", "--out", str(tmp_path), "--", "data.n_eval=8"])
-    assert calls == [("sync-n2-s0", 2, (), ["seed=0"]), ("sync-n1-s0", 1, (), ["seed=0"]),
-                     ("sync1core-n2-s0", 2, ("taskset", "-c", "0"), ["seed=0"]),
-                     ("async-s0", 2, (), ["mode=async", "seed=0"]),
-                     ("sync-n2-s1", 2, (), ["seed=1"]), ("async-s1", 2, (), ["mode=async", "seed=1"])]
+    r = async_rl.main(["--steps", "10", "--seeds", "0,1", "--out", str(tmp_path), "--setting", "long",
+                       "--engine-threads", "auto,1", "--", "data.n_eval=8"])
+    long = "--config-name=long"
+    assert calls == [("sync-n2-s0", 2, (), [long, "seed=0"]), ("sync-n1-s0", 1, (), [long, "seed=0"]),
+                     ("sync1core-n2-s0", 2, ("taskset", "-c", "0"), [long, "seed=0"]),
+                     ("async-tauto-s0", 2, (), [long, "mode=async", "seed=0"]),
+                     ("async-t1-s0", 2, (), [long, "mode=async", "rollout.threads=1", "seed=0"]),
+                     ("sync-n2-s1", 2, (), [long, "seed=1"]),
+                     ("async-t1-s1", 2, (), [long, "mode=async", "rollout.threads=1", "seed=1"])]
+    assert r["engine_threads"] == "1" and r["async_tried_engine_threads"] == pytest.approx({"auto": 30.0, "1": 37.5})
     assert r["sync_steps_per_min"] == pytest.approx(10 * 60 / 20) and r["async_steps_per_min"] == pytest.approx(37.5)
     assert r["speedup"] == pytest.approx(1.25) and r["sync_nproc"] == 2
     ph = r["phases_s_per_step"]
@@ -40,3 +48,8 @@ def test_runs_and_figures(monkeypatch, tmp_path):
     assert r["prediction_error"] == pytest.approx(abs(r["predicted_speedup"] - 1.25) / 1.25)
     assert r["eval_by_seed"]["1"] == {"sync": 0.35, "async": 0.36, "start": 0.2}
     assert r["rollout_idle_sync"] == pytest.approx(1 - 6.5 / 20) and r["train_idle_sync"] == pytest.approx(1 - 12 / 20)
+
+
+def test_bad_engine_threads_refused():
+    with pytest.raises(ValueError, match="--engine-threads='auto,0'"):
+        async_rl.main(["--engine-threads", "auto,0"])

@@ -42,7 +42,8 @@ def test_async_refusals():
             (["mode=async", "inflight=pin", "max_staleness=4"], 2, "rollout.max_versions=4"),
             (["mode=async", "algo.group_size=3", "algo.prompts_per_step=3", "algo.micro_batch_size=1"], 2,
              "does not split over data-parallel size 2"),
-            (["mode=async", "delay.train_s=-1"], 2, "delay.train_s=-1")):
+            (["mode=async", "delay.train_s=-1"], 2, "delay.train_s=-1"),
+            (["rollout.threads=0"], 2, "rollout.threads=0 must be an integer >= 1")):
         with pytest.raises(ValueError, match=needle):
             check(overrides, world)
     check(["mode=async", "inflight=pin", "max_staleness=3"], 2)          # 4 versions fit rollout.max_versions=4
