@@ -138,12 +138,20 @@ def test_train_config_refuses(override, needle):
 def test_kv_step_counts_since_the_last_mark_and_survives_a_restart():
     from moe_lora_rl.rl.producer import Producer
 
-    snaps = iter([[{"block_steps": 40, "seq_steps": 10, "block_bytes": 1000, "peak_blocks_per_seq": 5.0}],
-                  [{"block_steps": 100, "seq_steps": 30, "block_bytes": 1000, "peak_blocks_per_seq": 6.0}],
-                  [{"block_steps": 6, "seq_steps": 2, "block_bytes": 1000, "peak_blocks_per_seq": 3.0}]])
+    restarted = [{"block_steps": 6, "seq_steps": 2, "block_bytes": 1000, "peak_blocks_per_seq": 3.0,
+                  "decode_steps": 2, "decoded_seqs": 10}]
+    snaps = iter([[{"block_steps": 40, "seq_steps": 10, "block_bytes": 1000, "peak_blocks_per_seq": 5.0,
+                    "decode_steps": 5, "decoded_seqs": 50}],
+                  [{"block_steps": 100, "seq_steps": 30, "block_bytes": 1000, "peak_blocks_per_seq": 6.0,
+                    "decode_steps": 15, "decoded_seqs": 200}],
+                  restarted, restarted])
     prod = Producer.__new__(Producer)
     prod._kv_mark = None
+    prod.occ_seq_steps = prod.occ_steps = 0
     prod.kv_snapshot = lambda: next(snaps)
     assert prod.kv_step()["kv_bytes_per_seq"] == 4000.0                 # since the engine started
     assert prod.kv_step() == {"kv_bytes_per_seq": 3000.0, "kv_peak_bytes_per_seq": 6000.0}
     assert prod.kv_step()["kv_bytes_per_seq"] == 3000.0                 # a restarted engine's meter starts over
+    # the occupancy over the same windows: 50 + 150 + 10 sequences decoded in 5 + 10 + 2 steps (the restarted
+    # engine's counted from its own start); nothing new at the last snapshot
+    assert prod.occupancy() == {"engine_occupancy": 210 / 17, "engine_steps": 17, "engine_tokens": 210}
