@@ -16,7 +16,8 @@ rates, since evaluation is the same work in both modes):
 --setting long: the long-reasoning job (recipes/long.yaml: answers of ~60-400 tokens).
 steps_per_min = steps * 60 / (wall - evaluation seconds). occupancy_sync / occupancy_async: the engines' sequences
 decoded per engine step over the training rollouts; engine_tokens_per_s_*: the tokens they generated over the same
-seconds as the rates. Phase seconds per step: rollout = rollout busy (generation
+seconds as the rates; engine_step_fit (sync, one_core, async): a decode step's seconds as fixed_s + per_seq_s *
+sequences, fitted over each run's engine steps (rollout/kv_meter.step_fit). Phase seconds per step: rollout = rollout busy (generation
 and pushes) minus evaluation, train = train busy, from the sync summaries. overlap_bound = (rollout_C + train_C) /
 ((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py.
 --model, --layouts and the overrides after `--` reach every run.
@@ -117,6 +118,8 @@ def main(argv=None) -> dict:
            "engine_tokens_per_s_sync": s0.get("engine_tokens", 0) / (s0["wall_s"] - s0["eval_s"]),
            "engine_tokens_per_s_async": a0.get("engine_tokens", 0) / (a0["wall_s"] - a0["eval_s"]),
            "response_len_mean": a0.get("response_len_mean"),
+           "engine_step_fit": {"sync": s0.get("engine_step_fit"), "one_core": one_core.get("engine_step_fit"),
+                               "async": a0.get("engine_step_fit")},
            "rollout_idle_sync": 1.0 - rc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
            "train_idle_sync": 1.0 - tc * s0["steps"] / (s0["wall_s"] - s0["eval_s"]),
            "rollout_idle_async": a0["rollout_idle_frac"], "train_idle_async": a0["train_idle_frac"],

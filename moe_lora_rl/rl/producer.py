@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..rollout.kv_meter import STEP_SUMS, step_fit
 from .groups import GroupPlan
 from .reward import compute_score
 from .schedule import eval_seed
@@ -27,8 +28,8 @@ class Producer:
         self._eval_prompts = None
         self.eval_lens: list[int] = []       # response lengths (tokens) of the last evaluation
         self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
-        self.occ_seq_steps = self.occ_steps = 0      # engine steps (and sequences decoded in them) of training
-        #                                              rollouts: evaluation left out (occupancy())
+        self.occ: dict[str, float] = {}       # the engines' step sums (rollout/kv_meter.STEP_SUMS) over training
+        #                                       rollouts: evaluation left out (occupancy())
 
     def start(self) -> None:
         import os
@@ -130,19 +131,20 @@ class Producer:
         before = self._kv_mark or [None] * len(after)
         self._kv_mark = after
         for b, a in zip(before, after):
-            if b is None or b["decoded_seqs"] > a["decoded_seqs"]:                   # the start, or a restart
-                b = {"decoded_seqs": 0, "decode_steps": 0}
-            self.occ_seq_steps += a["decoded_seqs"] - b["decoded_seqs"]
-            self.occ_steps += a["decode_steps"] - b["decode_steps"]
+            restart = b is None or b["decoded_seqs"] > a["decoded_seqs"]            # the start, or a restart
+            for k in STEP_SUMS:
+                self.occ[k] = self.occ.get(k, 0) + a.get(k, 0) - (0 if restart else b.get(k, 0))
         return before, after
 
     def occupancy(self) -> dict:
         """The engines' occupancy over the training rollouts so far: sequences decoded per engine step (steps that
         decoded any), from each engine's step outputs (rollout/kv_meter.py); engine_tokens: the tokens they
-        generated."""
+        generated; engine_decode_s: the seconds of those steps; engine_step_fit: a step's seconds as a function of
+        the sequences in it (rollout/kv_meter.step_fit)."""
         self._advance()
-        return {"engine_occupancy": self.occ_seq_steps / self.occ_steps if self.occ_steps else None,
-                "engine_steps": self.occ_steps, "engine_tokens": self.occ_seq_steps}
+        steps, seqs = self.occ.get("decode_steps", 0), self.occ.get("decoded_seqs", 0)
+        return {"engine_occupancy": seqs / steps if steps else None, "engine_steps": steps, "engine_tokens": seqs,
+                "engine_decode_s": self.occ.get("decode_s", 0.0), "engine_step_fit": step_fit(self.occ)}
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, version: int | None = None, keep: dict | None = None) -> float:

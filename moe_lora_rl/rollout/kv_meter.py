@@ -1,10 +1,11 @@
 """KV memory held by an engine's sequences, read from vLLM's own allocator after every engine step.
 
     meter = KVMeter(llm)          # an in-process engine (rollout/engine.make_engine)
-    meter.sample(decoded)         # after each engine step (the engine loop does it): decoded, the sequences that got
-                                  # a token in it
+    meter.sample(decoded, secs)   # after each engine step (the engine loop does it): decoded, the sequences that got
+                                  # a token in it; secs, the step's wall seconds
     meter.snapshot()              # cumulative: {"block_bytes", "steps", "block_steps", "seq_steps", "peak_blocks_per_seq",
-                                  #              "sliding_window", "block_size", "decode_steps", "decoded_seqs"}
+                                  #              "sliding_window", "block_size", "decode_steps", "decoded_seqs",
+                                  #              "decode_s", "decoded_sq", "decoded_x_s"}
 
 Blocks held are the block pool's blocks with a reference (vLLM's `BlockPool`: total - free - its null block), so a
 sliding window's freed blocks (`SlidingWindowManager.remove_skipped_blocks`) and evictable prefix-cache blocks
@@ -13,7 +14,10 @@ count as free. Per sequence: blocks held over the running requests, time-average
 config's tensors / its blocks). Nothing is estimated from lengths.
 
 The engine's occupancy: the sequences that got a token in a step, over the steps that decoded any
-(decoded_seqs / decode_steps); decoded_seqs is the number of tokens the engine generated.
+(decoded_seqs / decode_steps); decoded_seqs is the number of tokens the engine generated. With the sums of the
+steps' seconds s, of b^2 and of b * s (b: the sequences decoded in a step), `step_fit` fits a step's seconds as
+fixed_s + per_seq_s * b by least squares: the engine's cost as a function of its occupancy, measured in the run
+(plan/shared_host.py reads it). The sums are additive, so fits over windows or engines combine.
 """
 from __future__ import annotations
 
@@ -42,13 +46,17 @@ class KVMeter:
         self.pool = self.sched.kv_cache_manager.block_pool
         self.layout = kv_layout(llm)
         self.steps = self.block_steps = self.seq_steps = 0
-        self.decode_steps = self.decoded_seqs = 0
+        self.decode_steps = self.decoded_seqs = self.decoded_sq = 0
+        self.decode_s = self.decoded_x_s = 0.0
         self.peak = 0.0
 
-    def sample(self, decoded: int = 0) -> None:
+    def sample(self, decoded: int = 0, secs: float = 0.0) -> None:
         if decoded:
             self.decode_steps += 1
             self.decoded_seqs += decoded
+            self.decoded_sq += decoded * decoded
+            self.decode_s += secs
+            self.decoded_x_s += decoded * secs
         running = len(self.sched.running)
         if not running:
             return
@@ -60,8 +68,21 @@ class KVMeter:
 
     def snapshot(self) -> dict:
         return {**self.layout, "steps": self.steps, "block_steps": self.block_steps, "seq_steps": self.seq_steps,
-                "peak_blocks_per_seq": self.peak, "decode_steps": self.decode_steps,
-                "decoded_seqs": self.decoded_seqs}
+                "peak_blocks_per_seq": self.peak, **{k: getattr(self, k) for k in STEP_SUMS}}
+
+
+STEP_SUMS = ("decode_steps", "decoded_seqs", "decoded_sq", "decode_s", "decoded_x_s")
+
+
+def step_fit(sums: dict) -> dict | None:
+    """{"fixed_s", "per_seq_s"}: a decode step's seconds as fixed_s + per_seq_s * b, least squares over the steps
+    the sums hold (STEP_SUMS); None when fewer than two distinct occupancies were seen (nothing to fit)."""
+    n, sb, sbb, ss, sbs = (sums.get(k, 0) for k in STEP_SUMS)
+    den = n * sbb - sb * sb
+    if n < 2 or den <= 1e-9 * max(1.0, n * sbb):
+        return None
+    per_seq = (n * sbs - sb * ss) / den
+    return {"fixed_s": (ss - per_seq * sb) / n, "per_seq_s": per_seq}
 
 
 def per_seq_bytes(before: dict | None, after: dict) -> dict:

@@ -293,10 +293,11 @@ class EngineLoop:
             traceback.print_exc()
             self._fail_live(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
             return
+        secs = time.perf_counter() - t0
         self.stats["steps"] += 1
-        self.stats["step_s"] += time.perf_counter() - t0 + self.step_delay_s     # the delay counts as busy
+        self.stats["step_s"] += secs + self.step_delay_s     # the delay counts as busy
         if self.kv_meter is not None:
-            self.kv_meter.sample(sum(1 for o in outs if o.outputs and o.outputs[0].token_ids))
+            self.kv_meter.sample(sum(1 for o in outs if o.outputs and o.outputs[0].token_ids), secs)
         if self.step_delay_s:
             self._next_step_at = time.perf_counter() + self.step_delay_s
         finished = []

@@ -147,11 +147,44 @@ def test_kv_step_counts_since_the_last_mark_and_survives_a_restart():
                   restarted, restarted])
     prod = Producer.__new__(Producer)
     prod._kv_mark = None
-    prod.occ_seq_steps = prod.occ_steps = 0
+    prod.occ = {}
     prod.kv_snapshot = lambda: next(snaps)
     assert prod.kv_step()["kv_bytes_per_seq"] == 4000.0                 # since the engine started
     assert prod.kv_step() == {"kv_bytes_per_seq": 3000.0, "kv_peak_bytes_per_seq": 6000.0}
     assert prod.kv_step()["kv_bytes_per_seq"] == 3000.0                 # a restarted engine's meter starts over
     # the occupancy over the same windows: 50 + 150 + 10 sequences decoded in 5 + 10 + 2 steps (the restarted
     # engine's counted from its own start); nothing new at the last snapshot
-    assert prod.occupancy() == {"engine_occupancy": 210 / 17, "engine_steps": 17, "engine_tokens": 210}
+    occ = prod.occupancy()
+    assert {k: occ[k] for k in ("engine_occupancy", "engine_steps", "engine_tokens")} == {
+        "engine_occupancy": 210 / 17, "engine_steps": 17, "engine_tokens": 210}
+
+
+def test_engine_step_fit_recovers_a_linear_step_cost_across_windows_and_a_restart():
+    """The meter's step sums fit fixed_s + per_seq_s * b; the producer combines them over windows and a restarted
+    engine exactly as one meter would (the sums are additive)."""
+    from moe_lora_rl.rl.producer import Producer
+    from moe_lora_rl.rollout.kv_meter import KVMeter, step_fit
+
+    def meter(batches, fixed=0.004):
+        m = KVMeter.__new__(KVMeter)
+        m.decode_steps = m.decoded_seqs = m.decoded_sq = 0
+        m.decode_s = m.decoded_x_s = 0.0
+        m.sched = type("S", (), {"running": []})()
+        for b in batches:
+            m.sample(b, fixed + 0.0005 * b + (1e-4 if b % 2 else -1e-4))       # noise that averages out
+        return {k: getattr(m, k) for k in ("decode_steps", "decoded_seqs", "decoded_sq", "decode_s", "decoded_x_s")}
+
+    first, later, restarted = meter([32, 31, 20, 9, 2, 1]), meter([32, 31, 20, 9, 2, 1, 16, 15]), meter([8, 7], 0.02)
+    prod = Producer.__new__(Producer)
+    prod._kv_mark, prod.occ = None, {}
+    snaps = iter([[first], [later], [restarted], [restarted]])
+    prod.kv_snapshot = lambda: next(snaps)
+    prod._advance(), prod._advance(), prod._advance()
+    fit = prod.occupancy()["engine_step_fit"]
+    alone = step_fit({k: later[k] + restarted[k] for k in later})
+    assert fit == pytest.approx(alone, rel=1e-12)
+    plain = step_fit(later)
+    assert plain["fixed_s"] == pytest.approx(0.004, abs=2e-4) and plain["per_seq_s"] == pytest.approx(0.0005, rel=0.05)
+    assert step_fit(meter([4, 4, 4])) is None                        # one occupancy: nothing to fit
+    # control: the restarted (slower) engine's steps left out would give another fit
+    assert plain != pytest.approx(alone, rel=1e-2)
