@@ -67,19 +67,21 @@ class RolloutSettings:
             raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")
         if self.node is not None and not isinstance(self.node, str):
             self.node = list(self.node)             # a ListConfig from hydra
-        plan_placements(self.engines, nodes=self.node, gpus=self.gpus, this_host="")
+        placements = plan_placements(self.engines, nodes=self.node, gpus=self.gpus, this_host="")
         _positive("rollout.stage_timeout_s", self.stage_timeout_s)
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
                                          or self.threads < 1):
             raise ValueError(f"rollout.threads={self.threads!r} must be an integer >= 1 (or null)")
         _choice("rollout.base_from", self.base_from, ("disk", "trainer", "peer"))
         _positive("rollout.base_bucket_mb", self.base_bucket_mb)
-        from ..rollout.base import BASE_TRANSPORTS
+        from ..rollout.base import BASE_TRANSPORTS, check_base_transport
 
         _choice("rollout.base_transport", self.base_transport, BASE_TRANSPORTS)
-        if self.base_from != "disk" and self.base_transport == "shm" and self.node is not None:
-            raise ValueError(f"rollout.base_transport='shm' with rollout.node={self.node!r}: shared memory reaches "
-                             "engines on rank 0's host only (auto, http or gloo reach other nodes)")
+        for p in placements:                    # the engines' own refusals, before anything starts
+            try:
+                check_base_transport(self.base_from, self.base_transport, self.base_bucket_mb, p, None)
+            except ValueError as e:
+                raise ValueError(f"rollout.{e}") from None
         if self.base_from == "peer" and self.engines < 2:
             raise ValueError(f"rollout.base_from='peer' with rollout.engines={self.engines}: a restarted engine "
                              "takes the base from another live engine, so at least 2 are needed")

@@ -6,6 +6,7 @@ engine by where it runs, and the thin movers over weight_sync/ (the trainer's st
                              http: each bucket's bytes inside its call (weight_sync/inline.py), any host
                              gloo: one broadcast to every engine at once (weight_sync/gloo_sender.py), any host
 
+    resolve_peer_transport(s, p, q)    shm or http for a peer join between engines placed at p and q
     check_base_transport(...)          at construction: the refusals, one line naming the setting
     sync_base(engine)                  the trainer's store into one engine (a start or a restart)
     broadcast_base(engines, store)     gloo: the store into every engine at once (Replicas.start)
@@ -25,6 +26,12 @@ def resolve_transport(setting: str, placement: Placement) -> str:
     if setting == "auto":
         return "shm" if placement.transport == "shm" else "http"
     return setting
+
+
+def resolve_peer_transport(setting: str, placement: Placement, peer: Placement) -> str:
+    """A peer join (base_from=peer): shm when this process and both engines share a host and the setting is not
+    http, else http (inline through this process)."""
+    return "shm" if setting != "http" and placement.transport == "shm" and peer.transport == "shm" else "http"
 
 
 def check_base_transport(base_from: str, transport: str, bucket_mb: float, placement: Placement,
@@ -105,12 +112,11 @@ def sync_from_peer(engine) -> dict:
         raise ValueError(f"base_from=peer: no live peer engine to take the base from (engine on port "
                          f"{engine.port}, {len(engine.peers())} peers)")
     for k, peer in enumerate(live):
-        local = engine.base_transport() != "http" and engine.placement.transport == "shm" \
-            and peer.placement.transport == "shm"
         try:
             t = send_from_peer(engine.transport._call, peer.transport._call,
                                int(engine.settings["base_bucket_mb"] * (1 << 20)),
-                               transport="shm" if local else "http")
+                               transport=resolve_peer_transport(engine.settings["base_transport"], engine.placement,
+                                                                peer.placement))
         except ValueError:
             if k == len(live) - 1:
                 raise

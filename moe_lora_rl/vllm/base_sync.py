@@ -125,8 +125,7 @@ class SharedExport:
         if not 0 <= i < len(self.buckets):
             raise ValueError(f"bucket {i}: this export has {len(self.buckets)}")
         u, seg = self.buckets[i]
-        info = {"version": u.version, "buckets": u.buckets, "index": u.index, "handle": proc_handle(seg.fd),
-                "nbytes": u.nbytes, "digest": u.digest, "pieces": u.pieces}
+        info = {**asdict(u), "handle": proc_handle(seg.fd)}          # it came over shm: transport shm, no data
         return encode_inline(info, seg.view) if inline else info
 
     def close(self) -> None:
@@ -159,17 +158,17 @@ def engine_class():
             super().__init__(config, vllm_config, device, model)
             self.served: int | None = None
             self.keep = False                  # keep the served base's checkpoint bytes for a peer (set_keep)
-            self.kept: tuple | None = None     # (version, {name: tensor}, the segments they view, the buckets of a
-            #                                   version that came whole over shared memory, for a SharedExport)
+            self.kept: tuple | None = None     # (version, {name: tensor}, the segments they view (index ->
+            #                                   (UpdateInfo, MappedSegment)), whether they are the whole version, for
+            #                                   a SharedExport)
             self.timers = {"read_s": 0.0, "load_s": 0.0}
             self._reset()
 
         def _reset(self):
-            for seg in getattr(self, "maps", ()):
+            for _, seg in getattr(self, "segs", {}).values():
                 seg.close()
             self.version, self.expect, self.got = None, None, set()
-            self.maps: list = []                             # this version's mapped segments (refit/shm.py)
-            self.segs: dict[int, tuple] = {}                 # index -> (UpdateInfo, MappedSegment) of those
+            self.segs: dict[int, tuple] = {}     # this version's mapped segments: index -> (UpdateInfo, MappedSegment)
             self.parts: dict[str, dict] = {}                 # name -> {dtype, shape, chunks: {part: bytes}, parts}
 
         def init_transfer_engine(self, init_info) -> None:
@@ -214,7 +213,6 @@ def engine_class():
                     t0 = time.perf_counter()
                     seg = MappedSegment(u.handle, layout_entries(u.pieces), u.digest, u.nbytes,   # checks the digest
                                         keep_fd=self.keep)
-                    self.maps.append(seg)
                     self.segs[u.index] = (u, seg)
                     data = seg.view
                 else:
@@ -293,12 +291,13 @@ def engine_class():
             try:
                 weights = self.tensors()
                 t0 = time.perf_counter()
-                for seg in self.maps:        # the bytes as they were checked on arrival (nothing wrote them since)
+                maps = [seg for _, seg in self.segs.values()]
+                for seg in maps:             # the bytes as they were checked on arrival (nothing wrote them since)
                     seg.verify()
                 initialize_layerwise_reload(self.model)
                 self.model.load_weights(list(weights.items()))
                 finalize_layerwise_reload(self.model, self.model_config)
-                _check_no_alias(self.model, self.maps)
+                _check_no_alias(self.model, maps)
                 self.timers["load_s"] += time.perf_counter() - t0
                 self.served = self.version
                 self._keep(weights)
@@ -314,13 +313,12 @@ def engine_class():
             to, else let them go."""
             self._drop_kept()
             if self.keep:
-                shared = [self.segs.get(i) for i in range(self.expect)]
-                whole = all(b is not None and b[1].fd is not None for b in shared)
-                self.kept, self.maps = (self.served, weights, self.maps, shared if whole else None), []
+                whole = len(self.segs) == self.expect and all(seg.fd is not None for _, seg in self.segs.values())
+                self.kept, self.segs = (self.served, weights, self.segs, whole), {}
 
         def _drop_kept(self) -> None:
             kept, self.kept = self.kept, None
-            for seg in (kept[2] if kept else ()):
+            for _, seg in (kept[2].values() if kept else ()):
                 seg.close()
 
         def export(self, bucket_bytes: int) -> PeerExport:
@@ -328,9 +326,9 @@ def engine_class():
             if self.kept is None:
                 raise ValueError("this engine keeps no copy of its base to give a peer (it was loaded from disk, "
                                  "never synced, or synced without keep)")
-            version, weights, _, shared = self.kept
-            if shared is not None:          # the segments as they came: a peer on this host maps the same pages
-                return SharedExport(version, shared)
+            version, weights, segs, whole = self.kept
+            if whole:                       # the segments as they came: a peer on this host maps the same pages
+                return SharedExport(version, [segs[i] for i in range(len(segs))])
             return PeerExport(weights, bucket_bytes, version)
 
         def abort(self) -> None:

@@ -48,7 +48,7 @@ def test_a_bucket_larger_than_free_memory_is_refused_and_drops_the_version(engin
         engine.receive_weights(info)
     msg = str(e.value)
     assert f"{need} bytes" in msg and f"({need - 1} bytes)" in msg and "base_bucket_mb" in msg and "\n" not in msg
-    assert engine.version is None and not engine.parts and not engine.got and not engine.maps  # nothing kept
+    assert engine.version is None and not engine.parts and not engine.got and not engine.segs  # nothing kept
     monkeypatch.setattr(base_sync, "available_bytes", lambda: need)                  # control: it fits exactly
     engine.receive_weights(info)
     assert engine.got == {0}

@@ -4,7 +4,7 @@ exceeds the engine's limit, an unknown transport); gloo's store is reached on lo
 here."""
 import pytest
 
-from moe_lora_rl.rollout.base import check_base_transport, gloo_host, resolve_transport
+from moe_lora_rl.rollout.base import check_base_transport, gloo_host, resolve_peer_transport, resolve_transport
 from moe_lora_rl.rollout.placement import plan_placement
 
 HERE = plan_placement(node=None, gpus=[], this_host="h0")
@@ -18,6 +18,13 @@ def test_auto_follows_the_placement_and_explicit_settings_stay():
         assert resolve_transport(t, HERE) == t
     assert gloo_host([HERE, HERE]) == "127.0.0.1"
     assert gloo_host([HERE, THERE]) not in ("127.0.0.1", "")
+
+
+def test_a_peer_join_maps_shared_memory_only_when_both_engines_run_here():
+    for setting in ("auto", "shm", "gloo"):
+        assert resolve_peer_transport(setting, HERE, HERE) == "shm"
+        assert resolve_peer_transport(setting, HERE, THERE) == resolve_peer_transport(setting, THERE, HERE) == "http"
+    assert resolve_peer_transport("http", HERE, HERE) == "http"          # asked inline: inline, even here
 
 
 def test_refusals_name_the_setting():

@@ -58,7 +58,9 @@ def test_cli_one_line_errors(train_cli):
                          (["rollout.base_from=peer"], "rollout.base_from='peer' with rollout.engines=1: a restarted"),
                          (["rollout.base_from=nfs"], "rollout.base_from='nfs'; choose one of ('disk', 'trainer', 'peer')"),
                          (["rollout.base_from=trainer", "rollout.base_transport=shm", "rollout.node=n1"],
-                          "rollout.base_transport='shm' with rollout.node='n1': shared memory reaches"),
+                          "rollout.base_transport='shm' for an engine on n1: shared memory reaches"),
+                         (["rollout.base_from=trainer", "rollout.base_bucket_mb=400", "rollout.node=n1"],
+                          "rollout.base_bucket_mb=400: a bucket sent inline over http takes about 534 MiB"),
                          (["rollout.base_from=trainer", "rollout.base_transport=ipc"],
                           "rollout.base_transport='ipc'; choose one of ('auto', 'shm', 'http', 'gloo')")):
         rc, lines, err = train_cli(*args)
