@@ -19,7 +19,9 @@ decoded per engine step over the training rollouts; engine_tokens_per_s_*: the t
 seconds as the rates; engine_step_fit (sync, one_core, async): a decode step's seconds as fixed_s + per_seq_s *
 sequences, fitted over each run's engine steps (rollout/kv_meter.step_fit). Phase seconds per step: rollout = rollout busy (generation
 and pushes) minus evaluation, train = train busy, from the sync summaries. overlap_bound = (rollout_C + train_C) /
-((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py.
+((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py with
+the sync run's answer lengths and the one-core run's fitted decode step (run_lengths; predicted_lengths says what it
+took, and the synchronous occupancy those lengths imply); predicted_speedup_one_length: the same without lengths.
 --model, --layouts and the overrides after `--` reach every run.
 """
 from __future__ import annotations
@@ -56,6 +58,25 @@ def phases(s: dict) -> tuple[float, float]:
             s["train_busy_frac"] * s["wall_s"] / s["steps"])
 
 
+def run_lengths(sync: dict, one_core: dict, batch: int, cap: int):
+    """HostLengths of the measured synchronous rollout (plan/shared_host.py), or None where the runs lack what it
+    needs: the trained answers' lengths as a lognormal of the sync run's mean and 90th percentile (one length when
+    they do not make a long tail), phi from the one-core run's fitted decode step, and the engine's share of that
+    run's rollout seconds."""
+    from ..plan.lengths import parse_lengths
+    from ..plan.shared_host import HostLengths
+
+    fit, mean, p90 = one_core.get("engine_step_fit"), sync.get("response_len_mean"), sync.get("len_p90")
+    rollout_s = phases(one_core)[0] * one_core["steps"]
+    if not fit or not mean or not p90 or not one_core.get("engine_decode_s") or rollout_s <= 0:
+        return None
+    try:
+        dist = parse_lengths(f"mean={mean:.6g},p90={p90:.6g}", cap)
+    except ValueError:                       # no tail a lognormal can hold (p90 at or under the mean, or the cap)
+        dist = parse_lengths(f"{min(mean, cap):.6g}", cap)
+    return HostLengths.from_fit(dist, batch, fit, min(1.0, one_core["engine_decode_s"] / rollout_s))
+
+
 def main(argv=None) -> dict:
     from ..plan.shared_host import HostPhases, predict
 
@@ -83,8 +104,8 @@ def main(argv=None) -> dict:
     cores = len(os.sched_getaffinity(0))
     base = [*SETTINGS[a.setting], *layout_over, f"steps={a.steps}", "eval_every=0", *model_over, *extra]
     asyn = ["mode=async", f"max_staleness={a.max_staleness}", f"inflight={a.inflight}"]
-    for n in {*sync_nproc, a.async_nproc}:
-        _preflight([*base, *asyn], n)
+    algo = [_preflight([*base, *asyn], n) for n in {*sync_nproc, a.async_nproc}][0].algo
+    batch, cap = algo.prompts_per_step * algo.group_size, algo.max_response_tokens
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)
@@ -105,7 +126,10 @@ def main(argv=None) -> dict:
             runs[s] = job(f"async-t{best_t}", a.async_nproc, [*asyn, *placed[best_t]], s)
     s0, a0 = sync[seeds[0]], runs[seeds[0]]
     (r1, t1), (rc, tc) = phases(one_core), phases(s0)
-    pred = predict(HostPhases(rollout_1=r1, rollout_c=rc, train_1=t1, train_c=tc, cores=cores), a.max_staleness)
+    host = HostPhases(rollout_1=r1, rollout_c=rc, train_1=t1, train_c=tc, cores=cores)
+    lengths = run_lengths(s0, one_core, batch, cap)
+    fixed = predict(host, a.max_staleness)
+    pred = predict(host, a.max_staleness, lengths) if lengths else fixed
     speedup = rate(a0) / rate(s0)
     out = {"sync_steps_per_min": rate(s0), "async_steps_per_min": rate(a0), "speedup": speedup,
            "eval_sync": s0["eval_end"], "eval_async": a0["eval_end"],
@@ -127,6 +151,11 @@ def main(argv=None) -> dict:
            "predicted_sync_steps_per_min": pred["sync_steps_per_min"],
            "predicted_async_steps_per_min": pred["async_steps_per_min"],
            "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
+           "predicted_speedup_one_length": fixed["predicted_speedup"],
+           "predicted_lengths": lengths and {"spec": lengths.dist.spec, "batch": batch, "decode_fixed":
+                                             lengths.fixed_frac, "engine_frac": lengths.engine_frac,
+                                             "occupancy_sync": lengths.occupancy_sync(),
+                                             "async_rollout_factor": pred["async_rollout_factor"]},
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc, "cores": cores},
            "sync_tried": {str(n): rate(s) for n, s in tried.items()}, "sync_nproc": best_n,
            "async_tried_engine_threads": {t: rate(r) for t, r in tried_async.items()}, "engine_threads": best_t,

@@ -104,10 +104,12 @@ def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] 
     return out
 
 
-def _preflight(overrides: list[str], nproc: int) -> None:
+def _preflight(overrides: list[str], nproc: int):
     """The job's own checks, here, so a bad value is refused before anything starts (a --config-name among the
-    overrides picks the recipe, as the driver does)."""
+    overrides picks the recipe, as the driver does); returns the job's config."""
     from ..rl import config, preflight
 
     name, rest = config.split_config_name(overrides)
-    preflight.check(config.load(rest, config_name=name), nproc)
+    cfg = config.load(rest, config_name=name)
+    preflight.check(cfg, nproc)
+    return cfg

@@ -67,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--refit-s", metavar="X", help="adapter push seconds per step (default 0)")
     h.add_argument("--decode-fixed", metavar="PHI", type=float, default=1.0, help="with --lengths: share of a "
                    "full-batch decode step that does not shrink with the batch (1: memory-bound, the default)")
+    h.add_argument("--engine-frac", metavar="E", type=float, default=1.0, help="with --lengths: share of the "
+                   "rollout seconds spent in the engine's decode steps (1, the default: all of them)")
     h.add_argument("--policies", type=int, default=1, help="N policies on one base and engine (the run config's "
                    "`policies`): their wall time together vs each run alone, one after the other")
     h.add_argument("--steps", type=int, default=80, help="with --policies: steps per policy")
@@ -133,7 +135,7 @@ def host_lengths(a: argparse.Namespace) -> HostLengths | None:
     if a.batch is None:
         raise ValueError(f"--lengths={a.lengths!r} on the shared host needs --batch (answers the engine runs at once)")
     try:
-        return HostLengths(parse_lengths(a.lengths, a.response_len), a.batch, a.decode_fixed)
+        return HostLengths(parse_lengths(a.lengths, a.response_len), a.batch, a.decode_fixed, a.engine_frac)
     except ValueError as e:
         raise ValueError(f"--lengths: {e}") from None
 
@@ -154,7 +156,8 @@ def run_shared_host(a: argparse.Namespace) -> dict:
             raise ValueError(f"--{str(e).split('=')[0].replace('_', '-')}: {e}") from None
     if ln:
         d["lengths"] = {"spec": a.lengths, "mean": ln.dist.mean, "batch": ln.batch, "decode_fixed": ln.fixed_frac,
-                        "expected_longest_of_batch": ln.dist.expected_max(ln.batch)}
+                        "engine_frac": ln.engine_frac, "expected_longest_of_batch": ln.dist.expected_max(ln.batch),
+                        "occupancy_sync": ln.occupancy_sync()}
     if a.json:
         sys.stdout.write(json.dumps(d) + "\n")
     else:
@@ -184,7 +187,8 @@ def host_table(d: dict) -> str:
         ln = d["lengths"]
         rows[2:2] = [("lengths", f"{ln['spec']}: mean {ln['mean']:.0f}, expected longest of {ln['batch']} "
                                  f"{ln['expected_longest_of_batch']:.0f}; async rollout x{d['async_rollout_factor']:.3g}"
-                                 f" of sync (decode step fixed share {ln['decode_fixed']:g})")]
+                                 f" of sync (decode step fixed share {ln['decode_fixed']:g}, engine share "
+                                 f"{ln['engine_frac']:g}); sync occupancy {ln['occupancy_sync']:.3g} of {ln['batch']}")]
         rows.append(("tokens/s", f"produced {d['produced_tokens_per_s']:.3g} (engine alone, async), consumed "
                                  f"{d['consumed_tokens_per_s']:.3g} (trainer alone)"))
     w = max(len(k) for k, _ in rows)

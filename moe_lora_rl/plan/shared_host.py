@@ -24,6 +24,11 @@ cores (tC), the adapter refit push (x, default 0), the core count C and the stal
     staleness: r1 * g / k       the batch's longest answer, g = E[max of n] / sum_k G_k (...), generated at full
                                 occupancy, may span at most k steps (PipelineRL's max_staleness).
   With one length f = g = 1, the staleness bound r1 / k never exceeds the rollout bound: the model above, unchanged.
+  Only the engine's decode steps shrink with the batch: with e the share of the measured rollout spent in them
+  (engine_frac; the rest is pushes, prompts, rewards, logprobs and routes taken back), the rollout factor is
+  1 - e + e * f and the longest answer's e * g. phi and e come from the run itself: a decode step's seconds fitted as
+  fixed_s + per_seq_s * b over the engine's steps (rollout/kv_meter.step_fit) give phi = fixed_s / (fixed_s +
+  per_seq_s * n) (from_fit), and e = the engine's decode seconds over the rollout phase's.
 - overlap_bound = sync / ((r1 + t1) / C), as the issue defines it: the sync step over the work of both phases
   spread over the cores, refit left out of the denominator. (11.4 + 14.2) / ((10.1 + 28.5) / 2) = 1.33.
 - predicted speedup = sync / async; steps/min = 60 / step. With C = 1 the C-core figures are the 1-core figures
@@ -70,6 +75,7 @@ class HostLengths:
     dist: LengthDist
     batch: int
     fixed_frac: float = 1.0
+    engine_frac: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
@@ -77,6 +83,22 @@ class HostLengths:
         f = self.fixed_frac
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"fixed_frac={f!r}: a share of the decode step in [0, 1]")
+        e = self.engine_frac
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise ValueError(f"engine_frac={e!r}: the share of the rollout spent in engine steps, in (0, 1]")
+
+    @classmethod
+    def from_fit(cls, dist: LengthDist, batch: int, fit: dict, engine_frac: float = 1.0) -> "HostLengths":
+        """phi from a decode step's fitted seconds, fixed_s + per_seq_s * b (rollout/kv_meter.step_fit), at the
+        full batch; a negative part of the fit (noise) counts as zero."""
+        a, c = max(0.0, fit["fixed_s"]), max(0.0, fit["per_seq_s"])
+        if a + c <= 0:
+            raise ValueError(f"step fit {fit!r}: a decode step must cost some seconds")
+        return cls(dist, batch, a / (a + c * batch), engine_frac)
+
+    def occupancy_sync(self) -> float:
+        """The synchronous engine's sequences per decode step: tokens of the batch over its longest answer."""
+        return self.batch * self.dist.mean / self.dist.expected_max(self.batch)
 
     def sync_steps(self) -> float:
         """The synchronous rollout in full-batch decode steps."""
@@ -84,12 +106,12 @@ class HostLengths:
         return F.shrinking_batch_seconds(self.dist.alive_steps(n), lambda k: phi + (1 - phi) * k / n)
 
     def async_factor(self) -> float:
-        """f: async rollout of a batch (slots kept full) over the synchronous one."""
-        return self.dist.mean / self.sync_steps()
+        """async rollout of a batch (slots kept full) over the synchronous one: 1 - e + e * f."""
+        return 1 - self.engine_frac + self.engine_frac * self.dist.mean / self.sync_steps()
 
     def longest_factor(self) -> float:
-        """g: the batch's longest answer at full occupancy over the synchronous rollout."""
-        return self.dist.expected_max(self.batch) / self.sync_steps()
+        """e * g: the batch's longest answer at full occupancy over the synchronous rollout."""
+        return self.engine_frac * self.dist.expected_max(self.batch) / self.sync_steps()
 
 
 def sync_step_s(p: HostPhases) -> float:

@@ -133,6 +133,29 @@ def test_shared_host_long_tail_speeds_async_only():
     assert tight["limit"] == "staleness" and tight["implied_staleness"] == 1
 
 
+def test_shared_host_engine_share_and_fitted_decode_step():
+    """Only the engine's share e of the rollout shrinks with the batch (1 - e + e f); phi from a fitted step cost;
+    the synchronous occupancy the lengths imply against a simulated shrinking batch."""
+    mix = parse_lengths("60:0.8,380:0.2", CAP)
+    full, half = HostLengths(mix, 16, 0.4), HostLengths(mix, 16, 0.4, engine_frac=0.5)
+    f = full.async_factor()
+    assert half.async_factor() == pytest.approx(0.5 + 0.5 * f) and half.longest_factor() == pytest.approx(
+        0.5 * full.longest_factor())
+    fit = {"fixed_s": 0.006, "per_seq_s": 0.0005}
+    assert HostLengths.from_fit(mix, 16, fit).fixed_frac == pytest.approx(0.006 / (0.006 + 0.008))
+    assert HostLengths.from_fit(mix, 16, {"fixed_s": -1e-4, "per_seq_s": 0.001}).fixed_frac == 0.0
+    with pytest.raises(ValueError, match="engine_frac=0"):
+        HostLengths(mix, 16, 0.4, engine_frac=0)
+    with pytest.raises(ValueError, match="must cost some seconds"):
+        HostLengths.from_fit(mix, 16, {"fixed_s": 0.0, "per_seq_s": -1.0})
+    # occupancy: batches of 16 answers drawn from the mix, each decoded until its longest ends
+    rng = np.random.default_rng(0)
+    draws = rng.choice(mix.values, p=mix.probs, size=(20000, 16))
+    sim = draws.sum() / draws.max(axis=1).sum()
+    assert full.occupancy_sync() == pytest.approx(sim, rel=0.01)
+    assert HostLengths(parse_lengths("200", CAP), 16).occupancy_sync() == pytest.approx(16)     # control: no tail
+
+
 @pytest.fixture(scope="module")
 def kimi_long():
     args = ["--model", "kimi-k2", "--gpus", "64", "--rank", "128", "--response-len", "16384", "--json"]
