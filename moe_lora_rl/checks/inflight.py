@@ -8,6 +8,7 @@ forced, into one shared KV cache; position p's logits give the logprob of token 
 
     pos_versions = position_versions(len(prompt), versions)        # the version that forwarded each position
     lps = recompute_logprobs(models, prompt, response, routes, versions, temperature)
+    worst, k3, multi = recompute_trained(out_dir, model_dir, scale)  # a keep_served run's every trained token
 """
 from __future__ import annotations
 
@@ -66,3 +67,46 @@ def recompute_logprobs(models: dict, prompt: list[int], response: list[int], rou
     lp = torch.log_softmax(torch.cat(logits) / temperature, -1)
     p = len(prompt)
     return lp[p - 1:p - 1 + len(response)].gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def served_record(out_dir) -> tuple[dict, dict]:
+    """A keep_served run's record (out_dir/served): {version: adapter tensors}, {step: the samples trained on}."""
+    from pathlib import Path
+
+    d = Path(out_dir) / "served"
+    adapters = {int(p.stem[1:]): torch.load(p) for p in d.glob("v*.pt")}
+    steps = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in d.glob("step*.pt")}
+    return adapters, steps
+
+
+def recompute_trained(out_dir, model_dir: str, scale: float, versions_of=None,
+                      temperature: float = 1.0) -> tuple[float, float, float]:
+    """Every trained token of a keep_served run recomputed by HF (fp32, one merged model per kept version, the
+    replayed routes) against the engine's logprob: (max |diff|, the largest per-sample k3 KL, the fraction of
+    samples whose tokens span versions). versions_of(step, sample, models): the versions to recompute with
+    (default: each token's own; a control passes others)."""
+    from .route_reference import merged_hf_model
+
+    adapters, steps = served_record(out_dir)
+    refs = {v: merged_hf_model(model_dir, t, scale, torch.float32) for v, t in adapters.items()}
+    refs[None] = merged_hf_model(model_dir, None, scale, torch.float32)
+    worst, k3, multi, n = 0.0, 0.0, 0, 0
+    for step, samples in sorted(steps.items()):
+        for s in samples:
+            vs = s["versions"] if versions_of is None else versions_of(step, s, refs)
+            lp = recompute_logprobs(refs, s["prompt"], s["response"], s["routes"], vs, temperature)
+            d = lp - torch.tensor(s["logprobs"], dtype=torch.float64)
+            worst = max(worst, float(d.abs().max()))
+            k3 = max(k3, float((torch.exp(d) - 1 - d).mean()))
+            multi += len(set(s["versions"])) > 1
+            n += 1
+    if not n:
+        raise ValueError(f"{out_dir}/served holds no trained samples (was the run started with keep_served=true?)")
+    return worst, k3, multi / n
+
+
+def trained_at(step: int, sample: dict, models: dict, per_step: int = 1) -> list:
+    """The negative control's versions: every token as if sampled by the version it was trained at (the newest kept
+    one up to per_step * (step - 1); per_step: the optimizer steps of one RL step, mini_batches x epochs)."""
+    v = max((v for v in models if v is not None and v <= per_step * (step - 1)), default=None)
+    return [v] * len(sample["versions"])

