@@ -20,8 +20,8 @@ seconds as the rates; engine_step_fit (sync, one_core, async): a decode step's s
 sequences, fitted over each run's engine steps (rollout/kv_meter.step_fit). Phase seconds per step: rollout = rollout busy (generation
 and pushes) minus evaluation, train = train busy, from the sync summaries. overlap_bound = (rollout_C + train_C) /
 ((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py with
-the sync run's answer lengths and the one-core run's fitted decode step (run_lengths; predicted_lengths says what it
-took, and the synchronous occupancy those lengths imply); predicted_speedup_one_length: the same without lengths.
+the sync run's answer lengths and occupancy and the one-core run's fitted decode step (run_lengths; predicted_lengths
+says what it took; its lognormal: the synchronous occupancy a lognormal of the answers' mean and p90 alone implies); predicted_speedup_one_length: the same without lengths.
 --model, --layouts and the overrides after `--` reach every run.
 """
 from __future__ import annotations
@@ -60,21 +60,32 @@ def phases(s: dict) -> tuple[float, float]:
 
 def run_lengths(sync: dict, one_core: dict, batch: int, cap: int):
     """HostLengths of the measured synchronous rollout (plan/shared_host.py), or None where the runs lack what it
-    needs: the trained answers' lengths as a lognormal of the sync run's mean and 90th percentile (one length when
-    they do not make a long tail), phi from the one-core run's fitted decode step, and the engine's share of that
-    run's rollout seconds."""
+    needs: the trained answers' mean length, the batch's longest answer as the sync run's occupancy gives it
+    (batch * mean / occupancy: what the distribution's tail sets), phi from the one-core run's fitted decode step
+    (the async engine's placement: one thread) and the engine's share of that run's rollout seconds."""
     from ..plan.lengths import parse_lengths
     from ..plan.shared_host import HostLengths
 
-    fit, mean, p90 = one_core.get("engine_step_fit"), sync.get("response_len_mean"), sync.get("len_p90")
+    fit, mean, occ = one_core.get("engine_step_fit"), sync.get("response_len_mean"), sync.get("engine_occupancy")
     rollout_s = phases(one_core)[0] * one_core["steps"]
-    if not fit or not mean or not p90 or not one_core.get("engine_decode_s") or rollout_s <= 0:
+    if not fit or not mean or not occ or not one_core.get("engine_decode_s") or rollout_s <= 0:
         return None
+    return HostLengths.from_fit(parse_lengths(f"{min(mean, cap):.6g}", cap), batch, fit,
+                                min(1.0, one_core["engine_decode_s"] / rollout_s), occupancy=min(max(occ, 1.0), batch))
+
+
+def spec_occupancy(sync: dict, batch: int, cap: int) -> dict | None:
+    """The synchronous occupancy a lognormal of the sync run's answer mean and 90th percentile alone implies (the
+    planner's length model without the run's occupancy), or None where they make no tail."""
+    from ..plan.lengths import parse_lengths
+    from ..plan.shared_host import HostLengths
+
+    mean, p90 = sync.get("response_len_mean"), sync.get("len_p90")
     try:
-        dist = parse_lengths(f"mean={mean:.6g},p90={p90:.6g}", cap)
-    except ValueError:                       # no tail a lognormal can hold (p90 at or under the mean, or the cap)
-        dist = parse_lengths(f"{min(mean, cap):.6g}", cap)
-    return HostLengths.from_fit(dist, batch, fit, min(1.0, one_core["engine_decode_s"] / rollout_s))
+        d = parse_lengths(f"mean={mean:.6g},p90={p90:.6g}", cap)
+    except (ValueError, TypeError):
+        return None
+    return {"spec": d.spec, "occupancy_sync": HostLengths(d, batch).occupancy_sync()}
 
 
 def main(argv=None) -> dict:
@@ -152,10 +163,10 @@ def main(argv=None) -> dict:
            "predicted_async_steps_per_min": pred["async_steps_per_min"],
            "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
            "predicted_speedup_one_length": fixed["predicted_speedup"],
-           "predicted_lengths": lengths and {"spec": lengths.dist.spec, "batch": batch, "decode_fixed":
-                                             lengths.fixed_frac, "engine_frac": lengths.engine_frac,
-                                             "occupancy_sync": lengths.occupancy_sync(),
-                                             "async_rollout_factor": pred["async_rollout_factor"]},
+           "predicted_lengths": lengths and {
+               "mean": lengths.dist.mean, "batch": batch, "decode_fixed": lengths.fixed_frac,
+               "engine_frac": lengths.engine_frac, "occupancy_sync": lengths.occupancy,
+               "async_rollout_factor": pred["async_rollout_factor"], "lognormal": spec_occupancy(s0, batch, cap)},
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc, "cores": cores},
            "sync_tried": {str(n): rate(s) for n, s in tried.items()}, "sync_nproc": best_n,
            "async_tried_engine_threads": {t: rate(r) for t, r in tried_async.items()}, "engine_threads": best_t,

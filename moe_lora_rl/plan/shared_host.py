@@ -71,11 +71,16 @@ class HostPhases:
 @dataclass(frozen=True)
 class HostLengths:
     """The answers of the measured synchronous rollout: their distribution, the engine's batch n (answers run at
-    once) and phi, the share of a full-batch decode step that does not shrink with the batch (module docstring)."""
+    once) and phi, the share of a full-batch decode step that does not shrink with the batch (module docstring).
+    With a linear step cost the distribution matters through its mean and the batch's expected longest answer
+    only: sum_k G_k = E[max] and sum_k k G_k = n * mean, so sync_steps = phi * E[max] + (1 - phi) * mean.
+    occupancy: the synchronous engine's sequences per decode step as a run measured it (n * mean / E[max]); given,
+    it sets E[max] = n * mean / occupancy in place of the distribution's tail (bench async)."""
     dist: LengthDist
     batch: int
     fixed_frac: float = 1.0
     engine_frac: float = 1.0
+    occupancy: float | None = None
 
     def __post_init__(self):
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
@@ -86,24 +91,33 @@ class HostLengths:
         e = self.engine_frac
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
             raise ValueError(f"engine_frac={e!r}: the share of the rollout spent in engine steps, in (0, 1]")
+        o = self.occupancy
+        if o is not None and (isinstance(o, bool) or not isinstance(o, (int, float)) or not 1 <= o <= self.batch):
+            raise ValueError(f"occupancy={o!r}: sequences per decode step, in [1, batch={self.batch}]")
 
     @classmethod
-    def from_fit(cls, dist: LengthDist, batch: int, fit: dict, engine_frac: float = 1.0) -> "HostLengths":
+    def from_fit(cls, dist: LengthDist, batch: int, fit: dict, engine_frac: float = 1.0,
+                 occupancy: float | None = None) -> "HostLengths":
         """phi from a decode step's fitted seconds, fixed_s + per_seq_s * b (rollout/kv_meter.step_fit), at the
         full batch; a negative part of the fit (noise) counts as zero."""
         a, c = max(0.0, fit["fixed_s"]), max(0.0, fit["per_seq_s"])
         if a + c <= 0:
             raise ValueError(f"step fit {fit!r}: a decode step must cost some seconds")
-        return cls(dist, batch, a / (a + c * batch), engine_frac)
+        return cls(dist, batch, a / (a + c * batch), engine_frac, occupancy)
+
+    def longest(self) -> float:
+        """E[the batch's longest answer] in decode steps: measured (occupancy) or from the distribution."""
+        if self.occupancy is not None:
+            return self.batch * self.dist.mean / self.occupancy
+        return self.dist.expected_max(self.batch)
 
     def occupancy_sync(self) -> float:
         """The synchronous engine's sequences per decode step: tokens of the batch over its longest answer."""
-        return self.batch * self.dist.mean / self.dist.expected_max(self.batch)
+        return self.batch * self.dist.mean / self.longest()
 
     def sync_steps(self) -> float:
-        """The synchronous rollout in full-batch decode steps."""
-        n, phi = self.batch, self.fixed_frac
-        return F.shrinking_batch_seconds(self.dist.alive_steps(n), lambda k: phi + (1 - phi) * k / n)
+        """The synchronous rollout in full-batch decode steps: sum_k G_k (phi + (1 - phi) k / n)."""
+        return self.fixed_frac * self.longest() + (1 - self.fixed_frac) * self.dist.mean
 
     def async_factor(self) -> float:
         """async rollout of a batch (slots kept full) over the synchronous one: 1 - e + e * f."""
@@ -111,7 +125,7 @@ class HostLengths:
 
     def longest_factor(self) -> float:
         """e * g: the batch's longest answer at full occupancy over the synchronous rollout."""
-        return self.engine_frac * self.dist.expected_max(self.batch) / self.sync_steps()
+        return self.engine_frac * self.longest() / self.sync_steps()
 
 
 def sync_step_s(p: HostPhases) -> float:

@@ -156,6 +156,25 @@ def test_shared_host_engine_share_and_fitted_decode_step():
     assert HostLengths(parse_lengths("200", CAP), 16).occupancy_sync() == pytest.approx(16)     # control: no tail
 
 
+@pytest.mark.parametrize("spec", ["60:0.8,380:0.2", "mean=151,p90=252", "200"])
+def test_sync_steps_closed_form_is_the_shrinking_batch_sum(spec):
+    """sum_k G_k (phi + (1 - phi) k / n) = phi E[max] + (1 - phi) mean; a measured occupancy stands in for E[max]."""
+    d = parse_lengths(spec, 400)
+    for phi in (0.0, 0.37, 1.0):
+        ln = HostLengths(d, 32, phi)
+        ref = F.shrinking_batch_seconds(d.alive_steps(32), lambda k: phi + (1 - phi) * k / 32)
+        assert ln.sync_steps() == pytest.approx(ref, rel=1e-9)
+        same = HostLengths(d, 32, phi, occupancy=ln.occupancy_sync())
+        assert same.sync_steps() == pytest.approx(ref, rel=1e-9)
+        assert same.async_factor() == pytest.approx(ln.async_factor(), rel=1e-9)
+    # a measured occupancy under the distribution's own (a longer tail than it holds): async gains more
+    ln = HostLengths(d, 32, 0.5)
+    slower = HostLengths(d, 32, 0.5, occupancy=0.5 * ln.occupancy_sync())
+    assert slower.longest() == pytest.approx(2 * ln.longest()) and slower.async_factor() < ln.async_factor()
+    with pytest.raises(ValueError, match="occupancy=40"):
+        HostLengths(d, 32, 0.5, occupancy=40)
+
+
 @pytest.fixture(scope="module")
 def kimi_long():
     args = ["--model", "kimi-k2", "--gpus", "64", "--rank", "128", "--response-len", "16384", "--json"]
