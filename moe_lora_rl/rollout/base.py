@@ -5,6 +5,8 @@ engine by where it runs, and the thin movers over weight_sync/ (the trainer's st
                              shm:  the engine maps the store's shared-memory segments (this host only)
                              http: each bucket's bytes inside its call (weight_sync/inline.py), any host
                              gloo: one broadcast to every engine at once (weight_sync/gloo_sender.py), any host
+                             nccl: the same broadcast over NCCL from this process's CUDA device to GPU engines
+                                   (refused without CUDA; not run on the CPU machines that test this project)
 
     resolve_peer_transport(s, p, q)    shm or http for a peer join between engines placed at p and q
     check_base_transport(...)          at construction: the refusals, one line naming the setting
@@ -18,7 +20,8 @@ from __future__ import annotations
 from .guard import DEFAULT_MAX_BODY
 from .placement import Placement
 
-BASE_TRANSPORTS = ("auto", "shm", "http", "gloo")
+BASE_TRANSPORTS = ("auto", "shm", "http", "gloo", "nccl")
+GROUP_TRANSPORTS = ("gloo", "nccl")         # one broadcast to every engine at once
 
 
 def resolve_transport(setting: str, placement: Placement) -> str:
@@ -41,6 +44,9 @@ def check_base_transport(base_from: str, transport: str, bucket_mb: float, place
         raise ValueError(f"base_transport={transport!r}: expected one of {BASE_TRANSPORTS}")
     if base_from == "disk":
         return
+    if transport == "nccl" and not placement.env.get("CUDA_VISIBLE_DEVICES"):
+        raise ValueError("base_transport='nccl' for an engine given no GPU (rollout.gpus is empty): NCCL moves device "
+                         "memory between GPUs (use gloo, http or shm on CPU)")
     if transport == "shm" and placement.transport != "shm":
         raise ValueError(f"base_transport='shm' for an engine on {placement.connect_host}: shared memory reaches "
                          "engines on this host only (use http or gloo, or auto)")
@@ -76,8 +82,8 @@ def sync_base(engine) -> dict:
         engine.base_store = base_store_of(engine.model_dir, engine.settings["base_bucket_mb"])
     keep = engine.settings["base_from"] == "peer"
     transport = engine.base_transport()
-    if transport == "gloo":
-        t = broadcast_base([engine], engine.base_store)
+    if transport in GROUP_TRANSPORTS:
+        t = broadcast_base([engine], engine.base_store, transport)
     else:
         from ..weight_sync.shm_sender import send_store
 
@@ -86,15 +92,15 @@ def sync_base(engine) -> dict:
     return t
 
 
-def broadcast_base(engines: list, store) -> dict:
-    """The store into every engine at once over one gloo group (each keeps the bytes under base_from=peer); the
-    timers, recorded as each engine's sync."""
+def broadcast_base(engines: list, store, backend: str = "gloo") -> dict:
+    """The store into every engine at once over one gloo (or nccl) group (each keeps the bytes under
+    base_from=peer); the timers, recorded as each engine's sync."""
     from ..weight_sync.gloo_sender import GlooBroadcast
 
     keep = engines[0].settings["base_from"] == "peer"
     with GlooBroadcast([e.transport._call for e in engines], host=gloo_host([e.placement for e in engines]),
-                       keep=keep) as cast:
-        t = {**cast.send(store), "transport": "gloo", "group_s": cast.init_s}
+                       keep=keep, backend=backend) as cast:
+        t = {**cast.send(store), "transport": backend, "group_s": cast.init_s}
     for e in engines:
         e.base_syncs.append(t)
     return t

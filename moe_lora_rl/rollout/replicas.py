@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from .base import base_store_of, broadcast_base
+from .base import GROUP_TRANSPORTS, base_store_of, broadcast_base
 from .client import EngineDied, RolloutEngine
 
 
@@ -60,7 +60,7 @@ class Replicas:
     @classmethod
     def start(cls, model_dir, placements, **kw) -> "Replicas":
         """One engine per placement, started side by side (each waits for its own health check); if one fails to
-        start, the others are stopped and the error raised. base_transport=gloo: the base to all of them at once,
+        start, the others are stopped and the error raised. base_transport=gloo|nccl: the base to all of them at once,
         once every one is up."""
         engines = [RolloutEngine(model_dir, placement=p, **kw) for p in placements]
         out = cls(engines)
@@ -71,11 +71,11 @@ class Replicas:
                 e.base_store, e.owns_base = out.base_store, False
         for e in engines:
             e.peers = lambda: out.engines
-        together = synced and len(engines) > 1 and kw.get("base_transport") == "gloo"
+        together = synced and len(engines) > 1 and kw.get("base_transport") in GROUP_TRANSPORTS
         try:
             out.map(lambda i, e: e.launch(sync=not together), range(len(engines)), {})
             if together:
-                broadcast_base(engines, out.base_store)
+                broadcast_base(engines, out.base_store, kw["base_transport"])
         except BaseException:
             out.stop()
             raise

@@ -1,8 +1,9 @@
 """Full base weights into a running engine through vLLM's own weight-transfer API (vllm/distributed/weight_transfer:
 the worker's start_weight_update / update_weights / finish_weight_update), with our backend "moe_lora_shm":
 buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies,
-broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it), or
-carried inside the call itself (http: base64 in the RPC's body, for an engine on another host).
+broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it) or, on
+GPU, an NCCL group (the bucket received into device memory, its digest checked on a host copy), or carried inside
+the call itself (http: base64 in the RPC's body, for an engine on another host).
 
     moe_lora_base_init()            (the worker extension) registers the backend with vLLM's factory and creates
                                     this worker's engine: scoped to engines started with our extension
@@ -43,6 +44,7 @@ class InitInfo:
     world_size: int = 0
     timeout_s: float = 120.0
     group_key: str = ""           # the group's rendezvous key (refit/gloo_bucket.join)
+    backend: str = "gloo"         # gloo (host memory) or nccl (this worker's CUDA device)
 
 
 @dataclass
@@ -54,7 +56,8 @@ class UpdateInfo:
     nbytes: int
     digest: str
     pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts, offset]
-    transport: str = "shm"        # shm: the segment `handle`; gloo: the bytes broadcast over the group; http: `data`
+    transport: str = "shm"        # shm: the segment `handle`; gloo, nccl: the bytes broadcast over the group;
+    #                               http: `data`
     data: str = ""                # http: the bucket's bytes, base64
 
 
@@ -173,15 +176,22 @@ def engine_class():
 
         def init_transfer_engine(self, init_info) -> None:
             """A gloo group with the sender and the other engines (an empty master_addr: shared memory only)."""
-            from ..refit.gloo_bucket import join
+            from ..refit.gloo_bucket import join, join_nccl
 
-            self.pg = None
+            self.pg, self.pg_backend = None, None
             if init_info.master_addr:
                 if not 0 < init_info.rank < init_info.world_size:
-                    raise ValueError(f"gloo rank {init_info.rank} of {init_info.world_size}: receivers are ranks "
-                                     "1 .. world_size - 1")
-                self.pg = join(init_info.master_addr, init_info.master_port, init_info.rank, init_info.world_size,
-                               init_info.timeout_s, init_info.group_key)
+                    raise ValueError(f"{init_info.backend} rank {init_info.rank} of {init_info.world_size}: receivers "
+                                     "are ranks 1 .. world_size - 1")
+                args = (init_info.master_addr, init_info.master_port, init_info.rank, init_info.world_size,
+                        init_info.timeout_s, init_info.group_key)
+                if init_info.backend == "nccl":
+                    self.pg = join_nccl(*args, device=self.device)
+                elif init_info.backend == "gloo":
+                    self.pg = join(*args)
+                else:
+                    raise ValueError(f"group backend {init_info.backend!r}: expected 'gloo' or 'nccl'")
+                self.pg_backend = init_info.backend
 
         def start_weight_update(self) -> None:
             self._reset()
@@ -192,9 +202,9 @@ def engine_class():
             from ..weight_sync.inline import decode_inline
 
             try:
-                if u.transport == "gloo":
-                    if getattr(self, "pg", None) is None:
-                        raise ValueError("a gloo bucket, but this engine joined no gloo group "
+                if u.transport in ("gloo", "nccl"):
+                    if getattr(self, "pg", None) is None or self.pg_backend != u.transport:
+                        raise ValueError(f"a {u.transport} bucket, but this engine joined no {u.transport} group "
                                          "(init_weight_transfer_engine)")
                     problem = None
                     try:
@@ -216,7 +226,7 @@ def engine_class():
                     self.segs[u.index] = (u, seg)
                     data = seg.view
                 else:
-                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo' or 'http'")
+                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo', 'nccl' or 'http'")
                 self._stage(u, data)
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:
@@ -240,7 +250,8 @@ def engine_class():
             for p in u.pieces:
                 if len(p) != 8 or not 0 <= int(p[7]) <= int(p[7]) + int(p[4]) <= int(u.nbytes):
                     raise ValueError(f"bucket {u.index}: piece {p[:2]} does not lie inside its {u.nbytes} bytes")
-            need, free = int(u.nbytes), available_bytes()
+            need = int(u.nbytes)
+            free = torch.cuda.mem_get_info(self.device)[0] if u.transport == "nccl" else available_bytes()
             if free is not None and need > free:
                 raise ValueError(f"base version {u.version}: bucket {u.index} of {need} bytes is larger than the "
                                  f"engine's free memory ({free} bytes); send smaller buckets "
@@ -271,7 +282,8 @@ def engine_class():
                     raise ValueError(f"{name!r}: {len(t['chunks'])} of {t['parts']} pieces arrived")
                 size = torch.Size(t["shape"]).numel() * torch.empty((), dtype=t["dtype"]).element_size()
                 chunks = sorted(t["chunks"].values(), key=lambda c: c[0])
-                flat = chunks[0][1] if len(chunks) == 1 else torch.empty(size, dtype=torch.uint8)
+                flat = chunks[0][1] if len(chunks) == 1 else torch.empty(size, dtype=torch.uint8,
+                                                                         device=chunks[0][1].device)
                 at = 0
                 for start, data in chunks:
                     if start != at:

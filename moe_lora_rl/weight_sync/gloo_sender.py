@@ -8,6 +8,10 @@ engines keep the weights they had, and nobody waits for a broadcast that will no
 
 Engines of one worker each (the group has one rank per engine). The engines' calls block until the broadcast
 reaches them, so each engine's call runs in its own thread while this one broadcasts.
+
+backend="nccl" (GPU engines, this process on a CUDA device): the same protocol over an NCCL group
+(refit/gloo_bucket.join_nccl), each bucket copied to this process's device and broadcast from there. Written against
+vLLM's PyNcclCommunicator; refused without CUDA, and not run on the CPU machines that test this project.
 """
 from __future__ import annotations
 
@@ -21,12 +25,19 @@ from .store import BaseStore
 
 class GlooBroadcast:
     def __init__(self, rpcs: list, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 120.0,
-                 keep: bool = False):
+                 keep: bool = False, backend: str = "gloo"):
+        import torch
+
         from ..procs import free_port
 
         if not rpcs:
-            raise ValueError("a gloo broadcast needs at least one engine")
-        self.rpcs, self.keep = list(rpcs), keep
+            raise ValueError(f"a {backend} broadcast needs at least one engine")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: expected 'gloo' or 'nccl'")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("base_transport='nccl' needs CUDA in this process (the broadcast's rank 0); it has none "
+                             "(use gloo on CPU)")
+        self.rpcs, self.keep, self.backend = list(rpcs), keep, backend
         self.world = len(self.rpcs) + 1
         port = port or free_port()
         key = secrets.token_hex(16)             # the group's rendezvous key, handed over the authenticated RPC
@@ -34,14 +45,19 @@ class GlooBroadcast:
         def join(i, rpc):
             rpc("moe_lora_base_init", bool(keep))
             rpc("init_weight_transfer_engine", {"master_addr": host, "master_port": port, "rank": i + 1,
-                                                "world_size": self.world, "timeout_s": timeout_s, "group_key": key})
+                                                "world_size": self.world, "timeout_s": timeout_s, "group_key": key,
+                                                "backend": backend})
 
         t0 = time.perf_counter()
         box: dict = {}
 
         def join_as_sender():
             try:
-                box["pg"] = gloo_bucket.join(host, port, 0, self.world, timeout_s, key)
+                if backend == "nccl":
+                    box["pg"] = gloo_bucket.join_nccl(host, port, 0, self.world, timeout_s, key,
+                                                      device=torch.device("cuda", torch.cuda.current_device()))
+                else:
+                    box["pg"] = gloo_bucket.join(host, port, 0, self.world, timeout_s, key)
             except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
                 box["error"] = e
 
@@ -96,7 +112,7 @@ class GlooBroadcast:
         try:
             self._all("start_weight_update")
             for i in range(n):
-                info = {**store.info(i), "handle": "", "transport": "gloo"}
+                info = {**store.info(i), "handle": "", "transport": self.backend}
                 data = store.data(i)
                 threads = self._start(lambda _, rpc: rpc("update_weights", info))
                 t0 = time.perf_counter()

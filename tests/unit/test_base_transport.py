@@ -52,3 +52,25 @@ def test_verl_base_backend_picks_the_transport_by_the_servers_host():
     assert [ck.transport_for(t) for t in ck.transports] == ["http"]
     with pytest.raises(ValueError, match="base_transport='gloo'"):
         MoELoRABaseCheckpointEngine(base_transport="gloo")
+
+
+def test_nccl_needs_gpus_and_cuda():
+    """nccl: refused for an engine given no GPU, in one line; the sender and a group member refuse without CUDA
+    (this machine has none: the NCCL path itself runs only where a GPU is lent)."""
+    import torch
+
+    from moe_lora_rl.refit import gloo_bucket
+    from moe_lora_rl.weight_sync.gloo_sender import GlooBroadcast
+
+    with pytest.raises(ValueError, match="base_transport='nccl' for an engine given no GPU"):
+        check_base_transport("trainer", "nccl", 64, HERE, None)
+    check_base_transport("trainer", "nccl", 64, plan_placement(node=None, gpus=[0], this_host="h0"), None)
+    check_base_transport("disk", "nccl", 64, HERE, None)                 # nothing travels
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the refusals below are for machines without it")
+    with pytest.raises(ValueError, match="'nccl' needs CUDA in this process"):
+        GlooBroadcast([lambda *a: None], backend="nccl")
+    with pytest.raises(ValueError, match="'nccl' needs CUDA in every process"):
+        gloo_bucket.join_nccl("127.0.0.1", 1, 1, 2, 1.0, "k" * 32, device="cuda:0")
+    with pytest.raises(ValueError, match="backend='ucx'"):
+        GlooBroadcast([lambda *a: None], backend="ucx")

@@ -123,3 +123,36 @@ def test_a_member_without_the_key_does_not_join():
     assert set(other) == {0, 1} and all(v != 2 for v in other.values()), other
     with pytest.raises(ValueError, match="a gloo group needs a key of at least 16 characters"):
         gloo_bucket.join("127.0.0.1", free_port(), 0, 1, 1.0, "short")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="the NCCL bucket protocol needs 3 GPUs (a sender and two "
+                    "receivers, one device each); the same protocol runs over gloo in the tests above")
+def test_nccl_group_carries_the_bucket_and_the_refusals():
+    """The gloo test's case bad_after over NCCL (refit/gloo_bucket.join_nccl): the bytes arrive on each receiver's
+    device, a failed check on one receiver fails the bucket for every party, and the next bucket goes through."""
+    pytest.importorskip("vllm.distributed.device_communicators.pynccl", reason="vLLM with NCCL support")
+    port, data = free_port(), torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    out = [None] * 3
+
+    def one(r):
+        pg = gloo_bucket.join_nccl("127.0.0.1", port, r, 3, 60.0, KEY, device=f"cuda:{r}")
+        res = []
+        for i in (7, 8):
+            try:
+                if r == 0:
+                    gloo_bucket.send(pg, data, i)
+                    res.append("sent")
+                else:
+                    res.append(gloo_bucket.receive(pg, data.numel(), i, None, _fails_on(r == 1 and i == 7)).cpu())
+            except ValueError as e:
+                res.append(str(e))
+        out[r] = res
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert "after the broadcast" in out[0][0] and out[0][1] == "sent", out
+    assert out[1][0] == "checksum mismatch (test)" and "refused by another" in out[2][0], out
+    assert torch.equal(out[1][1], data) and torch.equal(out[2][1], data), out
