@@ -55,7 +55,7 @@ class RolloutSettings:
     """base_from=trainer or peer: how the base travels (rollout/base.py). auto: shared memory to an engine on rank
     0's host, http to one on another node; shm; http (each bucket's bytes inside its call); gloo (one broadcast to
     every engine at once at start; a restarted engine alone); nccl (gloo's broadcast between GPUs: engines given
-    rollout.gpus and a trainer on CUDA)."""
+    rollout.gpus and a trainer on CUDA); ipc (CUDA IPC handles: engines on the trainer's GPU)."""
 
     def __post_init__(self):
         from ..rollout.client import DEFAULT_MAX_MODEL_LEN

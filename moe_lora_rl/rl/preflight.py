@@ -82,9 +82,9 @@ def check(cfg: TrainConfig, world_size: int):
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
     if cfg.runtime.device == "cpu":
-        if cfg.rollout.base_from != "disk" and cfg.rollout.base_transport == "nccl":
-            raise ValueError("rollout.base_transport='nccl' with runtime.device=cpu: NCCL broadcasts from the "
-                             "trainer's GPU (use gloo, http or shm on CPU)")
+        if cfg.rollout.base_from != "disk" and cfg.rollout.base_transport in ("nccl", "ipc"):
+            raise ValueError(f"rollout.base_transport={cfg.rollout.base_transport!r} with runtime.device=cpu: it "
+                             "sends from the trainer's GPU (use gloo, http or shm on CPU)")
         check_engine_cores(cfg)
     run_config(cfg).check_host()
     return arch

@@ -7,6 +7,8 @@ engine by where it runs, and the thin movers over weight_sync/ (the trainer's st
                              gloo: one broadcast to every engine at once (weight_sync/gloo_sender.py), any host
                              nccl: the same broadcast over NCCL from this process's CUDA device to GPU engines
                                    (refused without CUDA; not run on the CPU machines that test this project)
+                             ipc:  each bucket as a CUDA IPC handle on this process's GPU, for an engine on the
+                                   same GPU (colocated; refused without CUDA; not run here either)
 
     resolve_peer_transport(s, p, q)    shm or http for a peer join between engines placed at p and q
     check_base_transport(...)          at construction: the refusals, one line naming the setting
@@ -20,7 +22,7 @@ from __future__ import annotations
 from .guard import DEFAULT_MAX_BODY
 from .placement import Placement
 
-BASE_TRANSPORTS = ("auto", "shm", "http", "gloo", "nccl")
+BASE_TRANSPORTS = ("auto", "shm", "http", "gloo", "nccl", "ipc")
 GROUP_TRANSPORTS = ("gloo", "nccl")         # one broadcast to every engine at once
 
 
@@ -44,12 +46,13 @@ def check_base_transport(base_from: str, transport: str, bucket_mb: float, place
         raise ValueError(f"base_transport={transport!r}: expected one of {BASE_TRANSPORTS}")
     if base_from == "disk":
         return
-    if transport == "nccl" and not placement.env.get("CUDA_VISIBLE_DEVICES"):
-        raise ValueError("base_transport='nccl' for an engine given no GPU (rollout.gpus is empty): NCCL moves device "
-                         "memory between GPUs (use gloo, http or shm on CPU)")
-    if transport == "shm" and placement.transport != "shm":
-        raise ValueError(f"base_transport='shm' for an engine on {placement.connect_host}: shared memory reaches "
-                         "engines on this host only (use http or gloo, or auto)")
+    if transport in ("nccl", "ipc") and not placement.env.get("CUDA_VISIBLE_DEVICES"):
+        raise ValueError(f"base_transport={transport!r} for an engine given no GPU (rollout.gpus is empty): "
+                         f"{transport.upper()} moves device memory (use gloo, http or shm on CPU)")
+    if transport in ("shm", "ipc") and placement.transport != "shm":
+        raise ValueError(f"base_transport={transport!r} for an engine on {placement.connect_host}: "
+                         f"{'shared memory' if transport == 'shm' else 'a CUDA IPC handle'} reaches engines on this "
+                         "host only (use http or gloo, or auto)")
     if resolve_transport(transport, placement) == "http":
         limit = max_body_mb if max_body_mb is not None else DEFAULT_MAX_BODY / (1 << 20)
         need = bucket_mb * 4 / 3 + 1                 # base64 and the call around it

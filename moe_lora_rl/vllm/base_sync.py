@@ -2,8 +2,9 @@
 the worker's start_weight_update / update_weights / finish_weight_update), with our backend "moe_lora_shm":
 buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies,
 broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it) or, on
-GPU, an NCCL group (the bucket received into device memory, its digest checked on a host copy), or carried inside
-the call itself (http: base64 in the RPC's body, for an engine on another host).
+GPU, an NCCL group (the bucket received into device memory, its digest checked on a host copy), or handed over as a
+CUDA IPC handle on the sender's GPU (ipc: copied into the engine's memory, its digest checked on a host copy), or
+carried inside the call itself (http: base64 in the RPC's body, for an engine on another host).
 
     moe_lora_base_init()            (the worker extension) registers the backend with vLLM's factory and creates
                                     this worker's engine: scoped to engines started with our extension
@@ -57,7 +58,7 @@ class UpdateInfo:
     digest: str
     pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts, offset]
     transport: str = "shm"        # shm: the segment `handle`; gloo, nccl: the bytes broadcast over the group;
-    #                               http: `data`
+    #                               http: `data`; ipc: `handle` is a CUDA IPC handle (weight_sync/cuda_ipc.py)
     data: str = ""                # http: the bucket's bytes, base64
 
 
@@ -218,6 +219,13 @@ def engine_class():
                     self._check(u)
                     t0 = time.perf_counter()
                     data = decode_inline(u)              # weight_sync/inline.py
+                elif u.transport == "ipc":
+                    from ..weight_sync.cuda_ipc import open_shared
+
+                    self._check(u)
+                    t0 = time.perf_counter()
+                    data = open_shared(u.handle, self.device).clone()      # the sender frees its copy after this
+                    check_digest(data.cpu(), layout_entries(u.pieces), u.digest, f"ipc bucket {u.index}")
                 elif u.transport == "shm":
                     self._check(u)
                     t0 = time.perf_counter()
@@ -226,7 +234,8 @@ def engine_class():
                     self.segs[u.index] = (u, seg)
                     data = seg.view
                 else:
-                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo', 'nccl' or 'http'")
+                    raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo', 'nccl', 'ipc' or "
+                                     "'http'")
                 self._stage(u, data)
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:
@@ -251,7 +260,7 @@ def engine_class():
                 if len(p) != 8 or not 0 <= int(p[7]) <= int(p[7]) + int(p[4]) <= int(u.nbytes):
                     raise ValueError(f"bucket {u.index}: piece {p[:2]} does not lie inside its {u.nbytes} bytes")
             need = int(u.nbytes)
-            free = torch.cuda.mem_get_info(self.device)[0] if u.transport == "nccl" else available_bytes()
+            free = torch.cuda.mem_get_info(self.device)[0] if u.transport in ("nccl", "ipc") else available_bytes()
             if free is not None and need > free:
                 raise ValueError(f"base version {u.version}: bucket {u.index} of {need} bytes is larger than the "
                                  f"engine's free memory ({free} bytes); send smaller buckets "

@@ -38,7 +38,7 @@ def checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
     return {name: ck.get(name) for name in ck.weight_map}
 
 
-TRANSPORTS = ("shm", "http")
+TRANSPORTS = ("shm", "http", "ipc")
 
 
 def _check_transport(transport: str) -> None:
@@ -48,10 +48,17 @@ def _check_transport(transport: str) -> None:
 
 def send_store(rpc, store: BaseStore, keep: bool = False, transport: str = "shm") -> dict:
     """The store's base into the engine as its version (keep: the engine keeps the bytes for a peer); the timers
-    (copy_s: the store's writes during this sync, with the base64 encoding for http)."""
+    (copy_s: the store's writes during this sync, with the base64 encoding for http). ipc (GPU, an engine on this
+    process's GPU): each bucket copied from the store to this process's device and handed over as a CUDA IPC
+    handle (cuda_ipc.py); the last two stay alive, the engine having copied each before the next but one is made."""
+    from collections import deque
+
     from .inline import encode_inline
 
     _check_transport(transport)
+    if transport == "ipc" and not torch.cuda.is_available():
+        raise ValueError("base transport 'ipc' needs CUDA in this process (CUDA IPC handles); use shm on CPU")
+    alive: deque = deque(maxlen=2)
     written_s, before = store.write_s, store.written()
     encode = [0.0]
 
@@ -62,7 +69,18 @@ def send_store(rpc, store: BaseStore, keep: bool = False, transport: str = "shm"
         encode[0] += time.perf_counter() - t0
         return out
 
-    timers = _send(rpc, len(store.buckets), store.info if transport == "shm" else inline, keep)
+    def ipc(i):
+        from .cuda_ipc import share
+
+        info, data = store.info(i), store.data(i)
+        t0 = time.perf_counter()
+        dev = data.to(torch.device("cuda", torch.cuda.current_device()))
+        alive.append(dev)
+        encode[0] += time.perf_counter() - t0
+        return {**info, "handle": share(dev), "transport": "ipc"}
+
+    timers = _send(rpc, len(store.buckets), {"shm": store.info, "http": inline, "ipc": ipc}[transport], keep)
+    alive.clear()
     timers["transport"] = transport
     timers.update(bytes=store.nbytes, written_before=before, copy_s=store.write_s - written_s + encode[0])
     return timers

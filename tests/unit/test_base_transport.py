@@ -54,6 +54,28 @@ def test_verl_base_backend_picks_the_transport_by_the_servers_host():
         MoELoRABaseCheckpointEngine(base_transport="gloo")
 
 
+def test_ipc_needs_the_same_host_gpus_and_cuda():
+    """ipc: refused for an engine on another node or given no GPU; without CUDA the sender, and an engine opening a
+    handle, refuse in one line (the IPC path itself runs only where a GPU is lent)."""
+    import torch
+
+    from moe_lora_rl.weight_sync.cuda_ipc import open_shared
+    from moe_lora_rl.weight_sync.shm_sender import send_store
+
+    gpu = plan_placement(node=None, gpus=[0], this_host="h0")
+    with pytest.raises(ValueError, match="base_transport='ipc' for an engine given no GPU"):
+        check_base_transport("peer", "ipc", 64, HERE, None)
+    with pytest.raises(ValueError, match="base_transport='ipc' for an engine on n1: a CUDA IPC handle"):
+        check_base_transport("trainer", "ipc", 64, plan_placement(node="n1", gpus=[0], this_host="h0"), None)
+    check_base_transport("trainer", "ipc", 64, gpu, None)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the refusals below are for machines without it")
+    with pytest.raises(ValueError, match="'ipc' needs CUDA in this process"):
+        send_store(lambda *a: None, None, transport="ipc")
+    with pytest.raises(ValueError, match="this engine has no CUDA"):
+        open_shared("{}", "cuda:0")
+
+
 def test_nccl_needs_gpus_and_cuda():
     """nccl: refused for an engine given no GPU, in one line; the sender and a group member refuse without CUDA
     (this machine has none: the NCCL path itself runs only where a GPU is lent)."""
