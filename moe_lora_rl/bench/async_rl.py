@@ -21,7 +21,9 @@ sequences, fitted over each run's engine steps (rollout/kv_meter.step_fit). Phas
 and pushes) minus evaluation, train = train busy, from the sync summaries. overlap_bound = (rollout_C + train_C) /
 ((rollout_1 + train_1) / C): what perfect overlap on C cores could give. predicted_speedup: plan/shared_host.py with
 the sync run's answer lengths and occupancy and the one-core run's fitted decode step (run_lengths; predicted_lengths
-says what it took; its lognormal: the synchronous occupancy a lognormal of the answers' mean and p90 alone implies); predicted_speedup_one_length: the same without lengths.
+says what it took; its lognormal: the synchronous occupancy a lognormal of the answers' mean and p90 alone implies);
+predicted_speedup_at_occupancy_async: the same at the async run's measured occupancy instead of full slots (what the
+planner's full-slot assumption costs); predicted_speedup_one_length: the same without lengths.
 --model, --layouts and the overrides after `--` reach every run.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .common import emit
@@ -163,6 +166,9 @@ def main(argv=None) -> dict:
            "predicted_async_steps_per_min": pred["async_steps_per_min"],
            "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
            "predicted_speedup_one_length": fixed["predicted_speedup"],
+           "predicted_speedup_at_occupancy_async": lengths and a0.get("engine_occupancy") and predict(
+               host, a.max_staleness, replace(lengths, occupancy_async=min(max(a0["engine_occupancy"], 1.0), batch))
+           )["predicted_speedup"],
            "predicted_lengths": lengths and {
                "mean": lengths.dist.mean, "batch": batch, "decode_fixed": lengths.fixed_frac,
                "engine_frac": lengths.engine_frac, "occupancy_sync": lengths.occupancy,

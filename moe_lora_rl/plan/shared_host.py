@@ -75,12 +75,15 @@ class HostLengths:
     With a linear step cost the distribution matters through its mean and the batch's expected longest answer
     only: sum_k G_k = E[max] and sum_k k G_k = n * mean, so sync_steps = phi * E[max] + (1 - phi) * mean.
     occupancy: the synchronous engine's sequences per decode step as a run measured it (n * mean / E[max]); given,
-    it sets E[max] = n * mean / occupancy in place of the distribution's tail (bench async)."""
+    it sets E[max] = n * mean / occupancy in place of the distribution's tail (bench async). occupancy_async: the
+    pipelined engine's sequences per decode step (default n, its slots kept full): a batch then costs
+    mean * (phi * n / o + 1 - phi) full-batch steps, its longest answer E[max] * (phi + (1 - phi) * o / n)."""
     dist: LengthDist
     batch: int
     fixed_frac: float = 1.0
     engine_frac: float = 1.0
     occupancy: float | None = None
+    occupancy_async: float | None = None
 
     def __post_init__(self):
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
@@ -94,6 +97,9 @@ class HostLengths:
         o = self.occupancy
         if o is not None and (isinstance(o, bool) or not isinstance(o, (int, float)) or not 1 <= o <= self.batch):
             raise ValueError(f"occupancy={o!r}: sequences per decode step, in [1, batch={self.batch}]")
+        o = self.occupancy_async
+        if o is not None and (isinstance(o, bool) or not isinstance(o, (int, float)) or not 1 <= o <= self.batch):
+            raise ValueError(f"occupancy_async={o!r}: sequences per decode step, in [1, batch={self.batch}]")
 
     @classmethod
     def from_fit(cls, dist: LengthDist, batch: int, fit: dict, engine_frac: float = 1.0,
@@ -119,13 +125,19 @@ class HostLengths:
         """The synchronous rollout in full-batch decode steps: sum_k G_k (phi + (1 - phi) k / n)."""
         return self.fixed_frac * self.longest() + (1 - self.fixed_frac) * self.dist.mean
 
+    def _async_occupancy(self) -> float:
+        return self.batch if self.occupancy_async is None else self.occupancy_async
+
     def async_factor(self) -> float:
-        """async rollout of a batch (slots kept full) over the synchronous one: 1 - e + e * f."""
-        return 1 - self.engine_frac + self.engine_frac * self.dist.mean / self.sync_steps()
+        """async rollout of a batch (at occupancy_async, default full slots) over the synchronous one: 1 - e + e * f."""
+        n, phi, o = self.batch, self.fixed_frac, self._async_occupancy()
+        f = self.dist.mean * (phi * n / o + 1 - phi) / self.sync_steps()
+        return 1 - self.engine_frac + self.engine_frac * f
 
     def longest_factor(self) -> float:
-        """e * g: the batch's longest answer at full occupancy over the synchronous rollout."""
-        return self.engine_frac * self.longest() / self.sync_steps()
+        """e * g: the batch's longest answer at the async occupancy over the synchronous rollout."""
+        n, phi, o = self.batch, self.fixed_frac, self._async_occupancy()
+        return self.engine_frac * self.longest() * (phi + (1 - phi) * o / n) / self.sync_steps()
 
 
 def sync_step_s(p: HostPhases) -> float:

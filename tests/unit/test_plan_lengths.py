@@ -173,6 +173,14 @@ def test_sync_steps_closed_form_is_the_shrinking_batch_sum(spec):
     assert slower.longest() == pytest.approx(2 * ln.longest()) and slower.async_factor() < ln.async_factor()
     with pytest.raises(ValueError, match="occupancy=40"):
         HostLengths(d, 32, 0.5, occupancy=40)
+    # the async engine at occupancy n is the default; under it a batch costs more and its longest answer less
+    full = HostLengths(d, 32, 0.5, occupancy_async=32)
+    assert (full.async_factor(), full.longest_factor()) == pytest.approx((ln.async_factor(), ln.longest_factor()))
+    part = HostLengths(d, 32, 0.5, occupancy_async=16)
+    assert part.async_factor() == pytest.approx(ln.async_factor() * (0.5 * 2 + 0.5))
+    assert part.longest_factor() == pytest.approx(ln.longest_factor() * (0.5 + 0.5 * 0.5))
+    # at the synchronous occupancy the pipeline gains nothing: the same steps at the same cost
+    assert HostLengths(d, 32, 0.5, occupancy_async=ln.occupancy_sync()).async_factor() == pytest.approx(1.0)
 
 
 @pytest.fixture(scope="module")
