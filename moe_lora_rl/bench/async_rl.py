@@ -3,7 +3,7 @@ and the shared-host planner's prediction of the speedup from phase figures measu
 
     python -m moe_lora_rl.bench async --json [--model DIR] [--layouts tp1ep1pp1] [--steps 20] [--seeds 0,1]
         [--sync-nproc 2,1] [--async-nproc 2] [--max-staleness 1] [--inflight switch] [--setting default|long]
-        [--engine-threads auto,1] [--out DIR] [-- k=v ...]
+        [--engine-threads auto,1] [--out DIR | --from DIR] [-- k=v ...]
 
 Runs, each a whole job under torchrun (evaluation at the start and the end only; its seconds are left out of the
 rates, since evaluation is the same work in both modes):
@@ -24,10 +24,14 @@ the sync run's answer lengths and occupancy and the one-core run's fitted decode
 says what it took; its lognormal: the synchronous occupancy a lognormal of the answers' mean and p90 alone implies);
 predicted_speedup_at_occupancy_async: the same at the async run's measured occupancy instead of full slots (what the
 planner's full-slot assumption costs); predicted_speedup_one_length: the same without lengths.
---model, --layouts and the overrides after `--` reach every run.
+trained_tokens_per_min_*: steps/min x samples per step x the trained answers' mean length, and tokens_speedup their
+ratio: runs whose policies drift to other lengths (learning differs between the modes) do different work per step;
+speedup_by_seed gives both ratios for every seed. --from DIR: run nothing, read the summaries an earlier run kept
+under --out DIR (the same arguments). --model, --layouts and the overrides after `--` reach every run.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -91,6 +95,14 @@ def spec_occupancy(sync: dict, batch: int, cap: int) -> dict | None:
     return {"spec": d.spec, "occupancy_sync": HostLengths(d, batch).occupancy_sync()}
 
 
+def _kept_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--from: {run_dir}/summary.json is missing (was that run made with the same --seeds, "
+                         "--sync-nproc and --engine-threads?)") from None
+
+
 def main(argv=None) -> dict:
     from ..plan.shared_host import HostPhases, predict
 
@@ -106,7 +118,12 @@ def main(argv=None) -> dict:
                     help="default: the main job; long: the long-reasoning job (recipes/long.yaml)")
     ap.add_argument("--engine-threads", default="auto",
                     help="the engine's torch threads tried for the async runs, e.g. auto,1 (auto: every core)")
+    ap.add_argument("--from", dest="from_dir", default=None, help="run nothing: the figures from the summaries an "
+                    "earlier run with the same arguments kept under its --out DIR")
     a = ap.parse_args(argv)
+    if a.from_dir is not None and a.out is not None:
+        raise ValueError(f"--from={a.from_dir!r} with --out={a.out!r}: --from reads an earlier run's outputs and runs "
+                         "nothing to keep")
     lay, layout_over, model_over = job_layout(a, "async")
     seeds, sync_nproc = _ints(a.seeds, "--seeds"), _ints(a.sync_nproc, "--sync-nproc")
     engine_threads = [t.strip() for t in a.engine_threads.split(",") if t.strip()]
@@ -122,9 +139,11 @@ def main(argv=None) -> dict:
     batch, cap = algo.prompts_per_step * algo.group_size, algo.max_response_tokens
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(a.out or tmp)
+        root = Path(a.from_dir or a.out or tmp)
 
         def job(name, nproc, over, seed, prefix=()):
+            if a.from_dir is not None:
+                return _kept_summary(root / f"{name}-s{seed}")
             return run_job(nproc, [*base, *over, f"seed={seed}"], root / f"{name}-s{seed}", a.timeout, prefix)
 
         tried = {n: job(f"sync-n{n}", n, [], seeds[0]) for n in sync_nproc}
@@ -145,7 +164,14 @@ def main(argv=None) -> dict:
     fixed = predict(host, a.max_staleness)
     pred = predict(host, a.max_staleness, lengths) if lengths else fixed
     speedup = rate(a0) / rate(s0)
+    tokens_sync, tokens_async = (rate(s) * s["samples_trained"] / s["steps"] * s["response_len_mean"] for s in (s0, a0))
     out = {"sync_steps_per_min": rate(s0), "async_steps_per_min": rate(a0), "speedup": speedup,
+           "trained_tokens_per_min_sync": tokens_sync, "trained_tokens_per_min_async": tokens_async,
+           "tokens_speedup": tokens_async / tokens_sync,
+           "response_len_mean_sync": s0["response_len_mean"], "response_len_mean_async": a0["response_len_mean"],
+           "speedup_by_seed": {str(s): {"steps": rate(runs[s]) / rate(sync[s]), "tokens": (
+               rate(runs[s]) * runs[s]["response_len_mean"]) / (rate(sync[s]) * sync[s]["response_len_mean"])}
+               for s in seeds},
            "eval_sync": s0["eval_end"], "eval_async": a0["eval_end"],
            "eval_by_seed": {str(s): {"sync": sync[s]["eval_end"], "async": runs[s]["eval_end"],
                                      "start": sync[s]["eval_start"]} for s in seeds},

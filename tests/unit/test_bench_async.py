@@ -1,6 +1,8 @@
 """bench async without launching jobs: the runs it asks for (sync at each --sync-nproc, the best one again pinned to
 one core, async; sync and async again per further seed), the overrides each gets, and its figures computed from the
 jobs' summaries (rates without evaluation seconds, phases, the overlap bound, the planner's prediction)."""
+import json
+
 import pytest
 
 from moe_lora_rl.bench import async_rl
@@ -8,7 +10,8 @@ from moe_lora_rl.bench import async_rl
 
 def summary(steps, wall, eval_s, rollout_frac, train_frac, eval_end, **kw):
     return {"steps": steps, "wall_s": wall, "eval_s": eval_s, "rollout_busy_frac": rollout_frac,
-            "train_busy_frac": train_frac, "eval_end": eval_end, "eval_start": 0.2, **kw}
+            "train_busy_frac": train_frac, "eval_end": eval_end, "eval_start": 0.2, "samples_trained": 160,
+            "response_len_mean": 150.0, **kw}
 
 
 ASYNC = dict(samples_trained=160, staleness_max=1, dropped_frac=0.0, ess_mean=0.99, multi_version_frac=0.0,
@@ -48,6 +51,29 @@ def test_runs_and_figures(monkeypatch, tmp_path):
     assert r["prediction_error"] == pytest.approx(abs(r["predicted_speedup"] - 1.25) / 1.25)
     assert r["eval_by_seed"]["1"] == {"sync": 0.35, "async": 0.36, "start": 0.2}
     assert r["rollout_idle_sync"] == pytest.approx(1 - 6.5 / 20) and r["train_idle_sync"] == pytest.approx(1 - 12 / 20)
+    assert r["tokens_speedup"] == pytest.approx(1.25) and r["speedup_by_seed"]["1"] == pytest.approx(
+        {"steps": 1.25, "tokens": 1.25})
+    # --from: the same figures from the summaries the run kept, nothing run
+    for name, summ in canned.items():
+        for seed in (0, 1):
+            (tmp_path / f"{name}-s{seed}").mkdir(exist_ok=True)
+            (tmp_path / f"{name}-s{seed}" / "summary.json").write_text(json.dumps(summ))
+    calls.clear()
+    again = async_rl.main(["--steps", "10", "--seeds", "0,1", "--from", str(tmp_path), "--setting", "long",
+                           "--engine-threads", "auto,1", "--", "data.n_eval=8"])
+    assert calls == [] and {k: v for k, v in again.items() if k != "bench_wall_s"} == {
+        k: v for k, v in r.items() if k != "bench_wall_s"}
+    with pytest.raises(ValueError, match="--from: .*sync-n2-s0/summary.json is missing"):
+        async_rl.main(["--from", str(tmp_path / "elsewhere")])
+
+
+def test_tokens_speedup_counts_the_trained_answers_lengths(monkeypatch):
+    """Async trained on answers 1.5x longer at the same steps/min: tokens_speedup 1.5, speedup 1 (control)."""
+    canned = {"sync-n2": summary(10, 30.0, 10.0, 0.55, 0.4, 0.3), "sync1core-n2": summary(10, 50.0, 12.0, 0.4, 0.6, 0.3),
+              "async-tauto": summary(10, 30.0, 10.0, 0.5, 0.6, 0.3, **{**ASYNC, "response_len_mean": 225.0})}
+    monkeypatch.setattr(async_rl, "run_job", lambda n, o, out_dir, t, prefix=(): canned[out_dir.name.rsplit("-s", 1)[0]])
+    r = async_rl.main(["--steps", "10", "--seeds", "0", "--sync-nproc", "2"])
+    assert r["speedup"] == pytest.approx(1.0) and r["tokens_speedup"] == pytest.approx(1.5)
 
 
 def test_bad_engine_threads_refused():
