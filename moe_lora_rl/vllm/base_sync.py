@@ -176,7 +176,7 @@ def engine_class():
             self.parts: dict[str, dict] = {}                 # name -> {dtype, shape, chunks: {part: bytes}, parts}
 
         def init_transfer_engine(self, init_info) -> None:
-            """A gloo group with the sender and the other engines (an empty master_addr: shared memory only)."""
+            """A gloo (or nccl) group with the sender and the other engines (an empty master_addr: no group)."""
             from ..refit.gloo_bucket import join, join_nccl
 
             self.pg, self.pg_backend = None, None
@@ -214,7 +214,7 @@ def engine_class():
                         problem = e
                     t0 = time.perf_counter()
                     data = gloo_bucket.receive(self.pg, u.nbytes, u.index, problem, lambda b: check_digest(
-                        b, layout_entries(u.pieces), u.digest, f"gloo bucket {u.index}"))
+                        b, layout_entries(u.pieces), u.digest, f"{u.transport} bucket {u.index}"))
                 elif u.transport == "http":
                     self._check(u)
                     t0 = time.perf_counter()
