@@ -24,7 +24,7 @@ the sync run's answer lengths and occupancy and the one-core run's fitted decode
 says what it took; its lognormal: the synchronous occupancy a lognormal of the answers' mean and p90 alone implies);
 predicted_speedup_at_occupancy_async: the same at the async run's measured occupancy instead of full slots (what the
 planner's full-slot assumption costs); predicted_speedup_one_length: the same without lengths.
-trained_tokens_per_min_*: steps/min x samples per step x the trained answers' mean length, and tokens_speedup their
+trained_tokens_per_min_*: steps/min x answers per step x the trained answers' mean length, and tokens_speedup their
 ratio: runs whose policies drift to other lengths (learning differs between the modes) do different work per step;
 speedup_by_seed gives both ratios for every seed. --from DIR: run nothing, read the summaries an earlier run kept
 under --out DIR (the same arguments). --model, --layouts and the overrides after `--` reach every run.
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     fixed = predict(host, a.max_staleness)
     pred = predict(host, a.max_staleness, lengths) if lengths else fixed
     speedup = rate(a0) / rate(s0)
-    tokens_sync, tokens_async = (rate(s) * s["samples_trained"] / s["steps"] * s["response_len_mean"] for s in (s0, a0))
+    tokens_sync, tokens_async = (rate(s) * batch * s["response_len_mean"] for s in (s0, a0))
     out = {"sync_steps_per_min": rate(s0), "async_steps_per_min": rate(a0), "speedup": speedup,
            "trained_tokens_per_min_sync": tokens_sync, "trained_tokens_per_min_async": tokens_async,
            "tokens_speedup": tokens_async / tokens_sync,

@@ -10,8 +10,7 @@ from moe_lora_rl.bench import async_rl
 
 def summary(steps, wall, eval_s, rollout_frac, train_frac, eval_end, **kw):
     return {"steps": steps, "wall_s": wall, "eval_s": eval_s, "rollout_busy_frac": rollout_frac,
-            "train_busy_frac": train_frac, "eval_end": eval_end, "eval_start": 0.2, "samples_trained": 160,
-            "response_len_mean": 150.0, **kw}
+            "train_busy_frac": train_frac, "eval_end": eval_end, "eval_start": 0.2, "response_len_mean": 150.0, **kw}
 
 
 ASYNC = dict(samples_trained=160, staleness_max=1, dropped_frac=0.0, ess_mean=0.99, multi_version_frac=0.0,
