@@ -7,7 +7,7 @@
 #   PIP_FIND_LINKS=wheels/ bash scripts/gpu_check.sh      first installs every wheels/*.whl (--no-index --no-deps)
 #                                                         into a throwaway folder put first on PYTHONPATH
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh      another interpreter (default python3)
-#   ARGS: --parts replay,ipc  --bucket-mib 2  --timeout 300  (python -m ... --help)
+#   ARGS: --parts replay,ipc,base_ipc  --bucket-mib 2  --timeout 300  (python -m ... --help)
 #
 # Carrying the wheels (64 MiB in all): the machine brings torch with CUDA; carry what it lacks of the check's imports,
 # e.g. built on a machine with network access:

@@ -2,7 +2,7 @@
 between two processes, each against the CPU result; one JSON line. Run by scripts/gpu_check.sh (docs/setup.md,
 "GPU check"):
 
-    python -m moe_lora_rl.checks.gpu_check [--parts replay,ipc] [--bucket-mib 2] [--probe]
+    python -m moe_lora_rl.checks.gpu_check [--parts replay,ipc,base_ipc] [--bucket-mib 2] [--probe]
 
 replay  two processes (checks/gpu_check_worker.py) run the same case at world size 1: CUDA in bf16 (NCCL) and the
         CPU in fp32 (gloo, CUDA hidden), concurrently. Compared over the tokens that carry routes: logits (the worst
@@ -17,6 +17,11 @@ ipc     a receiver process (spawned) holds FakeEngine's staged push and the work
         refit.transports.CudaIpcTransport. The staged tensors must equal the CPU payload byte for byte, with the
         commit's digest equal to the CPU checksum. Control: a second push whose first bucket is changed by one bit
         after its CRC was taken must be refused by that CRC, and version 1 stays served.
+base_ipc the full-weight sync's `ipc` transport (weight_sync/cuda_ipc.py): the same payload as a base store's
+        buckets, each copied to this GPU and shared as a JSON CUDA IPC handle; a spawned receiver opens each one,
+        copies it and checks the store's digest on a host copy, as the engine does (vllm/base_sync.py). Every bucket
+        must pass with the store's bytes. Control: a bucket whose device copy has one bit flipped after its digest was
+        taken must be refused by that digest.
 
 Exit status: 0 every part passed, 1 a part failed, 2 no GPU here (one line on stdout, nothing run, no traceback).
 Calibration on the CPU (bf16 vs fp32, both on the CPU; not a GPU result): logits 0.046 (11.7u) vs tolerance 0.0625,
@@ -34,7 +39,7 @@ import tempfile
 import time
 
 EXIT_PASS, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 2
-PARTS = ("replay", "ipc")
+PARTS = ("replay", "ipc", "base_ipc")
 CONTROL_FACTOR = 4             # a control must miss the reference by more than 4x the tolerance (test_bf16.py)
 STEP_FRACTION = 0.01           # where no gradient sign can flip, the adapters after the step agree to 1% of lr
 
@@ -289,6 +294,67 @@ def run_ipc(a: argparse.Namespace) -> dict:
             "failed": sorted(k for k, ok in checks.items() if not ok), "pass": all(checks.values())}
 
 
+def _open_base_buckets(conn, dev: int) -> None:
+    """The receiver of base_ipc: each bucket's handle opened, copied and checked as the engine does; answers
+    ("ok", the bytes' sha256) or ("error", the refusal)."""
+    import hashlib
+
+    import torch
+
+    from ..refit.shm import check_digest, layout_entries
+    from ..weight_sync.cuda_ipc import open_shared
+
+    torch.cuda.set_device(dev)
+    while (info := conn.recv()) is not None:
+        try:
+            data = open_shared(info["handle"], f"cuda:{dev}").clone()
+            host = data.cpu()
+            check_digest(host, layout_entries(info["pieces"]), info["digest"], f"ipc bucket {info['index']}")
+            conn.send(("ok", hashlib.sha256(host.numpy().tobytes()).hexdigest()))
+        except Exception as e:  # noqa: BLE001 - the answer names the refusal
+            conn.send(("error", f"{type(e).__name__}: {e}"[:300]))
+
+
+def run_base_ipc(a: argparse.Namespace) -> dict:
+    import hashlib
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from ..weight_sync.cuda_ipc import share
+    from ..weight_sync.store import BaseStore
+
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    dev = torch.cuda.current_device()
+    proc = ctx.Process(target=_open_base_buckets, args=(theirs, dev), daemon=True)
+    proc.start()
+    store = BaseStore(ipc_payload(), a.bucket_mib << 20, version=1)
+    answers, t0 = [], time.perf_counter()
+    try:
+        for i in range(len(store.buckets)):
+            info, host = store.info(i), store.data(i)
+            on_gpu = host.to(torch.device("cuda", dev))
+            mine.send({**info, "handle": share(on_gpu), "transport": "ipc"})
+            answers.append((mine.recv(), hashlib.sha256(host.numpy().tobytes()).hexdigest()))
+        seconds = time.perf_counter() - t0
+        info, flipped = store.info(0), store.data(0).to(torch.device("cuda", dev))
+        flipped[0] ^= 1                                     # one bit, after the digest was taken
+        mine.send({**info, "handle": share(flipped), "transport": "ipc"})
+        control = mine.recv()
+        mine.send(None)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        store.close()
+    bad = [i for i, ((kind, got), want) in enumerate(answers) if kind != "ok" or got != want]
+    checks = {"buckets": not bad, "control_refused": control[0] == "error" and "checksum mismatch" in control[1]}
+    return {"buckets": len(answers), "bytes": store.nbytes, "seconds": round(seconds, 3), "mismatched": bad,
+            "control": control[1][:200], "failed": sorted(k for k, ok in checks.items() if not ok),
+            "pass": all(checks.values())}
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     reason = no_gpu_reason()
@@ -302,7 +368,7 @@ def main(argv=None) -> int:
     out: dict = {"check": "gpu", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "cuda": torch.version.cuda}
     t0 = time.perf_counter()
-    for part, fn in (("replay", run_replay), ("ipc", run_ipc)):
+    for part, fn in (("replay", run_replay), ("ipc", run_ipc), ("base_ipc", run_base_ipc)):
         if part in a.parts:
             try:
                 out[part] = fn(a)
