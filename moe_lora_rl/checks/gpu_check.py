@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 EXIT_PASS, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 2
 PARTS = ("replay", "ipc", "base_ipc")
@@ -249,22 +250,34 @@ class PipeEngine:
         pass
 
 
-def run_ipc(a: argparse.Namespace) -> dict:
+@contextmanager
+def _spawned(target):
+    """A receiver process spawned on this GPU, target(its end of a pipe, the device): (this end, the device);
+    joined at exit (killed after 30 s)."""
     import torch
     import torch.multiprocessing as mp
 
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    dev = torch.cuda.current_device()
+    proc = ctx.Process(target=target, args=(theirs, dev), daemon=True)
+    proc.start()
+    try:
+        yield mine, dev
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def run_ipc(a: argparse.Namespace) -> dict:
     from ..refit.plan import plan_buckets
     from ..refit.transports import CudaIpcTransport
     from ..refit.wire import checksum
     from .gpu_check_worker import serve
 
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    dev = torch.cuda.current_device()
-    proc = ctx.Process(target=serve, args=(theirs, dev), daemon=True)
-    proc.start()
-    engine = PipeEngine(mine)
-    try:
+    with _spawned(serve) as (mine, _):
+        engine = PipeEngine(mine)
         tr = CudaIpcTransport(engine)
         tr.bucket_bytes, engine.transport = a.bucket_mib << 20, tr
         sent = ipc_payload()
@@ -280,10 +293,6 @@ def run_ipc(a: argparse.Namespace) -> dict:
             refused = str(e)
         status = engine.call("moe_lora_status")
         engine.call("stop")
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
     checks = {"bytes": not bad, "digest": res.served.get("checksum") == want,
               "control_refused": "checksum mismatch" in refused,
               "control_kept_v1": status.get("version") == 1 and status.get("staged") is None}
@@ -319,34 +328,26 @@ def run_base_ipc(a: argparse.Namespace) -> dict:
     import hashlib
 
     import torch
-    import torch.multiprocessing as mp
 
     from ..weight_sync.cuda_ipc import share
     from ..weight_sync.store import BaseStore
 
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    dev = torch.cuda.current_device()
-    proc = ctx.Process(target=_open_base_buckets, args=(theirs, dev), daemon=True)
-    proc.start()
     store = BaseStore(ipc_payload(), a.bucket_mib << 20, version=1)
     answers, t0 = [], time.perf_counter()
     try:
-        for i in range(len(store.buckets)):
-            info, host = store.info(i), store.data(i)
-            on_gpu = host.to(torch.device("cuda", dev))
-            mine.send({**info, "handle": share(on_gpu), "transport": "ipc"})
-            answers.append((mine.recv(), hashlib.sha256(host.numpy().tobytes()).hexdigest()))
-        seconds = time.perf_counter() - t0
-        info, flipped = store.info(0), store.data(0).to(torch.device("cuda", dev))
-        flipped[0] ^= 1                                     # one bit, after the digest was taken
-        mine.send({**info, "handle": share(flipped), "transport": "ipc"})
-        control = mine.recv()
-        mine.send(None)
+        with _spawned(_open_base_buckets) as (mine, dev):
+            for i in range(len(store.buckets)):
+                info, host = store.info(i), store.data(i)
+                on_gpu = host.to(torch.device("cuda", dev))
+                mine.send({**info, "handle": share(on_gpu), "transport": "ipc"})
+                answers.append((mine.recv(), hashlib.sha256(host.numpy().tobytes()).hexdigest()))
+            seconds = time.perf_counter() - t0
+            info, flipped = store.info(0), store.data(0).to(torch.device("cuda", dev))
+            flipped[0] ^= 1                                     # one bit, after the digest was taken
+            mine.send({**info, "handle": share(flipped), "transport": "ipc"})
+            control = mine.recv()
+            mine.send(None)
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
         store.close()
     bad = [i for i, ((kind, got), want) in enumerate(answers) if kind != "ok" or got != want]
     checks = {"buckets": not bad, "control_refused": control[0] == "error" and "checksum mismatch" in control[1]}
