@@ -28,7 +28,7 @@ them to an engine that starts empty (rollout.base_from=peer).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
