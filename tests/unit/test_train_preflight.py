@@ -65,7 +65,8 @@ def test_cli_one_line_errors(train_cli):
                           "rollout.base_transport='cuda'; choose one of ('auto', 'shm', 'http', 'gloo', 'nccl', 'ipc')"),
                          (["rollout.base_from=trainer", "rollout.base_transport=nccl"],
                           "rollout.base_transport='nccl' for an engine given no GPU"),
-                         (["rollout.base_from=trainer", "rollout.base_transport=ipc", "rollout.node=n1"],
+                         (["rollout.base_from=trainer", "rollout.base_transport=ipc", "rollout.node=n1",
+                           "rollout.gpus=[0]"],
                           "rollout.base_transport='ipc' for an engine on n1: a CUDA IPC handle reaches engines on")):
         rc, lines, err = train_cli(*args)
         assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
