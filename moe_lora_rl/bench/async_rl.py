@@ -164,14 +164,19 @@ def main(argv=None) -> dict:
     fixed = predict(host, a.max_staleness)
     pred = predict(host, a.max_staleness, lengths) if lengths else fixed
     speedup = rate(a0) / rate(s0)
-    tokens_sync, tokens_async = (rate(s) * batch * s["response_len_mean"] for s in (s0, a0))
+    def tokens(s):                                   # trained answer tokens per minute
+        return rate(s) * batch * s["response_len_mean"]
+
+    def slots(occupancy):                            # a measured occupancy within the planner's range
+        return min(max(occupancy, 1.0), batch)
+
+    tokens_sync, tokens_async = tokens(s0), tokens(a0)
     out = {"sync_steps_per_min": rate(s0), "async_steps_per_min": rate(a0), "speedup": speedup,
            "trained_tokens_per_min_sync": tokens_sync, "trained_tokens_per_min_async": tokens_async,
            "tokens_speedup": tokens_async / tokens_sync,
            "response_len_mean_sync": s0["response_len_mean"], "response_len_mean_async": a0["response_len_mean"],
-           "speedup_by_seed": {str(s): {"steps": rate(runs[s]) / rate(sync[s]), "tokens": (
-               rate(runs[s]) * runs[s]["response_len_mean"]) / (rate(sync[s]) * sync[s]["response_len_mean"])}
-               for s in seeds},
+           "speedup_by_seed": {str(s): {"steps": rate(runs[s]) / rate(sync[s]),
+                                        "tokens": tokens(runs[s]) / tokens(sync[s])} for s in seeds},
            "eval_sync": s0["eval_end"], "eval_async": a0["eval_end"],
            "eval_by_seed": {str(s): {"sync": sync[s]["eval_end"], "async": runs[s]["eval_end"],
                                      "start": sync[s]["eval_start"]} for s in seeds},
@@ -193,7 +198,7 @@ def main(argv=None) -> dict:
            "prediction_error": abs(pred["predicted_speedup"] - speedup) / speedup, "predicted_limit": pred["limit"],
            "predicted_speedup_one_length": fixed["predicted_speedup"],
            "predicted_speedup_at_occupancy_async": lengths and a0.get("engine_occupancy") and predict(
-               host, a.max_staleness, replace(lengths, occupancy_async=min(max(a0["engine_occupancy"], 1.0), batch))
+               host, a.max_staleness, replace(lengths, occupancy_async=slots(a0["engine_occupancy"]))
            )["predicted_speedup"],
            "predicted_lengths": lengths and {
                "mean": lengths.dist.mean, "batch": batch, "decode_fixed": lengths.fixed_frac,
