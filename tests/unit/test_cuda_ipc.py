@@ -10,7 +10,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC 
 def _open_and_copy(handle, q):
     from moe_lora_rl.weight_sync.cuda_ipc import open_shared
 
-    q.put(open_shared(handle, "cuda:0").clone().cpu())
+    # plain bytes: a CPU tensor put on the queue would be shared through this process's resource sharer, which is
+    # gone once it exits
+    q.put(open_shared(handle, "cuda:0").cpu().numpy().tobytes())
 
 
 def test_a_bucket_opens_in_another_process_with_its_bytes():
@@ -29,7 +31,7 @@ def test_a_bucket_opens_in_another_process_with_its_bytes():
     p.start()
     got = q.get(timeout=120)
     p.join(60)
-    assert torch.equal(got, data)
+    assert got == data.numpy().tobytes()
     with pytest.raises(ValueError, match="malformed CUDA IPC handle"):
         open_shared("{}", "cuda:0")
     with pytest.raises(ValueError, match="a handle opens on the sender's GPU only"):
