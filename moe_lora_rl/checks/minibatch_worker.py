@@ -5,7 +5,10 @@ GLM4-MoE, each case from the same adapters and a fresh AdamW (restored between c
               logprob passes, then ONE Policy.update on the batch itself): adapters and metrics bit for bit
   mini4       mini_batches=4 (2 rows each: one per data-parallel rank) vs 4 Policy.update calls by hand on row slices
               built here (not with rl/minibatch.py), each with the proximal recompute of the whole batch as its old
-              logprobs; controls: the same slices in reverse order, and the single update, give other adapters
+              logprobs; controls: the same slices in reverse order, and the single update, give other adapters.
+              train_on takes the first mini-batch's proximal from its own update forward: its router disagreement,
+              put together from the two passes, against one pass over the whole batch, and the whole step against
+              train_on(fuse=False) (the separate pass)
   epochs2     mini_batches=4, epochs=2: 8 optimizer steps, the version +8
   grouped     the same replayed logprobs and one update on the legacy GroupedMLP (runtime.experts=grouped) from the
               same adapters; control: the grouped model with the routes shuffled over tokens
@@ -69,6 +72,15 @@ def rows_by_hand(batch: PolicyBatch, a: int, b: int) -> PolicyBatch:
 
 def max_diff(x: dict, y: dict) -> float:
     return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+
+def pol_full_pass(pol, batch, saved, restore) -> dict:
+    """The router disagreement of one replayed pass over the whole batch from the saved adapters (as
+    rl/diagnostics.py reports it: the mean over layers, and the token figure)."""
+    restore()
+    res = pol.logprobs(batch, replay="r3")
+    return {"disagreement": sum(res.disagreement.values()) / len(res.disagreement),
+            "token_disagreement": res.token_disagreement}
 
 
 def main(argv=None):
@@ -136,6 +148,15 @@ def main(argv=None):
     hand, hand_stats, hand_old = by_hand(slices)
     out["mini4_vs_hand"] = max_diff(mini4, hand)
     out["proximal_vs_hand_old"] = float((proximal - hand_old).abs().max())
+    full = pol_full_pass(pol, off_batch, saved, restore)
+    out["mini4_disagreement_vs_full"] = max(abs(m4["disagreement"] - full["disagreement"]),
+                                            abs(m4["token_disagreement"] - full["token_disagreement"]))
+    out["mini4_disagreement"] = m4["disagreement"]
+    restore()                                 # the separate pass over the whole batch (fuse=False): the same step
+    m4_sep, _, _ = train_on(pol, cfg(4, 1), off_batch, fuse=False)
+    out["mini4_vs_separate"] = max_diff(mini4, gather_adapters(pol.model))
+    out["mini4_metrics_vs_separate"] = max(abs(m4[k] - m4_sep[k]) for k in ("loss", "pg_clipfrac", "grad_norm",
+                                                                         "disagreement", "token_disagreement"))
     out["hand_clipfrac"] = [s["pg_clipfrac"] for s in hand_stats]
     out["hand_version"] = pol.version
     reverse, _, _ = by_hand(slices[::-1])

@@ -51,7 +51,8 @@ class AsyncGRPORun(GRPORun):
             from .pipeline import Pipeline
 
             gate = StalenessGate(a.prompts_per_step, cfg.max_staleness, version=self.engine_version())
-            self.pipe = Pipeline(self.prod, gate, self.group, done=done, pin=self.serving_version() is not None)
+            self.pipe = Pipeline(self.prod, gate, self.group, done=done, pin=self.serving_version() is not None,
+                                 order=cfg.take_order)
             self.pipe.start()
         self.trained_samples = self.dropped_samples = self.consumed_tokens = 0
         self._engine_step_s_seen = self._engine_step_s()

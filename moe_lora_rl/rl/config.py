@@ -31,6 +31,7 @@ SERVING_MODES = ("unmerged", "merged")
 ROLLOUT_IS = ("token", "sequence", "mis", "sparse", "off")
 MODES = ("sync", "async")
 INFLIGHT = ("switch", "pin")
+TAKE_ORDER = ("finish", "admission")
 POLICIES_ROLLOUT = ("turns", "batched")
 
 
@@ -272,6 +273,11 @@ class TrainConfig:
     inflight: str = "switch"
     """mode=async: how the engine takes a new version while generating: switch (every request moves to it at the
     next step, its tokens stamped per version) or pin (a request keeps the version it started with)."""
+    take_order: str = "finish"
+    """mode=async: which finished groups an update takes: finish (in finishing order: the trainer never waits while
+    a group is ready, but the first updates see the shortest answers and a long group may be dropped as stale) or
+    admission (the oldest admitted first: every answer length reaches the trainer in the proportion it is sampled,
+    no group is ever over the bound, and finished short groups wait for the long ones admitted before them)."""
     keep_served: bool = False
     """mode=async: keep the adapters of the last max_staleness + 1 versions and write every trained sample with its
     token versions to out_dir/served/ (rl/served.py), so training can be checked against what was served."""
@@ -305,6 +311,7 @@ class TrainConfig:
         _choice("serving", self.serving, SERVING_MODES)
         _choice("mode", self.mode, MODES)
         _choice("inflight", self.inflight, INFLIGHT)
+        _choice("take_order", self.take_order, TAKE_ORDER)
         if self.mode == "async":
             if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) \
                     or self.max_staleness < 1:

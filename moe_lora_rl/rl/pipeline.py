@@ -3,7 +3,8 @@
 
     pipe = Pipeline(producer, gate, plan_of=lambda g: group_plan(...), done=set_of_trained_or_dropped_groups)
     pipe.start()
-    groups, dropped = pipe.take(P, trainer_version)   # finished groups in finishing order; over the bound: dropped
+    groups, dropped = pipe.take(P, trainer_version)   # finished groups (in finishing or admission order, `order`);
+                                                      # over the bound: dropped
     pipe.serve(version)                               # after each in-flight push: the gate opens further
     pipe.recover(i)                                   # after engine i's restart: groups it lost are generated again
     pipe.stop()
@@ -11,7 +12,10 @@
 One thread admits groups while the gate allows and hands each batch of admitted groups to streaming threads
 (RolloutEngine.stream), each group to the engine replica with the fewest groups in flight: samples are filed under
 their group as they finish, and a group is offered to the trainer only once all its samples are in. A group is never
-trained on in part. When an engine dies, its streaming threads fail; their unfinished groups are kept (already
+trained on in part. order="admission" hands groups to the trainer in the order they were admitted: a finished group
+waits until every group admitted before it is taken (a group is trained at the update it was admitted for, so none
+is ever over the bound), and the trainer sees long and short answers in the proportion they are sampled; "finish"
+hands over the first finished, so the first updates of a run see its shortest answers. When an engine dies, its streaming threads fail; their unfinished groups are kept (already
 admitted) and generated again, first, after recover(i); the other engines' streams go on.
 """
 from __future__ import annotations
@@ -31,10 +35,14 @@ class FinishedGroup:
 
 
 class Pipeline:
-    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset(), pin: bool = False):
+    def __init__(self, producer, gate: StalenessGate, plan_of, done: set[int] = frozenset(), pin: bool = False,
+                 order: str = "finish"):
         """pin: each request pinned to the version last served (gate.served) when it starts, instead of the
-        engine's newest (several policies on one engine: the newest may be another policy's)."""
-        self.prod, self.gate, self.plan_of, self.pin = producer, gate, plan_of, pin
+        engine's newest (several policies on one engine: the newest may be another policy's). order: finish or
+        admission (the module's docstring)."""
+        if order not in ("finish", "admission"):
+            raise ValueError(f"order={order!r}: choose finish or admission")
+        self.prod, self.gate, self.plan_of, self.pin, self.order = producer, gate, plan_of, pin, order
         self.done = set(done)                # trained on or dropped (a resumed run's included): never generated
         self.group_size = producer.cfg.algo.group_size
         self.cond = threading.Condition()
@@ -133,12 +141,13 @@ class Pipeline:
         try:
             with self.cond:
                 while len(ok) < n:
-                    self.cond.wait_for(lambda: self.finished or self.error is not None)
+                    self.cond.wait_for(lambda: self._ready() is not None or self.error is not None)
                     if self.error is not None:
                         for grp in reversed(ok):          # not consumed: offered again after recover()
                             self.finished.appendleft(grp)
                         raise self.error
-                    grp = self.finished.popleft()
+                    grp = self._ready()
+                    self.finished.remove(grp)
                     worst = max(self.gate.staleness(trainer_version, s.versions) for s in grp.samples)
                     if worst > self.gate.k:
                         dropped.append(grp)
@@ -152,6 +161,17 @@ class Pipeline:
         finally:
             self.wait_s += time.perf_counter() - t0
         return ok, dropped
+
+    def _ready(self) -> FinishedGroup | None:
+        """The finished group to take next, or None: the first finished; with order="admission" the oldest admitted
+        group, once it has finished (under the lock)."""
+        if not self.finished:
+            return None
+        if self.order == "finish":
+            return self.finished[0]
+        grp = min(self.finished, key=lambda f: f.plan.index)
+        pending = [p.index for p in self.retry] + list(self.partial)
+        return grp if not pending or grp.plan.index < min(pending) else None
 
     def serve(self, version: int) -> None:
         with self.cond:

@@ -12,7 +12,10 @@ that proximal), their R3 routes (or, with r2, their rows of the routes recorded 
 reference logprobs, so the adapter version advances once per optimizer step taken. Each mini-step's loss is
 normalised by its mini-batch (as verl's engines do) and its rollout correction is computed on its rows: per token
 or per sequence that is the whole batch's, rollout_is=sparse normalises its weights over the mini-batch. With one
-mini-batch and one epoch the update gets the batch itself (the single-step path, unchanged).
+mini-batch and one epoch the update gets the batch itself (the single-step path, unchanged). With R3 and a per-token
+or per-sequence (or no) rollout correction, the first mini-batch's proximal logprobs are its own update's forward
+(as the single step's): the pass before the first update covers the other mini-batches' rows only, and the two
+are put together into the batch's proximal logprobs and router disagreement (weighted by routed tokens).
 """
 from __future__ import annotations
 
@@ -32,11 +35,16 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
     free_routing: run the recompute without replay (with replay=r3 a diagnostic only: the no_r3_* and free_*
     figures). fuse: with replay=r3, one mini-batch and one epoch and a per-token/sequence (or no) rollout
     correction, the proximal logprobs come from the update's own forward (Policy.update with old_logprobs=None: the
-    same numbers as a separate pass, one forward fewer); False: the separate pass."""
+    same numbers as a separate pass, one forward fewer), and with mini-batches the first mini-batch's (the
+    module's docstring); False: the separate pass over the whole batch."""
     a = cfg.algo
     single = a.mini_batches == 1 and a.epochs == 1
-    fused = fuse and single and cfg.replay == "r3" and a.rollout_is in ("token", "sequence", "off")
-    replayed = None if fused else policy.logprobs(batch, replay="r3")        # R3: the rollout's routes
+    own_fwd = fuse and cfg.replay == "r3" and a.rollout_is in ("token", "sequence", "off")
+    fused, split = own_fwd and single, own_fwd and not single
+    minis = mini_batch_rows(batch.num_rows, a.mini_batches)
+    rest = [r for rows in minis[1:] for r in rows]
+    replayed = None if fused or (split and not rest) else \
+        policy.logprobs(select(batch, rest) if split else batch, replay="r3")   # R3: the rollout's routes
     unreplayed = policy.logprobs(batch, replay="record") \
         if free_routing or cfg.replay != "r3" else None                      # the trainer's own routing, recorded
     ref = policy.logprobs(batch, replay="r3" if cfg.replay == "r3" else "off", adapter=False).logprobs \
@@ -45,7 +53,7 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
               rollout_is=None if a.rollout_is == "off" else a.rollout_is,
               rollout_is_threshold=a.rollout_is_threshold, sparse=a.sparse_settings())
     routes = unreplayed.recorded if cfg.replay == "r2" else None
-    old = None if fused else (replayed if cfg.replay == "r3" else unreplayed).logprobs
+    old = None if fused or split else (replayed if cfg.replay == "r3" else unreplayed).logprobs
     if single:
         own: list = []
         upd = policy.update(batch, old, routes=routes, ref_logprobs=ref, proximal_out=own if fused else None, **kw)
@@ -56,13 +64,20 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
             upd["ministep0_rollout_kl"] = upd["ministep_last_rollout_kl"] = upd["update_rollout_kl"]
     else:
         steps = []
-        for _ in range(a.epochs):
-            for rows in mini_batch_rows(batch.num_rows, a.mini_batches):
-                steps.append(policy.update(select(batch, rows), old[rows], routes=select_routes(routes, rows),
-                                           ref_logprobs=None if ref is None else ref[rows], **kw))
+        for epoch in range(a.epochs):
+            for j, rows in enumerate(minis):
+                first = split and epoch == 0 and j == 0
+                own: list = []
+                steps.append(policy.update(select(batch, rows), None if first else old[rows],
+                                           routes=select_routes(routes, rows),
+                                           ref_logprobs=None if ref is None else ref[rows],
+                                           proximal_out=own if first else None, **kw))
+                if first:                          # the proximal of every row, before the second mini-step
+                    replayed = joined(batch, [(rows, own[0])] + ([(rest, replayed)] if rest else []))
+                    old = replayed.logprobs
         upd = mini_step_metrics(steps)
         skipped = upd.pop("skipped")
-    proximal = replayed.logprobs if fused else old
+    proximal = replayed.logprobs if fused or split else old
     diag = step_diagnostics(batch.rollout_logprobs, batch.loss_mask,
                             replayed=None if replayed is None else replayed.logprobs,
                             unreplayed=None if unreplayed is None else unreplayed.logprobs,
@@ -71,6 +86,25 @@ def train_on(policy, cfg, batch, *, free_routing: bool = True, fuse: bool = True
                             free_routes=None if unreplayed is None else unreplayed.recorded,
                             rollout_routes=batch.routes)
     return {**upd, **diag}, skipped, proximal
+
+
+def joined(batch, parts):
+    """One LogprobResult of the batch from (rows, LogprobResult of those rows) parts that cover it: the logprobs
+    row by row; the router disagreement figures weighted by each part's routed tokens (a sample's length - 1)."""
+    from ..policy.batch import LogprobResult
+
+    lp = torch.zeros(batch.num_rows, batch.seq_len - 1, dtype=torch.float32)
+    for rows, res in parts:
+        lp[rows] = res.logprobs
+    w = [float(sum(batch.lengths[i] - 1 for i in rows)) for rows, _ in parts]
+    total = sum(w)
+    dis, tok = None, None
+    if all(res.disagreement is not None for _, res in parts):
+        layers = sorted({k for _, res in parts for k in res.disagreement})
+        dis = {k: sum(wi * res.disagreement.get(k, 0.0) for wi, (_, res) in zip(w, parts)) / total for k in layers}
+    if all(res.token_disagreement is not None for _, res in parts):
+        tok = sum(wi * res.token_disagreement for wi, (_, res) in zip(w, parts)) / total
+    return LogprobResult(lp, dis, None, tok)
 
 
 def mini_step_metrics(steps: list[dict]) -> dict:

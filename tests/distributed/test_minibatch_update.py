@@ -48,6 +48,11 @@ def test_four_mini_batches_are_four_steps_against_the_proximal(rep):
     assert m["pg_clipfrac_last"] == clip[-1] and abs(m["pg_clipfrac"] - sum(clip) / 4) <= 1e-12
     assert m["grad_norm_max"] >= m["grad_norm"] > 0
     assert rep["mini4_vs_reverse"] > 1e-3 and rep["mini4_vs_single"] > 1e-3, rep           # controls
+    # the first mini-batch's proximal from its own update forward, the rest from one pass over the other rows: the
+    # step is the separate whole-batch pass's (fuse=False), and the disagreement put together from the two passes
+    # is one whole-batch pass's to rounding
+    assert rep["mini4_vs_separate"] <= 1e-6 and rep["mini4_metrics_vs_separate"] <= 1e-9, rep
+    assert rep["mini4_disagreement_vs_full"] <= 1e-12 and rep["mini4_disagreement"] > 0, rep
 
 
 def test_epochs_double_the_steps(rep):

@@ -104,6 +104,25 @@ def test_whole_groups_bound_and_drops():
         pipe.stop()
 
 
+def test_admission_order_takes_the_oldest_admitted_groups_first():
+    """order="admission": the engine finishes groups in reverse (3, 2, 1, 0), the trainer still gets 0 and 1, then
+    2 and 3; "finish" (the control, the same engine) gets 3 and 2 first."""
+    for order, first, second in (("admission", [0, 1], [2, 3]), ("finish", [3, 2], [1, 0])):
+        pipe = Pipeline(producer(ScriptedEngine(lambda seed: 1)), StalenessGate(2, 1, version=1), plan_of,
+                        order=order)
+        pipe.start()
+        try:
+            ok, dropped = pipe.take(2, trainer_version=1)
+            assert [g.plan.index for g in ok] == first and not dropped, order
+            assert all(len(g.samples) == 2 for g in ok)
+            ok, _ = pipe.take(2, trainer_version=1)
+            assert [g.plan.index for g in ok] == second, order
+        finally:
+            pipe.stop()
+    with pytest.raises(ValueError, match="order='oldest'"):
+        Pipeline(producer(ScriptedEngine(lambda seed: 1)), StalenessGate(2, 1, version=1), plan_of, order="oldest")
+
+
 def test_failure_reaches_the_trainer_and_lost_groups_come_back():
     eng = ScriptedEngine(lambda seed: 1, fail_after=1)  # the first stream dies after one sample
     pipe = Pipeline(producer(eng), StalenessGate(2, 1, version=1), plan_of)
