@@ -15,7 +15,8 @@ their group as they finish, and a group is offered to the trainer only once all 
 trained on in part. order="admission" hands groups to the trainer in the order they were admitted: a finished group
 waits until every group admitted before it is taken (a group is trained at the update it was admitted for, so none
 is ever over the bound), and the trainer sees long and short answers in the proportion they are sampled; "finish"
-hands over the first finished, so the first updates of a run see its shortest answers. When an engine dies, its streaming threads fail; their unfinished groups are kept (already
+hands over the first finished, so the first updates of a run see its shortest answers. When an engine dies, its
+streaming threads fail; their unfinished groups are kept (already
 admitted) and generated again, first, after recover(i); the other engines' streams go on.
 """
 from __future__ import annotations
