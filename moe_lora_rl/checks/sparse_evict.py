@@ -1,0 +1,144 @@
+"""The importance-evicting sampler is what we think it is: an in-process vLLM CPU engine (fp32) with SnapKV-style
+eviction (vllm/kv_evict.py), an expert adapter served and routing capture on, against HF transformers with the
+same adapter merged and, per layer and KV head, an attention mask that lets each query see exactly the tokens the
+engine held when it computed that query (its log of every compression). Controls: the dense mask, and the same
+masks with one kept token of one compression swapped for one the engine evicted, must not match. The selection
+itself is recomputed from HF's own queries and keys (kv_select.scores on the held tokens) and compared.
+
+    python -m moe_lora_rl.checks.sparse_evict --model DIR [--budget 48 --recent 16 ...] : prints "RESULT <json>"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..rollout.engine import make_engine, set_engine_env
+
+RANK, ALPHA = 4, 8.0
+
+
+def held_masks(n: int, events: list, layers: int, kv_heads: int, recent: int, swap=None):
+    """[layers] bool [kv_heads, n, n]: query t sees key j. Before the first compression a query sees every earlier
+    token; after the compression at seq_len s (kept: its per layer per head positions), queries t >= s see the
+    kept positions and [s - recent, t]. swap: (event, layer, head, old, new) replaces one kept position."""
+    import torch
+
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    masks = [causal.expand(kv_heads, n, n).clone() for _ in range(layers)]
+    bounds = [s for s, _ in events] + [n]
+    for e, (s, kept) in enumerate(events):
+        lo, hi = s, bounds[e + 1]
+        if lo >= n:
+            break
+        for li in range(layers):
+            for h in range(kv_heads):
+                keep = list(kept[li][h])
+                if swap is not None and swap[:3] == (e, li, h):
+                    keep[keep.index(swap[3])] = swap[4]
+                m = torch.zeros(hi - lo, n, dtype=torch.bool)
+                m[:, keep] = True
+                m[:, s - recent:] = True
+                masks[li][h, lo:hi] = m & causal[lo:hi]
+    return masks
+
+
+def hf_logprobs(hf, tokens: list[int], n_prompt: int, masks) -> list[float]:
+    """Response logprobs of HF with each layer's attention given its own per-head mask (eager attention)."""
+    import torch
+
+    attn = [layer.self_attn for layer in hf.model.layers]
+    groups = attn[0].num_key_value_groups
+    handles = []
+    for li, mod in enumerate(attn):
+        add = torch.zeros(masks[li].shape, dtype=torch.float32).masked_fill(~masks[li], float("-inf"))
+        add = add.repeat_interleave(groups, 0)[None]                 # [1, heads, n, n]
+
+        def pre(module, args, kwargs, add=add):
+            kwargs["attention_mask"] = add
+            return args, kwargs
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([tokens])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    lp = torch.log_softmax(logits, -1)
+    return [lp[t - 1, tokens[t]].item() for t in range(n_prompt, len(tokens))]
+
+
+def evicted_swap(events, recent: int, sinks: int):
+    """(event 0, layer 0, head 0, a chosen kept position, a candidate the engine evicted) for the control."""
+    s, kept = events[0]
+    keep = set(kept[0][0])
+    old = next(p for p in kept[0][0] if p >= sinks)
+    new = next(p for p in range(sinks, s - recent) if p not in keep)
+    return (0, 0, 0, old, new)
+
+
+def main(argv=None) -> dict:
+    set_engine_env()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--budget", type=int, default=48)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--recent", type=int, default=16)
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument("--pool", type=int, default=7)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=88)
+    a = ap.parse_args(argv)
+    import numpy as np
+    import transformers
+    from vllm import SamplingParams
+
+    from ..models.arch import load_arch
+    from ..refit.transports import InprocTransport
+    from ..rl.hf_sampling import prompt_ids
+    from ..rl.task import TaskSpec, make_split
+    from ..rollout.generate import captured_generate, start_capture
+    from ..vllm.kv_evict import install
+    from ..vllm.kv_select import EvictPolicy
+    from .route_reference import merged_hf_model, random_expert_adapter
+
+    pol = EvictPolicy(budget=a.budget, sinks=a.sinks, recent=a.recent, window=a.window, interval=a.interval,
+                      pool=a.pool)
+    llm = make_engine(a.model, dtype="float32", prefix_caching=False, block_size=32, max_model_len=256)
+    ev = install(llm, pol)
+    meta = start_capture(llm)
+    arch = load_arch(a.model)
+    peft = random_expert_adapter(arch, RANK, seed=0, std=0.5, fused_fc1=True)
+    InprocTransport(llm).push(1, peft, RANK, ALPHA)
+    tok = transformers.AutoTokenizer.from_pretrained(a.model)
+    problems = make_split(TaskSpec(length=10, kind="sort_trace"), "eval")[:a.requests]
+    prompts = prompt_ids(tok, problems)
+    params = [SamplingParams(max_tokens=a.max_tokens, temperature=1.0, seed=i, logprobs=0, ignore_eos=True,
+                             detokenize=False) for i in range(len(prompts))]
+    gens = captured_generate(llm, prompts, params, meta)          # raises unless every route is complete
+    hf = merged_hf_model(a.model, peft, ALPHA / RANK, experts_implementation="eager")
+    cfg = hf.config
+    layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+    diffs = {"same": 0.0, "dense": 0.0, "swapped": 0.0}
+    n_events = []
+    for g in gens:
+        rid = next(k for k in ev.events if k == g.request_id or k.startswith(f"{g.request_id}-"))
+        events = ev.events[rid]
+        n_events.append(len(events))
+        n = len(g.tokens)
+        got = np.array(g.logprobs)
+        swap = evicted_swap(events, a.recent, a.sinks)
+        for name, masks in (("same", held_masks(n, events, layers, kvh, a.recent)),
+                            ("dense", held_masks(n, [], layers, kvh, a.recent)),
+                            ("swapped", held_masks(n, events, layers, kvh, a.recent, swap))):
+            want = np.array(hf_logprobs(hf, g.tokens, len(g.prompt), masks))
+            diffs[name] = max(diffs[name], float(np.abs(got - want).max()))
+    res = {"policy": pol.__dict__, "stats": ev.stats(), "events_per_seq": n_events,
+           "seq_lens": [len(g.tokens) for g in gens], "logprob_max_diff": diffs,
+           "routes_shapes": [list(g.routes.shape) for g in gens]}
+    print("RESULT " + json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

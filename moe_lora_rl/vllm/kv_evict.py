@@ -1,0 +1,267 @@
+"""Importance-based KV eviction inside vLLM's CPU engine (kv_select.py decides, this moves):
+
+    ev = install(llm, EvictPolicy(budget=96))      # in-process engine, prefix caching off; one per engine
+    ... llm.generate(...) / the engine loop ...
+    ev.events[req_id]                               # [(seq_len, [per layer [kv_heads][compacted] positions])]
+    ev.stats()                                      # compressions, blocks freed, deferred, restarts
+
+A sequence's KV lives in its vLLM blocks in two regions. The compacted region is its first blocks: slot i of KV
+head h holds that head's i-th kept token (the sinks and the tokens chosen by score, in position order), so each
+head keeps its own tokens in the same slots. The open region holds the tokens from `open_start` on at their usual
+slots (vLLM keeps writing new tokens there). A compression, at the end of a step, runs in each attention layer's
+forward once that layer's output is computed: it scores the held tokens with the sequence's last `window` queries,
+gathers the kept ones, writes them into the compacted region, and moves `open_start` to the first recent position.
+After the step the blocks between the two regions go back to vLLM's pool through the scheduler's own block
+manager (`_remove_blocks_in_range`: null blocks in the request's table, as vLLM's sliding window frees them), so
+the allocator counts what a sequence really holds.
+
+Attention of a compressed sequence: vLLM's kernel still runs for the whole batch (it cannot read two regions), and
+this module overwrites the compressed sequences' rows with softmax attention over the compacted slots and the
+open region, in fp32. Keys are read and written in the CPU kernel's cache layout, which is checked against the
+step's own keys on the first step (a kernel with another layout is refused, not misread).
+
+Needs: vLLM 0.32 in this process, prefix caching off (compaction rewrites blocks in place, which shared prefix
+blocks cannot take), full attention without soft cap, ALiBi or learned sinks, one KV cache group. A sequence that
+vLLM preempts restarts dense (its state is dropped, counted in `restarts`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_select import EvictPolicy, compress_due, fits, scores, select
+from .step_hooks import add_listener, remove_listener
+
+
+class _Seq:
+    """One sequence's regions: `compacted` slots (0 before the first compression), the first open position, the
+    positions each layer's heads keep, the last queries each layer saw, steps since the last compression."""
+
+    def __init__(self, layers: int):
+        self.compacted = 0
+        self.open_start = 0
+        self.kept: list[torch.Tensor | None] = [None] * layers        # [kv_heads, compacted] positions
+        self.obs_q: list[torch.Tensor | None] = [None] * layers       # [<= window, heads, d]
+        self.obs_pos: list[torch.Tensor | None] = [None] * layers
+        self.since: int | None = None
+
+
+class _Row:
+    __slots__ = ("req", "seq", "q0", "q1", "seq_len", "compressed", "due")
+
+    def __init__(self, req, seq, q0, q1, seq_len, compressed, due):
+        self.req, self.seq, self.q0, self.q1, self.seq_len = req, seq, q0, q1, seq_len
+        self.compressed, self.due = compressed, due
+
+
+class KVEvictor:
+    def __init__(self, runner, scheduler, pol: EvictPolicy):
+        self.runner, self.pol = runner, pol
+        self.mgr = _single_manager(scheduler)
+        self.block_size = self.mgr.block_size
+        self.layers = _attention_layers(runner.model)
+        self.seqs: dict[str, _Seq] = {}
+        self.events: dict[str, list] = {}
+        self.rows: list[_Row] | None = None
+        self.layout_checked = False
+        self.n_compressions = self.n_freed = self.n_deferred = self.n_restarts = 0
+        self._orig = {}
+        for i, layer in enumerate(self.layers):
+            _check_impl(layer.impl, layer.layer_name)
+            self._orig[i] = layer.impl.forward
+            layer.impl.forward = self._wrap(i, layer.impl.forward)
+        add_listener(runner, self)
+
+    def remove(self) -> None:
+        remove_listener(self.runner, self)
+        for i, layer in enumerate(self.layers):
+            layer.impl.forward = self._orig[i]
+
+    def stats(self) -> dict:
+        return {"compressions": self.n_compressions, "blocks_freed": self.n_freed, "deferred": self.n_deferred,
+                "restarts": self.n_restarts, "sequences": len(self.events)}
+
+    # -- step listener -----------------------------------------------------------------------------------------
+
+    def before(self, info) -> None:
+        live = self.runner.requests
+        for rid in [r for r in self.seqs if r not in live]:
+            del self.seqs[rid]
+        rows = []
+        for i, rid in enumerate(info.req_ids):
+            q0, q1 = int(info.query_start_loc[i]), int(info.query_start_loc[i + 1])
+            computed = int(info.num_computed_tokens[i])
+            seq = self.seqs.get(rid)
+            if seq is not None and computed == 0:              # preempted and recomputed from the start: dense again
+                self.n_restarts += 1
+                seq = None
+            if seq is None:
+                seq = self.seqs[rid] = _Seq(len(self.layers))
+            seq_len = computed + (q1 - q0)
+            held = seq.compacted + seq_len - seq.open_start
+            due = compress_due(self.pol, held, seq.since)
+            if due and not fits(self.pol, seq_len, self.block_size):
+                due = False
+                self.n_deferred += 1
+            if seq.compacted and q1 - q0 != 1:
+                raise RuntimeError(f"kv eviction: request {rid} computes {q1 - q0} tokens in one step after its "
+                                   f"compression (expected 1: a decode step)")
+            rows.append(_Row(rid, seq, q0, q1, seq_len, bool(seq.compacted), due))
+        self.rows = rows
+
+    def after(self, info) -> None:
+        rows, self.rows = self.rows, None
+        if rows is None or info.failed:
+            return
+        bs = self.block_size
+        for r in rows:
+            seq = r.seq
+            if r.due:
+                first = -(-self.pol.compacted // bs)
+                last = (r.seq_len - self.pol.recent) // bs
+                before = self.mgr.block_pool.get_num_free_blocks()
+                self.mgr._remove_blocks_in_range(r.req, first, last)
+                self.n_freed += self.mgr.block_pool.get_num_free_blocks() - before
+                seq.compacted = self.pol.compacted
+                seq.open_start = r.seq_len - self.pol.recent
+                seq.since = 0
+                self.n_compressions += 1
+                self.events.setdefault(r.req, []).append((r.seq_len, [k.tolist() for k in seq.kept]))
+            elif seq.since is not None:
+                seq.since += 1
+
+    # -- attention -----------------------------------------------------------------------------------------------
+
+    def _wrap(self, li: int, orig):
+        def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            out = orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if attn_metadata is None or self.rows is None:
+                return out
+            cache = _Cache(kv_cache)
+            if not self.layout_checked:
+                cache.check(key, attn_metadata.slot_mapping[: key.shape[0]])
+                self.layout_checked = True
+            table = attn_metadata.block_table
+            for b, r in enumerate(self.rows):
+                self._observe(li, r, query)
+                if r.compressed or r.due:
+                    k, v, pos = self._held(li, r, cache, table[b])
+                    if r.compressed:
+                        output[r.q0] = _attend(query[r.q0], k, v, layer.impl.scale).to(output.dtype)
+                    if r.due:
+                        self._compress(li, r, cache, table[b], k, v, pos, layer.impl.scale)
+            return out
+        return forward
+
+    def _observe(self, li: int, r: _Row, query: torch.Tensor) -> None:
+        """Keep the sequence's last `window` queries of this layer (with their positions)."""
+        seq, w = r.seq, self.pol.window
+        q = query[max(r.q0, r.q1 - w): r.q1].detach().clone()
+        pos = torch.arange(r.seq_len - q.shape[0], r.seq_len)
+        if seq.obs_q[li] is not None and q.shape[0] < w:
+            q = torch.cat([seq.obs_q[li], q])[-w:]
+            pos = torch.cat([seq.obs_pos[li], pos])[-w:]
+        seq.obs_q[li], seq.obs_pos[li] = q, pos
+
+    def _held(self, li: int, r: _Row, cache: "_Cache", row_table: torch.Tensor):
+        """Keys, values [kv_heads, n, d] and positions [kv_heads, n] of every token the sequence holds after this
+        step's write: the compacted slots, then the open region in position order."""
+        seq, bs = r.seq, self.block_size
+        opos = torch.arange(seq.open_start, r.seq_len)
+        k, v = cache.read(row_table[opos // bs], opos % bs)                   # [kvh, n_open, d]
+        pos = opos.expand(k.shape[0], -1)
+        if seq.compacted:
+            slots = torch.arange(seq.compacted)
+            ck, cv = cache.read(row_table[slots // bs], slots % bs)
+            k, v, pos = torch.cat([ck, k], 1), torch.cat([cv, v], 1), torch.cat([seq.kept[li], pos], 1)
+        return k, v, pos
+
+    def _compress(self, li, r: _Row, cache: "_Cache", row_table, k, v, pos, scale) -> None:
+        seq, bs = r.seq, self.block_size
+        s = scores(seq.obs_q[li], seq.obs_pos[li], k, pos, scale)
+        kept = select(s, pos, self.pol, r.seq_len)                            # [kvh, compacted]
+        idx = torch.searchsorted(pos.contiguous(), kept.contiguous())        # each head's positions are sorted
+        kk = torch.gather(k, 1, idx[..., None].expand(-1, -1, k.shape[-1]))
+        vv = torch.gather(v, 1, idx[..., None].expand(-1, -1, v.shape[-1]))
+        slots = torch.arange(kept.shape[1])
+        cache.write(row_table[slots // bs], slots % bs, kk, vv)
+        seq.kept[li] = kept
+
+
+class _Cache:
+    """One layer's KV cache in the CPU attention kernel's layout: [blocks, kv_heads, block_size, 2 * d] where,
+    per block and head, the keys are stored transposed ([d, block_size]) and the values as [block_size, d]."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        nb, kvh, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        flat = kv_cache.view(nb, kvh, 2, bs * d)
+        self.k = flat[:, :, 0].view(nb, kvh, d, bs)
+        self.v = flat[:, :, 1].view(nb, kvh, bs, d)
+
+    def read(self, blocks: torch.Tensor, offs: torch.Tensor):
+        """[kv_heads, n, d] keys and values at (blocks[i], offs[i])."""
+        return (self.k[blocks, :, :, offs].permute(1, 0, 2), self.v[blocks, :, offs].permute(1, 0, 2))
+
+    def write(self, blocks, offs, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Per head h, slot i gets k[h, i] and v[h, i] (this head's i-th kept token)."""
+        self.k[blocks, :, :, offs] = k.permute(1, 0, 2).to(self.k.dtype)
+        self.v[blocks, :, offs] = v.permute(1, 0, 2).to(self.v.dtype)
+
+    def check(self, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        bs = self.k.shape[-1]
+        got, _ = self.read(slot_mapping // bs, slot_mapping % bs)
+        if not torch.equal(got.permute(1, 0, 2), key.to(got.dtype)):
+            raise RuntimeError("kv eviction: the CPU attention kernel's key cache layout is not the transposed "
+                               "[d, block_size] one this module reads; refusing to evict from it")
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of one query [heads, d] over [kv_heads, n, d], in fp32 -> [heads, d]."""
+    heads, kvh = q.shape[0], k.shape[0]
+    g = heads // kvh
+    qf = q.float().reshape(kvh, g, -1)
+    p = torch.softmax(torch.einsum("hgd,hnd->hgn", qf, k.float()) * scale, -1)
+    return torch.einsum("hgn,hnd->hgd", p, v.float()).reshape(heads, -1)
+
+
+def _attention_layers(model) -> list:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ValueError("kv eviction: the model has no attention layers vLLM's Attention runs")
+    return layers
+
+
+def _check_impl(impl, name: str) -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    if not isinstance(impl, CPUAttentionBackendImpl):
+        raise ValueError(f"kv eviction: layer {name} runs {type(impl).__name__}, not vLLM's CPU attention")
+    bad = {"sliding_window": impl.sliding_window != -1, "alibi": impl.alibi_slopes is not None,
+           "logits soft cap": bool(impl.logits_soft_cap), "learned sinks": impl.sinks is not None}
+    if any(bad.values()):
+        raise ValueError(f"kv eviction: layer {name} uses {[k for k, b in bad.items() if b]}, which importance "
+                         f"eviction does not handle")
+
+
+def _single_manager(scheduler):
+    mgrs = scheduler.kv_cache_manager.coordinator.single_type_managers
+    if len(mgrs) != 1:
+        raise ValueError(f"kv eviction: the engine has {len(mgrs)} KV cache groups; one (full attention) is handled")
+    if scheduler.kv_cache_manager.enable_caching:
+        raise ValueError("kv eviction needs prefix caching off: compaction rewrites blocks in place")
+    return mgrs[0]
+
+
+def install(llm, pol: EvictPolicy) -> KVEvictor:
+    """The evictor on an in-process engine (rollout/engine.make_engine with prefix_caching=False)."""
+    from .compat import check_vllm_version
+
+    check_vllm_version("kv eviction")
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        raise RuntimeError("kv eviction needs the engine core in this process (set_engine_env before vLLM)")
+    if core.async_scheduling:
+        raise ValueError("kv eviction needs synchronous scheduling (blocks are freed between two steps)")
+    return KVEvictor(core.model_executor.driver_worker.worker.model_runner, core.scheduler, pol)
