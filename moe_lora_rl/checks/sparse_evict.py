@@ -42,9 +42,20 @@ def held_masks(n: int, events: list, layers: int, kv_heads: int, recent: int, sw
     return masks
 
 
-def hf_logprobs(hf, tokens: list[int], n_prompt: int, masks) -> list[float]:
-    """Response logprobs of HF with each layer's attention given its own per-head mask (eager attention)."""
+def hf_logprobs(hf, tokens: list[int], n_prompt: int, masks, qk: dict | None = None) -> list[float]:
+    """Response logprobs of HF with each layer's attention given its own per-head mask (eager attention). qk: filled
+    with each layer's RoPE'd queries [heads, n, d] and keys [kv_heads, n, d], as its attention received them."""
     import torch
+    from transformers import AttentionInterface
+    from transformers.models.glm4_moe import modeling_glm4_moe as glm
+
+    def keep_qk(module, query, key, value, attention_mask, **kw):
+        if qk is not None:
+            qk[module.layer_idx] = (query[0].detach(), key[0].detach())
+        return glm.eager_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("moe_lora_keep_qk", keep_qk)
+    impl, hf.config._attn_implementation = hf.config._attn_implementation, "moe_lora_keep_qk"
 
     attn = [layer.self_attn for layer in hf.model.layers]
     groups = attn[0].num_key_value_groups
@@ -63,8 +74,32 @@ def hf_logprobs(hf, tokens: list[int], n_prompt: int, masks) -> list[float]:
     finally:
         for h in handles:
             h.remove()
+        hf.config._attn_implementation = impl
     lp = torch.log_softmax(logits, -1)
     return [lp[t - 1, tokens[t]].item() for t in range(n_prompt, len(tokens))]
+
+
+def reselect(events, masks, qk: dict, pol, scale: float, lag: int = 0) -> tuple[int, int]:
+    """(positions the engine kept that the same selection on HF's queries and keys also keeps, positions kept):
+    at each compression (seq_len s), per layer, the tokens held for query s - 1 scored by the last `window` queries
+    (lag > 0, the control: the window ending `lag` queries earlier)."""
+    import torch
+
+    from ..vllm.kv_select import scores, select
+
+    same = total = 0
+    for s, kept in events:
+        for li, (q, k) in qk.items():
+            held = masks[li][:, s - 1]                                       # [kv_heads, n]
+            kvh = held.shape[0]
+            pos = torch.stack([torch.nonzero(held[h])[:, 0] for h in range(kvh)])
+            keys = torch.stack([k[h, pos[h]] for h in range(kvh)])
+            q_pos = torch.arange(s - pol.window - lag, s - lag)
+            mine = select(scores(q[:, q_pos].transpose(0, 1), q_pos, keys, pos, scale), pos, pol, s)
+            theirs = torch.tensor(kept[li])
+            same += sum(len(set(mine[h].tolist()) & set(theirs[h].tolist())) for h in range(kvh))
+            total += theirs.numel()
+    return same, total
 
 
 def evicted_swap(events, recent: int, sinks: int):
@@ -120,7 +155,7 @@ def main(argv=None) -> dict:
     cfg = hf.config
     layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
     diffs = {"same": 0.0, "dense": 0.0, "swapped": 0.0}
-    n_events = []
+    n_events, agree, agree_lag = [], [0, 0], [0, 0]
     for g in gens:
         rid = next(k for k in ev.events if k == g.request_id or k.startswith(f"{g.request_id}-"))
         events = ev.events[rid]
@@ -131,10 +166,19 @@ def main(argv=None) -> dict:
         for name, masks in (("same", held_masks(n, events, layers, kvh, a.recent)),
                             ("dense", held_masks(n, [], layers, kvh, a.recent)),
                             ("swapped", held_masks(n, events, layers, kvh, a.recent, swap))):
-            want = np.array(hf_logprobs(hf, g.tokens, len(g.prompt), masks))
+            qk = {} if name == "same" else None
+            want = np.array(hf_logprobs(hf, g.tokens, len(g.prompt), masks, qk))
             diffs[name] = max(diffs[name], float(np.abs(got - want).max()))
+            if qk:
+                scale = hf.model.layers[0].self_attn.scaling
+                for acc, lag in ((agree, 0), (agree_lag, 1)):
+                    same, total = reselect(events, masks, qk, pol, scale, lag)
+                    acc[0] += same
+                    acc[1] += total
     res = {"policy": pol.__dict__, "stats": ev.stats(), "events_per_seq": n_events,
            "seq_lens": [len(g.tokens) for g in gens], "logprob_max_diff": diffs,
+           "selection_agree": agree[0] / agree[1], "selection_kept": agree[1],
+           "selection_agree_lagged": agree_lag[0] / agree_lag[1],
            "routes_shapes": [list(g.routes.shape) for g in gens]}
     print("RESULT " + json.dumps(res))
     return res

@@ -46,6 +46,9 @@ TRAINED_SERVED_K3 = 1e-10
 # every version's adapter equal (no answer rewarded, so no update moved them), the vLLM-vs-HF fp32 noise alone
 # reached 8.3e-5 over 320 samples (per-sample k3 3.4e-11)
 TRAINED_SERVED_LOGPROBS_LONG = 2e-4
+# importance-based KV eviction: the engine's logprobs vs HF with the held tokens of each query as its mask (fp32,
+# 116-token sequences, tests/e2e/test_sparse_evict.py): measured 1.1e-5
+SPARSE_EVICT_LOGPROBS = 3e-5
 ADAPTER_MATTERS_MIN = 1e-2           # base vs LoRA logprobs: the adapter must move them by more than this
 
 # LoRA training peak RSS / full fine-tuning peak RSS (bench lora, medium model): frozen base, no base grads or moments.

@@ -82,8 +82,9 @@ def scores(q_obs: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
 
 def select(score: torch.Tensor, key_pos: torch.Tensor, pol: EvictPolicy, seq_len: int) -> torch.Tensor:
     """[kv_heads, compacted] positions kept in the compacted region (sorted per head): the sinks, and the `chosen`
-    candidates with the highest max-pooled score. Candidates are the held tokens that are neither sinks nor among
-    the last `recent` positions of a sequence of `seq_len` tokens. key_pos must be sorted per head."""
+    candidates with the highest max-pooled score (pooling makes neighbours tie: the earlier position wins).
+    Candidates are the held tokens that are neither sinks nor among the last `recent` positions of a sequence of
+    `seq_len` tokens. key_pos must be sorted per head."""
     kvh, n = score.shape
     cand = (key_pos >= pol.sinks) & (key_pos < seq_len - pol.recent)
     n_cand = int(cand[0].sum())
@@ -95,7 +96,7 @@ def select(score: torch.Tensor, key_pos: torch.Tensor, pol: EvictPolicy, seq_len
     c_pos = key_pos[cand].reshape(kvh, n_cand)
     if pol.pool > 1:
         c_score = torch.nn.functional.max_pool1d(c_score[:, None], pol.pool, 1, pol.pool // 2)[:, 0]
-    top = torch.topk(c_score, pol.chosen, dim=1, sorted=False).indices
+    top = torch.sort(c_score, dim=1, descending=True, stable=True).indices[:, :pol.chosen]   # ties: earlier position
     chosen = torch.gather(c_pos, 1, top)
     sinks = torch.arange(min(pol.sinks, seq_len), dtype=key_pos.dtype).expand(kvh, -1)
     return torch.sort(torch.cat([sinks, chosen], 1), 1).values
