@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
     pol = EvictPolicy(budget=a.budget, sinks=a.sinks, recent=a.recent, window=a.window, interval=a.interval,
                       pool=a.pool)
     llm = make_engine(a.model, dtype="float32", prefix_caching=False, block_size=32, max_model_len=256)
-    ev = install(llm, pol)
+    ev = install(llm, pol, keep_events=True)
     meta = start_capture(llm)
     arch = load_arch(a.model)
     peft = random_expert_adapter(arch, RANK, seed=0, std=0.5, fused_fc1=True)

@@ -2,8 +2,8 @@
 held-out prompts, every response forced to the same length), stepped to the end, with the allocator's blocks and the
 scheduler's running sequences read after every step (rollout/kv_meter.py).
 
-    python -m moe_lora_rl.checks.sparse_kv_worker --model DIR --method none|window --budget N --pool-blocks B
-        [--length 10] [--max-tokens 85] [--requests 128]  ->  "RESULT {...}"
+    python -m moe_lora_rl.checks.sparse_kv_worker --model DIR --method none|window|snapkv --budget N --pool-blocks B
+        [--evict JSON] [--length 10] [--max-tokens 85] [--requests 128]  ->  "RESULT {...}"
 
 concurrency: the most sequences the pool serves at once without a preemption (vLLM pushing a request back to waiting
 for lack of blocks), found by bisection over the scheduler's running cap, every request run at each cap;
@@ -25,6 +25,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", required=True)
     ap.add_argument("--method", required=True)
     ap.add_argument("--budget", type=int, default=0)
+    ap.add_argument("--evict", type=json.loads, default={}, help="snapkv's settings (rollout/kv_compression.py)")
     ap.add_argument("--pool-blocks", type=int, required=True)
     ap.add_argument("--length", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=85)
@@ -35,13 +36,15 @@ def main(argv=None) -> dict:
 
     from ..rl.hf_sampling import prompt_ids
     from ..rl.task import TaskSpec, make_split
-    from ..rollout.kv_compression import engine_kwargs, verify
+    from ..rollout.kv_compression import engine_kwargs, install_method, verify
     from ..rollout.kv_meter import KVMeter
 
     cfg = json.loads(open(f"{a.model}/config.json").read())
-    llm = make_engine(a.model, prefix_caching=False, block_size=32, max_model_len=256, max_num_seqs=256,
+    max_len = max(256, -(-(a.max_tokens + 64) // 32) * 32)          # the prompt (<= 64 tokens) and the answer
+    llm = make_engine(a.model, prefix_caching=False, block_size=32, max_model_len=max_len, max_num_seqs=256,
                       num_gpu_blocks_override=a.pool_blocks, **engine_kwargs(a.method, a.budget, cfg))
     layout = verify(llm, a.method, a.budget)
+    evictor = install_method(llm, a.method, a.budget, a.evict)
     meter = KVMeter(llm)
     tok = transformers.AutoTokenizer.from_pretrained(a.model)
     problems = make_split(TaskSpec(length=a.length, kind="sort_trace"), "eval")
@@ -84,7 +87,7 @@ def main(argv=None) -> dict:
             hi = mid - 1
     res = {"method": a.method, "budget": a.budget, "pool_blocks": a.pool_blocks, "layout": layout,
            "concurrency": best["cap"] if best else 0, "at_concurrency": best, "uncapped": free,
-           "kv": meter.snapshot()}
+           "kv": meter.snapshot(), "evictions": evictor.stats() if evictor else None}
     print("RESULT " + json.dumps(res))
     return res
 

@@ -20,6 +20,21 @@ def _positive(where: str, value, *, zero_ok: bool = False) -> None:
 
 
 @dataclass
+class KVEvictSettings:
+    """rollout.kv_compression=snapkv's settings besides the budget (vllm/kv_select.EvictPolicy, same defaults)."""
+    sinks: int = 4
+    """First positions every sequence keeps."""
+    recent: int = 32
+    """Last positions every sequence keeps."""
+    window: int = 8
+    """Observation window: the last queries whose attention scores the tokens held."""
+    interval: int = 16
+    """Engine steps between two compressions of a sequence."""
+    pool: int = 7
+    """Max-pool kernel over the scores in position order (odd; 1: none)."""
+
+
+@dataclass
 class RolloutSettings:
     engines: int = 1
     """Rollout engine processes (replicas): each step's groups are spread over them, a whole group on one engine;
@@ -37,10 +52,16 @@ class RolloutSettings:
     """An engine aborts a staged push that made no progress for this long (its sender died); the served version
     stays, and the next push proceeds."""
     kv_compression: str = "none"
-    """Sample on a compressed KV cache (Sparse-RL's sparse rollouts; rollout/kv_compression.py): none, or window
-    (sliding-window attention on every layer; the engine frees the blocks outside it)."""
+    """Sample on a compressed KV cache (Sparse-RL's sparse rollouts; rollout/kv_compression.py): none; window
+    (sliding-window attention on every layer; the engine frees the blocks outside it); or snapkv (importance-based
+    eviction: the first tokens, the last ones and those the last queries attend to most; the engine compacts them
+    and frees the rest; prefix caching off)."""
     kv_budget: int = 0
-    """Tokens of KV each sequence keeps (window: its length); 0 with kv_compression=none."""
+    """Tokens of KV each sequence keeps (window: its length; snapkv: after each compression, sinks and recent
+    included); 0 with kv_compression=none."""
+    kv_evict: KVEvictSettings = field(default_factory=KVEvictSettings)
+    """snapkv's settings, e.g. rollout.kv_evict.recent=32 rollout.kv_evict.interval=8 (refused with another
+    method)."""
     threads: int | None = None
     """Torch threads of each engine on a CPU host; null: every core for one engine, the host's cores split evenly
     between several on it."""
@@ -57,12 +78,23 @@ class RolloutSettings:
     every engine at once at start; a restarted engine alone); nccl (gloo's broadcast between GPUs: engines given
     rollout.gpus and a trainer on CUDA); ipc (CUDA IPC handles: engines on the trainer's GPU)."""
 
+    def evict(self) -> dict:
+        """The snapkv settings the engine gets: {} for another method (where any setting off its default is
+        refused by check_compression)."""
+        import dataclasses
+
+        ev = self.kv_evict if isinstance(self.kv_evict, KVEvictSettings) else KVEvictSettings(**self.kv_evict)
+        if self.kv_compression == "snapkv":
+            return dataclasses.asdict(ev)
+        default = KVEvictSettings()
+        return {k: v for k, v in dataclasses.asdict(ev).items() if v != getattr(default, k)}
+
     def __post_init__(self):
         from ..rollout.client import DEFAULT_MAX_MODEL_LEN
         from ..rollout.kv_compression import check_compression
         from ..rollout.placement import plan_placements
 
-        check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN)
+        check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN, evict=self.evict())
 
         if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
             raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")

@@ -54,7 +54,7 @@ def check(cfg: TrainConfig, world_size: int):
         from ..rollout.kv_compression import check_compression
 
         check_compression(cfg.rollout.kv_compression, cfg.rollout.kv_budget, DEFAULT_MAX_MODEL_LEN,
-                          json.loads((base_model_dir(cfg) / "config.json").read_text()))
+                          json.loads((base_model_dir(cfg) / "config.json").read_text()), cfg.rollout.evict())
     if cfg.replay != "off" and not any(arch.moe_layers):
         raise ValueError(f"replay={cfg.replay!r}: the model has no MoE layer to replay routes in; use replay=off")
     n = cfg.algo.group_size * cfg.algo.prompts_per_step

@@ -340,7 +340,7 @@ class GRPORun(EngineRecovery):
         current version is pushed to them, the evaluation runs as every other (same seeds); the engines stay dense."""
         if self.rank == 0:
             for e in self.engines:
-                e.settings.update(kv_compression="none", kv_budget=0)
+                e.settings.update(kv_compression="none", kv_budget=0, kv_evict={}, prefix_caching=True)
                 e.restart()
         self.push(restarts=False)
         return self.evaluate()

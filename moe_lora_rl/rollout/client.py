@@ -131,7 +131,7 @@ class RolloutEngine:
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
                  stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0,
-                 base_from: str = "disk", base_bucket_mb: float = 64.0, base_transport: str = "auto"):
+                 kv_evict: dict | None = None, base_from: str = "disk", base_bucket_mb: float = 64.0, base_transport: str = "auto"):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -160,14 +160,18 @@ class RolloutEngine:
         check_base_transport(base_from, base_transport, base_bucket_mb, self.placement, max_body_mb)
         from .kv_compression import check_compression
 
+        kv_evict = dict(kv_evict or {})
         check_compression(kv_compression, kv_budget, max_model_len,
-                          json.loads((Path(model_dir) / "config.json").read_text()))
+                          json.loads((Path(model_dir) / "config.json").read_text()), kv_evict)
+        if kv_compression == "snapkv":
+            prefix_caching = False              # compaction rewrites a sequence's blocks in place: none is shared
         self.model_dir, self.log_dir = str(model_dir), Path(log_dir)
         self.settings = dict(dtype=dtype, serving=serving, prefix_caching=prefix_caching, capture=capture,
                              max_model_len=max_model_len, seed=seed, block_size=block_size, threads=threads,
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
                              step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
-                             kv_compression=kv_compression, kv_budget=kv_budget, base_from=base_from,
+                             kv_compression=kv_compression, kv_budget=kv_budget, kv_evict=kv_evict,
+                             base_from=base_from,
                              base_bucket_mb=base_bucket_mb, base_transport=base_transport)
         self.base_syncs: list[dict] = []     # base_from=trainer or peer: each start's sync timers
         self.base_store = None               # the trainer's base in shared memory, kept across restarts
@@ -218,6 +222,8 @@ class RolloutEngine:
             cmd += ["--step-delay-s", str(s["step_delay_s"])]
         if s["kv_compression"] != "none":
             cmd += ["--kv-compression", s["kv_compression"], "--kv-budget", str(s["kv_budget"])]
+        if s["kv_evict"]:
+            cmd += ["--kv-evict", json.dumps(s["kv_evict"])]
         if s["base_from"] in ("trainer", "peer"):
             cmd += ["--load-format", "dummy"]
         env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})

@@ -46,7 +46,7 @@ from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from . import guard
 from .engine import make_engine, set_engine_env
 from .generate import start_capture
-from .kv_compression import check_compression, engine_kwargs, verify
+from .kv_compression import check_compression, engine_kwargs, install_method, verify
 from .kv_meter import KVMeter
 from .loop import EngineLoop, Request
 from .protocol import check_request, encode_routes
@@ -73,6 +73,7 @@ class Engine:
         self.has_base = a.load_format != "dummy"     # dummy: nothing is served until a base sync completed
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         verify(self.llm, a.kv_compression, a.kv_budget)
+        self.evictor = install_method(self.llm, a.kv_compression, a.kv_budget, a.kv_evict)
         self.kv = KVMeter(self.llm)
         self.meta = start_capture(self.llm) if a.capture else None
         self.loop = EngineLoop(self.llm, self.meta, inflight=a.inflight, on_full=a.on_full,
@@ -108,8 +109,9 @@ class Engine:
         return {**st, "pid": os.getpid(), "model": a.model, "dtype": a.dtype, "prefix_caching": a.prefix_caching,
                 "capture": self.meta, "max_model_len": a.max_model_len, "block_size": a.block_size,
                 "vocab_size": self.vocab, "loop": dict(self.loop.stats), "in_flight": self.loop.in_flight(),
-                "kv_compression": a.kv_compression, "kv_budget": a.kv_budget,
-                "kv": self.loop.call(lambda llm: self.kv.snapshot())}
+                "kv_compression": a.kv_compression, "kv_budget": a.kv_budget, "kv_evict": a.kv_evict,
+                "kv": self.loop.call(lambda llm: self.kv.snapshot()),
+                "kv_evictions": self.loop.call(lambda llm: self.evictor.stats()) if self.evictor else None}
 
     def requests(self, body: dict, warm_up: bool = False) -> list[Request]:
         from vllm import SamplingParams
@@ -326,7 +328,10 @@ def parse_args(argv=None):
     ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                     help="dummy: start empty; nothing is served until the base was synced (weight_sync/)")
     ap.add_argument("--kv-compression", default="none",
-                    help="KV compression of the rollouts (rollout/kv_compression.py): none or window")
+                    help="KV compression of the rollouts (rollout/kv_compression.py): none, window or snapkv")
+    ap.add_argument("--kv-evict", type=json.loads, default={},
+                    help='snapkv settings as JSON, e.g. \'{"recent": 32, "interval": 16}\' (sinks, recent, window, '
+                         'interval, pool)')
     ap.add_argument("--kv-budget", type=int, default=0, help="tokens of KV a sequence keeps (window: its length)")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads of the engine (default: all cores)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer the parent")
@@ -355,7 +360,9 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     try:
         a.model_config = json.loads(open(os.path.join(a.model, "config.json")).read())
-        check_compression(a.kv_compression, a.kv_budget, a.max_model_len, a.model_config)
+        check_compression(a.kv_compression, a.kv_budget, a.max_model_len, a.model_config, a.kv_evict)
+        if a.kv_compression == "snapkv" and a.prefix_caching:
+            raise ValueError("--kv-compression snapkv needs --no-prefix-caching (compaction rewrites blocks in place)")
     except ValueError as e:
         ap.error(str(e))
     if a.threads is not None and a.threads < 1:

@@ -2,7 +2,8 @@
 
     ev = install(llm, EvictPolicy(budget=96))      # in-process engine, prefix caching off; one per engine
     ... llm.generate(...) / the engine loop ...
-    ev.events[req_id]                               # [(seq_len, [per layer [kv_heads][compacted] positions])]
+    ev.events[req_id]                               # keep_events=True (the checks): [(seq_len, [per layer
+                                                    # [kv_heads][compacted] positions])] per compression
     ev.stats()                                      # compressions, blocks freed, deferred, restarts
 
 A sequence's KV lives in its vLLM blocks in two regions. The compacted region is its first blocks: slot i of KV
@@ -34,15 +35,14 @@ from .step_hooks import add_listener, remove_listener
 
 class _Seq:
     """One sequence's regions: `compacted` slots (0 before the first compression), the first open position, the
-    positions each layer's heads keep, the last queries each layer saw, steps since the last compression."""
+    positions each layer's heads keep, steps since the last compression; `slot`: its row of the query buffers."""
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, slot: int):
         self.compacted = 0
         self.open_start = 0
         self.kept: list[torch.Tensor | None] = [None] * layers        # [kv_heads, compacted] positions
-        self.obs_q: list[torch.Tensor | None] = [None] * layers       # [<= window, heads, d]
-        self.obs_pos: list[torch.Tensor | None] = [None] * layers
         self.since: int | None = None
+        self.slot = slot
 
 
 class _Row:
@@ -54,16 +54,21 @@ class _Row:
 
 
 class KVEvictor:
-    def __init__(self, runner, scheduler, pol: EvictPolicy):
-        self.runner, self.pol = runner, pol
+    def __init__(self, runner, scheduler, pol: EvictPolicy, keep_events: bool = False):
+        self.runner, self.pol, self.keep_events = runner, pol, keep_events
         self.mgr = _single_manager(scheduler)
         self.block_size = self.mgr.block_size
         self.layers = _attention_layers(runner.model)
         self.seqs: dict[str, _Seq] = {}
         self.events: dict[str, list] = {}
         self.rows: list[_Row] | None = None
+        slots = runner.input_batch.max_num_reqs
+        self.free_slots = list(range(slots - 1, -1, -1))
+        # the last `window` queries of every running sequence, per layer, in a ring by position (-1: none yet)
+        self.obs_q: list[torch.Tensor | None] = [None] * len(self.layers)    # [slots, window, heads, d], lazily
+        self.obs_pos = torch.full((slots, pol.window), -1, dtype=torch.long)
         self.layout_checked = False
-        self.n_compressions = self.n_freed = self.n_deferred = self.n_restarts = 0
+        self.n_compressions = self.n_freed = self.n_deferred = self.n_restarts = self.n_sequences = 0
         self._orig = {}
         for i, layer in enumerate(self.layers):
             _check_impl(layer.impl, layer.layer_name)
@@ -78,14 +83,14 @@ class KVEvictor:
 
     def stats(self) -> dict:
         return {"compressions": self.n_compressions, "blocks_freed": self.n_freed, "deferred": self.n_deferred,
-                "restarts": self.n_restarts, "sequences": len(self.events)}
+                "restarts": self.n_restarts, "sequences": self.n_sequences}
 
     # -- step listener -----------------------------------------------------------------------------------------
 
     def before(self, info) -> None:
         live = self.runner.requests
         for rid in [r for r in self.seqs if r not in live]:
-            del self.seqs[rid]
+            self.free_slots.append(self.seqs.pop(rid).slot)
         rows = []
         for i, rid in enumerate(info.req_ids):
             q0, q1 = int(info.query_start_loc[i]), int(info.query_start_loc[i + 1])
@@ -93,10 +98,16 @@ class KVEvictor:
             seq = self.seqs.get(rid)
             if seq is not None and computed == 0:              # preempted and recomputed from the start: dense again
                 self.n_restarts += 1
-                seq = None
+                seq = self.seqs[rid] = _Seq(len(self.layers), seq.slot)
+                self.obs_pos[seq.slot] = -1
             if seq is None:
-                seq = self.seqs[rid] = _Seq(len(self.layers))
+                seq = self.seqs[rid] = _Seq(len(self.layers), self.free_slots.pop())
+                self.obs_pos[seq.slot] = -1
+                self.n_sequences += 1
             seq_len = computed + (q1 - q0)
+            w = min(self.pol.window, q1 - q0)
+            opos = torch.arange(seq_len - w, seq_len)
+            self.obs_pos[seq.slot, opos % self.pol.window] = opos
             held = seq.compacted + seq_len - seq.open_start
             due = compress_due(self.pol, held, seq.since)
             if due and not fits(self.pol, seq_len, self.block_size):
@@ -107,6 +118,16 @@ class KVEvictor:
                                    f"compression (expected 1: a decode step)")
             rows.append(_Row(rid, seq, q0, q1, seq_len, bool(seq.compacted), due))
         self.rows = rows
+        w = self.pol.window
+        n = [min(w, r.q1 - r.q0) for r in rows]
+        idx = torch.cat([torch.arange(r.q1 - k, r.q1) for r, k in zip(rows, n)])
+        self.obs_idx = (torch.repeat_interleave(torch.tensor([r.seq.slot for r in rows]), torch.tensor(n)),
+                        torch.cat([torch.arange(r.seq_len - k, r.seq_len) for r, k in zip(rows, n)]) % w, idx)
+        comp = [r for r in rows if r.compressed]
+        self.comp = None if not comp else {
+            "b": torch.tensor([i for i, r in enumerate(rows) if r.compressed]),
+            "q": torch.tensor([r.q0 for r in comp]), "open": torch.tensor([r.seq.open_start for r in comp]),
+            "len": torch.tensor([r.seq_len for r in comp])}
 
     def after(self, info) -> None:
         rows, self.rows = self.rows, None
@@ -125,7 +146,8 @@ class KVEvictor:
                 seq.open_start = r.seq_len - self.pol.recent
                 seq.since = 0
                 self.n_compressions += 1
-                self.events.setdefault(r.req, []).append((r.seq_len, [k.tolist() for k in seq.kept]))
+                if self.keep_events:
+                    self.events.setdefault(r.req, []).append((r.seq_len, [k.tolist() for k in seq.kept]))
             elif seq.since is not None:
                 seq.since += 1
 
@@ -141,26 +163,50 @@ class KVEvictor:
                 cache.check(key, attn_metadata.slot_mapping[: key.shape[0]])
                 self.layout_checked = True
             table = attn_metadata.block_table
+            self._observe(li, query)
+            if self.comp is not None:
+                self._attend_compressed(query, cache, table, output, layer.impl.scale)
             for b, r in enumerate(self.rows):
-                self._observe(li, r, query)
-                if r.compressed or r.due:
+                if r.due:
                     k, v, pos = self._held(li, r, cache, table[b])
-                    if r.compressed:
-                        output[r.q0] = _attend(query[r.q0], k, v, layer.impl.scale).to(output.dtype)
-                    if r.due:
-                        self._compress(li, r, cache, table[b], k, v, pos, layer.impl.scale)
+                    self._compress(li, r, cache, table[b], k, v, pos, layer.impl.scale)
             return out
         return forward
 
-    def _observe(self, li: int, r: _Row, query: torch.Tensor) -> None:
-        """Keep the sequence's last `window` queries of this layer (with their positions)."""
-        seq, w = r.seq, self.pol.window
-        q = query[max(r.q0, r.q1 - w): r.q1].detach().clone()
-        pos = torch.arange(r.seq_len - q.shape[0], r.seq_len)
-        if seq.obs_q[li] is not None and q.shape[0] < w:
-            q = torch.cat([seq.obs_q[li], q])[-w:]
-            pos = torch.cat([seq.obs_pos[li], pos])[-w:]
-        seq.obs_q[li], seq.obs_pos[li] = q, pos
+    def _observe(self, li: int, query: torch.Tensor) -> None:
+        """Each sequence's queries of this step into its ring of the last `window` (indices from `before`)."""
+        if self.obs_q[li] is None:
+            self.obs_q[li] = torch.zeros((self.obs_pos.shape[0], self.pol.window, *query.shape[1:]),
+                                         dtype=torch.float32)
+        slots, ring, idx = self.obs_idx
+        self.obs_q[li][slots, ring] = query[idx].float()
+
+    def _attend_compressed(self, query, cache: "_Cache", table, output, scale: float) -> None:
+        """The compressed sequences' attention, batched over whole blocks: each row's compacted blocks and the
+        blocks of its open region, padded to the most blocks and masked to the slots it holds."""
+        c, bs = self.comp, self.block_size
+        rt = table[c["b"]]                                                    # [B, blocks]
+        cblocks = -(-self.pol.compacted // bs)
+        first, last = c["open"] // bs, (c["len"] - 1) // bs
+        nopen = int((last - first).max()) + 1
+        oidx = torch.minimum(first[:, None] + torch.arange(nopen), last[:, None])          # [B, nopen]
+        blocks = torch.cat([rt[:, :cblocks], torch.gather(rt, 1, oidx)], 1)            # [B, nb]
+        pos = torch.cat([torch.arange(cblocks * bs).expand(len(rt), -1),                # slot index (compacted)
+                         (oidx[:, :, None] * bs + torch.arange(bs)).reshape(len(rt), -1)], 1)
+        held = torch.cat([pos[:, :cblocks * bs] < self.pol.compacted,
+                          (pos[:, cblocks * bs:] >= c["open"][:, None]) & (pos[:, cblocks * bs:] < c["len"][:, None])
+                          & (torch.arange(nopen).repeat_interleave(bs) <= (last - first)[:, None])], 1)
+        nb = blocks.shape[1]
+        k = cache.k.index_select(0, blocks.reshape(-1)).reshape(len(rt), nb, *cache.k.shape[1:])  # [B,nb,kvh,d,bs]
+        v = cache.v.index_select(0, blocks.reshape(-1)).reshape(len(rt), nb, *cache.v.shape[1:])  # [B,nb,kvh,bs,d]
+        q = query[c["q"]]
+        bsz, heads, d = q.shape
+        kvh = k.shape[2]
+        qg = q.reshape(bsz, kvh, heads // kvh, d).to(k.dtype)
+        logits = torch.einsum("bhgd,bnhds->bhgns", qg, k).float().reshape(bsz, kvh, heads // kvh, -1) * scale
+        p = torch.softmax(logits.masked_fill(~held[:, None, None, :], float("-inf")), -1)
+        p = p.reshape(bsz, kvh, heads // kvh, nb, bs).to(v.dtype)
+        output[c["q"]] = torch.einsum("bhgns,bnhsd->bhgd", p, v).reshape(bsz, heads, d).to(output.dtype)
 
     def _held(self, li: int, r: _Row, cache: "_Cache", row_table: torch.Tensor):
         """Keys, values [kv_heads, n, d] and positions [kv_heads, n] of every token the sequence holds after this
@@ -177,7 +223,8 @@ class KVEvictor:
 
     def _compress(self, li, r: _Row, cache: "_Cache", row_table, k, v, pos, scale) -> None:
         seq, bs = r.seq, self.block_size
-        s = scores(seq.obs_q[li], seq.obs_pos[li], k, pos, scale)
+        have = self.obs_pos[seq.slot] >= 0
+        s = scores(self.obs_q[li][seq.slot][have], self.obs_pos[seq.slot][have], k, pos, scale)
         kept = select(s, pos, self.pol, r.seq_len)                            # [kvh, compacted]
         idx = torch.searchsorted(pos.contiguous(), kept.contiguous())        # each head's positions are sorted
         kk = torch.gather(k, 1, idx[..., None].expand(-1, -1, k.shape[-1]))
@@ -215,15 +262,6 @@ class _Cache:
                                "[d, block_size] one this module reads; refusing to evict from it")
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of one query [heads, d] over [kv_heads, n, d], in fp32 -> [heads, d]."""
-    heads, kvh = q.shape[0], k.shape[0]
-    g = heads // kvh
-    qf = q.float().reshape(kvh, g, -1)
-    p = torch.softmax(torch.einsum("hgd,hnd->hgn", qf, k.float()) * scale, -1)
-    return torch.einsum("hgn,hnd->hgd", p, v.float()).reshape(heads, -1)
-
-
 def _attention_layers(model) -> list:
     from vllm.model_executor.layers.attention.attention import Attention
 
@@ -254,8 +292,9 @@ def _single_manager(scheduler):
     return mgrs[0]
 
 
-def install(llm, pol: EvictPolicy) -> KVEvictor:
-    """The evictor on an in-process engine (rollout/engine.make_engine with prefix_caching=False)."""
+def install(llm, pol: EvictPolicy, keep_events: bool = False) -> KVEvictor:
+    """The evictor on an in-process engine (rollout/engine.make_engine with prefix_caching=False). keep_events: log
+    every compression's kept positions (for the reference; a serving engine keeps none)."""
     from .compat import check_vllm_version
 
     check_vllm_version("kv eviction")
@@ -264,4 +303,4 @@ def install(llm, pol: EvictPolicy) -> KVEvictor:
         raise RuntimeError("kv eviction needs the engine core in this process (set_engine_env before vLLM)")
     if core.async_scheduling:
         raise ValueError("kv eviction needs synchronous scheduling (blocks are freed between two steps)")
-    return KVEvictor(core.model_executor.driver_worker.worker.model_runner, core.scheduler, pol)
+    return KVEvictor(core.model_executor.driver_worker.worker.model_runner, core.scheduler, pol, keep_events)

@@ -98,13 +98,22 @@ def test_sparse_settings_refused():
 def test_compression_checks():
     check_compression("none", 0, 512)
     check_compression("window", 32, 512, {"num_hidden_layers": 4})
-    for args, msg in ((("snapkv", 32, 512), "kv_compression='snapkv'"), (("window", 600, 512), "kv_budget=600 exceeds"),
+    check_compression("snapkv", 96, 512, {"num_hidden_layers": 4}, {"recent": 32, "interval": 8})
+    for args, msg in ((("snapkv", 32, 512), r"kv_budget=32 is not above the sinks plus the recent window \(4 \+ 32\)"),
+                      (("snapkv", 96, 512, None, {"interval": 0}), "interval=0 is below 1"),
+                      (("snapkv", 40, 512, None, {"recent": 8, "sinks": 0, "window": 41}),
+                       r"window=41 \(observation window\) is larger than the budget 40"),
+                      (("snapkv", 96, 512, None, {"stride": 2}), r"unknown setting\(s\) \['stride'\]"),
+                      (("snapkv", 96, 512, None, [4]), r"kv_evict=\[4\] is not a mapping"),
+                      (("window", 32, 512, None, {"recent": 8}), "applies to kv_compression=snapkv, not 'window'"),
+                      (("snapkv", 96, 512, {"kv_lora_rank": 512}), "MLA"),
+                      (("window", 600, 512), "kv_budget=600 exceeds"),
                       (("window", 4, 512), "kv_budget=4 is below"), (("none", 32, 512), "kv_budget=32 needs"),
                       (("window", 32, 512, {"kv_lora_rank": 512}), "MLA"),
                       (("window", 32, 512, {"layer_types": ["linear_attention"]}), "non-attention")):
         with pytest.raises(ValueError, match=msg):
             check_compression(*args)
-    assert engine_kwargs("none", 0) == {}
+    assert engine_kwargs("none", 0) == {} and engine_kwargs("snapkv", 96) == {}
     over = engine_kwargs("window", 32, {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
     assert over["hf_overrides"]["sliding_window"] == 32
     assert over["hf_overrides"]["layer_types"] == ["sliding_attention"] * 2
@@ -118,7 +127,10 @@ def test_per_seq_bytes():
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.kv_compression=snapkv", "kv_compression='snapkv'"),
+    ("rollout.kv_compression=snapkv", "kv_budget=0 is below snapkv's minimum"),
+    ("rollout.kv_compression=sparse", "kv_compression='sparse' is not one of"),
+    ("rollout.kv_evict.recent=8", "applies to kv_compression=snapkv, not 'none'"),
+    ("rollout.kv_evict.stride=8", "unknown config key 'rollout.kv_evict.stride'"),
     ("rollout.kv_budget=32", "kv_budget=32 needs rollout.kv_compression"),
     ("algo.sparse_veto=2", "veto=2"),
     ("algo.sparse_upper=0.8", "upper=0.8"),
