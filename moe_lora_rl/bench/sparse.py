@@ -5,7 +5,12 @@ sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.ro
 memory itself, measured by the engine's allocator at a fixed pool (checks/sparse_kv_worker.py).
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
-        [--method window] [--budget 32] [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
+        [--method window|snapkv] [--budget 32] [--evict recent=16,interval=8] [--setting sort_trace|long]
+        [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
+
+--method snapkv: importance-based eviction (vllm/kv_evict.py) with --evict's settings (rollout.kv_evict.*: sinks,
+recent, window, interval, pool). --setting long: the long-reasoning job (recipes/long.yaml: answers of ~60-400
+tokens) instead of sort_trace; the KV worker then forces answers of algo.max_response_tokens.
 
 Held-out success (eval_*): the trained adapter on a dense engine (summary eval_end_dense; for the dense run its own
 final evaluation), mean over seeds; eval_*_sampler: the same problems under each run's own sampler. kv_bytes_ratio:
@@ -31,15 +36,28 @@ TASK = ["data.task=sort_trace", "data.length=10", "data.eval_samples=1", "algo.m
         "steps=30", "eval_every=10"]
 """The long task's run: every held-out problem once per evaluation; responses of up to 96 tokens (the trace of 10
 digits and its end-of-turn take 85)."""
+SETTINGS = {"sort_trace": TASK, "long": ["--config-name=long", "eval_every=10"]}
 RUNS = ("dense", "sparse_uncorrected", "sparse_corrected")
 CURVES = (("Held-out success (the run's sampler; final: dense engine)", "eval"), ("Reward", "reward"),
           ("Trainer vs sampler KL (k3)", "r3_kl"), ("Sequences rejected (Sparse-RL)", "sparse/seq_rejected_frac"))
 
 
-def run_overrides(run: str, method: str, budget: int) -> list[str]:
-    kv = [f"rollout.kv_compression={method}", f"rollout.kv_budget={budget}"]
+def run_overrides(run: str, method: str, budget: int, evict: dict | None = None) -> list[str]:
+    kv = [f"rollout.kv_compression={method}", f"rollout.kv_budget={budget}",
+          *(f"rollout.kv_evict.{k}={v}" for k, v in sorted((evict or {}).items()))]
     return {"dense": [], "sparse_uncorrected": [*kv, "algo.rollout_is=off"],
             "sparse_corrected": [*kv, "algo.rollout_is=sparse"]}[run]
+
+
+def _evict(spec: str) -> dict:
+    """'recent=16,interval=8' -> {"recent": 16, "interval": 8} (ValueError naming a malformed item)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        if not v.strip().isdigit():
+            raise ValueError(f"--evict item {item!r}: expected key=integer")
+        out[k.strip()] = int(v)
+    return out
 
 
 def mean_of(rows: list[dict], key: str):
@@ -73,6 +91,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 30)")
     ap.add_argument("--method", default="window", help="KV compression method (rollout/kv_compression.py)")
     ap.add_argument("--budget", type=int, default=32, help="KV budget in tokens (window: its length)")
+    ap.add_argument("--evict", default="", help="snapkv's settings, k=v,... (sinks, recent, window, interval, pool)")
+    ap.add_argument("--setting", default="sort_trace", help=f"the task: one of {sorted(SETTINGS)}")
     ap.add_argument("--pool-blocks", type=int, default=48, help="KV blocks of the concurrency measurement's pool")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
     ap.add_argument("--reuse", action="store_true",
@@ -82,6 +102,11 @@ def main(argv=None) -> dict:
 
     if a.method not in METHODS or a.method == "none":
         raise ValueError(f"--method={a.method!r}: choose a compression method of {METHODS[1:]}")
+    if a.setting not in SETTINGS:
+        raise ValueError(f"--setting={a.setting!r}: choose one of {sorted(SETTINGS)}")
+    evict = _evict(a.evict)
+    if evict and a.method != "snapkv":
+        raise ValueError(f"--evict={a.evict!r} applies to --method snapkv, not {a.method!r}")
     seeds = _ints(a.seeds, "--seeds")
     if len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise ValueError(f"--seeds={a.seeds!r}: expected distinct seeds >= 0")
@@ -97,9 +122,9 @@ def main(argv=None) -> dict:
         raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}, --pool-blocks={a.pool_blocks}: must be "
                          "positive (pool >= 4)")
     lay, layout_over, model_over = job_layout(a, "sparse")
-    base = [*layout_over, *TASK, *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
+    base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
     for run in RUNS:
-        _preflight([*base, *run_overrides(run, a.method, a.budget)], 2)
+        _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2)
     t0 = time.time()
     sums, hist = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,22 +137,25 @@ def main(argv=None) -> dict:
                     sums[run, seed] = json.loads((out / "summary.json").read_text())
                     reused.append(out.name)
                 else:
-                    sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget), f"seed={seed}"],
-                                              out, a.timeout)
+                    sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget, evict),
+                                                  f"seed={seed}"], out, a.timeout)
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
         from ..checks.launch import run_process
         from ..rl import config
 
         cfg = config.load(base)
+        length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
         kv = {m: run_process("moe_lora_rl.checks.sparse_kv_worker",
                              ["--model", sums["dense", seeds[0]]["model"], "--method", m, "--budget", str(b),
-                              "--pool-blocks", str(a.pool_blocks), "--length", str(cfg.data.length),
-                              "--max-tokens", str(cfg.algo.max_response_tokens)], cwd=root, what="KV worker")
+                              "--pool-blocks", str(a.pool_blocks), "--length", str(length),
+                              "--max-tokens", str(cfg.algo.max_response_tokens),
+                              *(["--evict", json.dumps(evict)] if m == "snapkv" else [])], cwd=root,
+                             what="KV worker")
               for m, b in (("none", 0), (a.method, a.budget))}
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
             plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
-                 f"Sparse-RL on sort_trace: {a.method} {a.budget} tokens, seeds {seeds}")
+                 f"Sparse-RL on {a.setting}: {a.method} {a.budget} tokens, seeds {seeds}")
 
     def mean(run, key):
         vals = [sums[run, s].get(key) for s in seeds]
@@ -138,7 +166,7 @@ def main(argv=None) -> dict:
         return None if None in vals else sum(vals) / len(vals)
 
     dense_end = {s: sums["dense", s]["eval_end"] for s in seeds}
-    out = {"method": a.method, "budget": a.budget,
+    out = {"method": a.method, "budget": a.budget, "evict": evict, "setting": a.setting,
            "kv_bytes_ratio": hmean("sparse_corrected", "kv_peak_bytes_per_seq") / hmean("dense", "kv_peak_bytes_per_seq"),
            "kv_bytes_ratio_mean": hmean("sparse_corrected", "kv_bytes_per_seq") / hmean("dense", "kv_bytes_per_seq"),
            "kv_peak_bytes_per_seq_dense": hmean("dense", "kv_peak_bytes_per_seq"),

@@ -9,6 +9,9 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     assert run_overrides("sparse_uncorrected", "window", 32) == ["rollout.kv_compression=window",
                                                                  "rollout.kv_budget=32", "algo.rollout_is=off"]
     assert run_overrides("sparse_corrected", "window", 48)[-1] == "algo.rollout_is=sparse"
+    assert run_overrides("sparse_uncorrected", "snapkv", 32, {"recent": 8, "interval": 8}) == [
+        "rollout.kv_compression=snapkv", "rollout.kv_budget=32", "rollout.kv_evict.interval=8",
+        "rollout.kv_evict.recent=8", "algo.rollout_is=off"]
     assert RUNS == ("dense", "sparse_uncorrected", "sparse_corrected")
     assert mean_of([{"a": 1.0}, {"b": 2}, {"a": 3.0}], "a") == 2.0 and mean_of([], "a") is None
 
@@ -18,7 +21,13 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     (["--", "algo.rollout_is=token"], "override 'algo.rollout_is=token': sparse sets"),
     (["--", "seed=3"], "override 'seed=3': sparse sets"),
     (["--method", "none"], "--method='none'"),
-    (["--method", "snapkv"], "--method='snapkv'"),
+    (["--method", "snapkv"], "kv_budget=32 is not above the sinks plus the recent window"),
+    (["--method", "snapkv", "--budget", "48", "--evict", "interval=0"], "interval=0 is below 1"),
+    (["--method", "snapkv", "--budget", "48", "--evict", "recent=16,stride=2"], "stride"),
+    (["--method", "snapkv", "--evict", "recent=x"], "--evict item 'recent=x': expected key=integer"),
+    (["--evict", "recent=16"], "--evict='recent=16' applies to --method snapkv, not 'window'"),
+    (["--setting", "essay"], "--setting='essay'"),
+    (["--", "rollout.kv_evict.recent=8"], "override 'rollout.kv_evict.recent=8': sparse sets"),
     (["--budget", "4"], "kv_budget=4 is below"),
     (["--budget", "4096"], "kv_budget=4096 exceeds"),
     (["--seeds", "1,1"], "--seeds='1,1'"),
