@@ -60,6 +60,51 @@ def _evict(spec: str) -> dict:
     return out
 
 
+def kv_figures(model: str, a, evict: dict, base: list[str], root: Path) -> dict:
+    """The KV worker (checks/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too."""
+    from ..checks.launch import run_process
+    from ..rl import config
+
+    cfg = config.load(base)
+    length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
+    common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),
+              "--max-tokens", str(cfg.algo.max_response_tokens)]
+    dense = run_process("moe_lora_rl.checks.sparse_kv_worker", [*common, "--method", "none", "--budget", "0"],
+                        cwd=root, what="KV worker")
+    sparse = run_process("moe_lora_rl.checks.sparse_kv_worker",
+                         [*common, "--method", a.method, "--budget", str(a.budget),
+                          "--at-cap", str(max(1, dense["concurrency"])),
+                          *(["--evict", json.dumps(evict)] if a.method == "snapkv" else [])],
+                         cwd=root, what="KV worker")
+    return {"none": dense, "sparse": sparse}
+
+
+def kv_summary(kv: dict) -> dict:
+    """The KV worker's figures: sequences served at once on the pool, and blocks per sequence at the same
+    concurrency (the dense engine's), time-averaged and at the peak."""
+    d, s = kv["none"], kv["sparse"]
+    same = s["at_cap"] or {}
+    dc = d["at_concurrency"] or {}
+    return {"concurrency_ratio": s["concurrency"] / d["concurrency"] if d["concurrency"] else None,
+            "concurrency": {"dense": d["concurrency"], "sparse": s["concurrency"], "pool_blocks": d["pool_blocks"],
+                            "tokens_per_s_dense": dc.get("tokens_per_s"),
+                            "tokens_per_s_sparse": (s["at_concurrency"] or {}).get("tokens_per_s"),
+                            "peak_blocks_per_seq_dense": d["kv"]["peak_blocks_per_seq"],
+                            "peak_blocks_per_seq_sparse": s["kv"]["peak_blocks_per_seq"]},
+            "same_concurrency": {"cap": dc.get("cap"),
+                                 "blocks_per_seq_dense": dc.get("blocks_per_seq_mean"),
+                                 "blocks_per_seq_sparse": same.get("blocks_per_seq_mean"),
+                                 "peak_blocks_per_seq_dense": dc.get("blocks_per_seq_peak"),
+                                 "peak_blocks_per_seq_sparse": same.get("blocks_per_seq_peak"),
+                                 "mean_ratio": same.get("blocks_per_seq_mean", 0) / dc["blocks_per_seq_mean"]
+                                 if dc.get("blocks_per_seq_mean") else None,
+                                 "peak_ratio": same.get("blocks_per_seq_peak", 0) / dc["blocks_per_seq_peak"]
+                                 if dc.get("blocks_per_seq_peak") else None,
+                                 "tokens_per_s_dense": dc.get("tokens_per_s"),
+                                 "tokens_per_s_sparse": same.get("tokens_per_s")},
+            "evictions": s.get("evictions")}
+
+
 def mean_of(rows: list[dict], key: str):
     vals = [r[key] for r in rows if key in r]
     return sum(vals) / len(vals) if vals else None
@@ -93,6 +138,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", type=int, default=32, help="KV budget in tokens (window: its length)")
     ap.add_argument("--evict", default="", help="snapkv's settings, k=v,... (sinks, recent, window, interval, pool)")
     ap.add_argument("--setting", default="sort_trace", help=f"the task: one of {sorted(SETTINGS)}")
+    ap.add_argument("--kv-only", action="store_true", help="the KV memory measurement alone (no learning runs)")
     ap.add_argument("--pool-blocks", type=int, default=48, help="KV blocks of the concurrency measurement's pool")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
     ap.add_argument("--reuse", action="store_true",
@@ -125,8 +171,20 @@ def main(argv=None) -> dict:
     base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
     for run in RUNS:
         _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2)
+    if a.kv_only and a.reuse:
+        raise ValueError("--kv-only runs no learning run: --reuse has nothing to read")
     t0 = time.time()
     sums, hist = {}, {}
+    if a.kv_only:
+        from ..rl import config
+        from ..rl.inputs import model_dir
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = {"method": a.method, "budget": a.budget, "evict": evict, "setting": a.setting,
+                   **kv_summary(kv_figures(str(model_dir(config.load(base))[0]), a, evict, base, Path(a.out or tmp))),
+                   "bench_wall_s": round(time.time() - t0, 1)}
+        emit(out, a.json)
+        return out
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)
         reused = []
@@ -140,18 +198,7 @@ def main(argv=None) -> dict:
                     sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget, evict),
                                                   f"seed={seed}"], out, a.timeout)
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
-        from ..checks.launch import run_process
-        from ..rl import config
-
-        cfg = config.load(base)
-        length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
-        kv = {m: run_process("moe_lora_rl.checks.sparse_kv_worker",
-                             ["--model", sums["dense", seeds[0]]["model"], "--method", m, "--budget", str(b),
-                              "--pool-blocks", str(a.pool_blocks), "--length", str(length),
-                              "--max-tokens", str(cfg.algo.max_response_tokens),
-                              *(["--evict", json.dumps(evict)] if m == "snapkv" else [])], cwd=root,
-                             what="KV worker")
-              for m, b in (("none", 0), (a.method, a.budget))}
+        kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, base, root)
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
             plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
@@ -171,13 +218,7 @@ def main(argv=None) -> dict:
            "kv_bytes_ratio_mean": hmean("sparse_corrected", "kv_bytes_per_seq") / hmean("dense", "kv_bytes_per_seq"),
            "kv_peak_bytes_per_seq_dense": hmean("dense", "kv_peak_bytes_per_seq"),
            "kv_peak_bytes_per_seq_sparse": hmean("sparse_corrected", "kv_peak_bytes_per_seq"),
-           "concurrency_ratio": kv[a.method]["concurrency"] / kv["none"]["concurrency"],
-           "concurrency": {"dense": kv["none"]["concurrency"], "sparse": kv[a.method]["concurrency"],
-                           "pool_blocks": a.pool_blocks,
-                           "tokens_per_s_dense": kv["none"]["at_concurrency"]["tokens_per_s"],
-                           "tokens_per_s_sparse": kv[a.method]["at_concurrency"]["tokens_per_s"],
-                           "peak_blocks_per_seq_dense": kv["none"]["kv"]["peak_blocks_per_seq"],
-                           "peak_blocks_per_seq_sparse": kv[a.method]["kv"]["peak_blocks_per_seq"]},
+           **kv_summary(kv),
            "eval_start": mean("dense", "eval_start"),
            "eval_dense": sum(dense_end.values()) / len(seeds),
            "eval_sparse_uncorrected": mean("sparse_uncorrected", "eval_end_dense"),

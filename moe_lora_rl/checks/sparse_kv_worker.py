@@ -3,12 +3,14 @@ held-out prompts, every response forced to the same length), stepped to the end,
 scheduler's running sequences read after every step (rollout/kv_meter.py).
 
     python -m moe_lora_rl.checks.sparse_kv_worker --model DIR --method none|window|snapkv --budget N --pool-blocks B
-        [--evict JSON] [--length 10] [--max-tokens 85] [--requests 128]  ->  "RESULT {...}"
+        [--evict JSON] [--length 10] [--max-tokens 85] [--requests 128] [--at-cap N]  ->  "RESULT {...}"
 
 concurrency: the most sequences the pool serves at once without a preemption (vLLM pushing a request back to waiting
 for lack of blocks), found by bisection over the scheduler's running cap, every request run at each cap;
 at_concurrency: that run's mean running sequences and throughput; uncapped: the pool left to vLLM's admission
 (preempting); kv: the meter's snapshot (block bytes, blocks per running sequence time-averaged and at the peak).
+Each run also reports its own blocks per running sequence, time-averaged over its steps and at its peak;
+--at-cap N adds a run at N sequences at once (another engine's concurrency: the same concurrency for both).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--length", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=85)
     ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--at-cap", type=int, default=0, help="also run every request at this many at once")
     a = ap.parse_args(argv)
     import transformers
     from vllm import SamplingParams
@@ -63,18 +66,25 @@ def main(argv=None) -> dict:
                             SamplingParams(max_tokens=a.max_tokens, temperature=1.0, seed=i, ignore_eos=True,
                                            detokenize=False))
         running, seen, tokens = [], {}, 0
+        before, peak = meter.snapshot(), 0.0
         t0 = time.perf_counter()
         while eng.has_unfinished_requests():
             outs = eng.step()
             meter.sample()
             seen.update((r.request_id, r) for r in sched.running)
+            if sched.running:
+                used = meter.pool.num_gpu_blocks - 1 - meter.pool.get_num_free_blocks()
+                peak = max(peak, used / len(sched.running))
             done = sum(o.finished for o in outs)
             running.append(len(sched.running) + done)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)     # cumulative outputs
         wall = time.perf_counter() - t0
         preempted = sum(r.num_preemptions for r in seen.values())      # vLLM's own count per request
+        after = meter.snapshot()
         return {"cap": cap, "preemptions": preempted, "running_mean": sum(running) / len(running),
-                "tokens_per_s": tokens / wall, "wall_s": wall}
+                "tokens_per_s": tokens / wall, "wall_s": wall,
+                "blocks_per_seq_mean": (after["block_steps"] - before["block_steps"])
+                / max(1, after["seq_steps"] - before["seq_steps"]), "blocks_per_seq_peak": peak}
 
     free = run(256)                                   # max_num_seqs: as many as the pool admits (vLLM preempts)
     lo, hi, best = 1, a.pool_blocks, None             # the most sequences served at once without a preemption
@@ -85,7 +95,8 @@ def main(argv=None) -> dict:
             lo, best = mid + 1, r
         else:
             hi = mid - 1
-    res = {"method": a.method, "budget": a.budget, "pool_blocks": a.pool_blocks, "layout": layout,
+    at_cap = run(a.at_cap) if a.at_cap else None
+    res = {"method": a.method, "budget": a.budget, "pool_blocks": a.pool_blocks, "layout": layout, "at_cap": at_cap,
            "concurrency": best["cap"] if best else 0, "at_concurrency": best, "uncapped": free,
            "kv": meter.snapshot(), "evictions": evictor.stats() if evictor else None}
     print("RESULT " + json.dumps(res))

@@ -62,6 +62,9 @@ def check_compression(method: str, budget: int, max_model_len: int, model_config
     if cfg.get("kv_lora_rank"):
         raise ValueError(f"rollout.kv_compression={method}: the model's attention is MLA (kv_lora_rank="
                          f"{cfg['kv_lora_rank']}), which the engine cannot compress")
+    if method == "snapkv" and (cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])):
+        raise ValueError("rollout.kv_compression=snapkv: the model has sliding-window attention layers, which "
+                         "importance eviction does not handle")
     types = cfg.get("layer_types")
     if types and any(t not in ("full_attention", "sliding_attention") for t in types):
         raise ValueError(f"rollout.kv_compression={method}: the model has non-attention layers "

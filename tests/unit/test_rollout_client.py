@@ -172,3 +172,25 @@ def test_stage_expiry_is_skipped_while_a_commit_waits():
         assert llm.calls.count("moe_lora_expire") == 2
     finally:
         loop.stop()
+
+
+def test_snapkv_engine_settings(tmp_path, capsys):
+    """snapkv runs without prefix caching (the client turns it off; a server asked for it refuses), its settings
+    travel to the server, and bad ones are refused before anything starts."""
+    from moe_lora_rl.rollout.client import RolloutEngine
+    from moe_lora_rl.rollout.server import parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    e = RolloutEngine(tmp_path, log_dir=tmp_path, kv_compression="snapkv", kv_budget=64, kv_evict={"recent": 16})
+    assert e.settings["prefix_caching"] is False and e.settings["kv_evict"] == {"recent": 16}
+    with pytest.raises(ValueError, match="kv_budget=36 is not above the sinks plus the recent window"):
+        RolloutEngine(tmp_path, log_dir=tmp_path, kv_compression="snapkv", kv_budget=36)
+    base = ["--model", str(tmp_path), "--port", "1", "--kv-compression", "snapkv", "--kv-budget", "64"]
+    a = parse_args([*base, "--no-prefix-caching", "--kv-evict", '{"recent": 16, "interval": 4}'])
+    assert a.kv_evict == {"recent": 16, "interval": 4}
+    for argv, needle in (([*base], "--kv-compression snapkv needs --no-prefix-caching"),
+                         ([*base, "--no-prefix-caching", "--kv-evict", '{"interval": 0}'], "interval=0 is below 1")):
+        with pytest.raises(SystemExit) as ex:
+            parse_args(argv)
+        err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        assert ex.value.code == 2 and needle in err[-1], err

@@ -107,6 +107,8 @@ def test_compression_checks():
                       (("snapkv", 96, 512, None, [4]), r"kv_evict=\[4\] is not a mapping"),
                       (("window", 32, 512, None, {"recent": 8}), "applies to kv_compression=snapkv, not 'window'"),
                       (("snapkv", 96, 512, {"kv_lora_rank": 512}), "MLA"),
+                      (("snapkv", 96, 512, {"layer_types": ["full_attention", "sliding_attention"]}),
+                       "sliding-window attention layers"),
                       (("window", 600, 512), "kv_budget=600 exceeds"),
                       (("window", 4, 512), "kv_budget=4 is below"), (("none", 32, 512), "kv_budget=32 needs"),
                       (("window", 32, 512, {"kv_lora_rank": 512}), "MLA"),
