@@ -8,7 +8,8 @@
   checkpoint: no second warm start) with fp32 rollouts, R3 and an adapter served, compression switched on with a
   budget covering every sequence: the consistency ratio between the
   trainer's dense recompute and the sampler is 1 within 1e-5 and nothing is rejected. Control: the same step with
-  an 8-token window (shorter than the prompt) moves the ratio far from 1 and masks tokens.
+  an 8-token window (shorter than the prompt), or with importance eviction at a 20-token budget, moves the ratio
+  far from 1 and masks tokens.
 - The engine's allocator holds fewer KV blocks per sequence on a window and the same pool serves more sequences at
   once (checks/sparse_kv_worker.py).
 """
@@ -42,16 +43,20 @@ LONG = ["data.task=sort_trace", "data.length=10", "data.n_eval=16", "data.eval_s
 
 
 def test_consistency_ratio_is_one_without_compression_and_moves_with_it(tmp_path):
-    procs = {name: start_train(tmp_path / name, [*LONG, f"model.path={_model()}", "rollout.kv_compression=window",
-                                                 f"rollout.kv_budget={budget}"])
-             for name, budget in (("covering", 256), ("window", 8))}     # side by side: start-up dominates both
+    kv = {"covering": ["rollout.kv_compression=window", "rollout.kv_budget=256"],
+          "window": ["rollout.kv_compression=window", "rollout.kv_budget=8"],
+          "snapkv": ["rollout.kv_compression=snapkv", "rollout.kv_budget=20", "rollout.kv_evict.recent=8",
+                     "rollout.kv_evict.interval=4"]}
+    procs = {name: start_train(tmp_path / name, [*LONG, f"model.path={_model()}", *over])
+             for name, over in kv.items()}                               # side by side: start-up dominates them
     runs = {name: finish_train(p, tmp_path / name) for name, p in procs.items()}
     _, (full,), _ = runs["covering"]
-    summary, (win,), _ = runs["window"]
     assert abs(full["sparse/ratio_min"] - 1) <= 1e-5 and abs(full["sparse/ratio_max"] - 1) <= 1e-5, full
     assert full["sparse/seq_rejected_frac"] == 0.0 and full["sparse/token_masked_frac"] == 0.0
-    assert win["sparse/token_masked_frac"] > 0 and win["sparse/log_ratio_abs_mean"] > 1e-2, win
-    assert 0 <= summary["eval_end_dense"] <= 1
+    for name in ("window", "snapkv"):
+        summary, (row,), _ = runs[name]
+        assert row["sparse/token_masked_frac"] > 0 and row["sparse/log_ratio_abs_mean"] > 1e-2, (name, row)
+        assert 0 <= summary["eval_end_dense"] <= 1
 
 
 def test_windowed_engine_holds_fewer_blocks_and_serves_more_at_once(tmp_path):

@@ -44,3 +44,19 @@ def test_reuse_needs_out(monkeypatch):
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
     with pytest.raises(ValueError, match="--reuse reads the runs of --out"):
         main(["--reuse"])
+
+
+def test_kv_summary_compares_at_the_dense_concurrency():
+    from moe_lora_rl.bench.sparse import kv_summary
+
+    run = lambda cap, mean, peak: {"cap": cap, "blocks_per_seq_mean": mean, "blocks_per_seq_peak": peak,
+                                   "tokens_per_s": 100.0}
+    dense = {"concurrency": 4, "pool_blocks": 64, "at_concurrency": run(4, 10.0, 14.0), "at_cap": None,
+             "kv": {"peak_blocks_per_seq": 14.0}}
+    sparse = {"concurrency": 10, "pool_blocks": 64, "at_concurrency": run(10, 4.0, 6.0), "at_cap": run(4, 3.5, 5.0),
+              "kv": {"peak_blocks_per_seq": 6.0}, "evictions": {"compressions": 3}}
+    out = kv_summary({"none": dense, "sparse": sparse})
+    assert out["concurrency_ratio"] == 2.5
+    same = out["same_concurrency"]
+    assert (same["cap"], same["mean_ratio"], same["peak_ratio"]) == (4, 0.35, 5.0 / 14.0)
+    assert out["evictions"] == {"compressions": 3}
