@@ -6,11 +6,12 @@ memory itself, measured by the engine's allocator at a fixed pool (checks/sparse
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
         [--method window|snapkv] [--budget 32] [--evict recent=16,interval=8] [--setting sort_trace|long]
-        [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
+        [--kv-only] [--kv-requests 128] [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
 
 --method snapkv: importance-based eviction (vllm/kv_evict.py) with --evict's settings (rollout.kv_evict.*: sinks,
 recent, window, interval, pool). --setting long: the long-reasoning job (recipes/long.yaml: answers of ~60-400
-tokens) instead of sort_trace; the KV worker then forces answers of algo.max_response_tokens.
+tokens) instead of sort_trace; the KV worker then forces answers of algo.max_response_tokens. --kv-only: the KV
+measurement alone, no learning run.
 
 Held-out success (eval_*): the trained adapter on a dense engine (summary eval_end_dense; for the dense run its own
 final evaluation), mean over seeds; eval_*_sampler: the same problems under each run's own sampler. kv_bytes_ratio:
@@ -68,6 +69,7 @@ def kv_figures(model: str, a, evict: dict, base: list[str], root: Path) -> dict:
     cfg = config.load(base)
     length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
     common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),
+              "--requests", str(a.kv_requests),
               "--max-tokens", str(cfg.algo.max_response_tokens)]
     dense = run_process("moe_lora_rl.checks.sparse_kv_worker", [*common, "--method", "none", "--budget", "0"],
                         cwd=root, what="KV worker")
@@ -139,6 +141,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--evict", default="", help="snapkv's settings, k=v,... (sinks, recent, window, interval, pool)")
     ap.add_argument("--setting", default="sort_trace", help=f"the task: one of {sorted(SETTINGS)}")
     ap.add_argument("--kv-only", action="store_true", help="the KV memory measurement alone (no learning runs)")
+    ap.add_argument("--kv-requests", type=int, default=128, help="requests of each KV measurement run")
     ap.add_argument("--pool-blocks", type=int, default=48, help="KV blocks of the concurrency measurement's pool")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
     ap.add_argument("--reuse", action="store_true",
@@ -164,9 +167,9 @@ def main(argv=None) -> dict:
                          "--method, --budget)")
     if a.reuse and not a.out:
         raise ValueError("--reuse reads the runs of --out: give --out DIR")
-    if a.timeout <= 0 or (a.steps is not None and a.steps < 1) or a.pool_blocks < 4:
-        raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}, --pool-blocks={a.pool_blocks}: must be "
-                         "positive (pool >= 4)")
+    if a.timeout <= 0 or (a.steps is not None and a.steps < 1) or a.pool_blocks < 4 or a.kv_requests < 1:
+        raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}, --pool-blocks={a.pool_blocks}, --kv-requests="
+                         f"{a.kv_requests}: must be positive (pool >= 4)")
     lay, layout_over, model_over = job_layout(a, "sparse")
     base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
     for run in RUNS:

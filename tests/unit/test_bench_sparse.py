@@ -32,6 +32,8 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     (["--budget", "4096"], "kv_budget=4096 exceeds"),
     (["--seeds", "1,1"], "--seeds='1,1'"),
     (["--pool-blocks", "2"], "--pool-blocks=2"),
+    (["--kv-requests", "0"], "--kv-requests=0"),
+    (["--kv-only", "--reuse", "--out", "x"], "--kv-only runs no learning run"),
     (["--", "algo.sparse_lower=1.2"], "lower=1.2"),
 ])
 def test_refused_before_any_run(argv, needle, monkeypatch):
