@@ -66,7 +66,8 @@ def kv_figures(model: str, a, evict: dict, base: list[str], root: Path) -> dict:
     from ..checks.launch import run_process
     from ..rl import config
 
-    cfg = config.load(base)
+    name, rest = config.split_config_name(base)
+    cfg = config.load(rest, config_name=name)
     length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
     common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),
               "--requests", str(a.kv_requests),
@@ -179,12 +180,12 @@ def main(argv=None) -> dict:
     t0 = time.time()
     sums, hist = {}, {}
     if a.kv_only:
-        from ..rl import config
         from ..rl.inputs import model_dir
 
+        model = str(model_dir(_preflight(base, 2))[0])
         with tempfile.TemporaryDirectory() as tmp:
             out = {"method": a.method, "budget": a.budget, "evict": evict, "setting": a.setting,
-                   **kv_summary(kv_figures(str(model_dir(config.load(base))[0]), a, evict, base, Path(a.out or tmp))),
+                   **kv_summary(kv_figures(model, a, evict, base, Path(a.out or tmp))),
                    "bench_wall_s": round(time.time() - t0, 1)}
         emit(out, a.json)
         return out
