@@ -14,8 +14,6 @@ import json
 
 from ..rollout.engine import make_engine, set_engine_env
 
-RANK, ALPHA = 4, 8.0
-
 
 def held_masks(n: int, events: list, layers: int, kv_heads: int, recent: int, swap=None):
     """[layers] bool [kv_heads, n, n]: query t sees key j. Before the first compression a query sees every earlier
@@ -125,32 +123,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=88)
     a = ap.parse_args(argv)
     import numpy as np
-    import transformers
-    from vllm import SamplingParams
 
-    from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
-    from ..rl.hf_sampling import prompt_ids
-    from ..rl.task import TaskSpec, make_split
-    from ..rollout.generate import captured_generate, start_capture
     from ..vllm.kv_evict import install
     from ..vllm.kv_select import EvictPolicy
-    from .route_reference import merged_hf_model, random_expert_adapter
+    from .route_reference import merged_hf_model
+    from .sparse_sampler import ALPHA, RANK, sample_with_adapter
 
     pol = EvictPolicy(budget=a.budget, sinks=a.sinks, recent=a.recent, window=a.window, interval=a.interval,
                       pool=a.pool)
     llm = make_engine(a.model, dtype="float32", prefix_caching=False, block_size=32, max_model_len=256)
     ev = install(llm, pol, keep_events=True)
-    meta = start_capture(llm)
-    arch = load_arch(a.model)
-    peft = random_expert_adapter(arch, RANK, seed=0, std=0.5, fused_fc1=True)
-    InprocTransport(llm).push(1, peft, RANK, ALPHA)
-    tok = transformers.AutoTokenizer.from_pretrained(a.model)
-    problems = make_split(TaskSpec(length=10, kind="sort_trace"), "eval")[:a.requests]
-    prompts = prompt_ids(tok, problems)
-    params = [SamplingParams(max_tokens=a.max_tokens, temperature=1.0, seed=i, logprobs=0, ignore_eos=True,
-                             detokenize=False) for i in range(len(prompts))]
-    gens = captured_generate(llm, prompts, params, meta)          # raises unless every route is complete
+    run = sample_with_adapter(llm, a.model, a.requests, a.max_tokens)
+    peft, gens = run["peft"], run["gens"]
     hf = merged_hf_model(a.model, peft, ALPHA / RANK, experts_implementation="eager")
     cfg = hf.config
     layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads

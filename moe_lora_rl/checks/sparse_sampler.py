@@ -28,6 +28,31 @@ def hf_response_logprobs(hf, tokens: list[int], n_prompt: int, window: int | Non
     return [lp[t - 1, tokens[t]].item() for t in range(n_prompt, len(tokens))]
 
 
+def sample_with_adapter(llm, model: str, requests: int, max_tokens: int) -> dict:
+    """On an in-process fp32 engine: routing capture on, a random expert adapter pushed, `requests` held-out
+    sort_trace prompts sampled at temperature 1 with every answer forced to `max_tokens` -> {"peft", "meta",
+    "prompts", "params", "gens"} (captured_generate raises unless every route is complete)."""
+    import transformers
+    from vllm import SamplingParams
+
+    from ..models.arch import load_arch
+    from ..refit.transports import InprocTransport
+    from ..rl.hf_sampling import prompt_ids
+    from ..rl.task import TaskSpec, make_split
+    from ..rollout.generate import captured_generate, start_capture
+    from .route_reference import random_expert_adapter
+
+    meta = start_capture(llm)
+    peft = random_expert_adapter(load_arch(model), RANK, seed=0, std=0.5, fused_fc1=True)
+    InprocTransport(llm).push(1, peft, RANK, ALPHA)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    prompts = prompt_ids(tok, make_split(TaskSpec(length=10, kind="sort_trace"), "eval")[:requests])
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, logprobs=0, ignore_eos=True,
+                             detokenize=False) for i in range(len(prompts))]
+    return {"peft": peft, "meta": meta, "prompts": prompts, "params": params,
+            "gens": captured_generate(llm, prompts, params, meta)}
+
+
 def main(argv=None) -> dict:
     set_engine_env()
     ap = argparse.ArgumentParser()
@@ -37,32 +62,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=72)
     a = ap.parse_args(argv)
     import numpy as np
-    import transformers
-    from vllm import SamplingParams
 
-    from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
-    from ..rl.hf_sampling import prompt_ids
-    from ..rl.task import TaskSpec, make_split
     from ..rollout.generate import captured_generate, start_capture
     from ..rollout.kv_compression import engine_kwargs, verify
-    from .route_reference import merged_hf_model, random_expert_adapter
+    from .route_reference import merged_hf_model
 
     cfg = json.loads(open(f"{a.model}/config.json").read())
     llm = make_engine(a.model, dtype="float32", prefix_caching=True, max_model_len=256,
                       **engine_kwargs("window", a.window, cfg))
     layout = verify(llm, "window", a.window)
-    meta = start_capture(llm)
-    arch = load_arch(a.model)
-    peft = random_expert_adapter(arch, RANK, seed=0, std=0.5, fused_fc1=True)
-    InprocTransport(llm).push(1, peft, RANK, ALPHA)
-    tok = transformers.AutoTokenizer.from_pretrained(a.model)
-    problems = make_split(TaskSpec(length=10, kind="sort_trace"), "eval")[:a.requests]
-    prompts = prompt_ids(tok, problems)
-    params = [SamplingParams(max_tokens=a.max_tokens, temperature=1.0, seed=i, logprobs=0, ignore_eos=True,
-                             detokenize=False) for i in range(len(prompts))]
-    gens = captured_generate(llm, prompts, params, meta)          # raises unless every route is complete
-    gens += captured_generate(llm, prompts[:1], params[:1], meta)  # a prefix-cache hit on a windowed prompt
+    run = sample_with_adapter(llm, a.model, a.requests, a.max_tokens)
+    peft, meta, gens = run["peft"], run["meta"], run["gens"]
+    gens += captured_generate(llm, run["prompts"][:1], run["params"][:1], meta)  # a prefix-cache hit, windowed
     hf = merged_hf_model(a.model, peft, ALPHA / RANK, experts_implementation="eager")
     windows = {"same": a.window, "dense": None, "shorter": a.window - 1, "longer": a.window + 1}
     diffs = {k: 0.0 for k in windows}
