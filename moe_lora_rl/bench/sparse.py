@@ -61,13 +61,11 @@ def _evict(spec: str) -> dict:
     return out
 
 
-def kv_figures(model: str, a, evict: dict, base: list[str], root: Path) -> dict:
-    """The KV worker (checks/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too."""
+def kv_figures(model: str, a, evict: dict, cfg, root: Path) -> dict:
+    """The KV worker (checks/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too;
+    cfg: the dense run's config."""
     from ..checks.launch import run_process
-    from ..rl import config
 
-    name, rest = config.split_config_name(base)
-    cfg = config.load(rest, config_name=name)
     length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
     common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),
               "--requests", str(a.kv_requests),
@@ -173,8 +171,7 @@ def main(argv=None) -> dict:
                          f"{a.kv_requests}: must be positive (pool >= 4)")
     lay, layout_over, model_over = job_layout(a, "sparse")
     base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
-    for run in RUNS:
-        _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2)
+    cfg = {run: _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2) for run in RUNS}["dense"]
     if a.kv_only and a.reuse:
         raise ValueError("--kv-only runs no learning run: --reuse has nothing to read")
     t0 = time.time()
@@ -182,10 +179,10 @@ def main(argv=None) -> dict:
     if a.kv_only:
         from ..rl.inputs import model_dir
 
-        model = str(model_dir(_preflight(base, 2))[0])
+        model = str(model_dir(cfg)[0])
         with tempfile.TemporaryDirectory() as tmp:
             out = {"method": a.method, "budget": a.budget, "evict": evict, "setting": a.setting,
-                   **kv_summary(kv_figures(model, a, evict, base, Path(a.out or tmp))),
+                   **kv_summary(kv_figures(model, a, evict, cfg, Path(a.out or tmp))),
                    "bench_wall_s": round(time.time() - t0, 1)}
         emit(out, a.json)
         return out
@@ -202,7 +199,7 @@ def main(argv=None) -> dict:
                     sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget, evict),
                                                   f"seed={seed}"], out, a.timeout)
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
-        kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, base, root)
+        kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, cfg, root)
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
             plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
