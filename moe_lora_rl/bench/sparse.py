@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..rl.diagnostics import LOW_TAIL
 from ..rl.metrics import read_jsonl
 from .async_rl import _ints
 from . import figures
@@ -231,6 +232,7 @@ def main(argv=None) -> dict:
            "kl": {run: mean(run, "kl_mean_r3") for run in RUNS},
            "ratio_gt2": {run: mean(run, "ratio_gt2") for run in RUNS},
            "ratio_gt5": {run: mean(run, "ratio_gt5") for run in RUNS},
+           **{f"ratio_lt_{tau:g}": {run: mean(run, f"ratio_lt_{tau:g}") for run in RUNS} for tau in LOW_TAIL},
            "evals": {f"{r}-s{s}": {**sums[r, s]["evals"], "dense_end": sums[r, s].get("eval_end_dense")}
                      for r, s in sorted(sums)},
            "seeds": seeds, "steps": sums["dense", seeds[0]]["steps"], "layout": lay.name,

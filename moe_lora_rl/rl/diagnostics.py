@@ -1,20 +1,27 @@
 """Per-step train-inference mismatch diagnostics (pure): k3 KL between the training policy's and the rollout
 engine's logprobs of the sampled tokens, with R3 and without it on the same rollouts, the fraction of tokens whose
-probability ratio exceeds 2 and 5, and router disagreement per layer and overall; and what grows with response
+probability ratio exceeds 2 and 5 and of those whose pi_train / pi_infer is below 0.5, 0.1 and 1e-4 (the lower
+tail), and router disagreement per layer and overall; and what grows with response
 length: the fraction of sequences with a token past ratio 2, the largest |log sequence ratio|, and the KL and the
 free router disagreement over the first vs the second half of each response."""
 from __future__ import annotations
 
 import torch
 
-from ..router_replay.metrics import (halves, k3_kl, masked_disagreement, ratio_exceeds, routes_differs,
+from ..router_replay.metrics import (halves, k3_kl, masked_disagreement, ratio_below, ratio_exceeds, routes_differs,
                                      routes_disagreement, seq_log_ratio_max, seq_ratio_exceeds)
+
+
+LOW_TAIL = (0.5, 0.1, 1e-4)
+"""The lower tail's thresholds of pi_train / pi_infer: Sparse-RL's token band floor (0.5), a tenth, and its
+sequence veto (1e-4). Keys ratio_lt_0.5, ratio_lt_0.1, ratio_lt_0.0001."""
 
 
 def mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *, prefix: str) -> dict:
     m = mask.double()
     return {f"{prefix}kl": k3_kl(train_lp, rollout_lp, m), f"{prefix}ratio_gt2": ratio_exceeds(train_lp, rollout_lp, 2.0, m),
-            f"{prefix}ratio_gt5": ratio_exceeds(train_lp, rollout_lp, 5.0, m)}
+            f"{prefix}ratio_gt5": ratio_exceeds(train_lp, rollout_lp, 5.0, m),
+            **{f"{prefix}ratio_lt_{tau:g}": ratio_below(train_lp, rollout_lp, tau, m) for tau in LOW_TAIL}}
 
 
 def by_length(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *, prefix: str) -> dict:

@@ -82,7 +82,8 @@ def test_sequence_figures_and_kl_per_half():
     # the logprobs equal to the rollout's: every figure 0
     assert {k: v for k, v in out.items() if k.startswith("no_r3_")} == {
         "no_r3_kl": 0.0, "no_r3_ratio_gt2": 0.0, "no_r3_ratio_gt5": 0.0, "no_r3_seq_ratio_gt2": 0.0,
-        "no_r3_seq_log_ratio_max": 0.0, "no_r3_kl_first_half": 0.0, "no_r3_kl_second_half": 0.0}
+        "no_r3_seq_log_ratio_max": 0.0, "no_r3_kl_first_half": 0.0, "no_r3_kl_second_half": 0.0,
+        "no_r3_ratio_lt_0.5": 0.0, "no_r3_ratio_lt_0.1": 0.0, "no_r3_ratio_lt_0.0001": 0.0}
     assert all(type(v) is float for v in out.values()), {k: type(v) for k, v in out.items()}
 
 
@@ -97,6 +98,9 @@ def test_sequence_log_ratio_is_the_sum_over_the_sequence():
     out = step_diagnostics(rollout, _mask(SPANS), replayed=None, unreplayed=train, disagreement=None)
     assert out["no_r3_seq_ratio_gt2"] == 0.5
     assert out["no_r3_seq_log_ratio_max"] == pytest.approx(math.log(40.0), rel=REL)
+    n = int(_mask(SPANS).sum())                                  # the lower tail: that one token, below 0.5 and 0.1
+    assert (out["no_r3_ratio_lt_0.5"], out["no_r3_ratio_lt_0.1"], out["no_r3_ratio_lt_0.0001"]) == (
+        pytest.approx(1 / n), pytest.approx(1 / n), 0.0)
     assert "r3_kl" not in out and "r3_seq_ratio_gt2" not in out
 
 

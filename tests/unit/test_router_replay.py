@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_lora_rl.router_replay.align import align_microbatch, spread_pad
-from moe_lora_rl.router_replay.metrics import k3_kl, ratio_exceeds, router_disagreement
+from moe_lora_rl.router_replay.metrics import k3_kl, ratio_below, ratio_exceeds, router_disagreement
 from moe_lora_rl.router_replay.replay import Mode, RouteReplay
 from moe_lora_rl.router_replay.routes import RoutesBatch
 
@@ -80,6 +80,11 @@ def test_metrics_hand_computed():
     r = np.exp(-1.0)
     assert k3_kl(lt, li) == pytest.approx(((r - 1) - (-1.0)) / 2)
     assert ratio_exceeds(torch.tensor([0.0, 1.0, -2.0]), torch.zeros(3), 2.0) == pytest.approx(2 / 3)
+    # the lower tail only: exp(-2) and exp(-10) are below 0.5, exp(-10) alone below 1e-4; exp(1) is not
+    low = torch.tensor([0.0, 1.0, -2.0, -10.0])
+    assert ratio_below(low, torch.zeros(4), 0.5) == pytest.approx(2 / 4)
+    assert ratio_below(low, torch.zeros(4), 1e-4, torch.tensor([1.0, 1.0, 1.0, 0.0])) == 0.0
+    assert ratio_below(low, torch.zeros(4), 1e-4) == pytest.approx(1 / 4)
     with pytest.raises(ValueError, match="cannot be compared"):
         router_disagreement(a, b[:1])
 
