@@ -26,8 +26,8 @@ class KVEvictSettings:
     """First positions every sequence keeps."""
     recent: int = 32
     """Last positions every sequence keeps."""
-    window: int = 8
-    """Observation window: the last queries whose attention scores the tokens held."""
+    window: int | None = None
+    """Observation window: the last queries whose attention scores the tokens held (null: the recent window)."""
     interval: int = 16
     """Engine steps between two compressions of a sequence."""
     pool: int = 7

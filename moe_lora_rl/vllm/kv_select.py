@@ -2,7 +2,7 @@
 attention its most recent queries pay to the tokens it holds. kv_evict.py moves the tensors; the HF reference
 (checks/sparse_evict.py) rebuilds the same masks from the engine's log.
 
-    pol = EvictPolicy(budget=96, sinks=4, recent=32, window=8, interval=16, pool=7)
+    pol = EvictPolicy(budget=96, sinks=4, recent=32, window=32, interval=16, pool=7)
     s = scores(q_obs, q_pos, keys, key_pos, scale)              # [kv_heads, n_live]: what the window attends to
     kept = select(s, key_pos, pol, seq_len)                     # [kv_heads, budget - recent] positions, sorted
 
@@ -29,11 +29,14 @@ class EvictPolicy:
     budget: int                 # tokens held after a compression, sinks and recent included
     sinks: int = 4              # first positions, always kept
     recent: int = 32            # last positions, always kept (the sequence's open region)
-    window: int = 8             # observation window: the last queries whose attention scores the tokens
+    window: int | None = None   # observation window: the last queries whose attention scores the tokens (None: the
+    #                             recent window, as SnapKV observes with the tokens it keeps last)
     interval: int = 16          # engine steps between two compressions of a sequence
     pool: int = 7               # max-pool kernel over the scores, in position order (odd; 1: none)
 
     def __post_init__(self):
+        if self.window is None:
+            object.__setattr__(self, "window", self.recent)
         for name in ("budget", "sinks", "recent", "window", "interval", "pool"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):

@@ -32,6 +32,15 @@ def test_policy_counts():
     assert fits(pol, 96, 32) and not fits(pol, 95, 32)        # 2 compacted blocks end before block (95-32)//32=1
 
 
+def test_observation_window_defaults_to_the_recent_window_through_the_config():
+    from moe_lora_rl.rl import config
+    from moe_lora_rl.rollout.kv_compression import policy
+
+    assert EvictPolicy(budget=60, recent=16).window == 16 and EvictPolicy(budget=60, recent=16, window=4).window == 4
+    cfg = config.load(["rollout.kv_compression=snapkv", "rollout.kv_budget=64", "rollout.kv_evict.recent=24"])
+    assert policy(cfg.rollout.kv_budget, cfg.rollout.evict()).window == 24
+
+
 def _naive_scores(q, q_pos, keys, key_pos, scale):
     w, heads, d = q.shape
     kvh, n, _ = keys.shape
