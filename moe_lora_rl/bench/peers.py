@@ -1,7 +1,7 @@
 """peers: our main job side by side with what users would pick instead, on the same model, task and budget.
 
     python -m moe_lora_rl.bench peers --json [--model DIR] [--peers ours,ours_async,trl,verl] [--steps 80]
-        [--seed 0] [--n-eval 256] [--eval-samples 4] [--out DIR]
+        [--seed 0] [--n-eval 256] [--eval-samples 4] [--task sort|sort_trace] [--out DIR]
 
 Every peer trains the default task (8 prompts x 8 samples a step, --steps steps, lr 1e-3, LoRA rank 8 / alpha 16 on
 the experts and attention, PPO clip 0.2 / 0.28, token-mean, no KL) from the same HF checkpoint:
@@ -11,7 +11,9 @@ the experts and attention, PPO clip 0.2 / 0.28, token-mean, no KL) from the same
 One evaluator (checks/peer_eval.py: HF + peft, fp32, T=1, the same held-out problems, samples and seeds) measures
 the starting checkpoint and each run's final PEFT adapter: eval_<peer>. <peer>_samples_per_s: samples trained over
 the training loop's wall time (evaluation excluded; start-up in <peer>_total_s). A peer that is not installed or fails
-to start is reported in `errors` with one line; the others still run.
+to start is reported in `errors` with one line; the others still run. --task sort_trace: every peer trains the
+written selection sort of 10 digits instead (85-token answers, up to 96 sampled; checks/peer_task.py), from that
+task's warm start; verl's recipe trains the default task only and is refused with it.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", type=float, default=None,
                     help="held-out success whose loop seconds are reported (default: the start's + 0.1)")
     ap.add_argument("--png", default=None, help="plot held-out success and training reward against loop time here")
+    ap.add_argument("--task", default="sort", help="the task every peer trains (checks/peer_task.py): sort (the "
+                    "default, 6-token answers) or sort_trace (85-token answers)")
     ap.add_argument("--reuse", action="store_true", help="read the finished runs in --out instead of running them")
     ap.add_argument("--out", default=None, help="directory of the runs (default: a temporary one, removed)")
     a = ap.parse_args(argv)
@@ -65,32 +69,39 @@ def main(argv=None) -> dict:
         raise ValueError(f"--rollout-dtype={a.rollout_dtype!r}: choose float32 or bfloat16")
     if a.model and not Path(a.model).is_dir():
         raise ValueError(f"--model {a.model}: not a directory")
+    from ..checks.peer_task import peer_task
+
+    task_over = peer_task(a.task)[2]
+    if a.task != "sort" and "verl" in names:
+        raise ValueError(f"--task={a.task} with verl: its recipe (recipes/verl_moe_lora/run_cpu_learn.sh) trains the "
+                         "default task only; leave verl out of --peers")
 
     from ..checks.peer_eval import evaluate
     from ..checks.peer_runs import GROUP, PROMPTS, run_ours, run_peers, run_trl, run_verl
-    from ..rl.config import TrainConfig
+    from ..rl import config
     from ..rl.inputs import model_dir
 
-    model = a.model or str(model_dir(TrainConfig())[0])
+    model = a.model or str(model_dir(config.load(task_over))[0])
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_peers_"))
     root.mkdir(parents=True, exist_ok=True)
     runners = {
         "ours": lambda: run_ours(root / "ours", a.model, a.steps, a.seed, "sync", a.rollout_dtype, a.reuse,
-                                 a.eval_every),
+                                 a.eval_every, a.task),
         "ours_async": lambda: run_ours(root / "ours_async", a.model, a.steps, a.seed, "async", a.rollout_dtype,
-                                       a.reuse, a.eval_every),
+                                       a.reuse, a.eval_every, a.task),
         "trl": lambda: run_trl(root / "trl", model, a.steps, a.seed, root / "ours" / "adapter" / "adapter_config.json",
-                              a.reuse, a.eval_every),
+                              a.reuse, a.eval_every, a.task),
         "verl": lambda: run_verl(root / "verl", a.model, a.steps, a.rollout_dtype, a.reuse, a.eval_every)}
     try:
         results, errors = run_peers(names, runners)
 
         def ev(adapter):
-            return evaluate(model, adapter, n_eval=a.n_eval, samples=a.eval_samples, seed=a.seed)["success"]
+            return evaluate(model, adapter, n_eval=a.n_eval, samples=a.eval_samples, seed=a.seed,
+                            task=a.task)["success"]
 
         start = ev(None)
         target = a.target if a.target is not None else round(start + 0.1, 3)
-        out = {"model": model, "samples": a.steps * PROMPTS * GROUP, "eval_start": start, "target": target}
+        out = {"model": model, "task": a.task, "samples": a.steps * PROMPTS * GROUP, "eval_start": start, "target": target}
         curves = {}
         for name in PEERS:
             r = results.get(name)

@@ -25,11 +25,12 @@ class PeerFailed(RuntimeError):
 
 
 def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rollout_dtype: str,
-             reuse: bool, every: int) -> dict:
+             reuse: bool, every: int, task: str = "sort") -> dict:
+    from .peer_task import peer_task
     from .train_runs import finish_train, start_train
 
     if not reuse:
-        extra = [f"steps={steps}", f"seed={seed}", f"mode={mode}", f"eval_every={steps}",
+        extra = [*peer_task(task)[2], f"steps={steps}", f"seed={seed}", f"mode={mode}", f"eval_every={steps}",
                  f"runtime.rollout_dtype={rollout_dtype}", f"checkpoint_every={every}",
                  *(f"{k}={v}" for k, v in OURS_SETTINGS.items())]
         if model:
@@ -61,7 +62,7 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
             "s_per_step": {k: summary.get(f"{k}_s_per_step") for k in ("rollout", "train", "push")},
             "settings": {"mode": summary["mode"], "steps": summary["steps"], "seed": seed,
                          "replay": summary["replay"], "rollout_dtype": rollout_dtype, "serving": summary["serving"],
-                         "layout": summary["layout"], "rollout": "vLLM (CPU)", **OURS_SETTINGS}}
+                         "layout": summary["layout"], "rollout": "vLLM (CPU)", "task": task, **OURS_SETTINGS}}
 
 
 def _ours_points(out: Path, model: str) -> list[list]:
@@ -89,7 +90,8 @@ def _ours_curve(out: Path) -> list[list[float]]:
     return [[r["wall_s"] - r["eval_s"], r["reward"]] for r in rows if r["step"] >= 1 and "reward" in r]
 
 
-def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool, every: int) -> dict:
+def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool, every: int,
+            task: str = "sort") -> dict:
     from .launch import worker_env
     from .trl_env import PeerUnavailable, ensure
 
@@ -101,7 +103,8 @@ def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reu
         t0 = time.perf_counter()
         p = subprocess.run([str(py), "-m", "moe_lora_rl.checks.trl_grpo", "--model", model, "--lora-config",
                             str(lora_config), "--out", str(out), "--steps", str(steps), "--seed", str(seed),
-                            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--save-every", str(every)],
+                            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--save-every", str(every),
+                            "--task", task],
                            capture_output=True, text=True, env=worker_env(), timeout=7200)
         if p.returncode != 0:
             why = (p.stderr.strip().splitlines() or ["no output"])[-1]

@@ -2,7 +2,7 @@
 (checks/trl_env.py) by bench peers.
 
     .venv-trl/bin/python -m moe_lora_rl.checks.trl_grpo --model DIR --lora-config adapter_config.json --out DIR
-        [--steps 80] [--prompts-per-step 8] [--group-size 8] [--lr 1e-3] [--max-tokens 8] [--seed 0]
+        [--steps 80] [--prompts-per-step 8] [--group-size 8] [--lr 1e-3] [--task sort|sort_trace] [--seed 0]
 
 The LoRA is the one our main job exports (its adapter_config.json: rank, alpha, attention target_modules and the
 experts' fused target_parameters), initialised by PEFT. Prompts are our chat-templated prompt ids, handed to TRL as
@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--task", default="sort", help="the peers' task (checks/peer_task.py): its problems and the most "
+                    "response tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save-every", type=int, default=0,
@@ -45,13 +46,15 @@ def main(argv=None) -> int:
 
     from ..rl.prompting import encode_prompts
     from ..rl.reward import compute_score
-    from ..rl.task import TaskSpec, make_split
+    from ..rl.task import make_split
+    from .peer_task import peer_task
 
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = transformers.AutoTokenizer.from_pretrained(a.model)
-    problems = make_split(TaskSpec(), "train")
+    spec, max_tokens, _ = peer_task(a.task)
+    problems = make_split(spec, "train")
     ids = encode_prompts(tok, problems[:64], "chat")
     texts = [tok.decode(i) for i in ids]
     for t, i in zip(texts, ids):
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         gradient_accumulation_steps=1, num_generations=a.group_size, learning_rate=a.lr, adam_beta1=0.9,
         adam_beta2=0.99, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        temperature=1.0, top_p=1.0, top_k=0, max_completion_length=a.max_tokens, seed=a.seed, use_cpu=True,
+        temperature=1.0, top_p=1.0, top_k=0, max_completion_length=max_tokens, seed=a.seed, use_cpu=True,
         bf16=False, fp16=False, logging_steps=1,
         save_strategy="steps" if a.save_every else "no", save_steps=a.save_every or 500, save_only_model=True,
         report_to="none", disable_tqdm=True,
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
                "versions": {"trl": trl.__version__, "peft": peft.__version__,
                             "transformers": transformers.__version__, "torch": torch.__version__},
                "settings": {"steps": a.steps, "prompts_per_step": a.prompts_per_step, "group_size": a.group_size,
-                            "lr": a.lr, "max_completion_length": a.max_tokens, "seed": a.seed,
+                            "lr": a.lr, "task": a.task, "max_completion_length": max_tokens, "seed": a.seed,
                             "threads": a.threads, "loss_type": "dapo", "epsilon": [0.2, 0.28], "beta": 0.0,
                             "generation": "transformers generate (fp32)", "lora": {k: lcfg.get(k) for k in (
                                 "r", "lora_alpha", "target_modules", "target_parameters")}}}

@@ -21,7 +21,10 @@ from moe_lora_rl.checks import trl_env
     (["--steps", "10", "--eval-every", "20"], "--eval-every=20 is more than --steps=10"),
     (["--target", "1.5"], "--target=1.5"),
     (["--reuse"], "--reuse reads the runs of --out"),
-    (["--model", "/no/such/dir"], "/no/such/dir")])
+    (["--model", "/no/such/dir"], "/no/such/dir"),
+    (["--task", "sort_long"], "--task='sort_long': choose one of ['sort', 'sort_trace']"),
+    (["--task", "sort_trace"], "--task=sort_trace with verl: its recipe"),
+    (["--task", "sort_trace", "--peers", "ours,ours_async,verl"], "leave verl out of --peers")])
 def test_refusals_before_anything_runs(args, needle, monkeypatch):
     from moe_lora_rl.bench import peers
     from moe_lora_rl.checks import peer_runs
@@ -94,3 +97,21 @@ def test_one_evaluator_zero_adapter_equals_base_and_a_perturbed_one_fails(tmp_pa
     assert ref["n"] == 128 and 0.1 < ref["success"] < 0.6
     assert evaluate(base, tmp_path / "zero", **kw) == ref
     assert evaluate(base, tmp_path / "perturbed", **kw)["success"] < ref["success"] - 0.1
+
+
+def test_the_long_task_is_the_same_for_every_peer_and_the_evaluator():
+    """sort_trace: our main job's overrides load into that task; TRL's training lists (the task's split) exclude the
+    evaluator's held-out lists, which are a prefix of the task's held-out set whatever --n-eval."""
+    from moe_lora_rl.checks.peer_task import peer_task
+    from moe_lora_rl.rl import config
+    from moe_lora_rl.rl.task import make_split
+
+    spec, max_tokens, over = peer_task("sort_trace")
+    cfg = config.load(over)
+    assert cfg.data.task_spec() == spec and cfg.algo.max_response_tokens == max_tokens == 96
+    held = make_split(peer_task("sort_trace", 64)[0], "eval")
+    assert [p.digits for p in held] == [p.digits for p in make_split(spec, "eval")[:64]]
+    assert len(held[0].answer.split()) > 40 and held[0].kind == "sort_trace"        # a written trace, not the sort
+    taken = {tuple(sorted(p.digits)) for p in make_split(spec, "eval")}
+    assert not taken & {tuple(sorted(p.digits)) for p in make_split(spec, "train")[:2000]}
+    assert peer_task("sort") == (config.load([]).data.task_spec(), 8, [])
