@@ -1,7 +1,8 @@
 """peers: our main job side by side with what users would pick instead, on the same model, task and budget.
 
     python -m moe_lora_rl.bench peers --json [--model DIR] [--peers ours,ours_async,trl,verl] [--steps 80]
-        [--seed 0] [--n-eval 256] [--eval-samples 4] [--task sort|sort_trace] [--out DIR]
+        [--seed 0] [--n-eval 256] [--eval-samples 4] [--task sort|sort_trace]
+        [--serving unmerged|merged] [--out DIR]
 
 Every peer trains the default task (8 prompts x 8 samples a step, --steps steps, lr 1e-3, LoRA rank 8 / alpha 16 on
 the experts and attention, PPO clip 0.2 / 0.28, token-mean, no KL) from the same HF checkpoint:
@@ -43,6 +44,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", type=float, default=None,
                     help="held-out success whose loop seconds are reported (default: the start's + 0.1)")
     ap.add_argument("--png", default=None, help="plot held-out success and training reward against loop time here")
+    ap.add_argument("--serving", default="unmerged",
+                    help="our engine's adapter serving (the main job's `serving`): unmerged (the default) or merged "
+                         "(the adapters merged into the base at each push: the faster rollout on long answers)")
     ap.add_argument("--task", default="sort", help="the task every peer trains (checks/peer_task.py): sort (the "
                     "default, 6-token answers) or sort_trace (85-token answers)")
     ap.add_argument("--reuse", action="store_true", help="read the finished runs in --out instead of running them")
@@ -65,6 +69,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"--target={a.target} must be in (0, 1]")
     if a.reuse and not a.out:
         raise ValueError("--reuse reads the runs of --out DIR: give --out")
+    if a.serving not in ("unmerged", "merged"):
+        raise ValueError(f"--serving={a.serving!r}: choose unmerged or merged")
     if a.rollout_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--rollout-dtype={a.rollout_dtype!r}: choose float32 or bfloat16")
     if a.model and not Path(a.model).is_dir():
@@ -86,9 +92,9 @@ def main(argv=None) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     runners = {
         "ours": lambda: run_ours(root / "ours", a.model, a.steps, a.seed, "sync", a.rollout_dtype, a.reuse,
-                                 a.eval_every, a.task),
+                                 a.eval_every, a.task, a.serving),
         "ours_async": lambda: run_ours(root / "ours_async", a.model, a.steps, a.seed, "async", a.rollout_dtype,
-                                       a.reuse, a.eval_every, a.task),
+                                       a.reuse, a.eval_every, a.task, a.serving),
         "trl": lambda: run_trl(root / "trl", model, a.steps, a.seed, root / "ours" / "adapter" / "adapter_config.json",
                               a.reuse, a.eval_every, a.task),
         "verl": lambda: run_verl(root / "verl", a.model, a.steps, a.rollout_dtype, a.reuse, a.eval_every)}

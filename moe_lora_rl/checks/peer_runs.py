@@ -25,14 +25,14 @@ class PeerFailed(RuntimeError):
 
 
 def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rollout_dtype: str,
-             reuse: bool, every: int, task: str = "sort") -> dict:
+             reuse: bool, every: int, task: str = "sort", serving: str = "unmerged") -> dict:
     from .peer_task import peer_task
     from .train_runs import finish_train, start_train
 
     if not reuse:
         extra = [*peer_task(task)[2], f"steps={steps}", f"seed={seed}", f"mode={mode}", f"eval_every={steps}",
                  f"runtime.rollout_dtype={rollout_dtype}", f"checkpoint_every={every}",
-                 *(f"{k}={v}" for k, v in OURS_SETTINGS.items())]
+                 f"serving={serving}", *(f"{k}={v}" for k, v in OURS_SETTINGS.items())]
         if model:
             extra.append(f"model.path={model}")
         t0 = time.perf_counter()

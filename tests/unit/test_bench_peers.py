@@ -22,6 +22,7 @@ from moe_lora_rl.checks import trl_env
     (["--target", "1.5"], "--target=1.5"),
     (["--reuse"], "--reuse reads the runs of --out"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
+    (["--serving", "fused"], "--serving='fused': choose unmerged or merged"),
     (["--task", "sort_long"], "--task='sort_long': choose one of ['sort', 'sort_trace']"),
     (["--task", "sort_trace"], "--task=sort_trace with verl: its recipe"),
     (["--task", "sort_trace", "--peers", "ours,ours_async,verl"], "leave verl out of --peers")])
