@@ -71,7 +71,9 @@ def peers_png(png: Path, rewards: dict, evals: dict, result: dict) -> Path:
     speed.bar(names, [result[f"{n}_samples_per_s"] for n in names])
     speed.set_title("samples per second of the training loop", fontsize=10)
     speed.grid(alpha=0.3, axis="y")
-    return save(fig, f"ours, TRL and verl: the same model, task and budget ({result['samples']} samples each)", png)
+    task = result.get("task", "sort")
+    return save(fig, f"{', '.join(names)}: the same model, task ({task}) and budget ({result['samples']} samples "
+                     "each)", png)
 
 
 def policies_png(png: Path, result: dict) -> Path:
