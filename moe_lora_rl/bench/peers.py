@@ -107,7 +107,8 @@ def main(argv=None) -> dict:
 
         start = ev(None)
         target = a.target if a.target is not None else round(start + 0.1, 3)
-        out = {"model": model, "task": a.task, "samples": a.steps * PROMPTS * GROUP, "eval_start": start, "target": target}
+        out = {"model": model, "task": a.task, "samples": a.steps * PROMPTS * GROUP, "eval_start": start,
+               "target": target}
         curves = {}
         for name in PEERS:
             r = results.get(name)

@@ -1,7 +1,8 @@
 """The one evaluator of bench peers: held-out success of a final PEFT adapter (any peer's) on the base model, by
 plain HF transformers + peft in fp32, on the same held-out problems, samples and sampling seeds for every run.
 
-    evaluate(model_dir, adapter_dir, task="sort")  ->  {"success": s, "n": samples scored}   (adapter_dir None: the base)
+    evaluate(model_dir, adapter_dir, task="sort")  ->  {"success": s, "n": samples scored}
+    (adapter_dir None: the base)
 """
 from __future__ import annotations
 

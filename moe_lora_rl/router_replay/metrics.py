@@ -27,7 +27,8 @@ def ratio_below(logp_train: torch.Tensor, logp_infer: torch.Tensor, tau: float,
                 mask: torch.Tensor | None = None) -> float:
     """Fraction of tokens whose ratio pi_train / pi_infer is below tau (the lower tail: tokens the sampler drew that
     the trained policy finds far less likely)."""
-    low = ((logp_train - logp_infer).double() < torch.log(torch.tensor(float(tau), dtype=torch.float64))).double()
+    floor = torch.log(torch.tensor(float(tau), dtype=torch.float64))
+    low = ((logp_train - logp_infer).double() < floor).double()
     if mask is not None:
         return float((low * mask).sum() / mask.sum().clamp(min=1))
     return float(low.mean())
