@@ -14,14 +14,16 @@ from ..router_replay.metrics import (halves, k3_kl, masked_disagreement, ratio_b
 
 LOW_TAIL = (0.5, 0.1, 1e-4)
 """The lower tail's thresholds of pi_train / pi_infer: Sparse-RL's token band floor (0.5), a tenth, and its
-sequence veto (1e-4). Keys ratio_lt_0.5, ratio_lt_0.1, ratio_lt_0.0001."""
+sequence veto (1e-4)."""
+LOW_TAIL_KEYS = tuple(f"ratio_lt_{tau:g}" for tau in LOW_TAIL)        # ratio_lt_0.5, _0.1, _0.0001
 
 
 def mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *, prefix: str) -> dict:
     m = mask.double()
     return {f"{prefix}kl": k3_kl(train_lp, rollout_lp, m), f"{prefix}ratio_gt2": ratio_exceeds(train_lp, rollout_lp, 2.0, m),
             f"{prefix}ratio_gt5": ratio_exceeds(train_lp, rollout_lp, 5.0, m),
-            **{f"{prefix}ratio_lt_{tau:g}": ratio_below(train_lp, rollout_lp, tau, m) for tau in LOW_TAIL}}
+            **{f"{prefix}{k}": ratio_below(train_lp, rollout_lp, tau, m)
+               for tau, k in zip(LOW_TAIL, LOW_TAIL_KEYS)}}
 
 
 def by_length(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *, prefix: str) -> dict:

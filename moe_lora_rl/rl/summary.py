@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .diagnostics import LOW_TAIL
+from .diagnostics import LOW_TAIL_KEYS
 from .samples import _numel
 
 
@@ -28,7 +28,7 @@ def run_summary(run, history: list[dict], evals: dict, wall: float) -> dict:
             "eval_start": evals[0], "eval_end": evals[max(evals)], "evals": evals,
             "kl_mean_r3": mean("r3_kl", history), "kl_mean_no_r3": mean("no_r3_kl", history),
             "ratio_gt2": mean("r3_ratio_gt2", history), "ratio_gt5": mean("r3_ratio_gt5", history),
-            **{f"ratio_lt_{tau:g}": mean(f"r3_ratio_lt_{tau:g}", history) for tau in LOW_TAIL},
+            **{k: mean(f"r3_{k}", history) for k in LOW_TAIL_KEYS},
             "ratio_gt2_no_r3": mean("no_r3_ratio_gt2", history),
             "ratio_gt5_no_r3": mean("no_r3_ratio_gt5", history),
             "disagreement_mean": mean("disagreement", history),
