@@ -12,32 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..policy.kv_masks import visible
 from ..rollout.engine import make_engine, set_engine_env
-
-
-def held_masks(n: int, events: list, layers: int, kv_heads: int, recent: int, swap=None):
-    """[layers] bool [kv_heads, n, n]: query t sees key j. Before the first compression a query sees every earlier
-    token; after the compression at seq_len s (kept: its per layer per head positions), queries t >= s see the
-    kept positions and [s - recent, t]. swap: (event, layer, head, old, new) replaces one kept position."""
-    import torch
-
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    masks = [causal.expand(kv_heads, n, n).clone() for _ in range(layers)]
-    bounds = [s for s, _ in events] + [n]
-    for e, (s, kept) in enumerate(events):
-        lo, hi = s, bounds[e + 1]
-        if lo >= n:
-            break
-        for li in range(layers):
-            for h in range(kv_heads):
-                keep = list(kept[li][h])
-                if swap is not None and swap[:3] == (e, li, h):
-                    keep[keep.index(swap[3])] = swap[4]
-                m = torch.zeros(hi - lo, n, dtype=torch.bool)
-                m[:, keep] = True
-                m[:, s - recent:] = True
-                masks[li][h, lo:hi] = m & causal[lo:hi]
-    return masks
 
 
 def hf_logprobs(hf, tokens: list[int], n_prompt: int, masks, qk: dict | None = None) -> list[float]:
@@ -147,9 +123,9 @@ def main(argv=None) -> dict:
         n = len(g.tokens)
         got = np.array(g.logprobs)
         swap = evicted_swap(events, a.recent, a.sinks)
-        for name, masks in (("same", held_masks(n, events, layers, kvh, a.recent)),
-                            ("dense", held_masks(n, [], layers, kvh, a.recent)),
-                            ("swapped", held_masks(n, events, layers, kvh, a.recent, swap))):
+        record = {"recent": a.recent, "events": events}
+        for name, masks in (("same", visible(n, record, layers, kvh)), ("dense", visible(n, None, layers, kvh)),
+                            ("swapped", visible(n, record, layers, kvh, swap))):
             qk = {} if name == "same" else None
             want = np.array(hf_logprobs(hf, g.tokens, len(g.prompt), masks, qk))
             diffs[name] = max(diffs[name], float(np.abs(got - want).max()))

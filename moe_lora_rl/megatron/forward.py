@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .layer_masks import layer_masks
 from .run_config import RunConfig
 
 
@@ -90,7 +91,7 @@ def run_schedule(model, microbatches: list[dict], *, forward_only: bool,
         batch = next(data_iterator)
         pos, mask = causal_inputs(batch["tokens"])
         pos, mask = batch.get("position_ids", pos), batch.get("attention_mask", mask)
-        with model_scope(rc):
+        with model_scope(rc), layer_masks(m, batch.get("layer_masks")):
             out = m(input_ids=batch["tokens"].to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev))
         if forward_only:
             return out, lambda t, non_loss_data=False: on_output(t, batch)

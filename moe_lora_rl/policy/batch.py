@@ -18,6 +18,7 @@ class PolicyBatch:
     rollout_logprobs: torch.Tensor | None     # [N, S-1] float32 rollout logprobs of the labels (0 outside loss_mask)
     routes: RoutesBatch | None                # samples[i]: [lengths[i]-1, n_moe_layers, topk]
     group_ids: list[int]                      # prompt id per row (GRPO groups)
+    kv_kept: list | None = None               # KV replay: per row the sampler's eviction record (kv_masks.py)
 
     def __post_init__(self):
         t = self.tokens
@@ -32,6 +33,8 @@ class PolicyBatch:
             raise ValueError(f"lengths {self.lengths} must be {n} values in 2..{s}")
         if len(self.group_ids) != n:
             raise ValueError(f"{len(self.group_ids)} group ids for {n} rows")
+        if self.kv_kept is not None and len(self.kv_kept) != n:
+            raise ValueError(f"{len(self.kv_kept)} kv replay records for {n} rows")
         for name in ("loss_mask", "advantages", "rollout_logprobs"):
             v = getattr(self, name)
             if v is None and name == "rollout_logprobs":

@@ -27,6 +27,7 @@ from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from ..router_replay.routes import RoutesBatch
 from .batch import LogprobResult, PolicyBatch
+from .kv_masks import batch_masks, check_record
 from .logprobs import label_logprobs, padded_len
 from .training import TrainingCore
 
@@ -112,8 +113,21 @@ class Policy:
             tok = batch.tokens[ids]
             if plan.padded_len > s:                 # extra right padding so the sequence splits over SP ranks
                 tok = torch.cat([tok, tok.new_zeros(len(ids), plan.padded_len - s)], dim=1)
-            out.append({"tokens": tok, "ids": ids})
+            mb = {"tokens": tok, "ids": ids}
+            if batch.kv_kept is not None:
+                mb["layer_masks"] = self._kv_masks(batch, ids, tok.shape[1])
+            out.append(mb)
         return out
+
+    def _kv_masks(self, batch: PolicyBatch, ids: list[int], width: int) -> dict:
+        """KV replay: per layer, each row's queries see the tokens its sampler held (policy/kv_masks.py)."""
+        from megatron.core import parallel_state as ps
+
+        a = self.arch
+        for i in ids:
+            check_record(batch.kv_kept[i], batch.lengths[i], a.num_layers, a.num_kv_heads, row=i)
+        return batch_masks([batch.kv_kept[i] for i in ids], width, a.num_layers, a.num_heads, a.num_kv_heads,
+                           ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
 
     def _label_logprobs(self, logits_local: torch.Tensor, tokens: torch.Tensor, s: int) -> torch.Tensor:
         """[b, S-1] fp32 log p(tokens[:, t+1]) at the policy's temperature (autograd-aware, TP-reduced)."""

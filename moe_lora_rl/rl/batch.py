@@ -25,7 +25,7 @@ def response_spans(samples) -> list[tuple[int, int]]:
 
 def policy_batch(samples: Sequence, rewards: Sequence[float], group_ids: Sequence[int], pad_id: int, *,
                  moe_layers: tuple[int, ...], num_experts: int, topk: int, norm_by_std: bool = True,
-                 with_routes: bool = True) -> PolicyBatch:
+                 with_routes: bool = True, with_kv: bool = False) -> PolicyBatch:
     if not samples:
         raise ValueError("no samples: the rollout returned nothing to train on")
     if len(rewards) != len(samples) or len(group_ids) != len(samples):
@@ -62,5 +62,12 @@ def policy_batch(samples: Sequence, rewards: Sequence[float], group_ids: Sequenc
             if r.shape[0] != n_tok - 1:
                 raise ValueError(f"sample {i}: routes cover {r.shape[0]} tokens; its {n_tok} tokens need "
                                  f"{n_tok - 1} (every token but the last)")
+    kv = None
+    if with_kv:
+        missing = [i for i, s in enumerate(samples) if getattr(s, "kv_kept", None) is None]
+        if missing:
+            raise ValueError(f"samples {missing[:8]} came back without their eviction record (is kv_replay on in "
+                             "the engine?)")
+        kv = [s.kv_kept for s in samples]
     return PolicyBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
-                       rollout_logprobs=rollout_lp, routes=routes, group_ids=list(group_ids))
+                       rollout_logprobs=rollout_lp, routes=routes, group_ids=list(group_ids), kv_kept=kv)

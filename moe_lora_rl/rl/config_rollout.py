@@ -62,6 +62,11 @@ class RolloutSettings:
     kv_evict: KVEvictSettings = field(default_factory=KVEvictSettings)
     """snapkv's settings, e.g. rollout.kv_evict.recent=32 rollout.kv_evict.interval=8 (refused with another
     method)."""
+    kv_replay: bool = False
+    """kv_compression=snapkv: the trainer replays the sampler's eviction (the KV counterpart of router replay): the
+    engine returns each sample's record of its compressions, and every trainer forward on the sample lets each query
+    attend to exactly the tokens the engine held for it (policy/kv_masks.py), so the policy trained is the one that
+    sampled, not the dense policy."""
     threads: int | None = None
     """Torch threads of each engine on a CPU host; null: every core for one engine, the host's cores split evenly
     between several on it."""
@@ -95,6 +100,11 @@ class RolloutSettings:
         from ..rollout.placement import plan_placements
 
         check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN, evict=self.evict())
+        if not isinstance(self.kv_replay, bool):
+            raise ValueError(f"rollout.kv_replay={self.kv_replay!r} must be true or false")
+        if self.kv_replay and self.kv_compression != "snapkv":
+            raise ValueError(f"rollout.kv_replay=true replays importance eviction: rollout.kv_compression="
+                             f"{self.kv_compression} (it needs snapkv)")
 
         if not isinstance(self.max_versions, int) or isinstance(self.max_versions, bool) or self.max_versions < 1:
             raise ValueError(f"rollout.max_versions={self.max_versions!r} must be an integer >= 1")

@@ -37,15 +37,16 @@ def select_routes(routes: RoutesBatch | None, rows: list[int]) -> RoutesBatch | 
 
 
 def select(batch: PolicyBatch, rows: list[int]) -> PolicyBatch:
-    """The sub-batch of `rows` (in that order): tokens, lengths, masks, advantages, rollout logprobs, routes and
-    group ids of those rows; the sequence length unchanged."""
+    """The sub-batch of `rows` (in that order): tokens, lengths, masks, advantages, rollout logprobs, routes, group
+    ids and eviction records of those rows; the sequence length unchanged."""
     _check_rows(rows, batch.num_rows)
     idx = list(rows)
     return dataclasses.replace(
         batch, tokens=batch.tokens[idx], lengths=[batch.lengths[i] for i in idx], loss_mask=batch.loss_mask[idx],
         advantages=batch.advantages[idx],
         rollout_logprobs=None if batch.rollout_logprobs is None else batch.rollout_logprobs[idx],
-        routes=select_routes(batch.routes, idx), group_ids=[batch.group_ids[i] for i in idx])
+        routes=select_routes(batch.routes, idx), group_ids=[batch.group_ids[i] for i in idx],
+        kv_kept=None if batch.kv_kept is None else [batch.kv_kept[i] for i in idx])
 
 
 def _check_rows(rows, n: int) -> None:

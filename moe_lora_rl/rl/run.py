@@ -117,7 +117,8 @@ class GRPORun(EngineRecovery):
         rewards = self.prod.rewards(samples, problems)
         t0 = time.perf_counter()
         batch = policy_batch(samples, rewards, group_ids, self.tok.pad_token_id, moe_layers=self.moe_layers,
-                             num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std)
+                             num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std,
+                             with_kv=self.cfg.rollout.kv_replay)
         every = self.cfg.free_routing_every                   # counted in steps of the synchronous order
         m, skipped, proximal = train_on(self.policy, self.cfg, batch,
                                         free_routing=bool(every) and plans[-1].step % every == 0)
@@ -340,7 +341,8 @@ class GRPORun(EngineRecovery):
         current version is pushed to them, the evaluation runs as every other (same seeds); the engines stay dense."""
         if self.rank == 0:
             for e in self.engines:
-                e.settings.update(kv_compression="none", kv_budget=0, kv_evict={}, prefix_caching=True)
+                e.settings.update(kv_compression="none", kv_budget=0, kv_evict={}, kv_replay=False,
+                                  prefix_caching=True)
                 e.restart()
         self.push(restarts=False)
         return self.evaluate()

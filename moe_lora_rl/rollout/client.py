@@ -53,6 +53,7 @@ class Sample:
     routes: np.ndarray | None      # [len(prompt)+len(response)-1, n_moe_layers, topk] logical expert ids
     finish_reason: str             # "stop" (a stop id or the model's EOS, included in response) or "length"
     versions: list | None = None   # per response token: the adapter version that produced it (None: base model)
+    kv_kept: dict | None = None    # KV replay: the sampler's eviction record (policy/kv_masks.py)
 
 
 class EngineDied(RuntimeError):
@@ -83,7 +84,7 @@ def _ints(xs):
 
 def _sample(prompt, s: dict) -> Sample:
     return Sample(prompt, s["response"], s["logprobs"], decode_routes(s["routes"]), s["finish_reason"],
-                  s.get("versions"))
+                  s.get("versions"), s.get("kv_kept"))
 
 
 class _EngineTransport(ShmTransport):
@@ -131,7 +132,8 @@ class RolloutEngine:
                  placement: "Placement | None" = None, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
                  stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0,
-                 kv_evict: dict | None = None, base_from: str = "disk", base_bucket_mb: float = 64.0, base_transport: str = "auto"):
+                 kv_evict: dict | None = None, kv_replay: bool = False, base_from: str = "disk",
+                 base_bucket_mb: float = 64.0, base_transport: str = "auto"):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -163,6 +165,9 @@ class RolloutEngine:
         kv_evict = dict(kv_evict or {})
         check_compression(kv_compression, kv_budget, max_model_len,
                           json.loads((Path(model_dir) / "config.json").read_text()), kv_evict)
+        if kv_replay and kv_compression != "snapkv":
+            raise ValueError(f"kv_replay=True replays importance eviction: kv_compression={kv_compression!r} is not "
+                             "snapkv")
         if kv_compression == "snapkv":
             prefix_caching = False              # compaction rewrites a sequence's blocks in place: none is shared
         self.model_dir, self.log_dir = str(model_dir), Path(log_dir)
@@ -171,7 +176,7 @@ class RolloutEngine:
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
                              step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
                              kv_compression=kv_compression, kv_budget=kv_budget, kv_evict=kv_evict,
-                             base_from=base_from,
+                             kv_replay=kv_replay, base_from=base_from,
                              base_bucket_mb=base_bucket_mb, base_transport=base_transport)
         self.base_syncs: list[dict] = []     # base_from=trainer or peer: each start's sync timers
         self.base_store = None               # the trainer's base in shared memory, kept across restarts
@@ -224,6 +229,8 @@ class RolloutEngine:
             cmd += ["--kv-compression", s["kv_compression"], "--kv-budget", str(s["kv_budget"])]
         if s["kv_evict"]:
             cmd += ["--kv-evict", json.dumps(s["kv_evict"])]
+        if s["kv_replay"]:
+            cmd += ["--kv-replay"]
         if s["base_from"] in ("trainer", "peer"):
             cmd += ["--load-format", "dummy"]
         env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})

@@ -27,6 +27,7 @@ class Generated:
     prompt_logprobs: list[float] | None     # per prompt token 1.. (params.prompt_logprobs set)
     routes: np.ndarray | None               # capture on: [len(prompt) + len(response) - 1 (+1 if pad), layers, topk]
     versions: list | None = None            # engine loop: the adapter version that produced each response token
+    kv_kept: dict | None = None             # KV replay: the eviction record (the tokens each query saw)
 
     @property
     def tokens(self) -> list[int]:

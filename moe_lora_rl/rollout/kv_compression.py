@@ -96,11 +96,11 @@ def verify(llm, method: str, budget: int) -> dict:
     return layout
 
 
-def install_method(llm, method: str, budget: int, evict: dict | None = None):
+def install_method(llm, method: str, budget: int, evict: dict | None = None, keep_events: bool = False):
     """snapkv: the evictor installed on the built engine (vllm/kv_evict.py; it refuses an engine with prefix
-    caching on); None for the other methods."""
+    caching on); None for the other methods. keep_events: it logs each request's compressions (KV replay)."""
     if method != "snapkv":
         return None
     from ..vllm.kv_evict import install
 
-    return install(llm, policy(budget, evict))
+    return install(llm, policy(budget, evict), keep_events)

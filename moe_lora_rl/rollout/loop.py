@@ -103,13 +103,14 @@ class _Command:
 
 class EngineLoop:
     def __init__(self, llm, meta: dict | None = None, *, inflight: str = "switch", on_full: str = "wait",
-                 pad_routes: bool = False, step_delay_s: float = 0.0, kv_meter=None):
+                 pad_routes: bool = False, step_delay_s: float = 0.0, kv_meter=None, kv_records=None):
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         if core is not None and getattr(core, "batch_queue", None) is not None:
             raise ValueError("the engine loop needs one batch in flight at a time (vLLM batch queue is enabled)")
         self.llm, self.engine, self.meta = llm, llm.llm_engine, meta
         self.inflight, self.on_full, self.pad = inflight, on_full, pad_routes
         self.kv_meter = kv_meter              # rollout/kv_meter.KVMeter: sampled after every engine step
+        self.kv_records = kv_records          # KV replay: request id -> its eviction record (kv_evict.pop_events)
         self.step_delay_s = step_delay_s      # a slower engine (tests, benches): the next step waits this long, while
         self._next_step_at = 0.0              # commands (pushes, status) are still served as between two steps
         self._ids = itertools.count()
@@ -344,6 +345,8 @@ class EngineLoop:
                 g = finish_generated(rid, live.req.prompt, live.req.params, live.response, live.logprobs,
                                      live.prompt_logprobs, live.finish_reason, r, self.meta, self.pad)
                 g.versions = list(live.versions)
+                if self.kv_records is not None:
+                    g.kv_kept = self.kv_records(rid)
                 live.ticket._deliver(live.index, g)
             except Exception as e:  # noqa: BLE001
                 live.ticket._deliver(live.index, e if err is None else RuntimeError(f"routing capture: {err}"))
@@ -361,6 +364,9 @@ class EngineLoop:
                     self._rpc("moe_lora_capture_pop", [rid])
                 except Exception:  # noqa: BLE001 - nothing captured yet
                     pass
+        if self.kv_records is not None:
+            for rid in rids:
+                self.kv_records(rid)                    # dropped with the request
         self._rpc("moe_lora_release", rids)
 
     def _fail_live(self, err: BaseException) -> None:

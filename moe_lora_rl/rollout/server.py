@@ -73,11 +73,12 @@ class Engine:
         self.has_base = a.load_format != "dummy"     # dummy: nothing is served until a base sync completed
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         verify(self.llm, a.kv_compression, a.kv_budget)
-        self.evictor = install_method(self.llm, a.kv_compression, a.kv_budget, a.kv_evict)
+        self.evictor = install_method(self.llm, a.kv_compression, a.kv_budget, a.kv_evict, keep_events=a.kv_replay)
         self.kv = KVMeter(self.llm)
         self.meta = start_capture(self.llm) if a.capture else None
         self.loop = EngineLoop(self.llm, self.meta, inflight=a.inflight, on_full=a.on_full,
-                               step_delay_s=a.step_delay_s, kv_meter=self.kv).start()
+                               step_delay_s=a.step_delay_s, kv_meter=self.kv,
+                               kv_records=self.evictor.pop_events if a.kv_replay else None).start()
         # the first generate of a process pays seconds of one-time initialisation: here, not in the first rollout
         t0 = time.perf_counter()
         self.loop.generate(self.requests({"prompts": [[1, 2, 3]], "seeds": [0], "max_tokens": 2, "temperature": 1.0},
@@ -145,7 +146,8 @@ class Engine:
 
 def sample_json(g) -> dict:
     return {"response": g.response, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
-            "routes": None if g.routes is None else encode_routes(g.routes), "versions": g.versions}
+            "routes": None if g.routes is None else encode_routes(g.routes), "versions": g.versions,
+            "kv_kept": g.kv_kept}
 
 
 def _error_message(e: BaseException) -> tuple[int, str]:
@@ -333,6 +335,8 @@ def parse_args(argv=None):
                     help='snapkv settings as JSON, e.g. \'{"recent": 32, "interval": 16}\' (sinks, recent, window, '
                          'interval, pool)')
     ap.add_argument("--kv-budget", type=int, default=0, help="tokens of KV a sequence keeps (window: its length)")
+    ap.add_argument("--kv-replay", action="store_true",
+                    help="return each sample's eviction record (the tokens held per query) for the trainer to replay")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads of the engine (default: all cores)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer the parent")
     ap.add_argument("--inflight", default="switch", choices=("switch", "pin"),
@@ -361,6 +365,9 @@ def parse_args(argv=None):
     try:
         a.model_config = json.loads(open(os.path.join(a.model, "config.json")).read())
         check_compression(a.kv_compression, a.kv_budget, a.max_model_len, a.model_config, a.kv_evict)
+        if a.kv_replay and a.kv_compression != "snapkv":
+            raise ValueError(f"--kv-replay replays importance eviction: --kv-compression is {a.kv_compression!r}, "
+                             "not snapkv")
         if a.kv_compression == "snapkv" and a.prefix_caching:
             raise ValueError("--kv-compression snapkv needs --no-prefix-caching (compaction rewrites blocks in place)")
     except ValueError as e:

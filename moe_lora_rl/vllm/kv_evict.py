@@ -2,8 +2,9 @@
 
     ev = install(llm, EvictPolicy(budget=96))      # in-process engine, prefix caching off; one per engine
     ... llm.generate(...) / the engine loop ...
-    ev.events[req_id]                               # keep_events=True (the checks): [(seq_len, [per layer
-                                                    # [kv_heads][compacted] positions])] per compression
+    ev.events[req_id]                               # keep_events=True (the checks, KV replay): [(seq_len, [per
+                                                    # layer [kv_heads][compacted] positions])] per compression
+    ev.pop_events(req_id)                           # a finished request's record for the trainer (KV replay)
     ev.stats()                                      # compressions, blocks freed, deferred, restarts
 
 A sequence's KV lives in its vLLM blocks in two regions. The compacted region is its first blocks: slot i of KV
@@ -81,6 +82,13 @@ class KVEvictor:
         for i, layer in enumerate(self.layers):
             layer.impl.forward = self._orig[i]
 
+    def pop_events(self, request_id: str) -> dict:
+        """KV replay: a finished request's record {"recent", "events": [[seq_len, per layer [kv_heads][kept]
+        positions], ...]} (policy/kv_masks.py), removed here. vLLM's runner may suffix the request id."""
+        rid = next((k for k in self.events if k == request_id or k.startswith(f"{request_id}-")), None)
+        events = [] if rid is None else self.events.pop(rid)
+        return {"recent": self.pol.recent, "events": [[s, kept] for s, kept in events]}
+
     def stats(self) -> dict:
         return {"compressions": self.n_compressions, "blocks_freed": self.n_freed, "deferred": self.n_deferred,
                 "restarts": self.n_restarts, "sequences": self.n_sequences}
@@ -98,6 +106,7 @@ class KVEvictor:
             seq = self.seqs.get(rid)
             if seq is not None and computed == 0:              # preempted and recomputed from the start: dense again
                 self.n_restarts += 1
+                self.events.pop(rid, None)                     # its compressions are undone with its cache
                 seq = self.seqs[rid] = _Seq(len(self.layers), seq.slot)
                 self.obs_pos[seq.slot] = -1
             if seq is None:
