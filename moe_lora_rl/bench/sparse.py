@@ -39,7 +39,10 @@ TASK = [*TRACE_OVERRIDES, "steps=30", "eval_every=10"]
 """The long task's run: every held-out problem once per evaluation; responses of up to 96 tokens (the trace of 10
 digits and its end-of-turn take 85)."""
 SETTINGS = {"sort_trace": TASK, "long": ["--config-name=long", "eval_every=10"]}
-RUNS = ("dense", "sparse_uncorrected", "sparse_corrected")
+RUNS = ("dense", "sparse_uncorrected", "sparse_corrected", "sparse_replay")
+REPLAYS = ("snapkv",)
+"""--method values whose eviction the trainer can replay (rollout.kv_replay): the sparse_replay run; the others
+skip it."""
 CURVES = (("Held-out success (the run's sampler; final: dense engine)", "eval"), ("Reward", "reward"),
           ("Trainer vs sampler KL (k3)", "r3_kl"), ("Sequences rejected (Sparse-RL)", "sparse/seq_rejected_frac"))
 
@@ -48,7 +51,12 @@ def run_overrides(run: str, method: str, budget: int, evict: dict | None = None)
     kv = [f"rollout.kv_compression={method}", f"rollout.kv_budget={budget}",
           *(f"rollout.kv_evict.{k}={v}" for k, v in sorted((evict or {}).items()))]
     return {"dense": [], "sparse_uncorrected": [*kv, "algo.rollout_is=off"],
-            "sparse_corrected": [*kv, "algo.rollout_is=sparse"]}[run]
+            "sparse_corrected": [*kv, "algo.rollout_is=sparse"],
+            "sparse_replay": [*kv, "rollout.kv_replay=true", "algo.rollout_is=sparse"]}[run]
+
+
+def runs_of(method: str) -> tuple[str, ...]:
+    return RUNS if method in REPLAYS else RUNS[:3]
 
 
 def _evict(spec: str) -> dict:
@@ -115,7 +123,7 @@ def mean_of(rows: list[dict], key: str):
 def plot(curves: dict, png: Path, title: str) -> Path:
     """curves: (run, seed) -> (metrics rows, the final adapter's held-out success on a dense engine or None)."""
     fig, axes = figures.panels(2, 2, size=(11, 7))
-    colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2"}
+    colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2", "sparse_replay": "C4"}
     seeds = sorted({s for _, s in curves})
     for ax, (name, key) in zip(axes, CURVES):
         for (run, seed), (rows, dense_end) in sorted(curves.items()):
@@ -172,7 +180,8 @@ def main(argv=None) -> dict:
                          f"{a.kv_requests}: must be positive (pool >= 4)")
     lay, layout_over, model_over = job_layout(a, "sparse")
     base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
-    cfgs = {run: _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2) for run in RUNS}
+    runs = runs_of(a.method)
+    cfgs = {run: _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2) for run in runs}
     cfg = cfgs["dense"]                                   # every run refused up front; the KV figures use dense's
     if a.kv_only and a.reuse:
         raise ValueError("--kv-only runs no learning run: --reuse has nothing to read")
@@ -192,7 +201,7 @@ def main(argv=None) -> dict:
         root = Path(a.out or tmp)
         reused = []
         for seed in seeds:
-            for run in RUNS:
+            for run in runs:
                 out = root / f"{run}-s{seed}"
                 if a.reuse and (out / "summary.json").is_file():
                     sums[run, seed] = json.loads((out / "summary.json").read_text())
@@ -228,12 +237,15 @@ def main(argv=None) -> dict:
            "eval_sparse_corrected": mean("sparse_corrected", "eval_end_dense"),
            "eval_sparse_uncorrected_sampler": mean("sparse_uncorrected", "eval_end"),
            "eval_sparse_corrected_sampler": mean("sparse_corrected", "eval_end"),
+           **({"eval_sparse_replay": mean("sparse_replay", "eval_end_dense"),
+               "eval_sparse_replay_sampler": mean("sparse_replay", "eval_end"),
+               "rejection_rate_replay": hmean("sparse_replay", "sparse/seq_rejected_frac")} if len(runs) > 3 else {}),
            "rejection_rate": hmean("sparse_corrected", "sparse/seq_rejected_frac"),
            "token_masked_frac": hmean("sparse_corrected", "sparse/token_masked_frac"),
-           "kl": {run: mean(run, "kl_mean_r3") for run in RUNS},
-           "ratio_gt2": {run: mean(run, "ratio_gt2") for run in RUNS},
-           "ratio_gt5": {run: mean(run, "ratio_gt5") for run in RUNS},
-           **{k: {run: mean(run, k) for run in RUNS} for k in LOW_TAIL_KEYS},
+           "kl": {run: mean(run, "kl_mean_r3") for run in runs},
+           "ratio_gt2": {run: mean(run, "ratio_gt2") for run in runs},
+           "ratio_gt5": {run: mean(run, "ratio_gt5") for run in runs},
+           **{k: {run: mean(run, k) for run in runs} for k in LOW_TAIL_KEYS},
            "evals": {f"{r}-s{s}": {**sums[r, s]["evals"], "dense_end": sums[r, s].get("eval_end_dense")}
                      for r, s in sorted(sums)},
            "seeds": seeds, "steps": sums["dense", seeds[0]]["steps"], "layout": lay.name,

@@ -1,7 +1,7 @@
 """bench sparse's pure parts: each run's overrides, and every argument honoured or refused before a job starts."""
 import pytest
 
-from moe_lora_rl.bench.sparse import RUNS, main, mean_of, run_overrides
+from moe_lora_rl.bench.sparse import RUNS, main, mean_of, run_overrides, runs_of
 
 
 def test_runs_differ_only_in_the_engine_and_the_correction():
@@ -12,7 +12,9 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     assert run_overrides("sparse_uncorrected", "snapkv", 32, {"recent": 8, "interval": 8}) == [
         "rollout.kv_compression=snapkv", "rollout.kv_budget=32", "rollout.kv_evict.interval=8",
         "rollout.kv_evict.recent=8", "algo.rollout_is=off"]
-    assert RUNS == ("dense", "sparse_uncorrected", "sparse_corrected")
+    assert run_overrides("sparse_replay", "snapkv", 48)[-2:] == ["rollout.kv_replay=true", "algo.rollout_is=sparse"]
+    assert RUNS == ("dense", "sparse_uncorrected", "sparse_corrected", "sparse_replay")
+    assert runs_of("window") == RUNS[:3] and runs_of("snapkv") == RUNS          # a window is not replayed
     assert mean_of([{"a": 1.0}, {"b": 2}, {"a": 3.0}], "a") == 2.0 and mean_of([], "a") is None
 
 
@@ -35,6 +37,7 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     (["--kv-requests", "0"], "--kv-requests=0"),
     (["--kv-only", "--reuse", "--out", "x"], "--kv-only runs no learning run"),
     (["--", "algo.sparse_lower=1.2"], "lower=1.2"),
+    (["--", "rollout.kv_replay=true"], "override 'rollout.kv_replay=true': sparse sets"),
 ])
 def test_refused_before_any_run(argv, needle, monkeypatch):
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
