@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_select import EvictPolicy, compress_due, fits, scores, select
+from .kv_select import EvictPolicy, compress_due, fits, restart_events, scores, select
 from .step_hooks import add_listener, remove_listener
 
 
@@ -106,7 +106,9 @@ class KVEvictor:
             seq = self.seqs.get(rid)
             if seq is not None and computed == 0:              # preempted and recomputed from the start: dense again
                 self.n_restarts += 1
-                self.events.pop(rid, None)                     # its compressions are undone with its cache
+                if self.events.get(rid):                       # the queries before kept their compressions
+                    ev = self.events[rid]
+                    self.events[rid] = restart_events(ev, q1 - q0, self.pol.recent, len(self.layers), len(ev[0][1][0]))
                 seq = self.seqs[rid] = _Seq(len(self.layers), seq.slot)
                 self.obs_pos[seq.slot] = -1
             if seq is None:

@@ -116,3 +116,16 @@ def fits(pol: EvictPolicy, seq_len: int, block_size: int) -> bool:
     position, so compaction never overwrites a token still held by position. When it does not, the compression
     waits for the sequence to grow."""
     return -(-pol.compacted // block_size) <= (seq_len - pol.recent) // block_size
+
+
+def restart_events(events: list, seq_len: int, recent: int, layers: int, kv_heads: int) -> list:
+    """A sequence's compression log after vLLM preempted it and recomputed its `seq_len` tokens densely: the tokens
+    it sampled before kept their compressions; from the prefill's last query (position seq_len - 1, which samples
+    the next token) every earlier token is held again, written as a compression that keeps them all. A compression
+    at that same position had no query under it and is dropped; a log without any compression stays empty."""
+    s = seq_len - 1
+    out = [e for e in events if e[0] < s]
+    if not out:
+        return []
+    every = list(range(s - recent))
+    return [*out, (s, [[every] * kv_heads for _ in range(layers)])]

@@ -59,3 +59,17 @@ def test_records_that_do_not_fit_the_model_or_the_row_are_refused_with_the_value
     with pytest.raises(ValueError, match=match):
         check_record(record, n, layers=2, kv_heads=2, row=3)
     check_record(RECORD, 8, 2, 2)
+
+
+def test_a_preempted_sequence_recomputed_densely_keeps_its_earlier_queries_masks():
+    from moe_lora_rl.vllm.kv_select import restart_events
+
+    # compressed at 6 (keeps {0, 2} and the recent 4, 5), preempted, recomputed as a 9-token prefill: the query at 8
+    # samples the next token with every earlier token held; queries 6, 7 ran under the compression
+    events = restart_events([(6, [[[0, 2]]])], seq_len=9, recent=2, layers=1, kv_heads=1)
+    m = visible(11, {"recent": 2, "events": events}, layers=1, kv_heads=1)[0][0]
+    assert _seen(m, 7) == [0, 2, 4, 5, 6, 7]
+    assert _seen(m, 8) == list(range(9)) and _seen(m, 10) == list(range(11))
+    check_record({"recent": 2, "events": events}, 11, 1, 1)
+    assert restart_events([], 9, 2, 1, 1) == []                                  # never compressed: still dense
+    assert restart_events([(8, [[[0, 2]]])], 9, 2, 1, 1) == []                   # no query ran under it

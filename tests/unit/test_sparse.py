@@ -138,6 +138,7 @@ def test_per_seq_bytes():
     ("algo.sparse_upper=0.8", "upper=0.8"),
     ("algo.rollout_is=sparsity", "algo.rollout_is"),
     ("data.task=essay", "kind='essay'"),
+    ("rollout.kv_replay=true", "kv_replay=true replays importance eviction: rollout.kv_compression=none"),
 ])
 def test_train_config_refuses(override, needle):
     from moe_lora_rl.rl import config
