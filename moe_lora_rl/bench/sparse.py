@@ -1,8 +1,9 @@
 """sparse: Sparse-RL on the long task (sort_trace: the written selection sort of 10 digits, ~85 response tokens) with
 the rollouts sampled on a compressed KV cache. Per seed, three runs at the same seeds: dense (KV uncompressed, the
 main job's truncated IS), sparse_uncorrected (the same engine on a `--budget`-token window, no rollout correction),
-sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.rollout_is=sparse); then the KV
-memory itself, measured by the engine's allocator at a fixed pool (checks/sparse_kv_worker.py).
+sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.rollout_is=sparse); with --method
+snapkv a fourth, sparse_replay (the trainer replays the eviction, rollout.kv_replay, with the corrections on); then
+the KV memory itself, measured by the engine's allocator at a fixed pool (checks/sparse_kv_worker.py).
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
         [--method window|snapkv] [--budget 32] [--evict recent=16,interval=8] [--setting sort_trace|long]
