@@ -187,9 +187,17 @@ def test_snapkv_engine_settings(tmp_path, capsys):
         RolloutEngine(tmp_path, log_dir=tmp_path, kv_compression="snapkv", kv_budget=36)
     base = ["--model", str(tmp_path), "--port", "1", "--kv-compression", "snapkv", "--kv-budget", "64"]
     a = parse_args([*base, "--no-prefix-caching", "--kv-evict", '{"recent": 16, "interval": 4}'])
-    assert a.kv_evict == {"recent": 16, "interval": 4}
+    assert a.kv_evict == {"recent": 16, "interval": 4} and not a.kv_replay
+    assert parse_args([*base, "--no-prefix-caching", "--kv-replay"]).kv_replay
+    e = RolloutEngine(tmp_path, log_dir=tmp_path, kv_compression="snapkv", kv_budget=64, kv_replay=True)
+    assert e.settings["kv_replay"] is True
+    with pytest.raises(ValueError, match="kv_replay=True replays importance eviction: kv_compression='window'"):
+        RolloutEngine(tmp_path, log_dir=tmp_path, kv_compression="window", kv_budget=64, kv_replay=True)
+    window = ["--model", str(tmp_path), "--port", "1", "--kv-compression", "window", "--kv-budget", "64"]
     for argv, needle in (([*base], "--kv-compression snapkv needs --no-prefix-caching"),
-                         ([*base, "--no-prefix-caching", "--kv-evict", '{"interval": 0}'], "interval=0 is below 1")):
+                         ([*base, "--no-prefix-caching", "--kv-evict", '{"interval": 0}'], "interval=0 is below 1"),
+                         ([*window, "--kv-replay"], "--kv-replay replays importance eviction: --kv-compression is "
+                                                    "'window'")):
         with pytest.raises(SystemExit) as ex:
             parse_args(argv)
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
