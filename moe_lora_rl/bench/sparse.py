@@ -240,7 +240,7 @@ def main(argv=None) -> dict:
            "eval_sparse_corrected_sampler": mean("sparse_corrected", "eval_end"),
            **({"eval_sparse_replay": mean("sparse_replay", "eval_end_dense"),
                "eval_sparse_replay_sampler": mean("sparse_replay", "eval_end"),
-               "rejection_rate_replay": hmean("sparse_replay", "sparse/seq_rejected_frac")} if len(runs) > 3 else {}),
+               "rejection_rate_replay": hmean("sparse_replay", "sparse/seq_rejected_frac")} if "sparse_replay" in runs else {}),
            "rejection_rate": hmean("sparse_corrected", "sparse/seq_rejected_frac"),
            "token_masked_frac": hmean("sparse_corrected", "sparse/token_masked_frac"),
            "kl": {run: mean(run, "kl_mean_r3") for run in runs},

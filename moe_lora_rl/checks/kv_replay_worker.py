@@ -9,6 +9,7 @@ swapped for an evicted one. Rank 0 writes the numbers as JSON.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -65,12 +66,11 @@ def main(argv=None) -> None:
         arch = pol.arch
         batch = make_batch(arch.vocab_size, arch.num_layers, arch.num_kv_heads)
         replayed = pol.logprobs(batch, replay="off").logprobs
-        dense = pol.logprobs(PolicyBatch(batch.tokens, batch.lengths, batch.loss_mask, batch.advantages, None,
-                                         None, batch.group_ids), replay="off").logprobs
+        dense = pol.logprobs(dataclasses.replace(batch, kv_kept=None), replay="off").logprobs
         if dist.get_rank() == 0:
             if hf_rows is None:
                 hf_rows = reference(a.model, batch, arch)
-            same = swapped = dense_diff = 0.0
+            same = dense_diff = 0.0
             for i, k in enumerate(LENGTHS):
                 mine, theirs = replayed[i, :k - 1], hf_rows["same"][i]
                 same = max(same, float((mine - theirs).abs().max()))
