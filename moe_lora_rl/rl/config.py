@@ -46,9 +46,19 @@ class ModelSettings:
     """An HF checkpoint directory to use instead of the built-in model (no warm start is run for it)."""
     warm_start: bool = True
     """Start from the cached supervised warm start of the built-in model on the task."""
+    warm_steps: Optional[int] = None
+    """Supervised steps of that warm start (None: the task's, rl/warm_start.py TASK_WARM_STARTS); each count is its
+    own cached checkpoint."""
 
     def __post_init__(self):
         from ..models.tiny import SPECS
+
+        if self.warm_steps is not None and (isinstance(self.warm_steps, bool) or not isinstance(self.warm_steps, int)
+                                            or self.warm_steps < 1):
+            raise ValueError(f"model.warm_steps={self.warm_steps!r} must be an integer >= 1 (or null: the task's)")
+        if self.warm_steps is not None and (self.path is not None or not self.warm_start):
+            raise ValueError(f"model.warm_steps={self.warm_steps} sets the built-in warm start's steps: it does not "
+                             "apply with model.path or model.warm_start=false")
 
         if self.path is None and (self.family, self.size) not in SPECS:
             raise ValueError(f"model family/size {self.family!r}/{self.size!r} is not built in; known: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .config import TrainConfig
@@ -19,7 +20,10 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     from .warm_start import task_warm_spec, warm_started
 
     t0 = time.perf_counter()
-    path = warm_started(cfg.model.family, cfg.model.size, task_warm_spec(cfg.model.size, cfg.data.task_spec()))
+    spec = task_warm_spec(cfg.model.size, cfg.data.task_spec())
+    if cfg.model.warm_steps is not None:
+        spec = replace(spec, steps=cfg.model.warm_steps)
+    path = warm_started(cfg.model.family, cfg.model.size, spec)
     took = time.perf_counter() - t0
     recorded = json.loads((path / "moe_lora_rl_warm_start.json").read_text())["train_wall_s"]
     cached = took < 0.5 * recorded

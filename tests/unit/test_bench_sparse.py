@@ -1,7 +1,7 @@
 """bench sparse's pure parts: each run's overrides, and every argument honoured or refused before a job starts."""
 import pytest
 
-from moe_lora_rl.bench.sparse import RUNS, main, mean_of, run_overrides, runs_of
+from moe_lora_rl.bench.sparse import RUNS, main, mean_of, run_overrides, runs_of, setting_overrides
 
 
 def test_runs_differ_only_in_the_engine_and_the_correction():
@@ -16,6 +16,13 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     assert RUNS == ("dense", "sparse_uncorrected", "sparse_corrected", "sparse_replay")
     assert runs_of("window") == RUNS[:3] and runs_of("snapkv") == RUNS          # a window is not replayed
     assert mean_of([{"a": 1.0}, {"b": 2}, {"a": 3.0}], "a") == 2.0 and mean_of([], "a") is None
+
+
+def test_the_long_setting_starts_where_grpo_learns_unless_the_model_is_given():
+    assert setting_overrides("long", [], [])[-2:] == ["algo.lr=3e-4", "model.warm_steps=500"]
+    assert "model.warm_steps=500" not in setting_overrides("long", [], ["model.path=/m"])
+    assert "model.warm_steps=500" not in setting_overrides("long", ["model.warm_start=false"], [])
+    assert not any(o.startswith("model.") for o in setting_overrides("sort_trace", [], []))
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -38,6 +45,7 @@ def test_runs_differ_only_in_the_engine_and_the_correction():
     (["--kv-only", "--reuse", "--out", "x"], "--kv-only runs no learning run"),
     (["--", "algo.sparse_lower=1.2"], "lower=1.2"),
     (["--", "rollout.kv_replay=true"], "override 'rollout.kv_replay=true': sparse sets"),
+    (["--setting", "long", "--", "model.warm_steps=0"], "model.warm_steps=0 must be an integer >= 1"),
 ])
 def test_refused_before_any_run(argv, needle, monkeypatch):
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))

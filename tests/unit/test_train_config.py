@@ -51,6 +51,7 @@ def test_overrides_from_command_line_list():
     ("resume=true", "resume=true needs checkpoint_every"),
     ("free_routing_every=-1", "free_routing_every=-1"),
     ("runtime.experts=batched", "runtime.experts='batched'"),
+    ("model.warm_steps=0", "model.warm_steps=0 must be an integer >= 1"),
 ])
 def test_bad_values_one_line(override, message):
     with pytest.raises(ValueError) as e:
@@ -76,3 +77,27 @@ def test_dataset_files_parsed_at_load(tmp_path):
     with pytest.raises(ValueError) as e:
         C.load([f"data.train_file={bad}"])
     assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_warm_steps_choose_the_warm_start(tmp_path, monkeypatch):
+    """model.warm_steps changes only the steps of the task's warm start (its own cached checkpoint); it is refused
+    where no built-in warm start runs."""
+    import json
+    from moe_lora_rl.rl import inputs
+
+    seen = []
+
+    def fake(family, size, spec):
+        seen.append(spec)
+        (tmp_path / "moe_lora_rl_warm_start.json").write_text(json.dumps({"train_wall_s": 1.0}))
+        return tmp_path
+
+    monkeypatch.setattr("moe_lora_rl.rl.warm_start.warm_started", fake)
+    inputs.model_dir(C.load([], config_name="long"))
+    inputs.model_dir(C.load(["model.warm_steps=500"], config_name="long"))
+    default, longer = seen
+    assert (default.steps, longer.steps) == (300, 500) and default.key() != longer.key()
+    assert {k: v for k, v in longer.__dict__.items() if k != "steps"} == \
+        {k: v for k, v in default.__dict__.items() if k != "steps"}
+    with pytest.raises(ValueError, match="model.warm_steps=5 sets the built-in warm start's steps"):
+        C.load(["model.warm_steps=5", "model.warm_start=false"])
