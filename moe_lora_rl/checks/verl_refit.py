@@ -7,6 +7,8 @@ Megatron+LoRA's. Prints one line "RESULT <json>".
     checkpoint-engine: MoELoRACheckpointEngine.send_weights -> moe_lora_begin / bucket / commit (version 2)
     base backend: MoELoRABaseCheckpointEngine.send_weights into a second engine started empty: the first stream's
       base through vLLM's weight-transfer calls (weight_sync/), its adapters (version 1); then version 2
+    base backend, mailbox delivery: what a receiver yields (base + version 1, then version 2) into a third engine
+      started empty, through verl's sender and update_weights_from_ipc
 """
 from __future__ import annotations
 
@@ -61,6 +63,30 @@ def colocated_sync(llm, stream, base_sync_done: bool, bucket_mb: int = 1) -> dic
         raise out["err"]
     r = out["res"]
     return {k: r[k] for k in ("version", "checksum", "base_tensors", "unchanged")}
+
+
+def mailbox_streams(backend, streams: list) -> list[list]:
+    """What one receiver of `backend`'s mailbox delivery yields after each stream is sent (an in-process mailbox:
+    the Ray actor's class without Ray)."""
+    from ..integration.verl import mailbox
+
+    box = mailbox.AdapterMailbox()
+    handle = type("H", (), {"post": type("M", (), {"remote": staticmethod(box.post)}),
+                            "take": type("M", (), {"remote": staticmethod(box.take)})})()
+    sender, receiver = backend(), backend()
+
+    async def run():
+        got = []
+        for stream in streams:
+            await sender.send_weights(iter(stream))
+            got.append([item async for item in receiver.receive_weights()])
+        return got
+
+    saved, mailbox.mailbox = mailbox.mailbox, lambda: handle
+    try:
+        return asyncio.run(run())
+    finally:
+        mailbox.mailbox = saved
 
 
 def main(argv=None):
@@ -150,6 +176,17 @@ def main(argv=None):
     base_got = prompt_logprobs(fresh, seqs.tolist())
     base_out2 = asyncio.run(ck_base.send_weights(iter(v2)))
     base_got2 = prompt_logprobs(fresh, seqs.tolist())
+    # "moe_lora_base" through the mailbox (verl's async trainers): a third engine started empty takes what its
+    # receiver yields (the base with version 1's adapters, then version 2's adapters alone) through verl's sender
+    # and update_weights_from_ipc with base_sync_done=False, as verl's CheckpointEngineWorker drives it
+    del fresh
+    mail = mailbox_streams(MoELoRABaseCheckpointEngine, [first, v2])
+    empty = make_engine(a.model, dtype="float32", prefix_caching=False, extension=WORKER_EXTENSION,
+                        load_format="dummy")
+    mail_sync1 = colocated_sync(empty, iter(mail[0]), base_sync_done=False)
+    mail_got = prompt_logprobs(empty, seqs.tolist())
+    mail_sync2 = colocated_sync(empty, iter(mail[1]), base_sync_done=False)
+    mail_got2 = prompt_logprobs(empty, seqs.tolist())
     res = {
         "first_meta": decode_meta(first[0][1]), "second_meta": decode_meta(second[0][1]),
         "first_names": len(first) - 1, "first_lora_names": sum(".lora_" in n for n, _ in first),
@@ -166,6 +203,8 @@ def main(argv=None):
         "bad_refused": refused, "after_bad_diff": float((after_bad - want2).abs().max()),
         "base_backend_out": base_out, "base_backend_diff": float((base_got - want).abs().max()),
         "base_backend_out2": base_out2, "base_backend_diff2": float((base_got2 - want2).abs().max()),
+        "mailbox_names": [len(m) - 1 for m in mail], "mailbox_sync": [mail_sync1, mail_sync2],
+        "mailbox_diff": float((mail_got - want).abs().max()), "mailbox_diff2": float((mail_got2 - want2).abs().max()),
     }
     print("RESULT " + json.dumps(res))
 

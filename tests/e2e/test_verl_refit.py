@@ -72,3 +72,15 @@ def test_base_backend_fills_an_empty_engine(res):
     assert res["base_backend_diff"] <= 1e-3 < res["base_vs_lora"], res
     assert "moe_lora/base_version" not in out2 and out2["moe_lora/refit_version"] == 2, out2
     assert res["base_backend_diff2"] <= 1e-3 < res["v1_vs_v2"], res
+
+
+def test_base_backend_mailbox_fills_an_empty_engine(res):
+    """"moe_lora_base" through the mailbox (verl's async trainers): an engine started on dummy weights gets the base
+    with version 1's adapters, then version 2's adapters alone, through verl's sender into update_weights_from_ipc
+    (base_sync_done=False, as verl's CheckpointEngineWorker calls it); it then serves Megatron's log-probs."""
+    names, (s1, s2) = res["mailbox_names"], res["mailbox_sync"]
+    assert names == [res["first_names"], res["first_lora_names"]], names
+    assert s1["base_tensors"] == res["first_names"] - res["first_lora_names"] and s1["version"] == 1, s1
+    assert s2["base_tensors"] == 0 and s2["version"] == 2 and not s2["unchanged"], s2
+    assert res["mailbox_diff"] <= 1e-3 < min(res["dummy_vs_megatron_base"], res["base_vs_lora"]), res
+    assert res["mailbox_diff2"] <= 1e-3 < res["v1_vs_v2"], res

@@ -63,6 +63,68 @@ def test_receive_weights_stream_is_adapters_only_and_accepted_without_a_base(mon
         bare.bucket([(META, encode_meta({**meta, "base": False}))], is_last=False)
 
 
+def _inproc_mailbox(monkeypatch):
+    from moe_lora_rl.integration.verl import mailbox
+
+    box = mailbox.AdapterMailbox()
+    monkeypatch.setattr(mailbox, "mailbox", lambda: type("H", (), {
+        "post": type("M", (), {"remote": staticmethod(box.post)}),
+        "take": type("M", (), {"remote": staticmethod(box.take)})})())
+    return box
+
+
+def test_base_backend_mailbox_hands_the_base_to_each_engine_once(monkeypatch):
+    """"moe_lora_base" through the mailbox: the first stream's base stays posted; each receiver yields it with the
+    newest adapters until it has delivered it (a receiver that joins later gets it then), adapters only after; each
+    stream is what the colocated receiver state machine accepts (with verl's base_sync_done=False on this path)."""
+    from moe_lora_rl.integration.verl.checkpoint_engine import MoELoRABaseCheckpointEngine
+    from moe_lora_rl.integration.verl.colocated import ColocatedSync
+    from moe_lora_rl.integration.verl.weight_sync import META, decode_meta, encode_meta
+
+    _inproc_mailbox(monkeypatch)
+    meta = {"version": 1, "checksum": "c1", "rank": 2, "alpha": 4.0, "base": True}
+    first = [(META, encode_meta(meta)), ("model.embed_tokens.weight", torch.arange(3.0)),
+             ("x.lora_A.weight", torch.ones(2, 3)), ("x.lora_B.weight", torch.zeros(3, 2))]
+    second = [(META, encode_meta({**meta, "version": 2, "checksum": "c2", "base": False})),
+              ("x.lora_A.weight", torch.ones(2, 3) * 2), ("x.lora_B.weight", torch.ones(3, 2))]
+    sender, early, late = (MoELoRABaseCheckpointEngine() for _ in range(3))
+
+    async def run():
+        sent = [await sender.send_weights(iter(first))]
+        got = {"early1": [item async for item in early.receive_weights()]}
+        sent.append(await sender.send_weights(iter(second)))
+        got["early2"] = [item async for item in early.receive_weights()]
+        got["late"] = [item async for item in late.receive_weights()]          # an engine started after version 1
+        return sent, got
+
+    sent, got = asyncio.run(run())
+    assert sent[0]["moe_lora/base_version"] == 1 and sent[0]["moe_lora/base_tensors"] == 1, sent
+    assert "moe_lora/base_version" not in sent[1] and sent[1]["moe_lora/refit_version"] == 2, sent
+    names = {k: [n for n, _ in v] for k, v in got.items()}
+    assert names["early1"] == [META, "model.embed_tokens.weight", "x.lora_A.weight", "x.lora_B.weight"], names
+    assert names["early2"] == [META, "x.lora_A.weight", "x.lora_B.weight"], names
+    assert names["late"] == [META, "model.embed_tokens.weight", "x.lora_A.weight", "x.lora_B.weight"], names
+    assert float(got["late"][2][1][0, 0]) == 2.0 and decode_meta(got["late"][0][1])["version"] == 2  # the newest
+    assert torch.equal(got["late"][1][1], torch.arange(3.0))
+    for key, n_base in (("early1", 1), ("early2", 0), ("late", 1)):
+        sync = ColocatedSync(base_sync_done=False)
+        assert len(sync.bucket(got[key], is_last=True)) == n_base and sync.plan({"version": None}) == "stage"
+    # negative controls: an adapters-only stream without the receiver's base flag is refused; a receiver on
+    # "moe_lora_base" with no base ever posted gets a one-line error, not a base-less engine
+    with pytest.raises(ValueError, match="carries no base weights"):
+        ColocatedSync(base_sync_done=False).bucket([(META, encode_meta(decode_meta(second[0][1])))], is_last=False)
+    _inproc_mailbox(monkeypatch)
+
+    async def no_base():
+        from moe_lora_rl.integration.verl.checkpoint_engine import MoELoRACheckpointEngine
+
+        await MoELoRACheckpointEngine().send_weights(iter(second))
+        return [item async for item in MoELoRABaseCheckpointEngine().receive_weights()]
+
+    with pytest.raises(ValueError, match=r"mailbox post 1 \(adapter version 2\) has no base posted before it"):
+        asyncio.run(no_base())
+
+
 def test_sync_log_verdicts():
     from moe_lora_rl.checks.verl_async import pair_syncs, synced_fraction
 

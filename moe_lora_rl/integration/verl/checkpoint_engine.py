@@ -126,7 +126,7 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         from .mailbox import take
         from .weight_sync import encode_meta
 
-        seq, meta, tensors = await take(self.delivered, self.mailbox_timeout_s)
+        seq, meta, tensors, _ = await take(self.delivered, self.mailbox_timeout_s)
         self.delivered = seq
         yield META, encode_meta({**meta, "base": False, "base_from_checkpoint": True})
         for item in tensors.items():
@@ -135,12 +135,16 @@ class MoELoRACheckpointEngine(CheckpointEngine):
 
 class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
     """Backend "moe_lora_base": the base weights too, for rollout servers started empty (rollout.load_format=dummy,
-    no copy of the checkpoint on the rollout side). A stream that carries the base (verl's first sync) reaches each
-    server through vLLM's weight-transfer API (weight_sync/: one shared-memory store of buckets, each checked by its
-    digest, or each bucket inline for a server on another host), then its adapters as the "moe_lora" backend pushes them; later streams carry
-    adapters only. Push delivery only (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller).
-    engine_kwargs.moe_lora.base_transport: auto (shared memory to a server on loopback, the bytes inline in each call
-    to one on another host), shm or http."""
+    no copy of the checkpoint on the rollout side). Later streams carry adapters only. Two deliveries, as "moe_lora":
+    - mailbox (default): the first stream's base goes into the mailbox with its adapters and stays there; each
+      receiver yields the base with the newest adapters until it has delivered that base (an engine started, or
+      restarted, later gets it then), adapters only after. verl's ServerAdapter streams it to our extension, which
+      loads the base in place (vLLM's layerwise reload) before it stages the adapters.
+    - push (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller): the base reaches each server
+      through vLLM's weight-transfer API (weight_sync/: one shared-memory store of buckets, each checked by its
+      digest, or each bucket inline for a server on another host), then its adapters as "moe_lora" pushes them.
+      engine_kwargs.moe_lora.base_transport: auto (shared memory to a server on loopback, the bytes inline in each
+      call to one on another host), shm or http."""
 
     def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, base_transport: str = "auto",
                  **kw: Any):
@@ -166,8 +170,7 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
         if not meta:                           # ranks other than the trainer's rank 0 send nothing
             return {}
         if not self.transports:
-            raise ValueError(f"checkpoint engine {BASE_BACKEND!r} pushes to the rollout servers itself: set "
-                             "engine_kwargs.moe_lora.server_urls")
+            return await self._post(meta, base, tensors, global_steps)
         out = {}
         if base:
             self.base_version += 1
@@ -180,6 +183,37 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
                    "moe_lora/base_sync_s": sum(t["total_s"] for t in syncs),
                    "moe_lora/base_transports": [t["transport"] for t in syncs]}
         return {**out, **self._push(meta, tensors)}
+
+
+    async def _post(self, meta: dict, base: dict, tensors: dict, global_steps: int | None) -> dict:
+        """Mailbox delivery: the adapters, and the base when the stream carries it (host copies)."""
+        from .mailbox import post
+
+        host = lambda d: {n: t.detach().cpu() for n, t in d.items()}
+        seq = await post(meta, host(tensors), host(base) if base else None)
+        if base:
+            self.base_version = seq
+        self.last = {"version": meta["version"], "tensors": len(tensors), "seq": seq, "base_tensors": len(base)}
+        log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
+                                 "global_steps": global_steps, "seq": seq, "base": bool(base)})
+        return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors),
+                **({"moe_lora/base_version": seq, "moe_lora/base_tensors": len(base)} if base else {})}
+
+    async def receive_weights(self, global_steps: int | None = None):
+        """Mailbox delivery: the header, the base (once per receiver, and again when a newer one was posted) and the
+        adapters of the newest version posted since this receiver's last delivery. Push delivery: nothing."""
+        if self.transports:
+            return
+        from .mailbox import take
+        from .weight_sync import encode_meta
+
+        seq, meta, tensors, base = await take(self.delivered, self.mailbox_timeout_s, self.base_version)
+        self.delivered = seq
+        if base is not None:
+            self.base_version = base[0]
+        yield META, encode_meta({**meta, "base": base is not None, "base_delivered": self.base_version})
+        for item in (*(base[1].items() if base is not None else ()), *tensors.items()):
+            yield item
 
 
 def log_sync(path: str | None, line: dict) -> None:

@@ -8,8 +8,8 @@ into a reused buffer, the last one flagged:
     base weights (HF names)                           only when the header says base: handed out per bucket, loaded
     adapters (PEFT names, ".lora_" in them)           cloned and kept until the last bucket, then staged as one version
 
-Our checkpoint-engine backend's streams say base_from_checkpoint (the server loaded the base itself): adapters only,
-whatever verl's base_sync_done. verl calls it twice on the first colocated sync (base_sync_done=False, then True)
+Our checkpoint-engine backends' streams say base_from_checkpoint ("moe_lora": the server loaded the base itself) or
+base_delivered ("moe_lora_base" after this server's base went out): adapters only, whatever verl's base_sync_done. verl calls it twice on the first colocated sync (base_sync_done=False, then True)
 with the same adapter version; a repeat of the served version with the same checksum is a no-op, with another
 checksum an error (two different adapters under one version number).
 """
@@ -37,7 +37,8 @@ class ColocatedSync:
                     raise ValueError(f"weight stream starts with {name!r}, not {META!r}: it does not come from our "
                                      "engine (actor_rollout_ref.actor.megatron._target_ must be our engine config)")
                 self.meta = decode_meta(t)
-                if not self.base_sync_done and not self.meta.get("base") and not self.meta.get("base_from_checkpoint"):
+                if not self.base_sync_done and not any(self.meta.get(k) for k in
+                                                       ("base", "base_from_checkpoint", "base_delivered")):
                     raise ValueError(f"verl asked for a base weight sync (base_sync_done=False) but the stream of "
                                      f"version {self.meta.get('version')} carries no base weights")
                 continue

@@ -1,12 +1,20 @@
-"""The rendezvous of our checkpoint-engine backend's mailbox delivery: one named Ray actor per job holding the newest
-adapter version the trainer posted (header and host tensors, carried by Ray's object store), and a sequence number.
+"""The rendezvous of our checkpoint-engine backends' mailbox delivery: one named Ray actor per job holding the newest
+adapter version the trainer posted (header and host tensors, carried by Ray's object store) with a sequence number,
+and, for the "moe_lora_base" backend, the newest base weights posted (a version and host tensors).
 
-    seq = await post(meta, tensors)                  trainer rank 0, once per sync
-    seq, meta, tensors = await take(delivered, t)    each rollout worker: waits (up to t s) for a post newer than
-                                                     the one it delivered last, then gets the newest one
+    seq = await post(meta, tensors, base=None)       trainer rank 0, once per sync (base: the base tensors, when
+                                                     the stream carries them)
+    seq, meta, tensors, base = await take(delivered, t, base_have=None)
+                                                     each rollout worker: waits (up to t s) for a post newer than
+                                                     the one it delivered last, then gets the newest one; with
+                                                     base_have (the sequence number of the base it delivered, 0 for
+                                                     none), base is (its sequence number, tensors) when a newer base
+                                                     was posted, else None
 
-A receiver that missed a post gets the newest (versions only move forward); the mailbox keeps one item, so memory
-stays at one adapter set. The actor is created by whichever side asks first and lives as long as that process.
+A receiver that missed a post gets the newest (versions only move forward); the mailbox keeps one adapter item, so
+that memory stays at one adapter set. The base stays for the job's life (an engine restarted or added later needs
+it): one host copy of the base in Ray's object store. The actor is created by whichever side asks first and lives as
+long as that process.
 """
 from __future__ import annotations
 
@@ -17,24 +25,32 @@ NAME = "moe_lora_adapter_mailbox"
 
 class AdapterMailbox:
     def __init__(self):
-        self.seq, self.item = 0, None
+        self.seq, self.item, self.base = 0, None, None
         self.cond = asyncio.Condition()
 
-    async def post(self, meta: dict, tensors: dict) -> int:
+    async def post(self, meta: dict, tensors: dict, base: dict | None = None) -> int:
         async with self.cond:
             self.seq += 1
             self.item = (self.seq, meta, tensors)
+            if base is not None:
+                self.base = (self.seq, base)
             self.cond.notify_all()
             return self.seq
 
-    async def take(self, delivered: int, timeout_s: float):
+    async def take(self, delivered: int, timeout_s: float, base_have: int | None = None):
         async with self.cond:
             try:
                 await asyncio.wait_for(self.cond.wait_for(lambda: self.seq > delivered), timeout_s)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no adapter version posted within {timeout_s:.0f} s after delivery {delivered} "
                                    "(rollout.checkpoint_engine.engine_kwargs.moe_lora.mailbox_timeout_s)") from None
-            return self.item
+            if base_have is None:
+                return (*self.item, None)
+            if self.base is None:
+                raise ValueError(f"mailbox post {self.seq} (adapter version {self.item[1].get('version')}) has no "
+                                 "base posted before it: an engine started empty cannot serve it (is the trainer on "
+                                 "checkpoint_engine.backend=moe_lora_base too?)")
+            return (*self.item, self.base if self.base[0] > base_have else None)
 
 
 _handle = None
@@ -51,9 +67,9 @@ def mailbox():
     return _handle
 
 
-async def post(meta: dict, tensors: dict) -> int:
-    return await mailbox().post.remote(meta, tensors)
+async def post(meta: dict, tensors: dict, base: dict | None = None) -> int:
+    return await mailbox().post.remote(meta, tensors, base)
 
 
-async def take(delivered: int, timeout_s: float):
-    return await mailbox().take.remote(delivered, timeout_s)
+async def take(delivered: int, timeout_s: float, base_have: int | None = None):
+    return await mailbox().take.remote(delivered, timeout_s, base_have)
