@@ -7,7 +7,8 @@ the KV memory itself, measured by the engine's allocator at a fixed pool (checks
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
         [--method window|snapkv] [--budget 32] [--evict recent=16,interval=8] [--setting sort_trace|long]
-        [--kv-only] [--kv-requests 128] [--pool-blocks 48] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
+        [--kv-only] [--kv-requests 128] [--pool-blocks 48] [--png FILE] [--runs R,...] [--out DIR [--reuse]]
+        [-- k=v ...]
 
 --method snapkv: importance-based eviction (vllm/kv_evict.py) with --evict's settings (rollout.kv_evict.*: sinks,
 recent, window, interval, pool). --setting long: the long-reasoning job (recipes/long.yaml: answers of ~60-400
@@ -65,6 +66,17 @@ def setting_overrides(setting: str, extra: list[str], model_over: list[str]) -> 
     model.warm_* override chooses the model."""
     chosen = model_over or any(o.lstrip("+").startswith("model.warm") for o in extra)
     return [*SETTINGS[setting], *([] if chosen else WARM.get(setting, []))]
+
+
+def pick_runs(spec: str | None, runs: tuple[str, ...]) -> tuple[str, ...]:
+    """--runs: a subset of the method's runs (ValueError naming one it does not have)."""
+    if spec is None:
+        return runs
+    chosen = tuple(filter(None, spec.split(",")))
+    bad = [r for r in chosen if r not in runs]
+    if bad or not chosen or len(set(chosen)) != len(chosen):
+        raise ValueError(f"--runs={spec!r}: expected distinct runs of {list(runs)}")
+    return chosen
 
 
 def runs_of(method: str) -> tuple[str, ...]:
@@ -164,6 +176,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-requests", type=int, default=128, help="requests of each KV measurement run")
     ap.add_argument("--pool-blocks", type=int, default=48, help="KV blocks of the concurrency measurement's pool")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
+    ap.add_argument("--runs", default=None,
+                    help="comma-separated runs to run (default: every run of --method); the others are read from "
+                         "--out with --reuse, or left out of the summary")
     ap.add_argument("--reuse", action="store_true",
                     help="with --out: a run whose summary.json is already there is read, not run again")
     a = ap.parse_args(argv)
@@ -194,8 +209,14 @@ def main(argv=None) -> dict:
     base = [*layout_over, *setting_overrides(a.setting, extra, model_over), *extra, *model_over,
             *([f"steps={a.steps}"] if a.steps else [])]
     runs = runs_of(a.method)
+    chosen = pick_runs(a.runs, runs)
     cfgs = {run: _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2) for run in runs}
     cfg = cfgs["dense"]                                   # every run refused up front; the KV figures use dense's
+    have = [r for r in runs if r in chosen or (a.reuse and all(
+        (Path(a.out) / f"{r}-s{s}" / "summary.json").is_file() for s in seeds))]
+    if "dense" not in have or len(have) < 2:
+        raise ValueError(f"--runs={a.runs!r}: the summary needs the dense run and a sparse one of every seed {seeds}, "
+                         f"run here or read from --out with --reuse (found {have})")
     if a.kv_only and a.reuse:
         raise ValueError("--kv-only runs no learning run: --reuse has nothing to read")
     t0 = time.time()
@@ -219,10 +240,13 @@ def main(argv=None) -> dict:
                 if a.reuse and (out / "summary.json").is_file():
                     sums[run, seed] = json.loads((out / "summary.json").read_text())
                     reused.append(out.name)
-                else:
+                elif run in chosen:
                     sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget, evict),
                                                   f"seed={seed}"], out, a.timeout)
+                else:
+                    continue
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
+        runs = tuple(r for r in runs if all((r, s) in sums for s in seeds))     # those of every seed
         kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, cfg, root)
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
@@ -237,24 +261,32 @@ def main(argv=None) -> dict:
         vals = [mean_of(hist[run, s], key) for s in seeds]
         return None if None in vals else sum(vals) / len(vals)
 
+    def run_mean(run, key):
+        return mean(run, key) if run in runs else None
+
+    def run_hmean(run, key):
+        return hmean(run, key) if run in runs else None
+
+    sp = next(r for r in ("sparse_corrected", "sparse_replay", "sparse_uncorrected") if r in runs)   # the same engine
     dense_end = {s: sums["dense", s]["eval_end"] for s in seeds}
-    out = {"method": a.method, "budget": a.budget, "evict": evict, "setting": a.setting,
-           "kv_bytes_ratio": hmean("sparse_corrected", "kv_peak_bytes_per_seq") / hmean("dense", "kv_peak_bytes_per_seq"),
-           "kv_bytes_ratio_mean": hmean("sparse_corrected", "kv_bytes_per_seq") / hmean("dense", "kv_bytes_per_seq"),
+    out = {"method": a.method, "budget": a.budget, "evict": evict, "setting": a.setting, "runs": list(runs),
+           "kv_bytes_ratio": hmean(sp, "kv_peak_bytes_per_seq") / hmean("dense", "kv_peak_bytes_per_seq"),
+           "kv_bytes_ratio_mean": hmean(sp, "kv_bytes_per_seq") / hmean("dense", "kv_bytes_per_seq"),
            "kv_peak_bytes_per_seq_dense": hmean("dense", "kv_peak_bytes_per_seq"),
-           "kv_peak_bytes_per_seq_sparse": hmean("sparse_corrected", "kv_peak_bytes_per_seq"),
+           "kv_peak_bytes_per_seq_sparse": hmean(sp, "kv_peak_bytes_per_seq"),
            **kv_summary(kv),
            "eval_start": mean("dense", "eval_start"),
            "eval_dense": sum(dense_end.values()) / len(seeds),
-           "eval_sparse_uncorrected": mean("sparse_uncorrected", "eval_end_dense"),
-           "eval_sparse_corrected": mean("sparse_corrected", "eval_end_dense"),
-           "eval_sparse_uncorrected_sampler": mean("sparse_uncorrected", "eval_end"),
-           "eval_sparse_corrected_sampler": mean("sparse_corrected", "eval_end"),
-           **({"eval_sparse_replay": mean("sparse_replay", "eval_end_dense"),
-               "eval_sparse_replay_sampler": mean("sparse_replay", "eval_end"),
-               "rejection_rate_replay": hmean("sparse_replay", "sparse/seq_rejected_frac")} if "sparse_replay" in runs else {}),
-           "rejection_rate": hmean("sparse_corrected", "sparse/seq_rejected_frac"),
-           "token_masked_frac": hmean("sparse_corrected", "sparse/token_masked_frac"),
+           "eval_sparse_uncorrected": run_mean("sparse_uncorrected", "eval_end_dense"),
+           "eval_sparse_corrected": run_mean("sparse_corrected", "eval_end_dense"),
+           "eval_sparse_uncorrected_sampler": run_mean("sparse_uncorrected", "eval_end"),
+           "eval_sparse_corrected_sampler": run_mean("sparse_corrected", "eval_end"),
+           **({"eval_sparse_replay": run_mean("sparse_replay", "eval_end_dense"),
+               "eval_sparse_replay_sampler": run_mean("sparse_replay", "eval_end"),
+               "rejection_rate_replay": run_hmean("sparse_replay", "sparse/seq_rejected_frac")}
+              if a.method in REPLAYS else {}),
+           "rejection_rate": run_hmean("sparse_corrected", "sparse/seq_rejected_frac"),
+           "token_masked_frac": run_hmean("sparse_corrected", "sparse/token_masked_frac"),
            "kl": {run: mean(run, "kl_mean_r3") for run in runs},
            "ratio_gt2": {run: mean(run, "ratio_gt2") for run in runs},
            "ratio_gt5": {run: mean(run, "ratio_gt5") for run in runs},

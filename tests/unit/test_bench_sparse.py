@@ -46,11 +46,37 @@ def test_the_long_setting_starts_where_grpo_learns_unless_the_model_is_given():
     (["--", "algo.sparse_lower=1.2"], "lower=1.2"),
     (["--", "rollout.kv_replay=true"], "override 'rollout.kv_replay=true': sparse sets"),
     (["--setting", "long", "--", "model.warm_steps=0"], "model.warm_steps=0 must be an integer >= 1"),
+    (["--runs", "sparse_replay"], "--runs='sparse_replay': expected distinct runs of"),
+    (["--runs", "dense,dense"], "--runs='dense,dense'"),
+    (["--runs", "dense"], "--runs='dense': the summary needs the dense run and a sparse one of every seed"),
+    (["--method", "snapkv", "--budget", "48", "--runs", "sparse_replay"], "--runs='sparse_replay': the summary needs"),
 ])
 def test_refused_before_any_run(argv, needle, monkeypatch):
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         main(argv)
+
+
+def test_runs_subset_reads_the_others_from_out(tmp_path, monkeypatch):
+    """--runs sparse_corrected --reuse: the dense runs are read from --out, only the chosen run starts."""
+    import json
+
+    started = []
+
+    def job(nproc, overrides, out, timeout):
+        started.append((out.name, [o for o in overrides if o.startswith(("algo.rollout_is", "seed"))]))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
+    with pytest.raises(ValueError, match="the summary needs the dense run"):        # not in --out yet
+        main(["--runs", "sparse_corrected,sparse_uncorrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
+    for seed in (0,):
+        (tmp_path / f"dense-s{seed}").mkdir()
+        (tmp_path / f"dense-s{seed}" / "summary.json").write_text(json.dumps({"eval_end": 0.5}))
+        (tmp_path / f"dense-s{seed}" / "metrics.jsonl").write_text("")
+    with pytest.raises(RuntimeError, match="stop"):
+        main(["--runs", "sparse_corrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
+    assert started == [("sparse_corrected-s0", ["algo.rollout_is=sparse", "seed=0"])]
 
 
 def test_reuse_needs_out(monkeypatch):
@@ -73,3 +99,30 @@ def test_kv_summary_compares_at_the_dense_concurrency():
     same = out["same_concurrency"]
     assert (same["cap"], same["mean_ratio"], same["peak_ratio"]) == (4, 0.35, 5.0 / 14.0)
     assert out["evictions"] == {"compressions": 3}
+
+
+def test_summary_of_a_subset_leaves_the_missing_runs_none(tmp_path, monkeypatch):
+    """--runs dense,sparse_replay: the summary's keys of the runs not run are None; the KV ratio is the replay
+    run's (the same engine as the corrected run's)."""
+    import json
+
+    def job(nproc, overrides, out, timeout):
+        replay = "rollout.kv_replay=true" in overrides
+        out.mkdir(parents=True)
+        rows = [{"step": 1, "kv_peak_bytes_per_seq": 40.0 if replay else 100.0, "kv_bytes_per_seq": 30.0 if replay
+                 else 60.0, "sparse/seq_rejected_frac": 0.0}]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"eval_start": 0.4, "eval_end": 0.5 if replay else 0.45, "eval_end_dense": 0.55 if replay else None,
+                "model": "m", "steps": 1, "evals": {}}
+
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.kv_figures", lambda *a: {})
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.kv_summary", lambda kv: {})
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.plot", lambda *a: None)
+    out = main(["--method", "snapkv", "--budget", "48", "--runs", "dense,sparse_replay", "--seeds", "0",
+                "--out", str(tmp_path)])
+    assert out["runs"] == ["dense", "sparse_replay"]
+    assert (out["kv_bytes_ratio"], out["kv_bytes_ratio_mean"]) == (0.4, 0.5)
+    assert (out["eval_dense"], out["eval_sparse_replay"], out["eval_sparse_replay_sampler"]) == (0.45, 0.55, 0.5)
+    assert out["eval_sparse_corrected"] is None and out["rejection_rate"] is None
+    assert "sparse_corrected" not in out["kl"]
