@@ -43,8 +43,8 @@ digits and its end-of-turn take 85)."""
 SETTINGS = {"sort_trace": TASK, "long": ["--config-name=long", "eval_every=10", "algo.lr=3e-4"]}
 WARM = {"long": ["model.warm_steps=500"]}
 """The setting's warm start where no --model (or model.warm_* override) is given: the long recipe's 300 supervised
-steps leave held-out success at 0.008, nothing for GRPO to learn from; 500 give 0.398, where lr 3e-4 learns and the
-recipe's 1e-3 falls (docs/long_reasoning.md)."""
+steps leave held-out success at 0.008, nothing for GRPO to learn from; 500 give 0.37-0.40. From there the recipe's
+lr 1e-3 degrades the policy (0.398 -> 0.234 in 40 steps) and 3e-4 keeps it (docs/long_reasoning.md)."""
 RUNS = ("dense", "sparse_uncorrected", "sparse_corrected", "sparse_replay")
 REPLAYS = ("snapkv",)
 """--method values whose eviction the trainer can replay (rollout.kv_replay): the sparse_replay run; the others
