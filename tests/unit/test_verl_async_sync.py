@@ -95,6 +95,9 @@ def test_base_backend_mailbox_hands_the_base_to_each_engine_once(monkeypatch):
         sent.append(await sender.send_weights(iter(second)))
         got["early2"] = [item async for item in early.receive_weights()]
         got["late"] = [item async for item in late.receive_weights()]          # an engine started after version 1
+        restarted = MoELoRABaseCheckpointEngine()                               # a restarted trainer sends the base
+        sent.append(await restarted.send_weights(iter(first)))
+        got["early3"] = [item async for item in early.receive_weights()]
         return sent, got
 
     sent, got = asyncio.run(run())
@@ -104,9 +107,10 @@ def test_base_backend_mailbox_hands_the_base_to_each_engine_once(monkeypatch):
     assert names["early1"] == [META, "model.embed_tokens.weight", "x.lora_A.weight", "x.lora_B.weight"], names
     assert names["early2"] == [META, "x.lora_A.weight", "x.lora_B.weight"], names
     assert names["late"] == [META, "model.embed_tokens.weight", "x.lora_A.weight", "x.lora_B.weight"], names
+    assert names["early3"] == [META, "x.lora_A.weight", "x.lora_B.weight"], names   # it holds the base already
     assert float(got["late"][2][1][0, 0]) == 2.0 and decode_meta(got["late"][0][1])["version"] == 2  # the newest
     assert torch.equal(got["late"][1][1], torch.arange(3.0))
-    for key, n_base in (("early1", 1), ("early2", 0), ("late", 1)):
+    for key, n_base in (("early1", 1), ("early2", 0), ("late", 1), ("early3", 0)):
         sync = ColocatedSync(base_sync_done=False)
         assert len(sync.bucket(got[key], is_last=True)) == n_base and sync.plan({"version": None}) == "stage"
     # negative controls: an adapters-only stream without the receiver's base flag is refused; a receiver on

@@ -139,7 +139,8 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
     - mailbox (default): the first stream's base goes into the mailbox with its adapters and stays there; each
       receiver yields the base with the newest adapters until it has delivered that base (an engine started, or
       restarted, later gets it then), adapters only after. verl's ServerAdapter streams it to our extension, which
-      loads the base in place (vLLM's layerwise reload) before it stages the adapters.
+      loads the base in place (vLLM's layerwise reload) before it stages the adapters. A base posted again (a
+      restarted trainer's first stream) goes only to receivers that have none: the base never trains.
     - push (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller): the base reaches each server
       through vLLM's weight-transfer API (weight_sync/: one shared-memory store of buckets, each checked by its
       digest, or each bucket inline for a server on another host), then its adapters as "moe_lora" pushes them.
@@ -200,8 +201,8 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
                 **({"moe_lora/base_version": seq, "moe_lora/base_tensors": len(base)} if base else {})}
 
     async def receive_weights(self, global_steps: int | None = None):
-        """Mailbox delivery: the header, the base (once per receiver, and again when a newer one was posted) and the
-        adapters of the newest version posted since this receiver's last delivery. Push delivery: nothing."""
+        """Mailbox delivery: the header, the base (once per receiver) and the adapters of the newest version posted
+        since this receiver's last delivery. Push delivery: nothing."""
         if self.transports:
             return
         from .mailbox import take

@@ -8,8 +8,9 @@ and, for the "moe_lora_base" backend, the newest base weights posted (a version 
                                                      each rollout worker: waits (up to t s) for a post newer than
                                                      the one it delivered last, then gets the newest one; with
                                                      base_have (the sequence number of the base it delivered, 0 for
-                                                     none), base is (its sequence number, tensors) when a newer base
-                                                     was posted, else None
+                                                     none), base is (its sequence number, tensors) when it has none,
+                                                     else None: the base never trains, so a base posted again (a
+                                                     restarted trainer's first stream) is the one it holds
 
 A receiver that missed a post gets the newest (versions only move forward); the mailbox keeps one adapter item, so
 that memory stays at one adapter set. The base stays for the job's life (an engine restarted or added later needs
@@ -50,7 +51,7 @@ class AdapterMailbox:
                 raise ValueError(f"mailbox post {self.seq} (adapter version {self.item[1].get('version')}) has no "
                                  "base posted before it: an engine started empty cannot serve it (is the trainer on "
                                  "checkpoint_engine.backend=moe_lora_base too?)")
-            return (*self.item, self.base if self.base[0] > base_have else None)
+            return (*self.item, self.base if base_have == 0 else None)
 
 
 _handle = None
