@@ -21,13 +21,19 @@ import time
 from ..rollout.engine import make_engine, set_engine_env
 
 
-def main(argv=None) -> dict:
-    set_engine_env()
+def engine_parser() -> argparse.ArgumentParser:
+    """The arguments of one engine with one KV compression (this worker's and checks/sparse_probe.py's)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--method", required=True)
     ap.add_argument("--budget", type=int, default=0)
     ap.add_argument("--evict", type=json.loads, default={}, help="snapkv's settings (rollout/kv_compression.py)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    set_engine_env()
+    ap = engine_parser()
     ap.add_argument("--pool-blocks", type=int, required=True)
     ap.add_argument("--length", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=85)

@@ -12,7 +12,6 @@ prompt_held_fail). Run it once per method on the same model and seeds: the bucke
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 
@@ -49,13 +48,10 @@ def bucket_summary(rows: list[dict], edges: list[int]) -> list[dict]:
 
 def main(argv=None) -> dict:
     from ..rollout.engine import make_engine, set_engine_env
+    from .sparse_kv_worker import engine_parser
 
     set_engine_env()
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--method", required=True)
-    ap.add_argument("--budget", type=int, default=0)
-    ap.add_argument("--evict", type=json.loads, default={}, help="snapkv's settings (rollout/kv_compression.py)")
+    ap = engine_parser()
     ap.add_argument("--task", default="sort_long")
     ap.add_argument("--n-eval", type=int, default=128)
     ap.add_argument("--samples", type=int, default=1)
