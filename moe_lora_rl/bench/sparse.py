@@ -253,19 +253,13 @@ def main(argv=None) -> dict:
             plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
                  f"Sparse-RL on {a.setting}: {a.method} {a.budget} tokens, seeds {seeds}")
 
-    def mean(run, key):
-        vals = [sums[run, s].get(key) for s in seeds]
+    def mean(run, key):                                    # None: a run not run here nor read from --out
+        vals = [sums[run, s].get(key) for s in seeds] if run in runs else [None]
         return None if None in vals else sum(vals) / len(vals)
 
     def hmean(run, key):
-        vals = [mean_of(hist[run, s], key) for s in seeds]
+        vals = [mean_of(hist[run, s], key) for s in seeds] if run in runs else [None]
         return None if None in vals else sum(vals) / len(vals)
-
-    def run_mean(run, key):
-        return mean(run, key) if run in runs else None
-
-    def run_hmean(run, key):
-        return hmean(run, key) if run in runs else None
 
     sp = next(r for r in ("sparse_corrected", "sparse_replay", "sparse_uncorrected") if r in runs)   # the same engine
     dense_end = {s: sums["dense", s]["eval_end"] for s in seeds}
@@ -277,16 +271,16 @@ def main(argv=None) -> dict:
            **kv_summary(kv),
            "eval_start": mean("dense", "eval_start"),
            "eval_dense": sum(dense_end.values()) / len(seeds),
-           "eval_sparse_uncorrected": run_mean("sparse_uncorrected", "eval_end_dense"),
-           "eval_sparse_corrected": run_mean("sparse_corrected", "eval_end_dense"),
-           "eval_sparse_uncorrected_sampler": run_mean("sparse_uncorrected", "eval_end"),
-           "eval_sparse_corrected_sampler": run_mean("sparse_corrected", "eval_end"),
-           **({"eval_sparse_replay": run_mean("sparse_replay", "eval_end_dense"),
-               "eval_sparse_replay_sampler": run_mean("sparse_replay", "eval_end"),
-               "rejection_rate_replay": run_hmean("sparse_replay", "sparse/seq_rejected_frac")}
+           "eval_sparse_uncorrected": mean("sparse_uncorrected", "eval_end_dense"),
+           "eval_sparse_corrected": mean("sparse_corrected", "eval_end_dense"),
+           "eval_sparse_uncorrected_sampler": mean("sparse_uncorrected", "eval_end"),
+           "eval_sparse_corrected_sampler": mean("sparse_corrected", "eval_end"),
+           **({"eval_sparse_replay": mean("sparse_replay", "eval_end_dense"),
+               "eval_sparse_replay_sampler": mean("sparse_replay", "eval_end"),
+               "rejection_rate_replay": hmean("sparse_replay", "sparse/seq_rejected_frac")}
               if a.method in REPLAYS else {}),
-           "rejection_rate": run_hmean("sparse_corrected", "sparse/seq_rejected_frac"),
-           "token_masked_frac": run_hmean("sparse_corrected", "sparse/token_masked_frac"),
+           "rejection_rate": hmean("sparse_corrected", "sparse/seq_rejected_frac"),
+           "token_masked_frac": hmean("sparse_corrected", "sparse/token_masked_frac"),
            "kl": {run: mean(run, "kl_mean_r3") for run in runs},
            "ratio_gt2": {run: mean(run, "ratio_gt2") for run in runs},
            "ratio_gt5": {run: mean(run, "ratio_gt5") for run in runs},

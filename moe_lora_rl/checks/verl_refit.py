@@ -70,9 +70,7 @@ def mailbox_streams(backend, streams: list) -> list[list]:
     the Ray actor's class without Ray)."""
     from ..integration.verl import mailbox
 
-    box = mailbox.AdapterMailbox()
-    handle = type("H", (), {"post": type("M", (), {"remote": staticmethod(box.post)}),
-                            "take": type("M", (), {"remote": staticmethod(box.take)})})()
+    handle = mailbox.in_process(mailbox.AdapterMailbox())
     sender, receiver = backend(), backend()
 
     async def run():

@@ -30,16 +30,21 @@ def test_mailbox_hands_each_receiver_the_newest_post():
     assert first[1]["version"] == 1 and newest[1]["version"] == 3 and float(newest[2]["a"]) == 3.0
 
 
-def test_receive_weights_stream_is_adapters_only_and_accepted_without_a_base(monkeypatch):
+def _inproc_mailbox(monkeypatch):
     from moe_lora_rl.integration.verl import mailbox
+
+    box = mailbox.AdapterMailbox()
+    handle = mailbox.in_process(box)
+    monkeypatch.setattr(mailbox, "mailbox", lambda: handle)
+    return box
+
+
+def test_receive_weights_stream_is_adapters_only_and_accepted_without_a_base(monkeypatch):
     from moe_lora_rl.integration.verl.checkpoint_engine import MoELoRACheckpointEngine
     from moe_lora_rl.integration.verl.colocated import ColocatedSync
     from moe_lora_rl.integration.verl.weight_sync import META, encode_meta
 
-    box = mailbox.AdapterMailbox()
-    monkeypatch.setattr(mailbox, "mailbox", lambda: type("H", (), {
-        "post": type("M", (), {"remote": staticmethod(box.post)}),
-        "take": type("M", (), {"remote": staticmethod(box.take)})})())
+    _inproc_mailbox(monkeypatch)
     meta = {"version": 4, "checksum": "abc", "rank": 2, "alpha": 4.0, "base": True}
     stream = [(META, encode_meta(meta)), ("model.embed_tokens.weight", torch.zeros(3)),   # base: not carried
               ("x.lora_A.weight", torch.ones(2, 3)), ("x.lora_B.weight", torch.zeros(3, 2))]
@@ -61,16 +66,6 @@ def test_receive_weights_stream_is_adapters_only_and_accepted_without_a_base(mon
     bare = ColocatedSync(base_sync_done=False)
     with pytest.raises(ValueError, match="carries no base weights"):
         bare.bucket([(META, encode_meta({**meta, "base": False}))], is_last=False)
-
-
-def _inproc_mailbox(monkeypatch):
-    from moe_lora_rl.integration.verl import mailbox
-
-    box = mailbox.AdapterMailbox()
-    monkeypatch.setattr(mailbox, "mailbox", lambda: type("H", (), {
-        "post": type("M", (), {"remote": staticmethod(box.post)}),
-        "take": type("M", (), {"remote": staticmethod(box.take)})})())
-    return box
 
 
 def test_base_backend_mailbox_hands_the_base_to_each_engine_once(monkeypatch):

@@ -95,14 +95,21 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         if not meta:                           # ranks other than the trainer's rank 0 send nothing
             return {}
         if not self.transports:
-            from .mailbox import post
-
-            seq = await post(meta, {n: t.detach().cpu() for n, t in tensors.items()})
-            self.last = {"version": meta["version"], "tensors": len(tensors), "seq": seq}
-            log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
-                                     "global_steps": global_steps, "seq": seq})
-            return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors)}
+            return await self._post(meta, tensors, global_steps)
         return self._push(meta, tensors)
+
+    async def _post(self, meta: dict, tensors: dict, global_steps: int | None, base: dict | None = None) -> dict:
+        """Mailbox delivery: host copies of the adapters, and of the base when given ("moe_lora_base")."""
+        from .mailbox import post
+
+        host = lambda d: {n: t.detach().cpu() for n, t in d.items()}
+        seq = await post(meta, host(tensors), host(base) if base else None)
+        with_base = {"base_tensors": len(base)} if base else {}
+        self.last = {"version": meta["version"], "tensors": len(tensors), "seq": seq, **with_base}
+        log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
+                                 "global_steps": global_steps, "seq": seq, **({"base": True} if base else {})})
+        return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors),
+                **({"moe_lora/base_version": seq, "moe_lora/base_tensors": len(base)} if base else {})}
 
     def _push(self, meta: dict, tensors: dict) -> dict:
         """The adapters to every server as one staged version (server_urls delivery)."""
@@ -171,7 +178,7 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
         if not meta:                           # ranks other than the trainer's rank 0 send nothing
             return {}
         if not self.transports:
-            return await self._post(meta, base, tensors, global_steps)
+            return await self._post(meta, tensors, global_steps, base)
         out = {}
         if base:
             self.base_version += 1
@@ -184,21 +191,6 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
                    "moe_lora/base_sync_s": sum(t["total_s"] for t in syncs),
                    "moe_lora/base_transports": [t["transport"] for t in syncs]}
         return {**out, **self._push(meta, tensors)}
-
-
-    async def _post(self, meta: dict, base: dict, tensors: dict, global_steps: int | None) -> dict:
-        """Mailbox delivery: the adapters, and the base when the stream carries it (host copies)."""
-        from .mailbox import post
-
-        host = lambda d: {n: t.detach().cpu() for n, t in d.items()}
-        seq = await post(meta, host(tensors), host(base) if base else None)
-        if base:
-            self.base_version = seq
-        self.last = {"version": meta["version"], "tensors": len(tensors), "seq": seq, "base_tensors": len(base)}
-        log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
-                                 "global_steps": global_steps, "seq": seq, "base": bool(base)})
-        return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors),
-                **({"moe_lora/base_version": seq, "moe_lora/base_tensors": len(base)} if base else {})}
 
     async def receive_weights(self, global_steps: int | None = None):
         """Mailbox delivery: the header, the base (once per receiver) and the adapters of the newest version posted

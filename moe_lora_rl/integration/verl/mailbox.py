@@ -68,6 +68,13 @@ def mailbox():
     return _handle
 
 
+def in_process(box: AdapterMailbox):
+    """A handle to `box` shaped like the actor's (`.post.remote(...)`, `.take.remote(...)`), without Ray: for
+    checks and tests that stand in for mailbox() in one process."""
+    method = lambda f: type("Method", (), {"remote": staticmethod(f)})()
+    return type("Handle", (), {"post": method(box.post), "take": method(box.take)})()
+
+
 async def post(meta: dict, tensors: dict, base: dict | None = None) -> int:
     return await mailbox().post.remote(meta, tensors, base)
 
