@@ -144,6 +144,16 @@ def mean_of(rows: list[dict], key: str):
     return sum(vals) / len(vals) if vals else None
 
 
+def partial_summary(sums: dict, a, seeds: list[int], runs: tuple[str, ...], wall_s: float) -> dict:
+    """--runs with --out, too few runs for the summary: each run's held-out success (its own sampler's, and on a
+    dense engine), and the runs a later --reuse still needs."""
+    done = {f"{r}-s{s}": {"eval_start": v.get("eval_start"), "eval_end": v.get("eval_end"),
+                          "eval_end_dense": v.get("eval_end_dense")} for (r, s), v in sorted(sums.items())}
+    return {"method": a.method, "budget": a.budget, "setting": a.setting, "partial": True, "done": done,
+            "missing": [f"{r}-s{s}" for s in seeds for r in runs if (r, s) not in sums], "out": a.out,
+            "bench_wall_s": round(wall_s, 1)}
+
+
 def plot(curves: dict, png: Path, title: str) -> Path:
     """curves: (run, seed) -> (metrics rows, the final adapter's held-out success on a dense engine or None)."""
     fig, axes = figures.panels(2, 2, size=(11, 7))
@@ -178,7 +188,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/sparse.png with --out)")
     ap.add_argument("--runs", default=None,
                     help="comma-separated runs to run (default: every run of --method); the others are read from "
-                         "--out with --reuse, or left out of the summary")
+                         "--out with --reuse, or left out of the summary; with --out, too few for a summary (dense "
+                         "and a sparse run) prints the runs done and those missing")
     ap.add_argument("--reuse", action="store_true",
                     help="with --out: a run whose summary.json is already there is read, not run again")
     a = ap.parse_args(argv)
@@ -214,9 +225,11 @@ def main(argv=None) -> dict:
     cfg = cfgs["dense"]                                   # every run refused up front; the KV figures use dense's
     have = [r for r in runs if r in chosen or (a.reuse and all(
         (Path(a.out) / f"{r}-s{s}" / "summary.json").is_file() for s in seeds))]
-    if "dense" not in have or len(have) < 2:
+    partial = "dense" not in have or len(have) < 2        # with --out: the runs alone, the summary once all are there
+    if partial and not a.out:
         raise ValueError(f"--runs={a.runs!r}: the summary needs the dense run and a sparse one of every seed {seeds}, "
-                         f"run here or read from --out with --reuse (found {have})")
+                         f"run here or read from --out with --reuse (found {have}); with --out DIR the chosen runs "
+                         "are kept there for a later --reuse")
     if a.kv_only and a.reuse:
         raise ValueError("--kv-only runs no learning run: --reuse has nothing to read")
     t0 = time.time()
@@ -246,6 +259,10 @@ def main(argv=None) -> dict:
                 else:
                     continue
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
+        if partial:
+            out = partial_summary(sums, a, seeds, runs, time.time() - t0)
+            emit(out, a.json)
+            return out
         runs = tuple(r for r in runs if all((r, s) in sums for s in seeds))     # those of every seed
         kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, cfg, root)
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)

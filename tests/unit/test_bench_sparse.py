@@ -68,8 +68,8 @@ def test_runs_subset_reads_the_others_from_out(tmp_path, monkeypatch):
         raise RuntimeError("stop")
 
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
-    with pytest.raises(ValueError, match="the summary needs the dense run"):        # not in --out yet
-        main(["--runs", "sparse_corrected,sparse_uncorrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
+    with pytest.raises(ValueError, match="the summary needs the dense run"):        # not in --out, no --out
+        main(["--runs", "sparse_corrected,sparse_uncorrected", "--seeds", "0"])
     for seed in (0,):
         (tmp_path / f"dense-s{seed}").mkdir()
         (tmp_path / f"dense-s{seed}" / "summary.json").write_text(json.dumps({"eval_end": 0.5}))
@@ -77,6 +77,34 @@ def test_runs_subset_reads_the_others_from_out(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         main(["--runs", "sparse_corrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
     assert started == [("sparse_corrected-s0", ["algo.rollout_is=sparse", "seed=0"])]
+
+
+def test_runs_too_few_for_a_summary_are_kept_in_out(tmp_path, monkeypatch):
+    """--runs dense --out DIR: the dense run alone, reported with the runs still missing; a later --reuse of the
+    same DIR with the sparse runs reads it instead of running it again."""
+    import json
+
+    started = []
+
+    def job(nproc, overrides, out, timeout):
+        started.append(out.name)
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "kv_peak_bytes_per_seq": 10.0,
+                                                       "kv_bytes_per_seq": 8.0}) + "\n")
+        summary = {"eval_start": 0.4, "eval_end": 0.5, "eval_end_dense": 0.5, "model": "m", "steps": 1, "evals": {}}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
+    out = main(["--runs", "dense", "--seeds", "0", "--out", str(tmp_path)])
+    assert started == ["dense-s0"] and out["partial"]
+    assert out["done"] == {"dense-s0": {"eval_start": 0.4, "eval_end": 0.5, "eval_end_dense": 0.5}}
+    assert out["missing"] == ["sparse_uncorrected-s0", "sparse_corrected-s0"]
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.kv_figures", lambda *a: {})
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.kv_summary", lambda kv: {})
+    out = main(["--runs", "sparse_corrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
+    assert started == ["dense-s0", "sparse_corrected-s0"] and out["reused"] == ["dense-s0"]
+    assert out["runs"] == ["dense", "sparse_corrected"] and "partial" not in out
 
 
 def test_reuse_needs_out(monkeypatch):
