@@ -144,6 +144,24 @@ def mean_of(rows: list[dict], key: str):
     return sum(vals) / len(vals) if vals else None
 
 
+OVERRIDES = "bench_overrides.json"
+"""Each run's folder: the job's overrides, as this bench ran it; --reuse reads a run only under the same ones."""
+
+
+def reused_mismatch(out: Path, overrides: list[str]) -> None:
+    """ValueError naming the first difference where --reuse would read a run (out/summary.json) that was run with
+    other overrides than this call's, or whose overrides were not recorded."""
+    if not (out / "summary.json").is_file():
+        return
+    if not (out / OVERRIDES).is_file():
+        raise ValueError(f"--reuse: {out} has no {OVERRIDES}: its settings are unknown; move it away to run it again")
+    was = json.loads((out / OVERRIDES).read_text())
+    if was != overrides:
+        diff = sorted(set(was) ^ set(overrides)) or ["their order"]
+        raise ValueError(f"--reuse: {out} was run with other overrides ({', '.join(diff)} differ); give the same "
+                         "arguments or another --out")
+
+
 def partial_summary(sums: dict, a, seeds: list[int], runs: tuple[str, ...], wall_s: float) -> dict:
     """--runs with --out, too few runs for the summary: each run's held-out success (its own sampler's, and on a
     dense engine), and the runs a later --reuse still needs."""
@@ -225,6 +243,11 @@ def main(argv=None) -> dict:
     cfg = cfgs["dense"]                                   # every run refused up front; the KV figures use dense's
     have = [r for r in runs if r in chosen or (a.reuse and all(
         (Path(a.out) / f"{r}-s{s}" / "summary.json").is_file() for s in seeds))]
+    if a.reuse:
+        for seed in seeds:
+            for run in runs:
+                reused_mismatch(Path(a.out) / f"{run}-s{seed}",
+                                [*base, *run_overrides(run, a.method, a.budget, evict), f"seed={seed}"])
     partial = "dense" not in have or len(have) < 2        # with --out: the runs alone, the summary once all are there
     if partial and not a.out:
         raise ValueError(f"--runs={a.runs!r}: the summary needs the dense run and a sparse one of every seed {seeds}, "
@@ -254,8 +277,10 @@ def main(argv=None) -> dict:
                     sums[run, seed] = json.loads((out / "summary.json").read_text())
                     reused.append(out.name)
                 elif run in chosen:
-                    sums[run, seed] = run_job(2, [*base, *run_overrides(run, a.method, a.budget, evict),
-                                                  f"seed={seed}"], out, a.timeout)
+                    over = [*base, *run_overrides(run, a.method, a.budget, evict), f"seed={seed}"]
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / OVERRIDES).write_text(json.dumps(over))
+                    sums[run, seed] = run_job(2, over, out, a.timeout)
                 else:
                     continue
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")

@@ -65,18 +65,42 @@ def test_runs_subset_reads_the_others_from_out(tmp_path, monkeypatch):
 
     def job(nproc, overrides, out, timeout):
         started.append((out.name, [o for o in overrides if o.startswith(("algo.rollout_is", "seed"))]))
-        raise RuntimeError("stop")
+        if out.name != "dense-s0":
+            raise RuntimeError("stop")
+        (out / "summary.json").write_text(json.dumps({"eval_end": 0.5}))
+        (out / "metrics.jsonl").write_text("")
+        return {"eval_end": 0.5}
 
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
     with pytest.raises(ValueError, match="the summary needs the dense run"):        # not in --out, no --out
         main(["--runs", "sparse_corrected,sparse_uncorrected", "--seeds", "0"])
-    for seed in (0,):
-        (tmp_path / f"dense-s{seed}").mkdir()
-        (tmp_path / f"dense-s{seed}" / "summary.json").write_text(json.dumps({"eval_end": 0.5}))
-        (tmp_path / f"dense-s{seed}" / "metrics.jsonl").write_text("")
+    main(["--runs", "dense", "--seeds", "0", "--out", str(tmp_path)])
     with pytest.raises(RuntimeError, match="stop"):
         main(["--runs", "sparse_corrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
-    assert started == [("sparse_corrected-s0", ["algo.rollout_is=sparse", "seed=0"])]
+    assert started == [("dense-s0", ["seed=0"]), ("sparse_corrected-s0", ["algo.rollout_is=sparse", "seed=0"])]
+
+
+def test_reuse_reads_only_a_run_of_the_same_overrides(tmp_path, monkeypatch):
+    """--reuse refuses, before any run starts, a run in --out made with other overrides (a learning rate, a
+    budget) or whose overrides were not recorded: a summary would otherwise mix runs of different settings."""
+    def job(nproc, overrides, out, timeout):
+        (out / "summary.json").write_text("{}")
+        if "dense" not in out.name:
+            raise RuntimeError("stop")              # the run is in --out; the summary after it is not this test's
+        (out / "metrics.jsonl").write_text("")
+        return {}
+
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
+    with pytest.raises(RuntimeError, match="stop"):
+        main(["--runs", "dense,sparse_corrected", "--seeds", "0", "--out", str(tmp_path)])
+    monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", lambda *a, **k: pytest.fail("a job started"))
+    with pytest.raises(ValueError, match=r"dense-s0 was run with other overrides \(algo.lr=1e-3 differ\)"):
+        main(["--runs", "sparse_uncorrected", "--seeds", "0", "--out", str(tmp_path), "--reuse", "--", "algo.lr=1e-3"])
+    with pytest.raises(ValueError, match=r"sparse_corrected-s0 was run .*kv_budget=32, rollout.kv_budget=48 differ"):
+        main(["--runs", "sparse_uncorrected", "--seeds", "0", "--out", str(tmp_path), "--reuse", "--budget", "48"])
+    (tmp_path / "dense-s0" / "bench_overrides.json").unlink()
+    with pytest.raises(ValueError, match="dense-s0 has no bench_overrides.json"):
+        main(["--runs", "sparse_corrected", "--seeds", "0", "--out", str(tmp_path), "--reuse"])
 
 
 def test_runs_too_few_for_a_summary_are_kept_in_out(tmp_path, monkeypatch):
@@ -88,7 +112,7 @@ def test_runs_too_few_for_a_summary_are_kept_in_out(tmp_path, monkeypatch):
 
     def job(nproc, overrides, out, timeout):
         started.append(out.name)
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "kv_peak_bytes_per_seq": 10.0,
                                                        "kv_bytes_per_seq": 8.0}) + "\n")
         summary = {"eval_start": 0.4, "eval_end": 0.5, "eval_end_dense": 0.5, "model": "m", "steps": 1, "evals": {}}
@@ -136,7 +160,7 @@ def test_summary_of_a_subset_leaves_the_missing_runs_none(tmp_path, monkeypatch)
 
     def job(nproc, overrides, out, timeout):
         replay = "rollout.kv_replay=true" in overrides
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         rows = [{"step": 1, "kv_peak_bytes_per_seq": 40.0 if replay else 100.0, "kv_bytes_per_seq": 30.0 if replay
                  else 60.0, "sparse/seq_rejected_frac": 0.0}]
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
