@@ -229,6 +229,9 @@ class TrainConfig:
     def __post_init__(self):
         _choice("replay", self.replay, REPLAY_MODES)
         _choice("serving", self.serving, SERVING_MODES)
+        if self.serving == "merged" and self.rollout.expert_precision != "serving":
+            raise ValueError(f"rollout.expert_precision={self.rollout.expert_precision} with serving=merged: merged "
+                             "experts run in vLLM's own kernel; the precision is unmerged serving's")
         _choice("mode", self.mode, MODES)
         _choice("inflight", self.inflight, INFLIGHT)
         _choice("take_order", self.take_order, TAKE_ORDER)

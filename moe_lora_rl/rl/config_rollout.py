@@ -67,6 +67,10 @@ class RolloutSettings:
     engine returns each sample's record of its compressions, and every trainer forward on the sample lets each query
     attend to exactly the tokens the engine held for it (policy/kv_masks.py), so the policy trained is the one that
     sampled, not the dense policy."""
+    expert_precision: str = "serving"
+    """serving=unmerged: the dtype of the routed experts' GEMMs in the engine (vllm/moe_torch.py): serving (the
+    rollout dtype) or fp32 (an fp32 copy of the expert weights: vLLM's fused-MoE kernel's numerics; on a CPU
+    without bf16 GEMM instructions, e.g. no AVX512_BF16 or AMX, also several times faster, docs/rollout.md)."""
     threads: int | None = None
     """Torch threads of each engine on a CPU host; null: every core for one engine, the host's cores split evenly
     between several on it."""
@@ -100,6 +104,11 @@ class RolloutSettings:
         from ..rollout.placement import plan_placements
 
         check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN, evict=self.evict())
+        from ..vllm.moe_torch import EXPERT_PRECISION
+
+        if self.expert_precision not in EXPERT_PRECISION:
+            raise ValueError(f"rollout.expert_precision={self.expert_precision!r}: expected one of "
+                             f"{sorted(EXPERT_PRECISION)}")
         if not isinstance(self.kv_replay, bool):
             raise ValueError(f"rollout.kv_replay={self.kv_replay!r} must be true or false")
         if self.kv_replay and self.kv_compression != "snapkv":

@@ -45,6 +45,7 @@ class Producer:
         kw = {"step_delay_s": cfg.delay.engine_step_s, "stage_timeout_s": cfg.rollout.stage_timeout_s,
               "kv_compression": cfg.rollout.kv_compression, "kv_budget": cfg.rollout.kv_budget,
               "kv_evict": cfg.rollout.evict(), "kv_replay": cfg.rollout.kv_replay,
+              "expert_precision": cfg.rollout.expert_precision,
               "base_from": cfg.rollout.base_from, "base_bucket_mb": cfg.rollout.base_bucket_mb,
               "base_transport": cfg.rollout.base_transport}
         if cfg.mode == "async":          # the engine keeps generating while versions change

@@ -133,7 +133,7 @@ class RolloutEngine:
                  on_full: str = "wait", max_body_mb: float | None = None, step_delay_s: float = 0.0,
                  stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S, kv_compression: str = "none", kv_budget: int = 0,
                  kv_evict: dict | None = None, kv_replay: bool = False, base_from: str = "disk",
-                 base_bucket_mb: float = 64.0, base_transport: str = "auto"):
+                 base_bucket_mb: float = 64.0, base_transport: str = "auto", expert_precision: str = "serving"):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {model_dir}: not an HF checkpoint directory (no config.json)")
         if dtype not in ("bfloat16", "float32", "float16"):
@@ -154,6 +154,9 @@ class RolloutEngine:
         stage_timeout_s = check_stage_timeout(stage_timeout_s)
         if base_from not in ("disk", "trainer", "peer"):
             raise ValueError(f"base_from={base_from!r}: expected 'disk', 'trainer' or 'peer'")
+        if expert_precision not in ("serving", "fp32") or (expert_precision != "serving" and serving == "merged"):
+            raise ValueError(f"expert_precision={expert_precision!r} with serving={serving!r}: expected 'serving', "
+                             "or 'fp32' with unmerged serving")
         if base_from == "peer" and serving == "merged":
             raise ValueError("base_from='peer' with serving='merged': a peer's base tensors hold its merged adapter")
         self.placement = placement or Placement()
@@ -176,7 +179,7 @@ class RolloutEngine:
                              inflight=inflight, max_versions=max_versions, on_full=on_full, max_body_mb=max_body_mb,
                              step_delay_s=step_delay_s, stage_timeout_s=stage_timeout_s,
                              kv_compression=kv_compression, kv_budget=kv_budget, kv_evict=kv_evict,
-                             kv_replay=kv_replay, base_from=base_from,
+                             kv_replay=kv_replay, base_from=base_from, expert_precision=expert_precision,
                              base_bucket_mb=base_bucket_mb, base_transport=base_transport)
         self.base_syncs: list[dict] = []     # base_from=trainer or peer: each start's sync timers
         self.base_store = None               # the trainer's base in shared memory, kept across restarts
@@ -231,6 +234,8 @@ class RolloutEngine:
             cmd += ["--kv-evict", json.dumps(s["kv_evict"])]
         if s["kv_replay"]:
             cmd += ["--kv-replay"]
+        if s["expert_precision"] != "serving":
+            cmd += ["--expert-precision", s["expert_precision"]]
         if s["base_from"] in ("trainer", "peer"):
             cmd += ["--load-format", "dummy"]
         env = dict(os.environ, **engine_env(s["threads"]), **pl.env, **{TOKEN_ENV: self.token})

@@ -60,6 +60,8 @@ class Engine:
         extra = {"moe_lora_inflight": a.inflight, "moe_lora_on_full": a.on_full}
         if a.max_versions is not None:
             extra["moe_lora_max_versions"] = a.max_versions
+        if a.expert_precision != "serving":
+            extra["moe_lora_expert_precision"] = a.expert_precision
         kv = engine_kwargs(a.kv_compression, a.kv_budget, a.model_config)
         self.llm = make_engine(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len, **kv,
                                prefix_caching=a.prefix_caching, serving=a.serving, block_size=a.block_size,
@@ -321,6 +323,8 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="listening address (another node's driver: 0.0.0.0)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--serving", default="unmerged", choices=("unmerged", "merged"))
+    ap.add_argument("--expert-precision", default="serving", choices=("serving", "fp32"),
+                    help="unmerged serving: the routed experts' GEMM dtype (vllm/moe_torch.EXPERT_PRECISION)")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--capture", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--max-model-len", type=int, default=512)
@@ -386,6 +390,9 @@ def parse_args(argv=None):
 
     try:
         check_inflight_config(a.serving, a.inflight, a.max_versions, a.on_full)
+        if a.expert_precision != "serving" and a.serving == "merged":
+            raise ValueError(f"--expert-precision={a.expert_precision} with --serving merged: merged experts run in "
+                             "vLLM's own kernel")
         a.token = guard.load_token(a.token_file, os.environ)
         guard.check_bind(a.host, a.token)
     except (ValueError, OSError) as e:

@@ -202,3 +202,49 @@ def test_snapkv_engine_settings(tmp_path, capsys):
             parse_args(argv)
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
         assert ex.value.code == 2 and needle in err[-1], err
+
+
+def test_expert_precision_travels_to_the_engine_and_is_refused_with_merged(tmp_path, monkeypatch):
+    """rollout.expert_precision=fp32: the client passes --expert-precision fp32 to the server, the server gives it
+    to the worker extension (additional_config moe_lora_expert_precision); the default passes nothing; with merged
+    serving it is refused in one line by the config, the client and the server."""
+    import subprocess
+
+    from moe_lora_rl.rl.config import load
+    from moe_lora_rl.rollout import server
+    from moe_lora_rl.rollout.client import RolloutEngine
+
+    (tmp_path / "config.json").write_text("{}")
+    cmds = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        cmds.append(cmd)
+        raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    for prec in ("fp32", "serving"):
+        with pytest.raises(Stop):
+            RolloutEngine(tmp_path, log_dir=tmp_path, expert_precision=prec).launch()
+    assert cmds[0][cmds[0].index("--expert-precision") + 1] == "fp32" and "--expert-precision" not in cmds[1]
+    seen = []
+
+    def make_engine(model, **kw):
+        seen.append(kw["additional_config"])
+        raise Stop
+
+    monkeypatch.setattr(server, "make_engine", make_engine)
+    argv = ["--model", str(tmp_path), "--port", "1"]
+    for extra in (["--expert-precision", "fp32"], []):
+        with pytest.raises(Stop):
+            server.Engine(server.parse_args([*argv, *extra]))
+    assert seen[0]["moe_lora_expert_precision"] == "fp32" and "moe_lora_expert_precision" not in seen[1]
+    with pytest.raises(ValueError, match="expert_precision='fp32' with serving='merged'"):
+        RolloutEngine(tmp_path, log_dir=tmp_path, serving="merged", expert_precision="fp32")
+    with pytest.raises(SystemExit):
+        server.parse_args([*argv, "--serving", "merged", "--expert-precision", "fp32"])
+    with pytest.raises(ValueError, match="rollout.expert_precision=fp32 with serving=merged"):
+        load(["serving=merged", "rollout.expert_precision=fp32"])
+    assert load(["rollout.expert_precision=fp32"]).rollout.expert_precision == "fp32"

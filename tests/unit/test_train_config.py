@@ -52,6 +52,7 @@ def test_overrides_from_command_line_list():
     ("free_routing_every=-1", "free_routing_every=-1"),
     ("runtime.experts=batched", "runtime.experts='batched'"),
     ("model.warm_steps=0", "model.warm_steps=0 must be an integer >= 1"),
+    ("rollout.expert_precision=bf16", "rollout.expert_precision='bf16': expected one of ['fp32', 'serving']"),
 ])
 def test_bad_values_one_line(override, message):
     with pytest.raises(ValueError) as e:
