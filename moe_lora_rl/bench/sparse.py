@@ -243,11 +243,13 @@ def main(argv=None) -> dict:
     cfg = cfgs["dense"]                                   # every run refused up front; the KV figures use dense's
     have = [r for r in runs if r in chosen or (a.reuse and all(
         (Path(a.out) / f"{r}-s{s}" / "summary.json").is_file() for s in seeds))]
+    def job_overrides(run: str, seed: int) -> list[str]:
+        return [*base, *run_overrides(run, a.method, a.budget, evict), f"seed={seed}"]
+
     if a.reuse:
         for seed in seeds:
             for run in runs:
-                reused_mismatch(Path(a.out) / f"{run}-s{seed}",
-                                [*base, *run_overrides(run, a.method, a.budget, evict), f"seed={seed}"])
+                reused_mismatch(Path(a.out) / f"{run}-s{seed}", job_overrides(run, seed))
     partial = "dense" not in have or len(have) < 2        # with --out: the runs alone, the summary once all are there
     if partial and not a.out:
         raise ValueError(f"--runs={a.runs!r}: the summary needs the dense run and a sparse one of every seed {seeds}, "
@@ -277,7 +279,7 @@ def main(argv=None) -> dict:
                     sums[run, seed] = json.loads((out / "summary.json").read_text())
                     reused.append(out.name)
                 elif run in chosen:
-                    over = [*base, *run_overrides(run, a.method, a.budget, evict), f"seed={seed}"]
+                    over = job_overrides(run, seed)
                     out.mkdir(parents=True, exist_ok=True)
                     (out / OVERRIDES).write_text(json.dumps(over))
                     sums[run, seed] = run_job(2, over, out, a.timeout)
