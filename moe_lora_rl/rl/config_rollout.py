@@ -70,7 +70,7 @@ class RolloutSettings:
     expert_precision: str = "serving"
     """serving=unmerged: the dtype of the routed experts' GEMMs in the engine (vllm/moe_torch.py): serving (the
     rollout dtype) or fp32 (an fp32 copy of the expert weights: vLLM's fused-MoE kernel's numerics; on a CPU
-    without bf16 GEMM instructions, e.g. no AVX512_BF16 or AMX, also several times faster, docs/rollout.md)."""
+    without bf16 GEMM instructions, e.g. no AVX512_BF16 or AMX, also several times faster: docs/refit.md)."""
     threads: int | None = None
     """Torch threads of each engine on a CPU host; null: every core for one engine, the host's cores split evenly
     between several on it."""
