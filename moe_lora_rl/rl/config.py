@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
+from ..rollout.expert_precision import check_expert_precision
 from .config_model import LayoutSettings, LoRASettings, ModelSettings, RuntimeSettings
 from .config_policies import PolicySettings, check_policies, policy_config
 from .config_rollout import DelaySettings, RolloutSettings
@@ -229,9 +230,7 @@ class TrainConfig:
     def __post_init__(self):
         _choice("replay", self.replay, REPLAY_MODES)
         _choice("serving", self.serving, SERVING_MODES)
-        if self.serving == "merged" and self.rollout.expert_precision != "serving":
-            raise ValueError(f"rollout.expert_precision={self.rollout.expert_precision} with serving=merged: merged "
-                             "experts run in vLLM's own kernel; the precision is unmerged serving's")
+        check_expert_precision(self.rollout.expert_precision, self.serving, "rollout.expert_precision")
         _choice("mode", self.mode, MODES)
         _choice("inflight", self.inflight, INFLIGHT)
         _choice("take_order", self.take_order, TAKE_ORDER)

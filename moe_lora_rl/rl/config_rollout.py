@@ -104,11 +104,9 @@ class RolloutSettings:
         from ..rollout.placement import plan_placements
 
         check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN, evict=self.evict())
-        from ..vllm.moe_torch import EXPERT_PRECISION
+        from ..rollout.expert_precision import check_expert_precision
 
-        if self.expert_precision not in EXPERT_PRECISION:
-            raise ValueError(f"rollout.expert_precision={self.expert_precision!r}: expected one of "
-                             f"{sorted(EXPERT_PRECISION)}")
+        check_expert_precision(self.expert_precision, "unmerged", "rollout.expert_precision")
         if not isinstance(self.kv_replay, bool):
             raise ValueError(f"rollout.kv_replay={self.kv_replay!r} must be true or false")
         if self.kv_replay and self.kv_compression != "snapkv":

@@ -40,6 +40,7 @@ from ..procs import free_port
 from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
 from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from .engine import engine_env
+from .expert_precision import check_expert_precision
 from .placement import Placement
 from .guard import TOKEN_ENV, auth_header, new_token
 from .protocol import check_request, decode_routes
@@ -154,9 +155,7 @@ class RolloutEngine:
         stage_timeout_s = check_stage_timeout(stage_timeout_s)
         if base_from not in ("disk", "trainer", "peer"):
             raise ValueError(f"base_from={base_from!r}: expected 'disk', 'trainer' or 'peer'")
-        if expert_precision not in ("serving", "fp32") or (expert_precision != "serving" and serving == "merged"):
-            raise ValueError(f"expert_precision={expert_precision!r} with serving={serving!r}: expected 'serving', "
-                             "or 'fp32' with unmerged serving")
+        check_expert_precision(expert_precision, serving)
         if base_from == "peer" and serving == "merged":
             raise ValueError("base_from='peer' with serving='merged': a peer's base tensors hold its merged adapter")
         self.placement = placement or Placement()

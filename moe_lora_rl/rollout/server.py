@@ -323,8 +323,8 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="listening address (another node's driver: 0.0.0.0)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--serving", default="unmerged", choices=("unmerged", "merged"))
-    ap.add_argument("--expert-precision", default="serving", choices=("serving", "fp32"),
-                    help="unmerged serving: the routed experts' GEMM dtype (vllm/moe_torch.EXPERT_PRECISION)")
+    ap.add_argument("--expert-precision", default="serving",
+                    help="unmerged serving: the routed experts' GEMM dtype, serving or fp32 (vllm/moe_torch)")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--capture", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--max-model-len", type=int, default=512)
@@ -387,12 +387,11 @@ def parse_args(argv=None):
     except ValueError as e:
         ap.error(str(e))
     from ..vllm.versions import check_inflight_config
+    from .expert_precision import check_expert_precision
 
     try:
         check_inflight_config(a.serving, a.inflight, a.max_versions, a.on_full)
-        if a.expert_precision != "serving" and a.serving == "merged":
-            raise ValueError(f"--expert-precision={a.expert_precision} with --serving merged: merged experts run in "
-                             "vLLM's own kernel")
+        check_expert_precision(a.expert_precision, a.serving, "--expert-precision", "--serving")
         a.token = guard.load_token(a.token_file, os.environ)
         guard.check_bind(a.host, a.token)
     except (ValueError, OSError) as e:

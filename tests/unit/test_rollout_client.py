@@ -241,10 +241,14 @@ def test_expert_precision_travels_to_the_engine_and_is_refused_with_merged(tmp_p
         with pytest.raises(Stop):
             server.Engine(server.parse_args([*argv, *extra]))
     assert seen[0]["moe_lora_expert_precision"] == "fp32" and "moe_lora_expert_precision" not in seen[1]
-    with pytest.raises(ValueError, match="expert_precision='fp32' with serving='merged'"):
+    with pytest.raises(ValueError, match="expert_precision=fp32 with serving=merged"):
         RolloutEngine(tmp_path, log_dir=tmp_path, serving="merged", expert_precision="fp32")
     with pytest.raises(SystemExit):
         server.parse_args([*argv, "--serving", "merged", "--expert-precision", "fp32"])
+    with pytest.raises(SystemExit):
+        server.parse_args([*argv, "--expert-precision", "bf16"])
+    with pytest.raises(ValueError, match="expert_precision='bf16'"):
+        RolloutEngine(tmp_path, log_dir=tmp_path, expert_precision="bf16")
     with pytest.raises(ValueError, match="rollout.expert_precision=fp32 with serving=merged"):
         load(["serving=merged", "rollout.expert_precision=fp32"])
     assert load(["rollout.expert_precision=fp32"]).rollout.expert_precision == "fp32"
