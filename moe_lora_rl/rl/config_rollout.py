@@ -104,9 +104,6 @@ class RolloutSettings:
         from ..rollout.placement import plan_placements
 
         check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN, evict=self.evict())
-        from ..rollout.expert_precision import check_expert_precision
-
-        check_expert_precision(self.expert_precision, "unmerged", "rollout.expert_precision")
         if not isinstance(self.kv_replay, bool):
             raise ValueError(f"rollout.kv_replay={self.kv_replay!r} must be true or false")
         if self.kv_replay and self.kv_compression != "snapkv":
