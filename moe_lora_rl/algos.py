@@ -59,9 +59,7 @@ def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_id
     """Per-token GRPO advantages [B, T] from one scalar reward per response [B] and the prompt id of each response.
 
     verl takes token-level rewards; an outcome reward sits on the response's last valid token (verl's convention,
-    only its sum is used)."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
+    only its sum is used). A group of two or more equal rewards gets advantages of exactly 0 (grpo_outcome_advantage)."""
     if rewards.dim() != 1 or response_mask.dim() != 2 or rewards.shape[0] != response_mask.shape[0]:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] and response_mask {tuple(response_mask.shape)} "
                          "[B, T] with the same B")
@@ -72,9 +70,41 @@ def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_id
         raise ValueError(f"responses {torch.nonzero(lengths == 0).flatten().tolist()} have no valid token")
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
     token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards.float()
-    adv, _ = compute_grpo_outcome_advantage(token_rewards, response_mask.float(), np.asarray(group_ids, dtype=object),
-                                            epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std)
+    adv, _ = grpo_outcome_advantage(token_rewards, response_mask.float(), np.asarray(group_ids, dtype=object),
+                                    epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std)
     return adv
+
+
+GRPO_EXACT = "grpo_exact"                 # the name grpo_outcome_advantage is registered under in verl
+
+
+def grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
+                           epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, config=None,
+                           **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's GRPO outcome advantage (compute_grpo_outcome_advantage, same signature: verl's advantage-estimator
+    registry calls it as GRPO_EXACT, reading norm_adv_by_std_in_grpo from `config`, verl's algorithm section) with
+    one fix: a group of two or more responses whose rewards are all equal
+    gets advantages of exactly 0. verl subtracts the group's fp32 mean, which for equal non-dyadic rewards differs
+    from them by a rounding step, and divides that residue by a std of ~1e-7 plus epsilon: eight rewards of 0.35
+    gave +0.0289 each. Other groups, and a group of one (verl's convention: mean 0, std 1), are verl's own numbers.
+    Returns (advantages, returns) [B, T], both the same tensor, as verl's."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    if config is not None:                    # verl's trainer passes algorithm.* here, not the keyword
+        norm_adv_by_std_in_grpo = bool(config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo))
+    scores = token_level_rewards.sum(dim=-1)
+    adv, ret = compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=epsilon,
+                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+    groups: dict = {}
+    for i, g in enumerate(index.tolist() if hasattr(index, "tolist") else list(index)):
+        groups.setdefault(g, []).append(i)
+    flat = [rows for rows in groups.values() if len(rows) > 1 and bool((scores[rows] == scores[rows[0]]).all())]
+    if flat:
+        rows = torch.tensor([i for r in flat for i in r])
+        adv = adv.clone()
+        adv[rows] = 0.0
+        ret = adv
+    return adv, ret
 
 
 def actor_config(settings: PolicyLossSettings, batch: GlobalBatch = GlobalBatch(), rollout_n: int = 1):
