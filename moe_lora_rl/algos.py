@@ -8,6 +8,12 @@ loss aggregation and rollout correction (truncated importance sampling, or maske
 The policy losses read their settings from a verl ``ActorConfig``; ``actor_config`` builds the one they need from
 our few settings, including ``global_batch_info`` so that token-mean normalises by the tokens of the whole global
 batch (the same loss at every data-parallel size and microbatch split).
+
+Every aggregation mode is a function of the global batch alone, never of how it is padded or split: token-mean
+divides by the global batch's valid tokens, token-sum by nothing, the seq-mean-* modes by its sequences with a valid
+token, and seq-mean-token-sum-norm (Dr. GRPO) also by ``loss_scale_factor``, a constant of the run (the main job: the
+response budget, algo.max_response_tokens). verl's default for it (None: the tensor's width, the longest prompt +
+response of the batch) moves with the padding, so PolicyLossSettings refuses that mode without the factor.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ class PolicyLossSettings:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0             # dual-clip bound for negative advantages (vanilla)
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's constant divisor (verl's loss_scale_factor)
 
     def __post_init__(self):
         if self.loss_mode not in LOSS_MODES:
@@ -39,6 +46,13 @@ class PolicyLossSettings:
             raise ValueError(f"clip ratios low={self.clip_ratio_low} high={self.clip_ratio_high}: need 0<low<1, high>0")
         if self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
+        if self.loss_scale_factor is not None and (isinstance(self.loss_scale_factor, bool) or
+                                                   not isinstance(self.loss_scale_factor, int) or
+                                                   self.loss_scale_factor < 1):
+            raise ValueError(f"loss_scale_factor={self.loss_scale_factor!r} must be None or an integer >= 1")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor (a constant of the run, "
+                             "the response budget): without it verl divides by the padded width of each batch")
 
 
 @dataclass(frozen=True)

@@ -209,3 +209,7 @@ def test_settings_validation():
         PolicyLossSettings(loss_mode="ppo")
     with pytest.raises(ValueError, match="loss_agg_mode"):
         PolicyLossSettings(loss_agg_mode="sum")
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs loss_scale_factor"):
+        PolicyLossSettings(loss_agg_mode="seq-mean-token-sum-norm")        # verl would divide by the padded width
+    with pytest.raises(ValueError, match="loss_scale_factor=0"):
+        PolicyLossSettings(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=0)
