@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -247,21 +248,40 @@ class GRPORun(EngineRecovery):
                                                          "mode": self.cfg.mode, **extra})
 
     def resumes(self) -> bool:
-        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns)."""
+        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns). First, a
+        checkpoint the previous start resumed from and failed on is recorded, never to be loaded again
+        (checkpoint/attempts.py); resume=auto with checkpoints but none left to load is refused, not a fresh start."""
+        from ..checkpoint.store import failed_steps, record_failed_resume, resumable_step
+
+        root = self.out / "checkpoints"
+        found = failed = None
+        if self.rank == 0 and self.cfg.resume:
+            failed = record_failed_resume(root)
+            if failed is not None:
+                print(f"checkpoint: the previous start failed after resuming from step {failed}: recorded in "
+                      f"{root / 'failed_resumes.json'}, it is not loaded again", file=sys.stderr, flush=True)
+            found = resumable_step(root)
+            if found is None and failed_steps(root):
+                found = -1                          # checkpoints exist, every one failed a restart: refused below
         if self.cfg.resume != "auto":
             return bool(self.cfg.resume)
-        from ..checkpoint.store import resumable_step
-
-        found = resumable_step(self.out / "checkpoints") if self.rank == 0 else None
-        return broadcast(found) is not None
+        found = broadcast(found)
+        if found == -1:
+            raise ValueError(f"resume=auto: no checkpoint left to resume from in {root}: a restart failed on step(s) "
+                             f"{', '.join(map(str, failed_steps(root)))} (recorded in {root / 'failed_resumes.json'})")
+        return found is not None
 
     def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
         that adapter version. Returns (step, history, evals, the whole saved state)."""
         from ..checkpoint.store import load_checkpoint, set_rng_state
 
+        from ..checkpoint.store import mark_resuming
+
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())
+        if self.rank == 0:                          # cleared by the first step after it (stepped)
+            mark_resuming(self.out / "checkpoints", state["step"])
         set_rng_state(state["rng"])
         self.policy.version = state["version"]
         return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}, state
@@ -370,8 +390,16 @@ class GRPORun(EngineRecovery):
         m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
         history.append(m)
         self.log.log(step + 1, m)
+        self.stepped(step)
         if self.checkpoint_due(step + 1):
             self.save(step + 1, history, evals)
+
+    def stepped(self, step: int) -> None:
+        """A step finished: the first after a resume clears the resume's mark (checkpoint/attempts.py)."""
+        if self.resuming and step == self.start and self.rank == 0:
+            from ..checkpoint.store import resume_succeeded
+
+            resume_succeeded(self.out / "checkpoints")
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         from .summary import run_summary
