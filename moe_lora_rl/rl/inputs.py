@@ -9,7 +9,6 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .preflight import base_model_dir
-from .task import make_split
 
 
 def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
@@ -30,10 +29,30 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     return path, {"warmup_s": recorded if cached else took, "warmup_cached": cached, "warm_start": True}
 
 
-def load_problems(cfg: TrainConfig):
-    from .dataset import problems_from_rows, read_rows
+def load_problems(cfg: TrainConfig, tokenizer=None, template: str = "chat"):
+    """The training and held-out Examples (rl/dataset.py): data.train_files / data.val_files, or the built-in task's
+    splits as rows, read the same way. With data.filter_overlong_prompts (and a tokenizer) the rows whose prompt is
+    over data.max_prompt_length are left out (ValueError when none remain); the count is returned too:
+    (train, held, {"train": left out, "val": left out})."""
+    from .dataset import examples_from_rows, load_examples, task_rows
 
-    spec = cfg.data.task_spec()
-    train = problems_from_rows(read_rows(cfg.data.train_file)) if cfg.data.train_file else make_split(spec, "train")
-    held = problems_from_rows(read_rows(cfg.data.eval_file)) if cfg.data.eval_file else make_split(spec, "eval")
-    return train, held
+    d = cfg.data
+    out, dropped = [], {}
+    for split, task_split in (("train", "train"), ("val", "eval")):
+        files = d.files(split)
+        if files is None:
+            ex = examples_from_rows(task_rows(d.task_spec(), task_split), reference_key=d.reference_key,
+                                    where=f"data.task={d.task} {task_split}")
+        else:
+            ex = load_examples(files, d.prompt_key, d.reference_key)
+        if d.filter_overlong_prompts and tokenizer is not None:
+            from .prompting import prompt_lengths
+
+            n = len(ex)
+            ex = [e for e, k in zip(ex, prompt_lengths(tokenizer, ex, template)) if k <= d.max_prompt_length]
+            dropped[split] = n - len(ex)
+            if not ex:
+                raise ValueError(f"data.filter_overlong_prompts: every one of the {n} {split} prompts is longer than "
+                                 f"data.max_prompt_length={d.max_prompt_length} tokens (raise it)")
+        out.append(ex)
+    return out[0], out[1], dropped
