@@ -7,7 +7,7 @@ reward.path=null: verl's `default_compute_score` (it dispatches on data_source: 
 built-in tasks' sources scored by their own scorer (BUILTIN, a table); reward.path=FILE or pkg://module with
 reward.name=FN: the user's function for every row, as verl's custom_reward_function.
 
-    workers = RewardWorkers(path, name, timeout_s)      # loads nothing yet (one spawned worker process)
+    workers = RewardWorkers(path, name, timeout_s)      # its worker (spawned) starts and loads at the first call
     handle = workers.submit([(example, text), ...])     # returns at once: the calls run in the workers
     scores, extras = workers.collect(handle)            # ValueError, one line, on the first bad call
     workers.close()
@@ -102,12 +102,49 @@ def check_result(value, data_source: str, index: int, where: str) -> tuple[float
 _FUNCTIONS: dict = {}
 
 
+def function_keys(path: str | None, name: str, sources) -> list[tuple[str, str]]:
+    """The (path, name) functions that score these data sources."""
+    if path is not None:
+        return [(path, name)]
+    return sorted({BUILTIN.get(s, DEFAULT) for s in sources})
+
+
+def _load(keys) -> None:
+    """A worker's initializer: load the functions once, before any timed call (a load error is kept and reported
+    by the calls: an initializer that raises would be restarted for ever)."""
+    for key in keys:
+        try:
+            _FUNCTIONS[key] = load_function(*key)
+        except ValueError as e:
+            _FUNCTIONS[key] = e
+
+
+def _ready() -> bool:
+    return True
+
+
+def make_pool(keys, workers: int = 1, load_timeout_s: float = 600.0):
+    """A pool of spawned worker processes that have loaded `keys` (verl's import takes seconds: not a call's time)."""
+    import multiprocessing as mp
+
+    pool = mp.get_context("spawn").Pool(workers, initializer=_load, initargs=(list(keys),))
+    try:
+        pool.apply_async(_ready).get(load_timeout_s)
+    except mp.TimeoutError:
+        pool.terminate()
+        raise ValueError(f"the reward workers did not load {list(keys)} within {load_timeout_s:g} s") from None
+    return pool
+
+
 def _function(path, name, data_source):
     """The function scoring data_source (loaded once per worker)."""
     key = (path, name) if path is not None else BUILTIN.get(data_source, DEFAULT)
     if key not in _FUNCTIONS:
-        _FUNCTIONS[key] = load_function(*key)
-    return _FUNCTIONS[key]
+        _load([key])
+    fn = _FUNCTIONS[key]
+    if isinstance(fn, Exception):
+        raise fn
+    return fn
 
 
 def call(path, name, data_source, solution_str, ground_truth, extra_info):
@@ -115,6 +152,9 @@ def call(path, name, data_source, solution_str, ground_truth, extra_info):
     message names the row, and an unpicklable exception cannot take the pool down)."""
     try:
         fn = _function(path, name, data_source)
+    except ValueError as e:
+        return ("error", str(e))
+    try:
         out = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                  extra_info=extra_info)
         if isinstance(out, dict):
@@ -132,21 +172,21 @@ def call(path, name, data_source, solution_str, ground_truth, extra_info):
 class RewardWorkers:
     """A pool of reward worker processes (spawned: nothing of the trainer's state is copied into them)."""
 
-    def __init__(self, path: str | None, name: str = "compute_score", timeout_s: float = 30.0, workers: int = 1):
+    def __init__(self, path: str | None, name: str = "compute_score", timeout_s: float = 30.0, workers: int = 1,
+                 pool=None):
         self.path, self.name, self.timeout_s, self.workers = path, name, float(timeout_s), int(workers)
         self.where = describe(path, name)
-        self._pool = None
+        self._pool = pool                 # a spawned multiprocessing Pool to share (tests); None: its own
 
-    def pool(self):
+    def pool(self, sources=()):
+        """The worker pool, started (and the functions for `sources` loaded) on first use."""
         if self._pool is None:
-            import multiprocessing as mp
-
-            self._pool = mp.get_context("spawn").Pool(self.workers)
+            self._pool = make_pool(function_keys(self.path, self.name, sources), self.workers)
         return self._pool
 
     def submit(self, items) -> list:
         """items: (example, response text) pairs. The calls start at once; collect(handle) waits for them."""
-        pool = self.pool()
+        pool = self.pool({ex.data_source for ex, _ in items})
         return [(ex, pool.apply_async(call, (self.path, self.name, ex.data_source, text, _plain(ex.ground_truth),
                                              _plain(ex.extra_info)))) for ex, text in items]
 

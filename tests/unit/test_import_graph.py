@@ -36,6 +36,7 @@ ALLOWED = {
                     "procs", "weight_sync"},
     "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
     "train": {"rl"},
+    "data": {"rl"},                                                # datasets written in verl's row format
     "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
                "rollout", "router_replay", "vllm", "weight_sync"},
     "bench": {"algos", "checkpoint", "checks", "integration", "lora", "megatron", "models", "plan", "policy",
