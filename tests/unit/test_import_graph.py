@@ -37,6 +37,8 @@ ALLOWED = {
     "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
     "train": {"rl"},
     "data": {"rl"},                                                # datasets written in verl's row format
+    "launch": {"rl"},                                              # moe-lora-rl train: checks, then the ranks
+    "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
     "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
                "rollout", "router_replay", "vllm", "weight_sync"},
     "bench": {"algos", "checkpoint", "checks", "integration", "lora", "megatron", "models", "plan", "policy",
