@@ -5,7 +5,7 @@ any rank starts, then torch's elastic launcher starts the ranks in-process (what
 
     1. the configuration (strict keys, every value; rl/config.py)
     2. the layout, the model and its tokenizer (rl/preflight.py)
-    3. the data files and every prompt's length (data.max_prompt_length, data.truncation, filtering)
+    3. the data files and the prompts' lengths (data.max_prompt_length, data.truncation, filtering)
     4. the reward: its file or module imports, the function takes verl's arguments, and one call per data_source
        returns a finite number (verl's default scorer raises NotImplementedError for a source it does not know)
     5. torch.distributed.run with --standalone, running `-m moe_lora_rl.train` on every rank
@@ -54,8 +54,14 @@ def check(train_args: list[str], world: int):
     return cfg
 
 
+MEASURED_ROWS = 10_000
+"""Prompts measured here per split (tokenizing 60k chat prompts takes ~15 s of CPU); the rows past it are measured as
+the run reaches them, and one over the limit stops the run with the same line (rl/producer.py)."""
+
+
 def check_prompts(cfg) -> None:
-    """Every prompt fits data.max_prompt_length, or is truncated or filtered as configured (rl/inputs.py)."""
+    """Every prompt (of the first MEASURED_ROWS of a split) fits data.max_prompt_length, or is truncated or
+    filtered as configured (rl/inputs.py: filtering measures every row)."""
     import transformers
 
     from .rl.inputs import load_problems
@@ -68,6 +74,7 @@ def check_prompts(cfg) -> None:
     d = cfg.data
     for split, examples in zip(("train", "val"), load_problems(cfg, tok, template)[:2]):
         if d.truncation == "error" and not d.filter_overlong_prompts:
+            examples = examples[:MEASURED_ROWS]
             for e, n in zip(examples, prompt_lengths(tok, examples, template)):
                 fit_prompt([0] * n, d.max_prompt_length, d.truncation,
                            f"{split} row {e.index} (data_source {e.data_source!r})")
