@@ -13,13 +13,18 @@ from .preflight import base_model_dir
 
 def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     """The checkpoint the run starts from, and its warm start: the seconds it took (measured now, or recorded when
-    it was trained, if cached) and whether it was cached."""
+    it was trained, if cached) and whether it was cached. The built-in model learns the built-in task, or a
+    dataset's answer format from its data.reference_key column (none without one); model.path takes none."""
     if cfg.model.path is not None or not cfg.model.warm_start:
         return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
-    from .warm_start import task_warm_spec, warm_started
+    from .warm_start import data_warm_spec, task_warm_spec, warm_started
 
+    d = cfg.data
+    if d.train_files is not None and d.reference_key is None:     # nothing to learn the answer format from
+        return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
     t0 = time.perf_counter()
-    spec = task_warm_spec(cfg.model.size, cfg.data.task_spec())
+    spec = task_warm_spec(cfg.model.size, d.task_spec()) if d.train_files is None else \
+        data_warm_spec(cfg.model.size, d.train_files, d.prompt_key, d.reference_key)
     if cfg.model.warm_steps is not None:
         spec = replace(spec, steps=cfg.model.warm_steps)
     path = warm_started(cfg.model.family, cfg.model.size, spec)
