@@ -37,6 +37,9 @@ DATASETS = {"sort": _sorting("sort"), "sort_trace": _sorting("sort_trace"), "sor
 REFERENCE_KEYS = {"gsm8k_arith": "extra_info.answer"}
 """The column holding each dataset's worked answer (data.reference_key, for the warm start); the sorting tasks'
 answer is the ground truth itself."""
+JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"]}
+"""The main job's settings a dataset needs (its answers' length: "12 + 7 = 19\n#### 19" is 14 tokens and the end
+of turn on the built-in tokenizer)."""
 
 
 def write(name: str, out_dir: str | Path, *, fmt: str = "parquet", **options) -> dict[str, Path]:

@@ -41,7 +41,7 @@ ALLOWED = {
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
     "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
                "rollout", "router_replay", "vllm", "weight_sync"},
-    "bench": {"algos", "checkpoint", "checks", "integration", "lora", "megatron", "models", "plan", "policy",
+    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "models", "plan", "policy",
               "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
