@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..megatron.parallel import init_distributed
+from ..megatron.parallel import from_rank0, init_distributed
 from ..megatron.run_config import prepare_host
 from .batch import policy_batch
 from .config import TrainConfig
@@ -61,15 +61,15 @@ class GRPORun(EngineRecovery):
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        if self.rank == 0:
-            self.path, self.warmup = model_dir(cfg)
         rc = run_config(cfg)
         prepare_host(rc)
+        init_distributed(cfg.layout.layout(), rc)
+        # rank 0 builds (or finds) the warm start, with the process group up: the other ranks wait without its
+        # 10-minute timeout, and learn a failure as one line
+        self.path, self.warmup = from_rank0(lambda: model_dir(cfg), "build the run's model (its warm start)")
         if rc.device == "cpu":                    # the ranks of this host share its cores
             cores = len(os.sched_getaffinity(0))  # those this process may use (taskset), not the machine's
             torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        init_distributed(cfg.layout.layout(), rc)
-        self.path, self.warmup = broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
         self.template = resolve_template(self.tok, cfg.data.prompt_template, where=str(self.path))
         self.train_problems, self.eval_problems, self.filtered = load_problems(cfg, self.tok, self.template)
