@@ -209,6 +209,25 @@ def model_code():
         yield
 
 
+_MLA_CORE_ATTENTION = None
+
+
+def mla_core_attention():
+    """megatron's local DotProductAttention taking (and ignoring) the k_channels / v_channels that MLA passes (the
+    local class does not accept them; its output width per head is config.kv_channels, set to v_head_dim, and
+    MLA passes the softmax scale). Put into the local spec by build.py for MLA on CPU."""
+    global _MLA_CORE_ATTENTION
+    if _MLA_CORE_ATTENTION is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+                super().__init__(*args, **kwargs)
+
+        _MLA_CORE_ATTENTION = MLADotProductAttention
+    return _MLA_CORE_ATTENTION
+
+
 def active() -> "CpuSupport | None":
     """The applied CPU support, or None."""
     return _ACTIVE
@@ -248,6 +267,11 @@ def apply() -> CpuSupport:
     cs._set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     cs._set(mappings, "_gather_along_first_dim", _gather_along_first_dim)
     cs._set(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    # Without Transformer Engine megatron's TE extension binds a MagicMock, so MLA's import of TELinear succeeds,
+    # HAVE_TE is True and `isinstance(self.linear_proj, TELinear)` raises TypeError at construction.
+    cs._set(mla, "HAVE_TE", False)
     if version.startswith("0.16."):
         from megatron.core.transformer.moe import grouped_gemm_util as gg
 
