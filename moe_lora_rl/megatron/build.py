@@ -40,13 +40,10 @@ def check_layout(arch: MoEArch, layout: Layout) -> None:
     if arch.shared_expert_ffn and arch.shared_expert_ffn % layout.tp:
         raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the shared expert's "
                          f"intermediate size {arch.shared_expert_ffn}")
-    if arch.mla:       # the local spec splits the down projections' rows over TP and gathers them
-        rows = {"q_lora_rank": arch.q_lora_rank, "kv_lora_rank + qk_rope_head_dim":
-                arch.kv_lora_rank + arch.qk_rope_head_dim}
-        for what, n in rows.items():
-            if n and n % layout.tp:
-                raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the MLA down projection's "
-                                 f"rows {what}={n}; tp must divide it")
+    if arch.mla and arch.q_lora_rank and arch.q_lora_rank % layout.tp:
+        # the local spec splits linear_q_down_proj's rows over TP (linear_kv_down_proj is duplicated)
+        raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the MLA down projection's rows "
+                         f"q_lora_rank={arch.q_lora_rank}; tp must divide it")
 
 
 def padded_vocab(arch: MoEArch, layout: Layout) -> int:
@@ -189,6 +186,11 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
         rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta, parallel_output=True)
     if grouped_experts and rc.device == "cpu":
         _allow_fp32_grouped_mlp(model)
+    if arch.mla and rc.layer_spec == "local":
+        from . import cpu_support
+
+        for layer in getattr(model.decoder, "layers", []):
+            cpu_support.duplicated_kv_down(layer.self_attention)
     if rc.device == "cuda" and rc.cpu_init:
         model.cuda(torch.cuda.current_device())
     model.run_config = rc
