@@ -73,7 +73,7 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
 def control_logits(model, arch, cfg: LoRAConfig, tokens: torch.Tensor) -> dict:
     """Negative controls on a model holding the reference's adapters: logits with one target's adapters dropped
     (scale 0 on every module of that target), for each target the model has, and with one factor perturbed (the
-    first factor of the first target, + 1e-3 on every element). Each must differ from the reference's logits."""
+    first factor of the first target, + 1e-2 on every element). Each must differ from the reference's logits."""
     targets = [t for t in cfg.resolved_targets() if t in arch.adaptable()]       # the same list on every rank
     adapters = [m.lora for m in model.modules() if hasattr(m, "lora") and hasattr(m.lora, "factor_A")]
     out = {}
@@ -87,10 +87,10 @@ def control_logits(model, arch, cfg: LoRAConfig, tokens: torch.Tensor) -> dict:
     factors = [p for _, p in adapter_factors(model) if p.lora_meta.target == targets[0]]
     with torch.no_grad():
         for p in factors[:1]:
-            p.add_(1e-3)
+            p.add_(1e-2)
         out[f"perturb:{targets[0]}"] = forward_logits(model, tokens, arch.vocab_size)
         for p in factors[:1]:
-            p.sub_(1e-3)
+            p.sub_(1e-2)
     return out
 
 
