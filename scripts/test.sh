@@ -19,12 +19,13 @@ if [[ -x .venv312/bin/python ]]; then
   echo "== .venv312: $(.venv312/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))')"
   # on the second megatron-core version, what depends on its API: the model built and loaded at every layout against
   # HF (parity), the per-layer attention masks of KV replay on its attention module, and the CPU support it needs;
+  # and our MLA names against megatron-bridge's DeepSeek-V3 mappings (skipped where the bridge is absent);
   # everything else (verl, vLLM, the benches' and the driver's checks)
   # runs once, above (--all: LoRA's fp32 layouts and bf16 layout invariance too)
   EXTRA312=(); [[ ${#SELECT[@]} -eq 0 ]] && EXTRA312=(tests/distributed/test_lora_layouts.py tests/distributed/test_bf16.py)
   .venv312/bin/python -m pytest -m "not vllm and not verl and not slow" --durations=15 \
     tests/distributed/test_parity.py tests/distributed/test_kv_replay.py "${EXTRA312[@]}" \
-    tests/unit/test_cpu_support.py tests/unit/test_layout.py "$@"
+    tests/unit/test_cpu_support.py tests/unit/test_layout.py tests/unit/test_bridge_mla_names.py "$@"
 elif [[ "${CI:-}" == "true" ]]; then
   echo "test.sh: CI requires .venv312 (bash scripts/setup.sh --compat)" >&2; exit 1
 else

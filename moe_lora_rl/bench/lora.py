@@ -3,6 +3,9 @@
     python -m moe_lora_rl.bench lora --json [--model DIR ...] [--speed-model DIR] [--layouts ...] [--rank 16]
 
 layout_max_diff: max over layouts/models of |loss| and |adapter| differences after 3 steps vs tp1ep1pp1.
+--controls: per layout and model, the negative controls on the adapters loaded from tp1ep1pp1: max |logit diff|
+against the reference with one target's adapters dropped ("drop:TARGET", every target the model has) or one factor
+perturbed ("perturb:TARGET"); control_min is the smallest, which must exceed the logit tolerance.
 peft_max_diff: the trained adapters exported to PEFT, loaded into HF transformers + peft: max |logit diff| vs
 Megatron+LoRA. Step times: base = full fine-tuning step (fwd+bwd+AdamW over all weights), LoRA = frozen base +
 adapters (fwd+bwd+grad sync+AdamW over adapters), interleaved in one process; fwd_time_ratio isolates the adapters'
@@ -22,7 +25,7 @@ from pathlib import Path
 from ..checks import lora_layouts
 from ..checks.launch import run_torchrun, worker_arg
 from ..checks.layouts import DEFAULT_LAYOUTS, check_layouts, resolve_models
-from ..checks.tolerances import PEAK_RATIO_TARGET
+from ..checks.tolerances import LORA_LOGITS, PEAK_RATIO_TARGET
 from ..lora import LoRAConfig
 from .common import emit
 from .run_args import add_run_args, run_config_from_args
@@ -46,10 +49,10 @@ def measure_memory(model: str, layout: str, cfg: LoRAConfig, rc=None) -> dict:
 
 
 def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfig, speed_layout: str,
-        memory: bool = True, rc=None) -> dict:
+        memory: bool = True, rc=None, controls: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        rep = lora_layouts.run(models, layouts, cfg, work, rc=rc)
+        rep = lora_layouts.run(models, layouts, cfg, work, rc=rc, controls=controls)
         pdiff = {m: lora_layouts.peft_diff(m, work / f"{lora_layouts.REFERENCE}-m{i}.pt", cfg, work / f"peft-m{i}")
                  for i, m in enumerate(models)}
     result = {"layout_max_diff": rep["layout_max_diff"], "peft_max_diff": max(pdiff.values())}
@@ -70,13 +73,20 @@ def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfi
                    "adapter_layout": cfg.adapter_layout, "per_model_peft_diff": pdiff,
                    "per_layout": {k: {m: {kk: r[kk] for kk in ("loss_max_diff", "adapter_max_diff")}
                                       for m, r in v.items()} for k, v in rep["per_layout"].items()}})
+    if controls:
+        result["controls"] = {k: {m: r["controls"] for m, r in v.items() if "controls" in r}
+                              for k, v in rep["per_layout"].items() if k != lora_layouts.REFERENCE}
+        result["control_min"] = min(x for v in result["controls"].values() for c in v.values() for x in c.values())
+        result["logits_target"] = LORA_LOGITS
     return result
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench lora", description=__doc__)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--model", action="append", help="HF checkpoint(s) for the diffs; default: both tiny models")
+    ap.add_argument("--model", action="append", help="HF checkpoint(s) for the diffs; default: both tiny GQA models")
+    ap.add_argument("--controls", action="store_true", help="negative controls per layout (a target dropped, a "
+                    "factor perturbed)")
     ap.add_argument("--speed-model", default=None, help="checkpoint for step times; default: the medium qwen3_moe")
     ap.add_argument("--no-speed", action="store_true", help="skip the step-time and memory measurements")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -104,7 +114,7 @@ def main(argv=None) -> dict:
         speed = a.speed_model or str(get_model("qwen3_moe", "medium"))
         if len(check_layouts([speed], a.speed_layout)) != 1:
             raise ValueError(f"--speed-layout {a.speed_layout!r}: give one layout")
-    result = run(models, speed, a.layouts, cfg, a.speed_layout, memory=not a.no_memory, rc=rc)
+    result = run(models, speed, a.layouts, cfg, a.speed_layout, memory=not a.no_memory, rc=rc, controls=a.controls)
     result["dtype"] = rc.dtype
     emit(result, a.json)
     return result

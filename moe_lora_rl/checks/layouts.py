@@ -9,15 +9,25 @@ from pathlib import Path
 from ..megatron.layout import Layout
 
 DEFAULT_LAYOUTS = "tp1ep1pp1,tp2ep2,tp2ep2etp2,ep4,pp2ep2"
+# the default models of the checks: the GQA families; the MLA ones (deepseek_v3) are named where a check runs them
+DEFAULT_FAMILIES = ("glm4_moe", "qwen3_moe")
+MLA_SIZES = ("tiny", "tiny_rope", "tiny_lite")        # deepseek_v3: yarn, plain RoPE (+ MTP), q_lora_rank null
 
 
 def resolve_models(model_args: list[str] | None, size: str = "tiny") -> list[str]:
-    """--model DIR (repeatable, or comma-separated) or, by default, both project models of `size`."""
-    from ..models import FAMILIES, get_model
+    """--model DIR (repeatable, or comma-separated) or, by default, both GQA project models of `size`."""
+    from ..models import get_model
 
     if model_args:
         return [m for arg in model_args for m in arg.split(",") if m]
-    return [str(get_model(f, size)) for f in FAMILIES]
+    return [str(get_model(f, size)) for f in DEFAULT_FAMILIES]
+
+
+def mla_models() -> list[str]:
+    """The three deepseek_v3 (MLA) tiny variants."""
+    from ..models import get_model
+
+    return [str(get_model("deepseek_v3", s)) for s in MLA_SIZES]
 
 
 def group_by_world(layout_names: str) -> "OrderedDict[int, list[str]]":

@@ -35,9 +35,11 @@ def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
 
 
 def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-4,
-        grouped: bool = False, rc=None) -> dict:
+        grouped: bool = False, rc=None, controls: bool = False) -> dict:
     """grouped: the non-reference layouts use the legacy GroupedMLP; the reference stays SequentialMLP.
-    rc: the Megatron RunConfig of every layout (default fp32 on CPU)."""
+    rc: the Megatron RunConfig of every layout (default fp32 on CPU).
+    controls: per non-reference layout, "controls": {"drop:TARGET" | "perturb:TARGET": max |logit diff| against
+    the reference} with that target's adapters dropped or one factor perturbed (each must exceed the tolerance)."""
     from ..megatron.layout import Layout
     from ..megatron.run_config import RunConfig
 
@@ -51,7 +53,7 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     for world, group in group_by_world(",".join(names)).items():
         summary.update(run_torchrun("moe_lora_rl.checks.lora_worker", world,
                                     common + ["--layouts", ",".join(group), "--load-from", REFERENCE]
-                                    + (["--grouped"] if grouped else [])))
+                                    + (["--grouped"] if grouped else []) + (["--controls"] if controls else [])))
     report: dict = {"per_layout": {}, "expert_load": load_info}
     for mi, m in enumerate(models):
         ref = torch.load(workdir / f"{REFERENCE}-m{mi}.pt")
@@ -67,6 +69,9 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
             rec["eval_logits_max_diff"] = (got["eval_logits"] - ref["eval_logits"]).abs().max().item()
             if "loaded_logits" in got:
                 rec["loaded_logits_max_diff"] = (got["loaded_logits"] - ref["eval_logits"]).abs().max().item()
+            if "control_logits" in got:
+                rec["controls"] = {k: (v - ref["eval_logits"]).abs().max().item()
+                                   for k, v in got["control_logits"].items()}
             report["per_layout"].setdefault(name, {})[m] = rec
     report["layout_max_diff"] = max(max(r["adapter_max_diff"], r["loss_max_diff"])
                                     for per in report["per_layout"].values() for r in per.values())

@@ -61,11 +61,37 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
         _, fresh = build(path, layout, cfg, a.grouped, a.rc)
         load_sharded(fresh, out / f"ckpt-{a.load_from}-m{mi}")
         blob["loaded_logits"] = forward_logits(fresh, data["eval"], arch.vocab_size)
+        if a.controls:
+            blob["control_logits"] = control_logits(fresh, arch, cfg, data["eval"])
         del fresh
     if dist.get_rank() == dist.get_world_size() - 1:     # always on the last pipeline stage: it holds the logits
         torch.save(blob, out / f"{key}-m{mi}.pt")
     del model
     return rec
+
+
+def control_logits(model, arch, cfg: LoRAConfig, tokens: torch.Tensor) -> dict:
+    """Negative controls on a model holding the reference's adapters: logits with one target's adapters dropped
+    (scale 0 on every module of that target), for each target the model has, and with one factor perturbed (the
+    first factor of the first target, + 1e-2 on every element). Each must differ from the reference's logits."""
+    targets = [t for t in cfg.resolved_targets() if t in arch.adaptable()]       # the same list on every rank
+    adapters = [m.lora for m in model.modules() if hasattr(m, "lora") and hasattr(m.lora, "factor_A")]
+    out = {}
+    for t in targets:
+        dropped = [ad for ad in adapters if ad.factor_A.lora_meta.target == t]
+        for ad in dropped:
+            ad.scale, ad._kept_scale = 0.0, ad.scale
+        out[f"drop:{t}"] = forward_logits(model, tokens, arch.vocab_size)
+        for ad in dropped:
+            ad.scale = ad._kept_scale
+    factors = [p for _, p in adapter_factors(model) if p.lora_meta.target == targets[0]]
+    with torch.no_grad():
+        for p in factors[:1]:
+            p.add_(1e-2)
+        out[f"perturb:{targets[0]}"] = forward_logits(model, tokens, arch.vocab_size)
+        for p in factors[:1]:
+            p.sub_(1e-2)
+    return out
 
 
 def main(argv=None):
@@ -77,6 +103,8 @@ def main(argv=None):
         ap.add_argument("--out", required=True)
         ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
         ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
+        ap.add_argument("--controls", action="store_true", help="with --load-from: negative controls (a target's "
+                        "adapters dropped, one factor perturbed) on the loaded adapters")
 
     a = worker_args(argv, add, models_at_layouts=True, lora=True)
     data = torch.load(a.data)

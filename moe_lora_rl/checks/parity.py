@@ -3,7 +3,9 @@
     run(models, layouts, rc)    one torchrun launch of this module per world size; the worst error per layout
     python -m moe_lora_rl.checks.parity (torchrun worker): per layout and model the max |logit diff| and the
         median over tokens of each token's max |logit diff| relative to max |ref| (tolerances.PARITY_*), with a
-        negative control (the same metric against the reference one position later must fail)
+        negative control (the same metric against the reference one position later must fail); for an MLA model
+        at the unsharded layout also the max |logit diff| of two wrong builds (mla_controls): without the latent
+        norms (qk_layernorm False: the local spec's IdentityOp) and, for a yarn model, with plain RoPE
 """
 from __future__ import annotations
 
@@ -41,8 +43,23 @@ def run(models: list[str], layouts: str, rc=None) -> dict:
     worst = {name: max(d.values()) for name, d in per_layout.items()}
     out = {"layouts": worst, "max_abs_diff" if rc.dtype == "fp32" else "max_rel_median_token": max(worst.values()),
            "models": models, "per_model": per_layout, "target": target, "metric": key, "dtype": rc.dtype}
+    controls = {name: {m: {k[len("mla:"):]: v for k, v in r.items() if k.startswith("mla:")} for m, r in d.items()}
+                for name, d in details.items()}
+    controls = {name: {m: c for m, c in d.items() if c} for name, d in controls.items()}
+    if any(controls.values()):
+        out["mla_controls"] = {name: d for name, d in controls.items() if d}
     if rc.dtype != "fp32":
         out["details"] = details
+    return out
+
+
+def _mla_controls(arch, layout) -> dict:
+    """Wrong MLA builds whose parity must fail (config overrides by name), at the unsharded layout only."""
+    if not arch.mla or layout.tp * layout.pp * layout.ep * layout.etp != 1:
+        return {}
+    out = {"no_latent_norms": {"qk_layernorm": False}}
+    if arch.rope_type == "yarn":
+        out["plain_rope"] = {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
     return out
 
 
@@ -65,10 +82,18 @@ def main(argv=None):
         tokens = sample_tokens(arch.vocab_size)
         logits = forward_logits(model, tokens, arch.vocab_size)
         rec = {"max_abs": -1.0, "rel_median_token": -1.0, "ref_max_abs": -1.0, "control": -1.0}
+        wrong = _mla_controls(arch, layout)
+        rec.update({f"mla:{k}": -1.0 for k in wrong})
+        ref = hf_logits(path, tokens) if logits is not None or wrong else None
         if logits is not None:
-            ref = hf_logits(path, tokens)
-            rec = token_errors(logits, ref)
+            rec.update(token_errors(logits, ref))
             rec["control"] = token_errors(logits[:, :-1], ref[:, 1:])["rel_median_token"]
+        for k, overrides in wrong.items():
+            del model
+            _, model = build_from_hf(path, layout, a.rc, **overrides)
+            got = forward_logits(model, tokens, arch.vocab_size)
+            if got is not None:
+                rec[f"mla:{k}"] = float((got - ref).abs().max())
         vals = torch.tensor([rec[k] for k in sorted(rec)])
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
         out.setdefault(key, {})[path] = dict(zip(sorted(rec), vals.tolist()))

@@ -4,9 +4,9 @@
     row base    (W: [out, in/t]):  A [r, in/t] sharded like the input, B [out, r] replicated
     duplicated  (W: [out, in] on every rank, tokens as the base sees them): A, B replicated
 
-MLA's down projections (linear_q_down_proj, linear_kv_down_proj) are column bases in the local spec: megatron splits
-their rows over TP and gathers the output itself, after the hook, so B's row shard is exactly the base's; in the TE
-spec they are duplicated.
+MLA's down projections: linear_q_down_proj is a column base in the local spec (megatron splits its rows over TP and
+gathers the output itself, after the hook, so B's row shard is exactly the base's); linear_kv_down_proj is duplicated
+(build.py / cpu_support.duplicated_kv_down on the local spec, TELinear in the TE spec), as are both in the TE spec.
 
 t is the base layer's tensor-parallel group: TP for attention / dense / shared-expert linears, expert-TP (ETP) for
 routed experts. The replicated factor's gradient is a partial sum on each rank whenever the layer's tokens are split

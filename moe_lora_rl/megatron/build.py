@@ -4,7 +4,11 @@
     model = build_model(arch, layout, rc)          # rc: RunConfig (device, dtype, layer spec); default fp32 on CPU
 
 The local spec (SequentialMLP experts) gets SP-tolerant RMSNorms; the Transformer Engine spec (TEGroupedMLP) is taken
-as megatron-core builds it.
+as megatron-core builds it. Multi-head Latent Attention (arch.mla: DeepSeek-V3, Kimi-K2, Moonlight) is megatron-core's
+MLASelfAttention from an MLATransformerConfig: on CPU with the local spec (plus cpu_support's MLA core attention, which
+takes MLA's k_channels / v_channels), on GPU with the TE spec (get_gpt_decoder_block_spec(use_transformer_engine=True)
+with multi_latent_attention and qk_layernorm from the config: TELinear down projections, TELayerNormColumnParallelLinear
+up projections carrying the latent norms).
 """
 from __future__ import annotations
 
@@ -36,6 +40,10 @@ def check_layout(arch: MoEArch, layout: Layout) -> None:
     if arch.shared_expert_ffn and arch.shared_expert_ffn % layout.tp:
         raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the shared expert's "
                          f"intermediate size {arch.shared_expert_ffn}")
+    if arch.mla and arch.q_lora_rank and arch.q_lora_rank % layout.tp:
+        # the local spec splits linear_q_down_proj's rows over TP (linear_kv_down_proj is duplicated)
+        raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the MLA down projection's rows "
+                         f"q_lora_rank={arch.q_lora_rank}; tp must divide it")
 
 
 def padded_vocab(arch: MoEArch, layout: Layout) -> int:
@@ -68,33 +76,73 @@ def transformer_config_kwargs(arch: MoEArch, layout: Layout, rc: RunConfig, **ov
         calculate_per_token_loss=True,              # loss functions here return sums already normalised globally
         **transformer_kwargs(rc),
     )
+    if arch.mla:
+        kw.update(mla_kwargs(arch))
     kw.update(overrides)
+    return kw
+
+
+def mla_kwargs(arch: MoEArch) -> dict:
+    """MLATransformerConfig fields of an MLA architecture (pure). qk_layernorm must be True: otherwise the local
+    spec silently replaces the latent norms by IdentityOp. kv_channels = v_head_dim: the core attention's output
+    width per head. rope: megatron's "rope" (no scaling: rotary_scaling_factor 1, mscale_all_dim 0, so the softmax
+    scale is 1/sqrt(q_head_dim)) or "yarn" with HF's parameters; MLA computes its own rotary."""
+    kw = dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+              qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+              v_head_dim=arch.v_head_dim, kv_channels=arch.v_head_dim, num_query_groups=arch.num_heads,
+              qk_layernorm=True, rotary_base=arch.rope_theta, rotary_percent=1.0)
+    if arch.rope_type == "yarn":
+        y = dict(arch.yarn)
+        kw.update(rope_type="yarn", rotary_scaling_factor=y["factor"],
+                  original_max_position_embeddings=int(y["original_max_position_embeddings"]),
+                  beta_fast=y["beta_fast"], beta_slow=y["beta_slow"], mscale=y["mscale"],
+                  mscale_all_dim=y["mscale_all_dim"])
+    else:
+        kw.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     return kw
 
 
 def transformer_config(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, **overrides):
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    return TransformerConfig(**transformer_config_kwargs(arch, layout, rc or RunConfig(), **overrides))
+    cls = MLATransformerConfig if arch.mla else TransformerConfig
+    return cls(**transformer_config_kwargs(arch, layout, rc or RunConfig(), **overrides))
 
 
-def _swap_norms(obj, memo=None):
-    """Replace megatron's local norm classes with SPRMSNorm throughout a (block) spec (shared sub-specs once)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
+def _swap_classes(obj, swaps: dict, memo=None):
+    """Replace classes throughout a (block) spec (shared sub-specs once): megatron's local norm by SPRMSNorm, and
+    for MLA the local core attention by one that takes MLA's k_channels / v_channels."""
     memo = memo if memo is not None else {}
-    if obj is WrappedTorchNorm:
-        return SPRMSNorm
+    if isinstance(obj, type) and obj in swaps:
+        return swaps[obj]
     if id(obj) in memo:
         return memo[id(obj)]
     new = obj
     if isinstance(obj, list):
-        new = [_swap_norms(o, memo) for o in obj]
+        new = [_swap_classes(o, swaps, memo) for o in obj]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = dataclasses.replace(obj, **{f.name: _swap_norms(getattr(obj, f.name), memo)
+        new = dataclasses.replace(obj, **{f.name: _swap_classes(getattr(obj, f.name), swaps, memo)
                                          for f in dataclasses.fields(obj) if f.init and f.name != "params"})
     memo[id(obj)] = new
     return new
+
+
+def _local_swaps(arch: MoEArch, rc: RunConfig) -> dict:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    swaps = {WrappedTorchNorm: SPRMSNorm}
+    if arch.mla:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from . import cpu_support
+
+        if rc.device != "cpu" or cpu_support.active() is None:
+            raise ValueError(f"MLA with layer_spec='local' on device={rc.device!r}: the local spec runs MLA only on "
+                             "CPU with megatron's CPU support applied (run_config.prepare_host); on CUDA use "
+                             "layer_spec='te'")
+        swaps[DotProductAttention] = cpu_support.mla_core_attention()
+    return swaps
 
 
 def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, grouped_experts: bool = False,
@@ -130,7 +178,7 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
     cfg = transformer_config(arch, layout, rc, **config_overrides)
     spec = get_gpt_decoder_block_spec(cfg, **spec_kwargs(rc))
     if rc.layer_spec == "local":
-        spec = _swap_norms(spec)
+        spec = _swap_classes(spec, _local_swaps(arch, rc))
     model = GPTModel(
         config=cfg, transformer_layer_spec=spec, vocab_size=padded_vocab(arch, layout),
         max_sequence_length=4096, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -138,6 +186,11 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
         rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta, parallel_output=True)
     if grouped_experts and rc.device == "cpu":
         _allow_fp32_grouped_mlp(model)
+    if arch.mla and rc.layer_spec == "local":
+        from . import cpu_support
+
+        for layer in getattr(model.decoder, "layers", []):
+            cpu_support.duplicated_kv_down(layer.self_attention)
     if rc.device == "cuda" and rc.cpu_init:
         model.cuda(torch.cuda.current_device())
     model.run_config = rc

@@ -209,6 +209,58 @@ def model_code():
         yield
 
 
+_MLA_CORE_ATTENTION = None
+
+
+def mla_core_attention():
+    """megatron's local DotProductAttention taking (and ignoring) the k_channels / v_channels that MLA passes (the
+    local class does not accept them; its output width per head is config.kv_channels, set to v_head_dim, and
+    MLA passes the softmax scale). Put into the local spec by build.py for MLA on CPU."""
+    global _MLA_CORE_ATTENTION
+    if _MLA_CORE_ATTENTION is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+                super().__init__(*args, **kwargs)
+
+        _MLA_CORE_ATTENTION = MLADotProductAttention
+    return _MLA_CORE_ATTENTION
+
+
+def duplicated_kv_down(attention) -> None:
+    """Replace an MLA layer's linear_kv_down_proj (the local spec's ColumnParallelLinear) by a duplicated linear:
+    the whole [kv_lora_rank + qk_rope_head_dim, hidden] weight on every TP rank, applied to the rank's own sequence
+    shard, as the TE spec's TELinear(parallel_mode='duplicated') does.
+
+    Why: with the column-parallel module MLA gathers the output over TP and keeps the rope part k_pos_emb on the
+    full sequence on every rank; each rank's heads then add only their own share to k_pos_emb's gradient and the
+    gather's backward (a split) drops the others, so under TP > 1 every gradient below the layer is wrong
+    (megatron-core 0.16.1 and 0.19.2, local spec). With the full width, MLA takes its duplicated path, where
+    gather_from_sequence_parallel_region's backward sums the heads' shares over TP. The weight is marked
+    sequence_parallel (its gradient is a partial sum over the sequence shards: megatron all-reduces such weights over
+    TP). Called by build.py for MLA on the local spec, before the checkpoint is loaded."""
+    old = attention.linear_kv_down_proj
+    cfg = attention.config
+    out_rows, hidden = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, cfg.hidden_size
+    attention.linear_kv_down_proj = DuplicatedLinear(hidden, out_rows, dtype=old.weight.dtype,
+                                                     device=old.weight.device)
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """y = x W^T on the local tokens, W whole on every rank; returns (y, None) like megatron's linears."""
+
+    parallel_mode = "duplicated"
+
+    def __init__(self, in_features: int, out_features: int, dtype=None, device=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.weight.sequence_parallel = True
+
+    def forward(self, x):
+        return torch.matmul(x, self.weight.t()), None
+
+
 def active() -> "CpuSupport | None":
     """The applied CPU support, or None."""
     return _ACTIVE
@@ -248,6 +300,11 @@ def apply() -> CpuSupport:
     cs._set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     cs._set(mappings, "_gather_along_first_dim", _gather_along_first_dim)
     cs._set(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    # Without Transformer Engine megatron's TE extension binds a MagicMock, so MLA's import of TELinear succeeds,
+    # HAVE_TE is True and `isinstance(self.linear_proj, TELinear)` raises TypeError at construction.
+    cs._set(mla, "HAVE_TE", False)
     if version.startswith("0.16."):
         from megatron.core.transformer.moe import grouped_gemm_util as gg
 

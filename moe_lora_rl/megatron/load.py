@@ -1,7 +1,12 @@
 """Load an HF safetensors checkpoint into this rank's shard of a megatron-core model.
 
 plan (pure, per parameter: HF sources + shard kind + group rank/size) -> read HF tensors -> assemble -> slice -> copy.
-Every local parameter must be resolved and shape-checked; nothing is skipped silently.
+Every local parameter must be resolved and shape-checked; nothing is skipped silently. The only checkpoint tensors no
+parameter reads are an MTP layer's (DeepSeek-V3's model.layers.{num_hidden_layers}.*): counted, never mapped.
+
+Shard kinds: replicated, vocab (rows, padded), column (rows), row (columns), glu (gate and up rows each), qkv (per
+query group), down (MLA's down projections: rows in the local spec, whole in the TE spec, told apart by the shard's
+shape), grouped_glu / grouped_row (legacy GroupedMLP).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ def assemble(kind: str, parts: list[torch.Tensor], arch: MoEArch, shard: ShardSp
         return w.chunk(n, dim=0)[r]
     if kind == "column":
         return parts[0].chunk(n, dim=0)[r]
+    if kind in ("down_column", "down_whole"):
+        return parts[0] if kind == "down_whole" else parts[0].chunk(n, dim=0)[r]
     if kind == "row":
         return parts[0].chunk(n, dim=1)[r]
     if kind == "glu":
@@ -69,8 +76,16 @@ def plan(model, arch: MoEArch) -> dict[str, Resolved]:
     return {name: names.resolve(name, off) for name in local_tensors(model)}
 
 
+def mtp_count(ckpt_dir: str | Path, arch: MoEArch) -> int:
+    """Tensors of the checkpoint's MTP layers (DeepSeek-V3's num_nextn_predict_layers), which no parameter reads."""
+    from ..models.naming import split_mtp
+
+    return len(split_mtp(HFCheckpoint(ckpt_dir).weight_map, arch.num_layers)[1])
+
+
 def load_hf_weights(model, ckpt_dir: str | Path, arch: MoEArch) -> int:
-    """Copy the checkpoint into the local model shard; returns the number of tensors loaded."""
+    """Copy the checkpoint into the local model shard; returns the number of tensors loaded. An MTP layer's tensors
+    (mtp_count) are skipped: its layer number is past the backbone's, and no Megatron parameter resolves to it."""
     from megatron.core import parallel_state as ps
 
     ckpt = HFCheckpoint(ckpt_dir)
@@ -92,6 +107,8 @@ def load_hf_weights(model, ckpt_dir: str | Path, arch: MoEArch) -> int:
                 raise ValueError(f"checkpoint {ckpt_dir} lacks {missing} needed for Megatron parameter {name!r}")
             parts = [ckpt.get(h).to(torch.float32) for h in names]
             kind = {"grouped_glu": "glu", "grouped_row": "row"}.get(res.row.kind, res.row.kind)
+            if kind == "down":
+                kind = "down_whole" if tensors[name].shape[0] == parts[0].shape[0] else "down_column"
             shards.append(assemble(kind, parts, arch, etp if res.row.expert else tp, vocab))
         # GroupedMLP reads weight1 [hidden, E*2ffn/etp] as .view(E, hidden, -1) and weight2 [E*ffn/etp, hidden] as
         # .view(E, -1, hidden): memory holds the per-expert transposed matrices one after another.

@@ -181,8 +181,7 @@ def _write(out: Path, family: str, size: str, seed: int) -> None:
                                                       "generator_version": GENERATOR_VERSION}))
 
 
-MTP_EXTRA = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
-             "embed_tokens.weight")
+from .released import MTP_EXTRA  # noqa: E402  (the released layout's MTP-only tensors)
 
 
 def mtp_tensors(names, num_layers: int, mtp_layers: int) -> list[str]:

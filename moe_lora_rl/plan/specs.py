@@ -23,6 +23,14 @@ class ModelSpec:
     mla: bool                     # MLA's cached latent is shared by all heads: TP replicates it
     weight_bytes: float           # bytes per base parameter in the released checkpoint
     source: str
+    attention_names: tuple[str, ...] = ()     # HF module of each moe.attention shape (attention_modules)
+
+    def attention_bytes(self, rank: int, adapter_bytes: int = 2) -> dict[str, dict]:
+        """Per attention module (HF name): (in, out), and the base and rank-`rank` adapter bytes over all layers."""
+        L = self.moe.num_layers
+        return {n: {"in": i, "out": o, "base_bytes": L * i * o * self.weight_bytes,
+                    "adapter_bytes": L * rank * (i + o) * adapter_bytes}
+                for n, (i, o) in zip(self.attention_names, self.moe.attention)}
 
     @property
     def total_params(self) -> int:
@@ -63,18 +71,15 @@ def spec_from_config(name: str, cfg: dict, source: str, moe: MoESpec | None = No
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     wbytes = 1 if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8" else \
         {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    names, att = attention_modules(cfg)
     if cfg.get("kv_lora_rank"):
         r, rope, nope, v = cfg["kv_lora_rank"], _g(cfg, "qk_rope_head_dim"), _g(cfg, "qk_nope_head_dim"), \
             _g(cfg, "v_head_dim")
-        ql = cfg.get("q_lora_rank")
-        q = ((H, ql), (ql, heads * (nope + rope))) if ql else ((H, heads * (nope + rope)),)
-        att = q + ((H, r + rope), (r, heads * (nope + v)), (heads * v, H))
         qk, vd, kvh = heads * (nope + rope), heads * v, heads
         kv = F.kv_bytes_per_token_mla(L, r, rope, 2)
     else:
         hd = cfg.get("head_dim") or H // heads
         kvh = cfg.get("num_key_value_heads") or heads
-        att = ((H, heads * hd), (H, kvh * hd), (H, kvh * hd), (heads * hd, H))
         qk = vd = heads * hd
         kv = F.kv_bytes_per_token_gqa(L, kvh, hd, 2)
     derived = MoESpec(name, L, moe_layers, experts, H, eff, shared_ffn=shared,
@@ -82,7 +87,43 @@ def spec_from_config(name: str, cfg: dict, source: str, moe: MoESpec | None = No
                       attention=att, router_bias=cfg.get("topk_method") == "noaux_tc" or "n_group" in cfg)
     if moe is not None and moe != derived:
         raise ValueError(f"{name}: config gives {derived}, the refit calculator has {moe}")
-    return ModelSpec(moe or derived, top_k, heads, qk, vd, kv, kvh, bool(cfg.get("kv_lora_rank")), wbytes, source)
+    return ModelSpec(moe or derived, top_k, heads, qk, vd, kv, kvh, bool(cfg.get("kv_lora_rank")), wbytes, source,
+                     names)
+
+
+def attention_modules(cfg: dict) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """(HF module names, (in, out) of each) of a layer's attention linears, from an HF config.json dict, by the
+    project's naming tables (models/naming): MLA (kv_lora_rank set) q_a_proj, q_b_proj (or q_proj when q_lora_rank
+    is null), kv_a_proj_with_mqa, kv_b_proj, o_proj; GQA q/k/v_proj, o_proj."""
+    from types import SimpleNamespace
+
+    from ..models.naming import deepseek_v3, glm4_moe
+    from ..models.naming.base import dims
+
+    H, heads = _g(cfg, "hidden_size"), _g(cfg, "num_attention_heads")
+    if cfg.get("kv_lora_rank"):
+        v = _g(cfg, "v_head_dim")
+        arch = SimpleNamespace(hidden_size=H, num_heads=heads, num_kv_heads=heads, head_dim=v, ffn_hidden_size=0,
+                               moe_ffn_hidden_size=0, shared_expert_ffn=0, q_lora_rank=cfg.get("q_lora_rank"),
+                               kv_lora_rank=cfg["kv_lora_rank"], qk_rope_head_dim=_g(cfg, "qk_rope_head_dim"),
+                               qk_nope_head_dim=_g(cfg, "qk_nope_head_dim"), v_head_dim=v)
+        naming = deepseek_v3.naming(arch.q_lora_rank)
+    else:
+        arch = SimpleNamespace(hidden_size=H, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                               head_dim=cfg.get("head_dim") or H // heads, ffn_hidden_size=0, moe_ffn_hidden_size=0,
+                               shared_expert_ffn=0)
+        naming = glm4_moe.NAMING                       # the GQA attention linears (the same in every GQA family)
+    d, names, shapes = dims(arch), [], []
+    for li in naming.linears:
+        if li.part != "attention":
+            continue
+        ins, outs = li.io
+        parts = outs.split("|")
+        for i, h in enumerate(li.hf):
+            names.append(h)
+            shapes.append((d[ins], d[parts[i] if len(parts) > 1 else outs]))
+    order = sorted(range(len(names)), key=lambda i: names[i].endswith("o_proj"))     # the output projection last
+    return tuple(names[i] for i in order), tuple(shapes[i] for i in order)
 
 
 # Excerpts of the public config.json files (the fields the planner reads).
@@ -94,6 +135,22 @@ KIMI_K2_CONFIG = {   # huggingface.co/moonshotai/Kimi-K2-Instruct/blob/main/conf
     "topk_method": "noaux_tc", "n_group": 1, "torch_dtype": "bfloat16",
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
 }
+DEEPSEEK_V3_CONFIG = {   # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json (DeepseekV3ForCausalLM)
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_nextn_predict_layers": 1,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}
+MOONLIGHT_CONFIG = {   # huggingface.co/moonshotai/Moonlight-16B-A3B/blob/main/config.json (q_lora_rank null)
+    "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "first_k_dense_replace": 1, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
+    "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "torch_dtype": "bfloat16",
+}
 QWEN3_30B_A3B_CONFIG = {   # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (Qwen3MoeForCausalLM)
     "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
     "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -102,6 +159,8 @@ QWEN3_30B_A3B_CONFIG = {   # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.
 PRESETS = {
     "kimi-k2": lambda: spec_from_config("kimi-k2", KIMI_K2_CONFIG, "moonshotai/Kimi-K2-Instruct config.json",
                                         SPECS["kimi-k2"]),
+    "deepseek-v3": lambda: spec_from_config("deepseek-v3", DEEPSEEK_V3_CONFIG, "deepseek-ai/DeepSeek-V3 config.json"),
+    "moonlight": lambda: spec_from_config("moonlight", MOONLIGHT_CONFIG, "moonshotai/Moonlight-16B-A3B config.json"),
     "qwen3-30b-a3b": lambda: spec_from_config("qwen3-30b-a3b", QWEN3_30B_A3B_CONFIG,
                                               "Qwen/Qwen3-30B-A3B config.json", SPECS["qwen3-30b-a3b"]),
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Kimi-K2 (DeepSeek-V3 architecture, 384 experts), expert LoRA with R3, verl separate_async on 128 GPUs:
 # 64 training GPUs (tp8 ep64, the planner's pick: python -m moe_lora_rl.plan --model kimi-k2 --gpus 128) + 64
-# rollout GPUs. GPU only; the Megatron builder of this project reads Qwen3-MoE and GLM-4.5 checkpoints, so this script
-# is checked for its layout only (MLA models are not built on CPU here).
+# rollout GPUs. GPU only. check_layouts.py checks the layout against Kimi-K2's config and maps every tensor name of
+# the released checkpoint (per-expert names, fp8 weight_scale_inv) onto the layout's Megatron parameters, from the
+# config alone; the MLA builder itself is tested on tiny DeepseekV3 models on CPU.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 MODEL_PATH=${MODEL_PATH:-moonshotai/Kimi-K2-Instruct}

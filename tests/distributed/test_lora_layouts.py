@@ -74,3 +74,53 @@ def test_every_global_expert_has_its_own_adapter(report, work):
         got = {(int(x[1]), int(x[2]), x[3], x[4]) for x in
                (re.search(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc[12])\.lora_([AB])", n) for n in names) if x}
         assert got == want, (m, sorted(want - got)[:6], sorted(got - want)[:6])
+
+
+# --- MLA (deepseek_v3): LoRA on every MLA linear besides the experts, shared expert and dense MLP -------------------
+MLA_LAYOUTS = "tp2ep2,tp2ep2etp2,pp2ep2"          # tp2, ep2, pp2 and an etp layout against tp1ep1pp1
+MLA_TARGETS = {"tiny": {"q_down", "q_up", "kv_down", "kv_up", "proj"}, "tiny_lite": {"q", "kv_down", "kv_up", "proj"}}
+
+
+def _mla_run(tmp_path_factory, sizes, layouts):
+    from moe_lora_rl.checks.lora_layouts import run
+    from moe_lora_rl.lora import LoRAConfig
+    from moe_lora_rl.models import get_model
+
+    models = [str(get_model("deepseek_v3", s)) for s in sizes]
+    return models, run(models, layouts, LoRAConfig(rank=4, alpha=8.0), tmp_path_factory.mktemp("lora_mla"),
+                       controls=True)
+
+
+def _check_mla(models, report, layouts, sizes):
+    assert set(report["per_layout"]) == {REFERENCE} | set(layouts.split(","))
+    for layout, per in report["per_layout"].items():
+        for m, r in per.items():
+            assert r["init_diff"] == 0.0 and r["only_adapters_trainable"], (layout, m)
+            assert r["losses"][-1] < r["losses"][0], (layout, m, r["losses"])
+            assert r["loss_max_diff"] <= LORA_LAYOUT and r["adapter_max_diff"] <= LORA_LAYOUT, (layout, m, r)
+            assert r["eval_logits_max_diff"] <= LORA_LOGITS, (layout, m, r)
+            if layout == REFERENCE:
+                continue
+            assert r["loaded_logits_max_diff"] <= LORA_LOGITS, (layout, m, r)
+            size = sizes[models.index(m)]
+            want = MLA_TARGETS["tiny_lite" if size == "tiny_lite" else "tiny"]
+            drops = {k.split(":")[1] for k in r["controls"] if k.startswith("drop:")}
+            assert want <= drops, (layout, m, sorted(drops))        # every MLA linear carries an adapter ...
+            for k, v in r["controls"].items():                     # ... whose loss the comparison would see
+                assert v > LORA_LOGITS, (layout, m, k, v)
+
+
+@pytest.mark.slow
+def test_mla_lora_layout_invariant_all_variants(tmp_path_factory):
+    """LoRA (targets all: every MLA linear, experts, shared expert, dense MLP) trains identically at tp2, ep2, pp2
+    and etp2 on the three MLA variants; negative controls: each target's adapters dropped, one factor perturbed."""
+    sizes = ("tiny", "tiny_rope", "tiny_lite")
+    models, report = _mla_run(tmp_path_factory, sizes, MLA_LAYOUTS)
+    _check_mla(models, report, MLA_LAYOUTS, sizes)
+
+
+def test_mla_lora_layout_invariant_smoke(tmp_path_factory):
+    """CI smoke of the above: both q_lora_rank variants at tp2ep2 and pp2ep2 (one launch of two ranks)."""
+    sizes, layouts = ("tiny", "tiny_lite"), "tp2ep2,pp2ep2"
+    models, report = _mla_run(tmp_path_factory, sizes, layouts)
+    _check_mla(models, report, layouts, sizes)

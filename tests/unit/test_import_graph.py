@@ -22,7 +22,7 @@ ALLOWED = {
     "procs": set(),
     "models": set(),
     "algos": set(),                                                # verl's pure functions, nothing of ours
-    "plan": {"refit", "weight_sync"},
+    "plan": {"models", "refit", "weight_sync"},                                     # models: the naming tables
     "weight_sync": {"models", "procs", "refit"},                                    # full-weight sync: its planner and calculator
     "megatron": {"models"},
     "lora": {"megatron", "models"},

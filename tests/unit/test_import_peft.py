@@ -6,6 +6,7 @@ import torch
 
 from moe_lora_rl.models import FAMILIES, get_model
 from moe_lora_rl.models.arch import load_arch
+from moe_lora_rl.models.naming import naming_for
 from moe_lora_rl.refit.import_peft import from_peft_tensors
 from moe_lora_rl.refit.rename import to_peft_tensors
 
@@ -15,10 +16,18 @@ def _adapters(arch, r=3, seed=0):
     H, I, hd = arch.hidden_size, arch.moe_ffn_hidden_size, arch.head_dim
     qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    out = {"layers.1.self_attention.linear_qkv.lora_A": rnd(r, H),
-           "layers.1.self_attention.linear_qkv.lora_B": rnd(qkv_rows, r),
-           "layers.1.self_attention.linear_proj.lora_A": rnd(r, arch.num_heads * hd),
+    out = {"layers.1.self_attention.linear_proj.lora_A": rnd(r, arch.num_heads * hd),
            "layers.1.self_attention.linear_proj.lora_B": rnd(H, r)}
+    if not arch.mla:
+        out.update({"layers.1.self_attention.linear_qkv.lora_A": rnd(r, H),
+                    "layers.1.self_attention.linear_qkv.lora_B": rnd(qkv_rows, r)})
+    else:                                  # every MLA linear (single-part: A and B are the PEFT tensors as they are)
+        naming = naming_for(arch)
+        shapes = naming.hf_shapes(arch, 1)
+        for li in naming.layer_linears(arch, 1):
+            if li.part == "attention" and li.target != "proj":
+                i, o = shapes[li.hf[0]]
+                out[f"layers.1.{li.megatron}.lora_A"], out[f"layers.1.{li.megatron}.lora_B"] = rnd(r, i), rnd(o, r)
     for e in range(arch.num_experts):
         out[f"layers.1.mlp.experts.{e}.linear_fc1.lora_A"] = rnd(r, H)
         out[f"layers.1.mlp.experts.{e}.linear_fc1.lora_B"] = rnd(2, I, r)

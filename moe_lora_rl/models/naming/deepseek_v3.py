@@ -20,8 +20,8 @@ vLLM's decode never calls kv_b_proj: it multiplies by W_UK_T / W_UV derived from
 
 Norms (not adaptable): q_a_layernorm -> self_attention.q_layernorm (local spec) or
 self_attention.linear_q_up_proj.layer_norm_weight (TE spec), kv_a_layernorm -> kv_layernorm or
-linear_kv_up_proj.layer_norm_weight. Megatron builds the down projections column-parallel (rows split over TP, output
-gathered) in the local spec and whole (duplicated) in the TE spec: shard kind "down". MTP layers
+linear_kv_up_proj.layer_norm_weight. The down projections are column-parallel (rows split over TP, output gathered) or
+whole (duplicated: both in the TE spec, linear_kv_down_proj in our local spec too): shard kind "down". MTP layers
 (num_nextn_predict_layers, tensors model.layers.{num_hidden_layers + i}.*) have no row here: see base.split_mtp.
 
 `naming(q_lora_rank)` picks the variant; NAMING is DeepSeek-V3's / Kimi-K2's (q_lora_rank set).
