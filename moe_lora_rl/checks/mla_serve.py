@@ -10,6 +10,10 @@ DeepSeek-V3-architecture (MLA) checkpoints against HF transformers, fp32, one en
                 be lost): max |logprob diff|, k3, greedy tokens equal; and how far the adapter moves the engine's and
                 the reference's prompt logprobs from the base model's (a module the engine drops moves nothing)
     routes      R3 capture while serving every module: captured top-k sets vs HF's router at every token and layer
+    absorbed    first, each kv_b_proj.weight is replaced by a copy, so W_UK_T / W_UV no longer share its storage (in an
+                fp32 engine they are views of it, and an in-place merge would reach decode by accident; in bf16 they
+                are copies): every result then needs the re-derivation. Negative control: a kv_b_proj adapter served
+                with the re-derivation disabled is right in prefill and wrong in decode
 
 A checkpoint's config.json may lack topk_method / scoring_func (the engine fills them in). Prints "RESULT <json>".
 """
@@ -103,6 +107,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
     prompts = torch.randint(3, arch.vocab_size, (seqs, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     llm = make_engine(model, dtype="float32", prefix_caching=False, max_model_len=256)
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    _unalias_kv_b(worker.model_runner.model)
     base_ref = merged_hf_model(model, None, 1.0, torch.float32)
     res: dict = {"model": model, "q_lora_rank": arch.q_lora_rank, "rope_type": arch.rope_type,
                  "rope_routed": worker._moe_lora_model_fixes["mla_rope_routed"]}
@@ -135,10 +140,38 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
             c["ref_moved"] = (c["_ref_prompt"] - base["_ref_prompt"]).abs().max().item()
             table[f"{name}/{mode}"] = strip(c)
     res["pin_kv_b_refused"] = _pin_refusal(worker, tr, version + 1, adapters["kv_b_proj"])
+    res["kv_b_not_reabsorbed"] = _not_reabsorbed(worker, llm, tr, version + 2, adapters["kv_b_proj"], prompts, gen_len,
+                                                 refs["kv_b_proj"])
     llm.collective_rpc("moe_lora_clear")
     res["served"] = table
     del llm
     return res
+
+
+def _unalias_kv_b(model) -> None:
+    import torch
+
+    from ..vllm.mla_merge import mla_attention
+
+    for layer in model.model.layers:
+        attn = mla_attention(layer)
+        if attn is not None:
+            attn.kv_b_proj.weight = torch.nn.Parameter(attn.kv_b_proj.weight.detach().clone(), requires_grad=False)
+
+
+def _not_reabsorbed(worker, llm, tr, version: int, peft: dict, prompts, gen_len: int, ref) -> dict:
+    """Negative control: kv_b_proj merged with W_UK_T / W_UV left as they were (the attention layers'
+    process_weights_after_loading disabled for this push)."""
+    attns = list(worker._moe_lora_runtime()._kv_b().attn.values())
+    for a in attns:
+        a.process_weights_after_loading = lambda dtype: None
+    try:
+        tr.push(version, peft, RANK, ALPHA)
+    finally:
+        for a in attns:
+            del a.process_weights_after_loading
+    c = compare(engine_run(llm, prompts, gen_len), ref)
+    return {k: v for k, v in c.items() if not k.startswith("_")}
 
 
 def _pin_refusal(worker, tr, version: int, peft: dict) -> dict:

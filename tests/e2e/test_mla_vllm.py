@@ -11,6 +11,9 @@
   greedy tokens equal; each adapter moves the engine's and the reference's logprobs by > 1e-3 (a module the engine
   dropped would agree with the base model instead)
 - R3: captured routes equal HF's router top-k at every token and layer, while serving every module
+- kv_b_proj's delta reaches decode only through the re-derived W_UK_T / W_UV: the check unties them from
+  kv_b_proj.weight's storage first (an fp32 engine shares it, by accident); with the re-derivation disabled the
+  decoded tokens' logprobs differ (negative control) while prefill still matches
 - kv_b_proj is served merged (W_UK_T / W_UV re-derived per version): a kv_b_proj adapter on an engine holding several
   versions per batch (inflight='pin') is refused in one line, the served version unchanged
 
@@ -93,3 +96,9 @@ def test_unmerged_kv_b_with_several_versions_per_batch_is_refused(result):
         r = m["pin_kv_b_refused"]
         assert "self_attn.kv_b_proj" in r["message"] and "inflight='pin'" in r["message"], r
         assert r["served_after"] == r["served_before"], r
+
+
+def test_kv_b_without_reabsorbing_is_wrong_in_decode(result):
+    for m in result[0]["models"]:
+        r = m["kv_b_not_reabsorbed"]
+        assert r["prompt_max"] <= TOL and r["decode_max"] > 1e-2, r
