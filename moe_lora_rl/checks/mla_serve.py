@@ -32,7 +32,7 @@ MLA_MODULES = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj", "
                "self_attn.kv_b_proj", "self_attn.o_proj")
 
 
-def module_adapter(arch, modules: tuple[str, ...], seed: int, std: float = 0.2) -> dict:
+def module_adapter(arch, modules: tuple[str, ...], seed: int, std: float = 0.1) -> dict:
     """PEFT tensors (rank RANK) on these HF modules (under model.layers.L., experts with {E}) in every layer that
     has them."""
     import torch
