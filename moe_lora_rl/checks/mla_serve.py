@@ -8,8 +8,14 @@ DeepSeek-V3-architecture (MLA) checkpoints against HF transformers, fp32, one en
                 HF with the same adapter merged (W + s * B @ A, the PEFT reference), on prompt positions (prefill)
                 and on decoded tokens (MLA's absorbed decode, where a kv_b_proj delta applied only to the layer would
                 be lost): max |logprob diff|, k3, greedy tokens equal; and how far the adapter moves the engine's and
-                the reference's prompt logprobs from the base model's (a module the engine drops moves nothing)
+                the reference's prompt logprobs from the base model's (a module the engine drops moves nothing). k3 is
+                mean(exp(d) - 1 - d), d = reference - engine logprob, over the decoded (sampled) tokens as the
+                trainer's k3 is (k3_all: over prompt positions too, whose random tokens sit at log p ~ -10)
     routes      R3 capture while serving every module: captured top-k sets vs HF's router at every token and layer
+    absorbed    first, each kv_b_proj.weight is replaced by a copy, so W_UK_T / W_UV no longer share its storage (in an
+                fp32 engine they are views of it, and an in-place merge would reach decode by accident; in bf16 they
+                are copies): every result then needs the re-derivation. Negative control: a kv_b_proj adapter served
+                with the re-derivation disabled is right in prefill and wrong in decode
 
 A checkpoint's config.json may lack topk_method / scoring_func (the engine fills them in). Prints "RESULT <json>".
 """
@@ -28,7 +34,7 @@ MLA_MODULES = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj", "
                "self_attn.kv_b_proj", "self_attn.o_proj")
 
 
-def module_adapter(arch, modules: tuple[str, ...], seed: int, std: float = 0.2) -> dict:
+def module_adapter(arch, modules: tuple[str, ...], seed: int, std: float = 0.1) -> dict:
     """PEFT tensors (rank RANK) on these HF modules (under model.layers.L., experts with {E}) in every layer that
     has them."""
     import torch
@@ -56,7 +62,9 @@ def adapters_for(arch) -> dict[str, dict]:
     table = {m.split(".")[-1]: (m,) for m in MLA_MODULES if m in have}
     table.update(experts=EXPERTS, shared_expert=SHARED)
     out = {name: module_adapter(arch, mods, seed=i + 1) for i, (name, mods) in enumerate(table.items())}
-    out["all"] = module_adapter(arch, tuple(m for mods in table.values() for m in mods), seed=100)
+    # every module at once at half the std: its effect stays of the single-module adapters' size (fp32 logprob errors
+    # grow with the logits' magnitude)
+    out["all"] = module_adapter(arch, tuple(m for mods in table.values() for m in mods), seed=100, std=0.05)
     return out
 
 
@@ -84,9 +92,9 @@ def compare(gens, ref) -> dict:
         d_decode.append(want[n - 1:] - torch.tensor(g.logprobs, dtype=torch.float64))
         greedy &= lp[n - 1:-1].argmax(-1).tolist() == list(g.response)
         ref_prompt.append(want[:n - 1])
-    d = torch.cat(d_prompt + d_decode)
-    return {"prompt_max": torch.cat(d_prompt).abs().max().item(), "decode_max": torch.cat(d_decode).abs().max().item(),
-            "k3": (d.exp() - 1 - d).mean().item(), "greedy_equal": bool(greedy), "_ref_prompt": torch.cat(ref_prompt),
+    d, d_all = torch.cat(d_decode), torch.cat(d_prompt + d_decode)
+    return {"prompt_max": torch.cat(d_prompt).abs().max().item(), "decode_max": d.abs().max().item(),
+            "k3": (d.exp() - 1 - d).mean().item(), "k3_all": (d_all.exp() - 1 - d_all).mean().item(), "greedy_equal": bool(greedy), "_ref_prompt": torch.cat(ref_prompt),
             "_eng_prompt": torch.cat([torch.tensor(g.prompt_logprobs, dtype=torch.float64) for g in gens])}
 
 
@@ -103,6 +111,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
     prompts = torch.randint(3, arch.vocab_size, (seqs, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     llm = make_engine(model, dtype="float32", prefix_caching=False, max_model_len=256)
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    _unalias_kv_b(worker.model_runner.model)
     base_ref = merged_hf_model(model, None, 1.0, torch.float32)
     res: dict = {"model": model, "q_lora_rank": arch.q_lora_rank, "rope_type": arch.rope_type,
                  "rope_routed": worker._moe_lora_model_fixes["mla_rope_routed"]}
@@ -135,10 +144,39 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
             c["ref_moved"] = (c["_ref_prompt"] - base["_ref_prompt"]).abs().max().item()
             table[f"{name}/{mode}"] = strip(c)
     res["pin_kv_b_refused"] = _pin_refusal(worker, tr, version + 1, adapters["kv_b_proj"])
+    res["kv_b_not_reabsorbed"] = _not_reabsorbed(worker, llm, tr, version + 2, adapters["kv_b_proj"], prompts, gen_len,
+                                                 refs["kv_b_proj"])
     llm.collective_rpc("moe_lora_clear")
     res["served"] = table
     del llm
     return res
+
+
+def _unalias_kv_b(model) -> None:
+    """Each MLA layer's kv_b_proj.weight replaced by a copy: W_UK_T / W_UV keep the old storage (no-op without MLA)."""
+    import torch
+
+    from ..vllm.mla_merge import mla_attention
+
+    for layer in model.model.layers:
+        attn = mla_attention(layer)
+        if attn is not None:
+            attn.kv_b_proj.weight = torch.nn.Parameter(attn.kv_b_proj.weight.detach().clone(), requires_grad=False)
+
+
+def _not_reabsorbed(worker, llm, tr, version: int, peft: dict, prompts, gen_len: int, ref) -> dict:
+    """Negative control: kv_b_proj merged with W_UK_T / W_UV left as they were (the attention layers'
+    process_weights_after_loading disabled for this push)."""
+    attns = list(worker._moe_lora_runtime()._kv_b().attn.values())
+    for a in attns:
+        a.process_weights_after_loading = lambda dtype: None
+    try:
+        tr.push(version, peft, RANK, ALPHA)
+    finally:
+        for a in attns:
+            del a.process_weights_after_loading
+    c = compare(engine_run(llm, prompts, gen_len), ref)
+    return {k: v for k, v in c.items() if not k.startswith("_")}
 
 
 def _pin_refusal(worker, tr, version: int, peft: dict) -> dict:

@@ -135,6 +135,7 @@ def main(argv=None) -> dict:
     exact = not skipped
     llm = make_engine(a.model, prefix_caching=True, disable_log_stats=False,
                       **({"max_logprobs": arch.vocab_size} if exact else {}), **ENGINE)
+    prefix_on = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
     res["tps_base"] = _tps(llm, prompts, a.gen_len, a.repeats)
     capture_ok, hits = {}, 0
     for version, mode in enumerate(("merged", "unmerged"), 1):
@@ -181,7 +182,12 @@ def main(argv=None) -> dict:
     gc.collect()
     for mode in ("merged", "unmerged"):
         res[f"overhead_{mode}"] = 1 - res[f"tps_{mode}"] / res["tps_base"]
-    res.update({"capture_ok": capture_ok, "prefix_cache_hits": int(vllm_hits), "prefix_route_fills": hits,
+    if not prefix_on:                   # vLLM's CPU engine turns prefix caching off for MLA whatever is asked
+        vllm_hits = hits = None
+        skipped["prefix_cache_hits, prefix_route_fills"] = ("vLLM's CPU engine forces prefix caching off for this "
+                                                           "model (MLA attention)")
+    res.update({"capture_ok": capture_ok, "prefix_cache_hits": None if vllm_hits is None else int(vllm_hits),
+                "prefix_route_fills": hits,
                 "expert_bytes_memcpy_s": _expert_memcpy_s(a.model, arch),
                 "delta_lost_to_rounding": _rounding_loss(a.model, arch, peft, a.rank, alpha / a.rank),
                 "skipped": skipped})

@@ -2,7 +2,11 @@
 under expert parallelism):
 
     linear hooks      qkv_proj / o_proj / dense and shared-expert gate_up_proj, down_proj: y += s * B(A(x)) per
-                      output slice (vLLM's own kernels stay for the base linears)
+                      output slice (vLLM's own kernels stay for the base linears); MLA: fused_qkv_a_proj (slices
+                      q_a_proj, kv_a_proj_with_mqa), q_b_proj or q_proj, kv_a_proj_with_mqa, o_proj
+    MLA kv_b_proj     merged into the weight and W_UK_T / W_UV re-derived at each commit, in both modes (mla_merge.py):
+                      the absorbed decode never calls the layer, so a hook would be lost after prefill; one version at
+                      a time (refused with inflight='pin')
     routed experts    one of two serving modes, chosen per engine (additional_config={"moe_lora_serving": MODE},
                       or moe_lora_set_mode while no adapter is served):
         merged        W_base + s * B @ A folded into the weights of vLLM's own MoE kernel at each commit (merge.py);

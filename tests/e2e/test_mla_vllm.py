@@ -1,6 +1,7 @@
 """vLLM's CPU engine on DeepSeek-V3-architecture (MLA) checkpoints against HF transformers, fp32
 (checks/mla_serve.py, one engine per checkpoint, every check on it):
 
+- three checkpoints: plain RoPE with q_lora_rank set, plain RoPE with it null (Moonlight), yarn as Kimi-K2's
 - plain RoPE: prompt logprobs (positions > 0) and greedy decode equal HF's with our rotary fix (vllm/rope_fix.py);
   with the fix undone they differ (negative control: the CPU rotary kernel misreads MLA's 3-D strided q)
 - a checkpoint without topk_method / scoring_func in config.json (as HF's save_pretrained writes it) is served with
@@ -11,10 +12,15 @@
   greedy tokens equal; each adapter moves the engine's and the reference's logprobs by > 1e-3 (a module the engine
   dropped would agree with the base model instead)
 - R3: captured routes equal HF's router top-k at every token and layer, while serving every module
+- kv_b_proj's delta reaches decode only through the re-derived W_UK_T / W_UV: the check unties them from
+  kv_b_proj.weight's storage first (an fp32 engine shares it, by accident); with the re-derivation disabled the
+  decoded tokens' logprobs differ (negative control) while prefill still matches
 - kv_b_proj is served merged (W_UK_T / W_UV re-derived per version): a kv_b_proj adapter on an engine holding several
   versions per batch (inflight='pin') is refused in one line, the served version unchanged
 
-Tolerances: 1e-4 is the same fp32 math in two implementations (measured ~2e-5); k3 <= 1e-10 follows (k3 ~ d^2 / 2).
+Tolerances: 1e-4 is the same fp32 math in two implementations (measured ~2e-5); k3 <= 1e-10 follows (k3 ~ d^2 / 2),
+over the decoded tokens as the trainer's k3 (over the random prompt tokens too it is ~1e-10 already without an
+adapter: they sit at log p ~ -10, where fp32 logits carry larger absolute errors).
 """
 import json
 import shutil
@@ -47,7 +53,7 @@ def result(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("mla")
     rope = _without_routing_keys(get_model("deepseek_v3", "tiny_rope"), tmp / "tiny_rope_hf_config")
-    models = [str(rope), str(get_model("deepseek_v3", "tiny_lite"))]
+    models = [str(rope), str(get_model("deepseek_v3", "tiny_lite")), str(get_model("deepseek_v3", "tiny"))]
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.checks.mla_serve", "--models", ",".join(models)],
                           env=worker_env(), cwd=tmp, capture_output=True, text=True, timeout=1800)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -64,9 +70,12 @@ def test_missing_routing_keys_filled_with_one_line(result):
 def test_plain_rope_matches_hf_and_unfixed_path_does_not(result):
     for m in result[0]["models"]:
         b, u = m["base"], m["base_unfixed"]
-        assert m["rope_routed"] >= 1, m
         assert b["prompt_max"] <= TOL and b["decode_max"] <= TOL and b["greedy_equal"], b
-        assert max(u["prompt_max"], u["decode_max"]) > 1e-2, u          # negative control: the kernel's fault
+        if m["rope_type"] == "default":
+            assert m["rope_routed"] >= 1, m
+            assert max(u["prompt_max"], u["decode_max"]) > 1e-2, u      # negative control: the kernel's fault
+        else:                                   # yarn (Kimi-K2's): no CPU rotary kernel, nothing routed, right as is
+            assert m["rope_routed"] == 0 and u == b, m
 
 
 @pytest.mark.parametrize("mode", ["merged", "unmerged"])
@@ -93,3 +102,9 @@ def test_unmerged_kv_b_with_several_versions_per_batch_is_refused(result):
         r = m["pin_kv_b_refused"]
         assert "self_attn.kv_b_proj" in r["message"] and "inflight='pin'" in r["message"], r
         assert r["served_after"] == r["served_before"], r
+
+
+def test_kv_b_without_reabsorbing_is_wrong_in_decode(result):
+    for m in result[0]["models"]:
+        r = m["kv_b_not_reabsorbed"]
+        assert r["prompt_max"] <= TOL and r["decode_max"] > 1e-2, r
