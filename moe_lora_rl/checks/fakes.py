@@ -55,6 +55,8 @@ class FakeEngine(_Base):
 
     def _rpc_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid=None, owner=None):
         self.st.expire()
+        if isinstance(version, int) and (self.table.newest is None or version > self.table.newest):
+            self.table.check_unused(version)          # as the worker extension: a number passed before a clear
         return self.st.begin(version, checksum, rank, alpha, num_buckets, served=self.table.newest,
                              sender_pid=sender_pid, owner=owner)
 

@@ -19,6 +19,13 @@ and a commit supersedes only its own owner's newest version: the newest version 
 are the engine's, increasing over every commit whatever its owner (the trainer maps each policy's versions to them).
 Requests nobody tracked (direct `LLM.generate` callers) run on the newest version. The prefix cache is keyed by
 version (`cache_salt`), so a prompt cached under one version never serves another.
+
+A version number is admitted at most once in an engine's life: a clear (moe_lora_clear) serves the base model but
+does not forget the numbers passed, and a commit of a number at or below the highest ever admitted is refused,
+naming both. Every cache keyed by a version therefore holds one set of weights per key: vLLM's prefix cache
+(`cache_salt`, never reset per commit), the prefix route store (prefix_routes.py, same salt), the merged-weight
+record (runtime.py `_merged_version`) and the adapter slots (runtime.py `adapters`, `_loras`). A restarted engine
+is a new process with empty caches and a new table.
 """
 from __future__ import annotations
 
@@ -86,6 +93,7 @@ class VersionTable:
         self.held: list[int] = []
         self.owner: dict[int, str | None] = {}            # held version -> the policy that committed it
         self.requests: dict[str, int | None] = {}         # external request id -> version it was tracked with
+        self.passed: int | None = None                     # the highest version ever admitted (clears included)
 
     @property
     def pin(self) -> bool:
@@ -182,6 +190,7 @@ class VersionTable:
             raise ValueError(f"adapter version must be a non-negative integer, got {version!r}")
         if self.newest is not None and version <= self.newest:
             raise ValueError(f"stale adapter version {version}: version {self.newest} is served")
+        self.check_unused(version)
         if owner is not None and not self.pin:
             raise ValueError(f"adapter version {version} of policy {owner!r}: several policies on one engine need "
                              "inflight='pin' (switch holds one version)")
@@ -198,9 +207,18 @@ class VersionTable:
                              "request ends)")
         return free
 
+    def check_unused(self, version: int) -> None:
+        """ValueError unless `version` is above every version this table ever admitted (a number is bound to one
+        set of weights for the engine's life: the caches keyed by it never serve other weights)."""
+        if self.passed is not None and version <= self.passed:
+            raise ValueError(f"adapter version {version} was already passed by this engine (it admitted up to "
+                             f"version {self.passed}; a clear does not reset that): a number is never reused, so the "
+                             f"caches keyed by it cannot serve other weights; push a version above {self.passed}")
+
     def admit(self, version: int, owner: str | None = None) -> list[int]:
         """Hold `version` as the newest (of `owner`); returns the versions freed for it."""
         freed = self._drop(self.plan_admit(version, owner))
+        self.passed = version if self.passed is None else max(self.passed, version)
         self.held.append(version)
         self.owner[version] = owner
         return freed

@@ -161,7 +161,10 @@ class MoELoRAWorkerExtension:
     def _moe_lora_begin(self, version, checksum, rank, alpha, num_buckets, sender_pid, owner=None) -> dict:
         staging = self._moe_lora_staging()
         staging.expire()                      # an abandoned stage is logged and dropped before this push is judged
-        served = self._moe_lora_runtime().status()["version"]
+        rt = self._moe_lora_runtime()
+        served = rt.status()["version"]
+        if isinstance(version, int) and (served is None or version > served):
+            rt.table.check_unused(version)        # a number passed before a clear: refused before any bucket
         return staging.begin(version, checksum, rank, alpha, num_buckets, served=served, sender_pid=sender_pid,
                              owner=owner)
 

@@ -180,3 +180,32 @@ def test_policies_full_engine_refused_and_policy_needs_pin():
     assert not t.can_commit("c")                                      # a third policy finds no free slot
     with pytest.raises(ValueError, match="several policies on one engine need inflight='pin'"):
         VersionTable().admit(1, "a")
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_version_number_is_never_admitted_twice_in_an_engine_life(pin):
+    """3, then 4, then a clear, then 2 or 3 again: refused in one line naming the number and the highest passed,
+    nothing changed; 5 is admitted. Every cache keyed by a version (the prefix cache's cache_salt, the route store,
+    the merged-weight record, the adapter slots) then holds one set of weights per key. The same at the push's
+    begin on the FakeEngine (the worker extension's protocol), before any bucket is sent."""
+    import torch
+
+    from moe_lora_rl.checks.fakes import FakeEngine
+
+    tensors = {"a": torch.zeros(4), "b": torch.ones(4)}
+    t = _pin() if pin else VersionTable()
+    t.admit(3)
+    t.admit(4)
+    assert t.clear() == [4] and t.newest is None
+    for v in (2, 3, 4):
+        with pytest.raises(ValueError, match=rf"adapter version {v} was already passed by this engine \(it admitted "
+                                             r"up to version 4") as e:
+            t.admit(v)
+        assert "\n" not in str(e.value) and t.held == [] and t.newest is None
+    assert t.admit(5) == [] and t.held == [5]
+    eng = FakeEngine()
+    eng.push(3, tensors, 4, 8.0)
+    eng._call("moe_lora_clear")
+    with pytest.raises(ValueError, match=r"adapter version 3 was already passed"):
+        eng.push(3, tensors, 4, 8.0)
+    assert eng.st.version is None and eng.push(4, tensors, 4, 8.0).served["version"] == 4
