@@ -332,7 +332,8 @@ class GRPORun(EngineRecovery):
         if 0 not in evals:
             evals[0] = self.evaluate()
             self.start_lens = length_percentiles(self.eval_lens, "len_")
-            self.log.log(0, {"eval": evals[0], **self.eval_sources(),
+            self.start_sources = self.eval_sources()
+            self.log.log(0, {"eval": evals[0], **self.start_sources,
                              **length_percentiles(self.eval_lens, "eval_len_")})
 
     def eval_sources(self) -> dict:
