@@ -113,6 +113,7 @@ class Pipeline:
                     slots[i % g] = sample
                     self.produced_tokens += len(sample.response)
                     self.produced_samples += 1
+                    self.prod.submit_sample(sample, plan)       # its reward starts now, in the reward workers
                     if all(s is not None for s in slots):
                         del self.partial[plan.index]
                         self.load[e] -= 1

@@ -30,7 +30,7 @@ class Producer:
         self._prompt_cache: dict[int, list[int]] = {}
         r = cfg.reward
         self.rewarder = RewardWorkers(r.path, r.name, r.timeout_s, r.workers)   # its processes start when first used
-        self._pending: dict[int, list] = {}   # id(samples) -> their reward calls, started (submit)
+        self._pending: dict[int, tuple] = {}  # id(sample) -> (sample, its reward call), started (submit)
         self._eval_prompts = None
         self.eval_lens: list[int] = []       # response lengths (tokens) of the last evaluation
         self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
@@ -67,6 +67,8 @@ class Producer:
         self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                       log_dir=self.out, seed=cfg.seed, **kw)
         self._kv_mark = self.kv_snapshot()           # the engines' own warm-up left out
+        sources = {p.data_source for p in self.train_problems} | {p.data_source for p in self.eval_problems}
+        self.rewarder.pool(sources)                  # the reward workers, their functions loaded
 
     # -- prompts and groups -------------------------------------------------------------------------------------
     def prompt(self, problem: int) -> list[int]:
@@ -121,18 +123,26 @@ class Producer:
         return problems, [k for k in range(len(plans)) for _ in range(g)]
 
     def submit(self, samples, problems) -> None:
-        """Rank 0: start the samples' reward calls in the workers (score() collects them)."""
-        self._pending[id(samples)] = (samples, self.rewarder.submit(     # held: its id cannot be reused
-            [(p, self.tok.decode(s.response, skip_special_tokens=True)) for s, p in zip(samples, problems)]))
+        """Rank 0: start the samples' reward calls in the workers (score() collects them); any thread."""
+        calls = self.rewarder.submit([(p, self.tok.decode(s.response, skip_special_tokens=True))
+                                      for s, p in zip(samples, problems)])
+        for s, call in zip(samples, calls):
+            self._pending[id(s)] = (s, call)          # the sample held: its id cannot be reused meanwhile
+
+    def submit_sample(self, sample, plan: GroupPlan) -> None:
+        """Rank 0: start one sample's reward call as it finishes (rl/pipeline.py's streams)."""
+        self.submit([sample], [self.train_problems[plan.problem]])
 
     def score(self, samples, problems) -> tuple[list[float], list[dict]]:
         """Rank 0: the samples' rewards and each one's extra figures (a dict reward's other keys); ValueError,
-        one line naming the row, on a bad call."""
-        held, handle = self._pending.pop(id(samples), (None, None))
-        if held is not samples:
-            self.submit(samples, problems)
-            _, handle = self._pending.pop(id(samples))
-        return self.rewarder.collect(handle)
+        one line naming the row, on a bad call. Calls submitted earlier are collected, the others started now."""
+        held = [self._pending.pop(id(s), (None, None)) for s in samples]
+        todo = [i for i, (h, _) in enumerate(held) if h is not samples[i]]
+        if todo:
+            self.submit([samples[i] for i in todo], [problems[i] for i in todo])
+            for i in todo:
+                held[i] = self._pending.pop(id(samples[i]))
+        return self.rewarder.collect([call for _, call in held])
 
     def kv_snapshot(self) -> list[dict]:
         """Every engine's KV meter (rollout/kv_meter.py), cumulative."""

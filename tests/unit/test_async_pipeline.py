@@ -60,7 +60,7 @@ def producer(engine, g=2, more=()):
     return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(group_size=g)), engines=[engine, *more],
                            requests=lambda plans: {"prompts": [[1]] * (g * len(plans)),
                                                    "seeds": [s for p in plans for s in p.seeds]},
-                           sampling=lambda: {})
+                           sampling=lambda: {}, submit_sample=lambda sample, plan: None)
 
 
 def plan_of(g):
