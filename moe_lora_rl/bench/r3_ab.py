@@ -1,14 +1,21 @@
 """r3_ab: the main job with R3 (replay=r3) and without it (replay=off) at the same seeds, side by side in one run,
-in a named setting (the main job as it is, or a stress), with the held-out success, train-inference KL, grad norm
-and clip fraction curves as a PNG (--png, or OUT/r3_ab.png with --out).
+in a named setting (the main job as it is, or a stress), with every run's curves as a PNG (--png, or OUT/r3_ab.png
+with --out): held-out success, train-inference KL, F(2)/F(5), sequences holding a token past ratio 2, the largest
+per-sequence log-ratio sum, the KL of each response's first and second half, grad norm, clip fraction, response
+length.
 
     python -m moe_lora_rl.bench r3_ab --json [--model DIR] [--layouts tp1ep1pp1] [--setting stress] [--seeds 0,1]
-        [--steps N] [--png FILE] [--out DIR] [-- k=v ...]
+        [--steps N] [--png FILE] [--out DIR [--reuse]] [-- k=v ...]
 
---setting: a named set of overrides (SETTINGS below; "default" is the main job as it is). Each seed runs both
-replay modes on the same rollouts seeds. kl_r3 / kl_off: the train-inference k3 KL of the policy each run trains
-(R3: the trainer on the rollout's routes; off: the trainer routing itself), mean over steps and seeds. A run has
-collapsed when its final held-out success is below its start, or fell by more than 0.1 from its best.
+--setting: a named set of overrides (SETTINGS below; "default" is the main job as it is; long_w500_*: the long
+recipe from its 500-step warm start, 60 steps, held-out every 10 steps on 512 samples). Each seed runs both replay
+modes on the same rollout seeds. --out DIR keeps each run in DIR/{r3,off}-s{seed} with its overrides, a checkpoint
+every 10 steps and resume=auto (bench/kept_runs.py); --reuse then reads the finished runs back and continues an
+unfinished one from its last checkpoint, so the runs of a setting can be made over several sessions. kl_r3 /
+kl_off: the train-inference k3 KL of the policy each run trains (R3: the trainer on the rollout's routes; off: the
+trainer routing itself), mean over steps and seeds. eval_last2_*: the mean of a run's last two evaluations, mean
+over seeds. A run has collapsed (collapsed()) when the mean of its last two evaluations is 0.1 or more below its
+start or below its best.
 """
 from __future__ import annotations
 
@@ -21,7 +28,15 @@ from .async_rl import _ints
 from . import figures
 from .common import emit
 from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+from .kept_runs import RESUMABLE, fresh, kept, mismatch, with_warm_start
 
+HELD_OUT_512 = ["eval_every=10", "data.eval_samples=4"]
+"""Held-out success every 10 steps on 512 samples: the long recipe's 128 held-out problems, 4 samples each (its
+n_eval is kept: the warm start is trained on the problems it does not hold out, and n_eval=128 is the one cached);
+one evaluation's standard error at rates near 0.4 is then ~0.02 (less if the problems' rates differ)."""
+LONG_W500 = ["--config-name=long", "algo.rollout_is=off", *HELD_OUT_512]
+"""The long recipe (answers of 60-400 tokens, 2 mini-batches a rollout) without its rollout correction; its warm
+start (WARM) is the 500-step one, where held-out success is ~0.40 at temperature 1 (docs/long_reasoning.md)."""
 SETTINGS = {
     "default": [],
     "lr3e-3_no_is": ["algo.lr=3e-3", "algo.rollout_is=off"],
@@ -34,6 +49,9 @@ SETTINGS = {
     "long_lr3e-3": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "algo.lr=3e-3"],
     "long_async": ["--config-name=long", "algo.mini_batches=4", "algo.rollout_is=off", "mode=async",
                    "max_staleness=2"],
+    "long_w500_lr3e-4": [*LONG_W500, "algo.lr=3e-4"],
+    "long_w500_mini4_lr1e-3": [*LONG_W500, "algo.mini_batches=4", "algo.lr=1e-3"],
+    "long_w500_async_lr3e-4": [*LONG_W500, "algo.lr=3e-4", "mode=async", "max_staleness=2"],
 }
 """Named settings: hydra overrides added to both replay modes. default: the main job as it is; lr*/bf16*: the
 stresses tried on it (README, "What R3 changes"): a larger learning rate, or Megatron in bf16 too, without the
@@ -42,28 +60,54 @@ the long-reasoning job (recipes/long.yaml) where the literature sees runs withou
 per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
 learning rate, or asynchronous with a staleness bound of 2; medium: the same on data.mix=medium (6-14 digits,
 40-150 tokens), where the warm-started model succeeds often enough for GRPO to learn."""
+WARM = {name: ["model.warm_steps=500"] for name in SETTINGS if name.startswith("long_w500")}
+"""A setting's warm start where no --model (or model.warm_* override) chooses the model."""
+STEPS = {name: 60 for name in WARM}
+"""A setting's steps where --steps is not given (else the recipe's)."""
 CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),
-          ("Tokens with ratio > 2 (solid) / > 5 (dotted)", ("f2", "f5")), ("Grad norm", ("grad_norm",)),
-          ("Clip fraction", ("pg_clipfrac",)), ("Response length (tokens)", ("response_len",)))
+          ("Tokens with ratio > 2 (solid) / > 5 (dotted)", ("f2", "f5")),
+          ("Sequences with a token past ratio 2", ("seq_f2",)),
+          ("Largest per-sequence |log-ratio sum|", ("seq_log_ratio_max",)),
+          ("KL, first half (solid) / second half (dotted) of a response", ("kl_first_half", "kl_second_half")),
+          ("Grad norm", ("grad_norm",)), ("Clip fraction", ("pg_clipfrac",)),
+          ("Response length (tokens)", ("response_len",)))
+DROP = 0.1
+"""collapsed(): how far below its start or its best a run's last two evaluations must fall (one evaluation's
+standard error at these rates is ~0.02-0.03, so a single noisy evaluation does not count)."""
 
 
-def collapsed(evals: dict) -> bool:
+def last2(evals: dict) -> float:
+    """The mean of a run's last two held-out evaluations (the one, if there is only one); keys: steps, as ints or
+    as the strings JSON makes of them."""
     vals = [evals[k] for k in sorted(evals, key=int)]
-    return vals[-1] < vals[0] or max(vals) - vals[-1] > 0.1
+    if not vals:
+        raise ValueError("a run without held-out evaluations has no last two")
+    return sum(vals[-2:]) / len(vals[-2:])
+
+
+def collapsed(evals: dict, drop: float = DROP) -> bool:
+    """The mean of the last two evaluations is `drop` or more below the first (the start) or below the best."""
+    vals = [evals[k] for k in sorted(evals, key=int)]
+    end = last2(evals)
+    return round(vals[0] - end, 9) >= drop or round(max(vals) - end, 9) >= drop
 
 
 def curve(records: list[dict], replay: str) -> list[dict]:
-    """Per step: held-out success (where evaluated), the trained policy's KL and F(2), F(5) (R3: the trainer on the
-    rollout's routes; off: routing itself), grad norm, clip fraction and mean response length."""
+    """Per step: held-out success (where evaluated); of the trained policy (R3: the trainer on the rollout's
+    routes; off: routing itself) against the sampler: the KL, F(2), F(5), the fraction of sequences holding a token
+    past ratio 2, the largest per-sequence |sum of log-ratios|, the KL of each response's first and second half;
+    grad norm, clip fraction and mean response length."""
     pre = "r3_" if replay == "r3" else "no_r3_"
-    names = {"kl": pre + "kl", "f2": pre + "ratio_gt2", "f5": pre + "ratio_gt5", "grad_norm": "grad_norm",
+    names = {"kl": pre + "kl", "f2": pre + "ratio_gt2", "f5": pre + "ratio_gt5", "seq_f2": pre + "seq_ratio_gt2",
+             "seq_log_ratio_max": pre + "seq_log_ratio_max", "kl_first_half": pre + "kl_first_half",
+             "kl_second_half": pre + "kl_second_half", "grad_norm": "grad_norm",
              "pg_clipfrac": "pg_clipfrac", "response_len": "response_len"}
     return [{"step": r["step"], **({"eval": r["eval"]} if "eval" in r else {}),
              **{k: r[src] for k, src in names.items() if src in r}} for r in records]
 
 
 def plot(curves: dict, png: Path, title: str) -> Path:
-    fig, axes = figures.panels(3, 2, size=(10, 10))
+    fig, axes = figures.panels(3, 3, size=(15, 10))
     first = min(s for _, s in curves)
     for ax, (name, keys) in zip(axes, CURVES):
         for key, dotted in zip(keys, (False, True)):
@@ -75,7 +119,7 @@ def plot(curves: dict, png: Path, title: str) -> Path:
                             ls=":" if dotted else "-" if seed == first else "--",
                             marker="o" if key == "eval" else None, ms=3,
                             label=None if dotted else f"{replay} seed {seed}")
-        figures.style(ax, name, log=keys[0] == "kl")
+        figures.style(ax, name, log=keys[0].startswith("kl"))
     return figures.save(fig, title, png)
 
 
@@ -84,57 +128,88 @@ def main(argv=None) -> dict:
     ap = job_parser("r3_ab", __doc__, "every run")
     ap.add_argument("--setting", default="default", help=f"one of {sorted(SETTINGS)}")
     ap.add_argument("--seeds", default="0,1", help="comma-separated seeds; each runs with and without R3")
-    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="RL steps per run (default: the setting's, 60 for long_w500_*, else the recipe's)")
     ap.add_argument("--png", default=None, help="write the curves here (default: OUT/r3_ab.png with --out)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --out: read the finished runs there, continue an unfinished one from its checkpoint")
     a = ap.parse_args(argv)
     if a.setting not in SETTINGS:
         raise ValueError(f"--setting={a.setting!r} is not one of {sorted(SETTINGS)}")
     seeds = _ints(a.seeds, "--seeds")
     if len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise ValueError(f"--seeds={a.seeds!r}: expected distinct seeds >= 0")
-    own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("replay", "seed", "out_dir", "steps", "model.path")
+    own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("replay", "seed", "out_dir", "steps", "model.path",
+                                                                  "resume", "checkpoint_every")
            or o.lstrip("+").startswith("layout.")]
     if own:
-        raise ValueError(f"override {own[0]!r}: r3_ab sets replay, seed, out_dir, steps, layout.* and model.path "
-                         "itself (--seeds, --out, --steps, --layouts, --model)")
+        raise ValueError(f"override {own[0]!r}: r3_ab sets replay, seed, out_dir, steps, layout.*, model.path, "
+                         "resume and checkpoint_every itself (--seeds, --out, --steps, --layouts, --model, --reuse)")
+    if a.reuse and not a.out:
+        raise ValueError("--reuse reads and continues the runs of --out: give --out DIR")
     lay, layout_over, model_over = job_layout(a, "r3_ab")
     if a.timeout <= 0 or (a.steps is not None and a.steps < 1):
         raise ValueError(f"--steps={a.steps}, --timeout={a.timeout}: must be positive")
-    base = [*layout_over, *SETTINGS[a.setting], *extra, *model_over, *([f"steps={a.steps}"] if a.steps else [])]
+    steps = a.steps or STEPS.get(a.setting)
+    setting = with_warm_start(SETTINGS[a.setting], WARM.get(a.setting, []), extra, model_over)
+    base = [*layout_over, *setting, *extra,
+            *model_over, *([f"steps={steps}"] if steps else []), *(RESUMABLE if a.out else [])]
+
+    def job_overrides(replay: str, seed: int) -> list[str]:
+        return [*base, f"replay={replay}", f"seed={seed}"]
+
     for replay in ("r3", "off"):
-        _preflight([*base, f"replay={replay}"], 2)
+        _preflight(job_overrides(replay, seeds[0]), 2)
+    if a.out:                                             # every folder checked before any run starts
+        for seed in seeds:
+            for replay in ("r3", "off"):
+                folder = Path(a.out) / f"{replay}-s{seed}"
+                mismatch(folder, job_overrides(replay, seed)) if a.reuse else fresh(folder)
     t0 = time.time()
-    runs, curves = {}, {}
+    runs, curves, how = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)
         for seed in seeds:
             for replay in ("r3", "off"):
                 out = root / f"{replay}-s{seed}"
-                runs[replay, seed] = run_job(2, [*base, f"replay={replay}", f"seed={seed}"], out, a.timeout)
+                runs[replay, seed], how[out.name] = kept(out, job_overrides(replay, seed), a.reuse,
+                                                         lambda over, out=out: run_job(2, over, out, a.timeout))
                 curves[replay, seed] = curve(read_jsonl(out / "metrics.jsonl"), replay)
         png = Path(a.png) if a.png else (root / "r3_ab.png" if a.out else None)
         if png is not None:
             plot(curves, png, f"R3 vs no replay, setting {a.setting!r}, seeds {seeds}")
+    out = summarize(runs, seeds)
+    out.update({"setting": a.setting, "overrides": [*setting, *extra], "seeds": seeds,
+                "steps": runs["r3", seeds[0]]["steps"], "layout": lay.name, "png": str(png) if png else None,
+                "reused": sorted(k for k, v in how.items() if v == "reused"),
+                "resumed": sorted(k for k, v in how.items() if v == "resumed"),
+                "bench_wall_s": round(time.time() - t0, 1)})
+    emit(out, a.json)
+    return out
 
+
+def summarize(runs: dict, seeds: list[int]) -> dict:
+    """The A/B's figures from each run's summary (runs: (replay, seed) -> summary.json), means over seeds."""
     def mean(replay, key):
         return sum(runs[replay, s][key] for s in seeds) / len(seeds)
 
-    out = {"eval_start": mean("r3", "eval_start"), "eval_end_r3": mean("r3", "eval_end"),
-           "eval_end_off": mean("off", "eval_end"), "kl_r3": mean("r3", "kl_mean_r3"),
-           "kl_off": mean("off", "kl_mean_no_r3"), "ratio_gt2_r3": mean("r3", "ratio_gt2"),
-           "ratio_gt2_off": mean("off", "ratio_gt2_no_r3"), "ratio_gt5_r3": mean("r3", "ratio_gt5"),
-           "ratio_gt5_off": mean("off", "ratio_gt5_no_r3"), "seq_ratio_gt2_r3": mean("r3", "seq_ratio_gt2_r3"),
-           "seq_ratio_gt2_off": mean("off", "seq_ratio_gt2_no_r3"),
-           "kl_halves_off": [mean("off", "kl_first_half_no_r3"), mean("off", "kl_second_half_no_r3")],
-           "response_len_r3": mean("r3", "response_len_mean"), "response_len_off": mean("off", "response_len_mean"),
-           "grad_norm_r3": mean("r3", "grad_norm_mean"),
-           "grad_norm_off": mean("off", "grad_norm_mean"), "clipfrac_r3": mean("r3", "clipfrac_mean"),
-           "clipfrac_off": mean("off", "clipfrac_mean"),
-           "collapsed_r3": sum(collapsed(runs["r3", s]["evals"]) for s in seeds),
-           "collapsed_off": sum(collapsed(runs["off", s]["evals"]) for s in seeds),
-           "evals": {f"{r}-s{s}": runs[r, s]["evals"] for r, s in sorted(runs)},
-           "setting": a.setting, "overrides": SETTINGS[a.setting] + extra, "seeds": seeds,
-           "steps": runs["r3", seeds[0]]["steps"], "layout": lay.name, "png": str(png) if png else None,
-           "bench_wall_s": round(time.time() - t0, 1)}
-    emit(out, a.json)
-    return out
+    return {"eval_start": mean("r3", "eval_start"), "eval_end_r3": mean("r3", "eval_end"),
+            "eval_end_off": mean("off", "eval_end"),
+            "eval_last2_r3": sum(last2(runs["r3", s]["evals"]) for s in seeds) / len(seeds),
+            "eval_last2_off": sum(last2(runs["off", s]["evals"]) for s in seeds) / len(seeds),
+            "kl_r3": mean("r3", "kl_mean_r3"),
+            "kl_off": mean("off", "kl_mean_no_r3"), "ratio_gt2_r3": mean("r3", "ratio_gt2"),
+            "ratio_gt2_off": mean("off", "ratio_gt2_no_r3"), "ratio_gt5_r3": mean("r3", "ratio_gt5"),
+            "ratio_gt5_off": mean("off", "ratio_gt5_no_r3"), "seq_ratio_gt2_r3": mean("r3", "seq_ratio_gt2_r3"),
+            "seq_ratio_gt2_off": mean("off", "seq_ratio_gt2_no_r3"),
+            "seq_log_ratio_max_r3": mean("r3", "seq_log_ratio_max_r3"),
+            "seq_log_ratio_max_off": mean("off", "seq_log_ratio_max_no_r3"),
+            "kl_halves_r3": [mean("r3", "kl_first_half_r3"), mean("r3", "kl_second_half_r3")],
+            "kl_halves_off": [mean("off", "kl_first_half_no_r3"), mean("off", "kl_second_half_no_r3")],
+            "response_len_r3": mean("r3", "response_len_mean"), "response_len_off": mean("off", "response_len_mean"),
+            "grad_norm_r3": mean("r3", "grad_norm_mean"),
+            "grad_norm_off": mean("off", "grad_norm_mean"), "clipfrac_r3": mean("r3", "clipfrac_mean"),
+            "clipfrac_off": mean("off", "clipfrac_mean"),
+            "collapsed_r3": sum(collapsed(runs["r3", s]["evals"]) for s in seeds),
+            "collapsed_off": sum(collapsed(runs["off", s]["evals"]) for s in seeds),
+            "evals": {f"{r}-s{s}": runs[r, s]["evals"] for r, s in sorted(runs)}}

@@ -36,6 +36,7 @@ from .async_rl import _ints
 from . import figures
 from .common import emit
 from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+from .kept_runs import kept, mismatch, with_warm_start
 
 TASK = [*TRACE_OVERRIDES, "steps=30", "eval_every=10"]
 """The long task's run: every held-out problem once per evaluation; responses of up to 96 tokens (the trace of 10
@@ -64,8 +65,7 @@ def run_overrides(run: str, method: str, budget: int, evict: dict | None = None)
 def setting_overrides(setting: str, extra: list[str], model_over: list[str]) -> list[str]:
     """The setting's overrides (before the user's, which win), with its WARM start unless --model (model_over) or a
     model.warm_* override chooses the model."""
-    chosen = model_over or any(o.lstrip("+").startswith("model.warm") for o in extra)
-    return [*SETTINGS[setting], *([] if chosen else WARM.get(setting, []))]
+    return with_warm_start(SETTINGS[setting], WARM.get(setting, []), extra, model_over)
 
 
 def pick_runs(spec: str | None, runs: tuple[str, ...]) -> tuple[str, ...]:
@@ -142,24 +142,6 @@ def kv_summary(kv: dict) -> dict:
 def mean_of(rows: list[dict], key: str):
     vals = [r[key] for r in rows if key in r]
     return sum(vals) / len(vals) if vals else None
-
-
-OVERRIDES = "bench_overrides.json"
-"""Each run's folder: the job's overrides, as this bench ran it; --reuse reads a run only under the same ones."""
-
-
-def reused_mismatch(out: Path, overrides: list[str]) -> None:
-    """ValueError naming the first difference where --reuse would read a run (out/summary.json) that was run with
-    other overrides than this call's, or whose overrides were not recorded."""
-    if not (out / "summary.json").is_file():
-        return
-    if not (out / OVERRIDES).is_file():
-        raise ValueError(f"--reuse: {out} has no {OVERRIDES}: its settings are unknown; move it away to run it again")
-    was = json.loads((out / OVERRIDES).read_text())
-    if was != overrides:
-        diff = sorted(set(was) ^ set(overrides)) or ["their order"]
-        raise ValueError(f"--reuse: {out} was run with other overrides ({', '.join(diff)} differ); give the same "
-                         "arguments or another --out")
 
 
 def partial_summary(sums: dict, a, seeds: list[int], runs: tuple[str, ...], wall_s: float) -> dict:
@@ -249,7 +231,7 @@ def main(argv=None) -> dict:
     if a.reuse:
         for seed in seeds:
             for run in runs:
-                reused_mismatch(Path(a.out) / f"{run}-s{seed}", job_overrides(run, seed))
+                mismatch(Path(a.out) / f"{run}-s{seed}", job_overrides(run, seed))
     partial = "dense" not in have or len(have) < 2        # with --out: the runs alone, the summary once all are there
     if partial and not a.out:
         raise ValueError(f"--runs={a.runs!r}: the summary needs the dense run and a sparse one of every seed {seeds}, "
@@ -275,16 +257,12 @@ def main(argv=None) -> dict:
         for seed in seeds:
             for run in runs:
                 out = root / f"{run}-s{seed}"
-                if a.reuse and (out / "summary.json").is_file():
-                    sums[run, seed] = json.loads((out / "summary.json").read_text())
-                    reused.append(out.name)
-                elif run in chosen:
-                    over = job_overrides(run, seed)
-                    out.mkdir(parents=True, exist_ok=True)
-                    (out / OVERRIDES).write_text(json.dumps(over))
-                    sums[run, seed] = run_job(2, over, out, a.timeout)
-                else:
+                if run not in chosen and not (a.reuse and (out / "summary.json").is_file()):
                     continue
+                sums[run, seed], how = kept(out, job_overrides(run, seed), a.reuse,
+                                            lambda over, out=out: run_job(2, over, out, a.timeout))
+                if how == "reused":
+                    reused.append(out.name)
                 hist[run, seed] = read_jsonl(out / "metrics.jsonl")
         if partial:
             out = partial_summary(sums, a, seeds, runs, time.time() - t0)

@@ -2,7 +2,9 @@
 a device the machine lacks is a ValueError instead of a hang."""
 from __future__ import annotations
 
+import datetime
 import os
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -11,6 +13,10 @@ from .run_config import RunConfig, parallel_state_kwargs, process_group_kwargs
 
 
 CUDA_RNG_SEED = 1234               # megatron's default --seed
+RANK0_WAIT = datetime.timedelta(days=1)
+"""How long from_rank0's other ranks wait for rank 0 (a warm start trained before the run may take hours; the
+process group's own timeout, run_config.PG_TIMEOUT, is 10 minutes). torchrun stops them at once if rank 0 dies."""
+T = TypeVar("T")
 
 
 def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
@@ -41,6 +47,33 @@ def init_distributed(layout: Layout, rc: RunConfig | None = None) -> None:
         from megatron.core import tensor_parallel      # the CPU, megatron-core's CPU support makes the fork a no-op
 
         tensor_parallel.model_parallel_cuda_manual_seed(CUDA_RNG_SEED)
+
+
+def from_rank0(fn: Callable[[], T], what: str, timeout: datetime.timedelta = RANK0_WAIT) -> T:
+    """fn() run on rank 0 alone, its result on every rank; after init_distributed. The other ranks wait for it in a
+    broadcast on a gloo group of its own whose timeout is `timeout`, not the process group's PG_TIMEOUT, so rank 0
+    may take longer than that (e.g. training the run's warm start). If fn raises on rank 0, rank 0 raises it and
+    every other rank raises RuntimeError('rank 0 failed to {what}: {type}: {message}'), one line."""
+    if dist.get_world_size() == 1:
+        return fn()
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        box, error = [None], None
+        if dist.get_rank() == 0:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as e:                 # noqa: BLE001 - every rank must learn it, rank 0 raises it below
+                error = e
+                box[0] = ("error", " ".join(f"{type(e).__name__}: {e}".split()))
+        dist.broadcast_object_list(box, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise RuntimeError(f"rank 0 failed to {what}: {value}")
+    return value
 
 
 def restart_store(timeout) -> dict:

@@ -121,8 +121,11 @@ class AlgoSettings:
             raise ValueError(f"algo.sparse_*: {e}") from None
 
     def policy_loss_settings(self) -> PolicyLossSettings:
+        """loss_scale_factor: the response budget, seq-mean-token-sum-norm's constant divisor (Dr. GRPO's; verl's
+        key), whatever the batch's padding, prompt lengths, micro-batches, data-parallel split or mini-batches."""
         return PolicyLossSettings(loss_mode=self.loss_mode, clip_ratio_low=self.clip_ratio_low,
-                                  clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode)
+                                  clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode,
+                                  loss_scale_factor=self.max_response_tokens)
 
 
 @dataclass

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..megatron.parallel import init_distributed
+from ..megatron.parallel import from_rank0, init_distributed
 from ..megatron.run_config import prepare_host
 from .batch import policy_batch
 from .config import TrainConfig
@@ -60,15 +61,15 @@ class GRPORun(EngineRecovery):
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        if self.rank == 0:
-            self.path, self.warmup = model_dir(cfg)
         rc = run_config(cfg)
         prepare_host(rc)
+        init_distributed(cfg.layout.layout(), rc)
+        # rank 0 builds (or finds) the warm start, with the process group up: the other ranks wait without its
+        # 10-minute timeout, and learn a failure as one line
+        self.path, self.warmup = from_rank0(lambda: model_dir(cfg), "build the run's model (its warm start)")
         if rc.device == "cpu":                    # the ranks of this host share its cores
             cores = len(os.sched_getaffinity(0))  # those this process may use (taskset), not the machine's
             torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        init_distributed(cfg.layout.layout(), rc)
-        self.path, self.warmup = broadcast((self.path, self.warmup) if self.rank == 0 else None)
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
         self.template = resolve_template(self.tok, cfg.data.prompt_template, where=str(self.path))
         self.train_problems, self.eval_problems, self.filtered = load_problems(cfg, self.tok, self.template)
@@ -266,21 +267,40 @@ class GRPORun(EngineRecovery):
                                                          "mode": self.cfg.mode, **extra})
 
     def resumes(self) -> bool:
-        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns)."""
+        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns). First, a
+        checkpoint the previous start resumed from and failed on is recorded, never to be loaded again
+        (checkpoint/attempts.py); resume=auto with checkpoints but none left to load is refused, not a fresh start."""
+        from ..checkpoint.store import failed_steps, record_failed_resume, resumable_step
+
+        root = self.out / "checkpoints"
+        found = failed = None
+        if self.rank == 0 and self.cfg.resume:
+            failed = record_failed_resume(root)
+            if failed is not None:
+                print(f"checkpoint: the previous start failed after resuming from step {failed}: recorded in "
+                      f"{root / 'failed_resumes.json'}, it is not loaded again", file=sys.stderr, flush=True)
+            found = resumable_step(root)
+            if found is None and failed_steps(root):
+                found = -1                          # checkpoints exist, every one failed a restart: refused below
         if self.cfg.resume != "auto":
             return bool(self.cfg.resume)
-        from ..checkpoint.store import resumable_step
-
-        found = resumable_step(self.out / "checkpoints") if self.rank == 0 else None
-        return broadcast(found) is not None
+        found = broadcast(found)
+        if found == -1:
+            raise ValueError(f"resume=auto: no checkpoint left to resume from in {root}: a restart failed on step(s) "
+                             f"{', '.join(map(str, failed_steps(root)))} (recorded in {root / 'failed_resumes.json'})")
+        return found is not None
 
     def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
         that adapter version. Returns (step, history, evals, the whole saved state)."""
         from ..checkpoint.store import load_checkpoint, set_rng_state
 
+        from ..checkpoint.store import mark_resuming
+
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())
+        if self.rank == 0:                          # cleared by the first step after it (stepped)
+            mark_resuming(self.out / "checkpoints", state["step"])
         set_rng_state(state["rng"])
         self.policy.version = state["version"]
         return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}, state
@@ -406,8 +426,16 @@ class GRPORun(EngineRecovery):
         m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
         history.append(m)
         self.log.log(step + 1, m)
+        self.stepped(step)
         if self.checkpoint_due(step + 1):
             self.save(step + 1, history, evals)
+
+    def stepped(self, step: int) -> None:
+        """A step finished: the first after a resume clears the resume's mark (checkpoint/attempts.py)."""
+        if self.resuming and step == self.start and self.rank == 0:
+            from ..checkpoint.store import resume_succeeded
+
+            resume_succeeded(self.out / "checkpoints")
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         from .summary import run_summary

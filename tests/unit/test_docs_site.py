@@ -3,9 +3,11 @@
     the real tree                            builds with no warning
     a copy with one internal link broken     fails, naming the link
     a copy with a page left out of nav       fails, naming the page
+    docs/index.md                            shows README.md's capability table (the one copy), its links working
     scripts/docs_hooks.py                    reads GitHub-style lists (2-space nesting, no blank line) as GitHub does
 
 Each build is `mkdocs build --strict` in a subprocess, as a user runs it, into a temporary site dir (~2 s each)."""
+import html
 import importlib.util
 import os
 import re
@@ -35,6 +37,7 @@ def copy(tmp_path):
     dst = tmp_path / "tree"
     shutil.copytree(ROOT / "docs", dst / "docs")
     shutil.copy(ROOT / "mkdocs.yml", dst / "mkdocs.yml")
+    shutil.copy(ROOT / "README.md", dst / "README.md")
     (dst / HOOKS).parent.mkdir(parents=True)
     shutil.copy(ROOT / HOOKS, dst / HOOKS)
     return dst
@@ -46,6 +49,11 @@ def test_site_builds_strict(tmp_path):
     assert "WARNING" not in r.stderr, r.stderr
     page = (tmp_path / "site" / "main_job" / "index.html").read_text()
     assert "main_job.png" in page and "kl_mean_r3" in page      # the page, its plot and its console output
+    index = (tmp_path / "site" / "index.html").read_text()
+    rows = re.findall(r"^\| ([^|]+?) \|.*\[[^]]+\]\(docs/([a-z_0-9]+)\.md\)", (ROOT / "README.md").read_text(), re.M)
+    assert len(rows) >= 10, "README.md's capability table not found"
+    for name, page in rows:                                     # README's table, once, its links into the site
+        assert html.escape(name, quote=False) in index and f'href="{page}/"' in index, (name, page)
 
 
 def test_broken_internal_link_fails(copy, tmp_path):
@@ -73,3 +81,8 @@ def test_hook_reads_lists_as_github_does():
     src = "Para:\n- a\n  b\n  - nested\n- c\n\n```\nx:\n  - code\n```"
     assert hooks.normalize(src) == "Para:\n\n- a\n  b\n    - nested\n- c\n\n```\nx:\n  - code\n```"
     assert hooks.normalize("- a\n- b\n\ntext") == "- a\n- b\n\ntext"          # nothing to change: unchanged
+    readme = "# T\n## Capabilities\n\n| a | [p](docs/p.md) |\n\n## Next\nx"
+    page = "# I\n[the table](../README.md#capabilities)\nrest"
+    assert hooks.include_readme(page, readme) == "# I\n| a | [p](p.md) |\nrest"
+    with pytest.raises(ValueError, match="no section #missing"):
+        hooks.include_readme("[t](../README.md#missing)", readme)
