@@ -8,7 +8,9 @@ the asynchronous one (rl/pipeline.py) streams groups while the trainer works.
     prod.evaluate(version=None) -> held-out success;  prod.score(samples, problems) -> (rewards, extras)
 
 Rewards run in rank 0's reward workers (rl/rewards.py): a step's calls start as soon as its samples are generated
-(prod.submit), and the trainer collects them (prod.score).
+(prod.submit), and the trainer collects them (prod.score). A sample that will not be trained on (its group dropped
+as stale, lost with a dead engine, left at the loop's end) has its call released (prod.release): its entry goes,
+its result is never read (a multiprocessing pool cannot cancel a started call; it finishes in the worker).
 """
 from __future__ import annotations
 
@@ -144,6 +146,14 @@ class Producer:
                 held[i] = self._pending.pop(id(samples[i]))
         return self.rewarder.collect([call for _, call in held])
 
+    def release(self, samples) -> int:
+        """Rank 0: forget the reward calls of samples that will not be scored (any thread); the number released."""
+        return sum(self._pending.pop(id(s), None) is not None for s in samples if s is not None)
+
+    def pending(self) -> int:
+        """Reward calls submitted and not yet collected or released."""
+        return len(self._pending)
+
     def kv_snapshot(self) -> list[dict]:
         """Every engine's KV meter (rollout/kv_meter.py), cumulative."""
         return [st["kv"] for st in self.engines.status()]
@@ -222,6 +232,7 @@ class Producer:
         return {s: h / n for s, (h, n) in sorted(by.items())} if len(by) > 1 else {}
 
     def stop(self) -> None:
+        self._pending.clear()
         self.rewarder.close(kill=True)
         if self.engines is not None:
             self.engines.stop()

@@ -163,8 +163,9 @@ class GRPORun(EngineRecovery):
         def generate():
             t0 = time.perf_counter()
             out = self.prod.generate(plans, keep, version=version)
+            kv = self.prod.kv_step()      # first: nothing may raise once the rewards are submitted (a lost
+            #                               rollout's calls would stay pending)
             self.prod.submit(out, self.prod.labels(plans)[0])     # rewards start now, in the reward workers
-            kv = self.prod.kv_step()
             self.busy["rollout"] += time.perf_counter() - t0
             return out, kv
         return generate
