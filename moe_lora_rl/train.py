@@ -1,5 +1,6 @@
 """The main job: GRPO with expert LoRA, Router Replay (R3) and LoRA-only refit to a vLLM engine.
 
+    moe-lora-rl train --nproc-per-node 2 [--config-name NAME] [key=value ...]      # launch.py: checks, then this
     torchrun --standalone --nproc_per_node=2 -m moe_lora_rl.train [--config-name NAME] [key=value ...]
 
 Configuration: recipes/train.yaml, or recipes/NAME.yaml with --config-name NAME (long: the long-reasoning job)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List
 
 from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
 from ..rollout.expert_precision import check_expert_precision

@@ -113,6 +113,7 @@ class Pipeline:
                     slots[i % g] = sample
                     self.produced_tokens += len(sample.response)
                     self.produced_samples += 1
+                    self.prod.submit_sample(sample, plan)       # its reward starts now, in the reward workers
                     if all(s is not None for s in slots):
                         del self.partial[plan.index]
                         self.load[e] -= 1
@@ -123,7 +124,9 @@ class Pipeline:
                 if self.stopping:
                     return
                 for p in plans:                      # unfinished groups: generated again after recover()
-                    if self.partial.pop(p.index, None) is not None:
+                    slots = self.partial.pop(p.index, None)
+                    if slots is not None:
+                        self.prod.release(slots)     # the samples it had: generated again, their calls go
                         self.plans.pop(p.index, None)
                         self.retry.append(p)
                         self.load[e] -= 1
@@ -152,6 +155,7 @@ class Pipeline:
                     worst = max(self.gate.staleness(trainer_version, s.versions) for s in grp.samples)
                     if worst > self.gate.k:
                         dropped.append(grp)
+                        self.prod.release(grp.samples)    # never scored: its reward calls go
                         self.done.add(grp.plan.index)
                         self.gate.dropped()
                         self.cond.notify_all()
@@ -193,7 +197,11 @@ class Pipeline:
     def stop(self, timeout: float = 30.0) -> None:
         """No more groups; streams end at their next sample (the engine aborts what a closed stream left)."""
         with self.cond:
-            self.stopping = True
+            self.stopping = True             # no stream files (or submits) a sample after this
+            for slots in self.partial.values():
+                self.prod.release(slots)
+            for grp in self.finished:        # finished and never taken
+                self.prod.release(grp.samples)
             self.cond.notify_all()
         self._thread.join(timeout)
         for _, t in self.streams:

@@ -160,6 +160,9 @@ class PoliciesRun:
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)
+                for k, fut in started.items():    # begun for a policy that stopped before its turn: never scored
+                    if not fut.cancelled() and fut.exception() is None:
+                        turns[k][1].prod.release(fut.result()[0])
 
     def take_async_steps(self, opened: dict) -> None:
         """mode=async: every policy's producer keeps the engines full within its own bound while the policies take

@@ -8,7 +8,9 @@ the asynchronous one (rl/pipeline.py) streams groups while the trainer works.
     prod.evaluate(version=None) -> held-out success;  prod.score(samples, problems) -> (rewards, extras)
 
 Rewards run in rank 0's reward workers (rl/rewards.py): a step's calls start as soon as its samples are generated
-(prod.submit), and the trainer collects them (prod.score).
+(prod.submit), and the trainer collects them (prod.score). A sample that will not be trained on (its group dropped
+as stale, lost with a dead engine, left at the loop's end) has its call released (prod.release): its entry goes,
+its result is never read (a multiprocessing pool cannot cancel a started call; it finishes in the worker).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class Producer:
         self._prompt_cache: dict[int, list[int]] = {}
         r = cfg.reward
         self.rewarder = RewardWorkers(r.path, r.name, r.timeout_s, r.workers)   # its processes start when first used
-        self._pending: dict[int, list] = {}   # id(samples) -> their reward calls, started (submit)
+        self._pending: dict[int, tuple] = {}  # id(sample) -> (sample, its reward call), started (submit)
         self._eval_prompts = None
         self.eval_lens: list[int] = []       # response lengths (tokens) of the last evaluation
         self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
@@ -67,6 +69,8 @@ class Producer:
         self.engines = Replicas.start(str(self.path), where, dtype=cfg.runtime.rollout_dtype, serving=cfg.serving,
                                       log_dir=self.out, seed=cfg.seed, **kw)
         self._kv_mark = self.kv_snapshot()           # the engines' own warm-up left out
+        sources = {p.data_source for p in self.train_problems} | {p.data_source for p in self.eval_problems}
+        self.rewarder.pool(sources)                  # the reward workers, their functions loaded
 
     # -- prompts and groups -------------------------------------------------------------------------------------
     def prompt(self, problem: int) -> list[int]:
@@ -121,18 +125,34 @@ class Producer:
         return problems, [k for k in range(len(plans)) for _ in range(g)]
 
     def submit(self, samples, problems) -> None:
-        """Rank 0: start the samples' reward calls in the workers (score() collects them)."""
-        self._pending[id(samples)] = (samples, self.rewarder.submit(     # held: its id cannot be reused
-            [(p, self.tok.decode(s.response, skip_special_tokens=True)) for s, p in zip(samples, problems)]))
+        """Rank 0: start the samples' reward calls in the workers (score() collects them); any thread."""
+        calls = self.rewarder.submit([(p, self.tok.decode(s.response, skip_special_tokens=True))
+                                      for s, p in zip(samples, problems)])
+        for s, call in zip(samples, calls):
+            self._pending[id(s)] = (s, call)          # the sample held: its id cannot be reused meanwhile
+
+    def submit_sample(self, sample, plan: GroupPlan) -> None:
+        """Rank 0: start one sample's reward call as it finishes (rl/pipeline.py's streams)."""
+        self.submit([sample], [self.train_problems[plan.problem]])
 
     def score(self, samples, problems) -> tuple[list[float], list[dict]]:
         """Rank 0: the samples' rewards and each one's extra figures (a dict reward's other keys); ValueError,
-        one line naming the row, on a bad call."""
-        held, handle = self._pending.pop(id(samples), (None, None))
-        if held is not samples:
-            self.submit(samples, problems)
-            _, handle = self._pending.pop(id(samples))
-        return self.rewarder.collect(handle)
+        one line naming the row, on a bad call. Calls submitted earlier are collected, the others started now."""
+        held = [self._pending.pop(id(s), (None, None)) for s in samples]
+        todo = [i for i, (h, _) in enumerate(held) if h is not samples[i]]
+        if todo:
+            self.submit([samples[i] for i in todo], [problems[i] for i in todo])
+            for i in todo:
+                held[i] = self._pending.pop(id(samples[i]))
+        return self.rewarder.collect([call for _, call in held])
+
+    def release(self, samples) -> int:
+        """Rank 0: forget the reward calls of samples that will not be scored (any thread); the number released."""
+        return sum(self._pending.pop(id(s), None) is not None for s in samples if s is not None)
+
+    def pending(self) -> int:
+        """Reward calls submitted and not yet collected or released."""
+        return len(self._pending)
 
     def kv_snapshot(self) -> list[dict]:
         """Every engine's KV meter (rollout/kv_meter.py), cumulative."""
@@ -212,6 +232,7 @@ class Producer:
         return {s: h / n for s, (h, n) in sorted(by.items())} if len(by) > 1 else {}
 
     def stop(self) -> None:
+        self._pending.clear()
         self.rewarder.close(kill=True)
         if self.engines is not None:
             self.engines.stop()

@@ -177,12 +177,16 @@ class RewardWorkers:
         self.path, self.name, self.timeout_s, self.workers = path, name, float(timeout_s), int(workers)
         self.where = describe(path, name)
         self._pool = pool                 # a spawned multiprocessing Pool to share (tests); None: its own
+        import threading
+
+        self._lock = threading.Lock()     # the producer's threads submit too (rl/pipeline.py)
 
     def pool(self, sources=()):
         """The worker pool, started (and the functions for `sources` loaded) on first use."""
-        if self._pool is None:
-            self._pool = make_pool(function_keys(self.path, self.name, sources), self.workers)
-        return self._pool
+        with self._lock:
+            if self._pool is None:
+                self._pool = make_pool(function_keys(self.path, self.name, sources), self.workers)
+            return self._pool
 
     def submit(self, items) -> list:
         """items: (example, response text) pairs. The calls start at once; collect(handle) waits for them."""

@@ -163,8 +163,9 @@ class GRPORun(EngineRecovery):
         def generate():
             t0 = time.perf_counter()
             out = self.prod.generate(plans, keep, version=version)
+            kv = self.prod.kv_step()      # first: nothing may raise once the rewards are submitted (a lost
+            #                               rollout's calls would stay pending)
             self.prod.submit(out, self.prod.labels(plans)[0])     # rewards start now, in the reward workers
-            kv = self.prod.kv_step()
             self.busy["rollout"] += time.perf_counter() - t0
             return out, kv
         return generate
@@ -352,7 +353,8 @@ class GRPORun(EngineRecovery):
         if 0 not in evals:
             evals[0] = self.evaluate()
             self.start_lens = length_percentiles(self.eval_lens, "len_")
-            self.log.log(0, {"eval": evals[0], **self.eval_sources(),
+            self.start_sources = self.eval_sources()
+            self.log.log(0, {"eval": evals[0], **self.start_sources,
                              **length_percentiles(self.eval_lens, "eval_len_")})
 
     def eval_sources(self) -> dict:

@@ -41,7 +41,25 @@ def run_summary(run, history: list[dict], evals: dict, wall: float) -> dict:
             "rollout_busy_frac": run.busy["rollout"] / wall, "train_busy_frac": run.busy["train"] / wall,
             "steps": len(history), "mode": cfg.mode, "eval_s": run.eval_s,
             "engine_restarts": run.engine_restarts, "replay": cfg.replay, "serving": cfg.serving,
-            "layout": cfg.layout.layout().name, "model": str(run.path), **base_syncs(run), **occupancy(run)}
+            "layout": cfg.layout.layout().name, "model": str(run.path), **base_syncs(run), **occupancy(run),
+            **by_source(history, getattr(run, "start_sources", {}), mean, k)}
+
+
+def by_source(history: list[dict], start: dict, mean, k: int) -> dict:
+    """A dataset mixing data sources: each source's reward at the start and the end (the first and last k steps)
+    and held-out success at the start and the end ({"by_source": {SOURCE: {...}}}); {} for one source."""
+    from .metrics import BY_SOURCE, EVAL_SUCCESS, REWARD
+
+    rp, ep = BY_SOURCE[REWARD], BY_SOURCE[EVAL_SUCCESS]
+    sources = sorted({key[len(p):] for r in [start, *history] for key in r for p in (rp, ep) if key.startswith(p)})
+    if not sources:
+        return {}
+    out = {}
+    for src in sources:
+        evals = [r[ep + src] for r in history if ep + src in r]
+        out[src] = {"reward_start": mean(rp + src, history[:k]), "reward_end": mean(rp + src, history[-k:]),
+                    "eval_start": start.get(ep + src), "eval_end": evals[-1] if evals else start.get(ep + src)}
+    return {"by_source": out}
 
 
 def occupancy(run) -> dict:

@@ -29,7 +29,8 @@ SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=
 
 
 def long_prompts(path):
-    """A training file whose prompts (600 digits) are longer than the engine's context: found bad at the rollout."""
+    """A training file whose prompts (600 digits) are longer than data.max_prompt_length (512 tokens): found bad at
+    the rollout (data.truncation=error)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -44,9 +45,13 @@ def long_prompts(path):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("policies")
+    from moe_lora_rl.rl.dataset import write_parquet
+    from moe_lora_rl.rl.task import TaskSpec
+
     bad = long_prompts(out / "long.parquet")
+    held = write_parquet(TaskSpec(n_eval=16), "eval", out / "eval.parquet")     # data.val_files goes with train_files
     p = start_train(out, [*SHORT, "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 1e-2, rank: 4, targets: [experts]}, "
-                                  f"{{name: bad, seed: 3, train_file: '{bad}'}}]"])
+                                  f"{{name: bad, seed: 3, train_file: '{bad}', eval_file: '{held}'}}]"])
     stdout, stderr = p.communicate(timeout=900)
     assert p.returncode == 0, (stdout + stderr)[-4000:]
     rows = {n: [json.loads(l) for l in (out / n / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -55,8 +60,9 @@ def run(tmp_path_factory):
 
 
 def test_a_failing_policy_stops_alone(run):
-    """bad's prompts do not fit the engine: its first rollout is refused, it stops with one line and the reason in
-    both summaries, while a and b take every step (their versions below are numbered around bad's version 0)."""
+    """bad's prompts are over data.max_prompt_length: its first rollout is refused, it stops with one line and the
+    reason in both summaries, while a and b take every step (their versions below are numbered around bad's
+    version 0)."""
     out, summary, rows = run
     why = summary["failed"]["bad"]
     assert why.startswith("step 1: ") and summary["policies"]["bad"]["failed"] == why, why

@@ -1,6 +1,8 @@
 """The async producer's pure parts and its threads against a scripted engine: the staleness gate (back-pressure at
 exactly max_staleness updates ahead), whole groups only, groups over the bound dropped and replaced, an engine
-failure handed to the trainer and the lost groups generated again after recover()."""
+failure handed to the trainer and the lost groups generated again after recover(); every sample's reward call is
+collected or, for a sample never trained on (dropped, lost, left at stop), released (rl/producer.py's pending
+entries)."""
 import threading
 from types import SimpleNamespace
 
@@ -56,15 +58,42 @@ class ScriptedEngine:
             yield i, SimpleNamespace(seed=seeds[i], response=[1, 2], versions=[self.version_of(seeds[i])] * 2)
 
 
+class InlineRewarder:
+    """rl/rewards.RewardWorkers' submit/collect without worker processes: a call's score is its response's length."""
+
+    def submit(self, items):
+        return [float(len(text)) for _, text in items]
+
+    def collect(self, handle):
+        return list(handle), [{} for _ in handle]
+
+    def close(self, kill=False):
+        pass
+
+
 def producer(engine, g=2, more=()):
-    return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(group_size=g)), engines=[engine, *more],
-                           requests=lambda plans: {"prompts": [[1]] * (g * len(plans)),
-                                                   "seeds": [s for p in plans for s in p.seeds]},
-                           sampling=lambda: {})
+    """rl/producer.Producer's own reward bookkeeping (submit, score, release) around scripted engines."""
+    from moe_lora_rl.rl.producer import Producer
+
+    cfg = SimpleNamespace(algo=SimpleNamespace(group_size=g),
+                          reward=SimpleNamespace(path=None, name="compute_score", timeout_s=1.0, workers=1))
+    tok = SimpleNamespace(decode=lambda ids, **kw: "x" * len(ids))
+    prod = Producer(cfg, tok, "unused", [SimpleNamespace(data_source="t", index=i) for i in range(100)], [], "unused")
+    prod.rewarder = InlineRewarder()
+    prod.engines = [engine, *more]
+    prod.requests = lambda plans: {"prompts": [[1]] * (g * len(plans)), "seeds": [s for p in plans for s in p.seeds]}
+    prod.sampling = lambda: {}
+    return prod
+
+
+def scored(prod, groups):
+    """The trainer's side: the taken groups' rewards collected (their entries leave the producer)."""
+    samples = [s for grp in groups for s in grp.samples]
+    return prod.score(samples, [prod.train_problems[grp.plan.problem] for grp in groups for _ in grp.samples])[0]
 
 
 def plan_of(g):
-    return SimpleNamespace(index=g, seeds=(10 * g, 10 * g + 1))
+    return SimpleNamespace(index=g, problem=g, seeds=(10 * g, 10 * g + 1))
 
 
 def wait_idle(pipe, admitted):
@@ -81,10 +110,12 @@ def test_whole_groups_bound_and_drops():
     # version 0, as if it had been stuck), 6 and later at 3
     eng = ScriptedEngine(lambda seed: {0: 1, 1: 1, 2: 1, 3: 1, 4: 0, 5: 2}.get(seed // 10, 3))
     gate = StalenessGate(prompts_per_step=2, max_staleness=1, version=1)
-    pipe = Pipeline(producer(eng), gate, plan_of)
+    prod = producer(eng)
+    pipe = Pipeline(prod, gate, plan_of)
     pipe.start()
     try:
         ok, dropped = pipe.take(2, trainer_version=1)
+        assert scored(prod, ok) == [2.0] * 4                                    # the calls started as samples came
         assert [g.plan.index for g in ok] == [3, 2] and not dropped            # in finishing order
         assert all(len(g.samples) == 2 for g in ok)
         assert {s.seed for g in ok for s in g.samples} == {30, 31, 20, 21}
@@ -94,14 +125,18 @@ def test_whole_groups_bound_and_drops():
         wait_idle(pipe, 6)
         ok, dropped = pipe.take(2, trainer_version=2)
         assert [g.plan.index for g in ok] == [1, 0] and not dropped
+        scored(prod, ok)
         pipe.serve(3)
         ok, dropped = pipe.take(2, trainer_version=3)    # group 4 (version 0) is 3 versions old: dropped
         assert [g.plan.index for g in dropped] == [4] and ok[0].plan.index == 5 and len(ok) == 2, \
             ([g.plan.index for g in ok], [[s.versions for s in g.samples] for g in ok])
         assert all(staleness(3, s.versions) <= 1 for g in ok for s in g.samples)
         assert 4 in pipe.done and gate.ahead_max == 1
+        assert prod.release(dropped[0].samples) == 0     # the dropped group's calls went with it
+        scored(prod, ok)
     finally:
         pipe.stop()
+    assert prod.pending() == 0        # every call collected or released: none dropped, in flight or left at stop
 
 
 def test_admission_order_takes_the_oldest_admitted_groups_first():
@@ -125,12 +160,14 @@ def test_admission_order_takes_the_oldest_admitted_groups_first():
 
 def test_failure_reaches_the_trainer_and_lost_groups_come_back():
     eng = ScriptedEngine(lambda seed: 1, fail_after=1)  # the first stream dies after one sample
-    pipe = Pipeline(producer(eng), StalenessGate(2, 1, version=1), plan_of)
+    prod = producer(eng)
+    pipe = Pipeline(prod, StalenessGate(2, 1, version=1), plan_of)
     pipe.start()
     try:
         with pytest.raises(RuntimeError, match="engine died"):
             while True:
                 pipe.take(1, trainer_version=1)
+        assert prod.pending() == 0              # the one sample filed before the death: generated again, released
         pipe.recover(0)
         ok = []
         while len(ok) < 4:
@@ -138,6 +175,7 @@ def test_failure_reaches_the_trainer_and_lost_groups_come_back():
         assert sorted(g.plan.index for g in ok) == [0, 1, 2, 3]     # every admitted group, whole
         assert all(len(g.samples) == 2 and None not in g.samples for g in ok)
         assert eng.calls[1] == eng.calls[0]                        # the lost groups resubmitted as they were
+        assert prod.pending() == 8 and scored(prod, ok) == [2.0] * 8 and prod.pending() == 0
     finally:
         pipe.stop()
 
@@ -156,7 +194,8 @@ def test_replicas_share_groups_and_one_engine_dies_alone():
 
     a, b = ScriptedEngine(lambda seed: 1), Dying(lambda seed: 1)
     b.die = True
-    pipe = Pipeline(producer(a, more=[b]), StalenessGate(2, 1, version=1), plan_of)
+    prod = producer(a, more=[b])
+    pipe = Pipeline(prod, StalenessGate(2, 1, version=1), plan_of)
     pipe.start()
     try:
         ok = []                                   # engine 0's groups may be taken before the failure is seen
@@ -171,5 +210,7 @@ def test_replicas_share_groups_and_one_engine_dies_alone():
         assert a.calls[0] == [0, 1, 20, 21] and b.calls[0] == [10, 11, 30, 31]   # least loaded: groups alternate
         again = sorted(s for c in a.calls[1:] + b.calls[1:] for s in c)
         assert again == [10, 11, 30, 31]              # only the dead engine's groups, whole, spread again
+        scored(prod, ok)
     finally:
         pipe.stop()
+    assert prod.pending() == 0                        # the dead engine's filed sample released, none left at stop

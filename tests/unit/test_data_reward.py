@@ -225,3 +225,27 @@ def test_data_cli_writes_verl_rows(tmp_path):
     paths = write("sort", tmp_path / "s", fmt="jsonl", n_eval=8)
     assert load_examples(paths["val"])[0].data_source == "moe_lora_rl/addition"
     assert main(["nope", str(tmp_path)]) == 2
+
+
+def test_per_source_figures(tmp_path):
+    """A batch mixing sources: each source's mean reward beside the mean, the dict reward's extras averaged; one
+    source: none (the control). The summary's by_source and the plot's lines read them."""
+    from moe_lora_rl.rl.metrics import plot, reward_figures
+    from moe_lora_rl.rl.summary import by_source
+
+    f = reward_figures([1.0, 0.0, 0.5, 0.5], [{"n": 2.0}, {}, {"n": 4.0}, {}], ["a", "a", "b", "b"])
+    assert f == {"reward_extra/n": 3.0, "reward/a": 0.5, "reward/b": 0.5}
+    assert reward_figures([1.0, 0.0], [{}, {}], ["a", "a"]) == {}
+    hist = [{"reward": 0.5, "reward/a": 0.2, "reward/b": 0.8}, {"reward": 0.6, "reward/a": 0.4, "reward/b": 0.8,
+                                                               "eval": 0.3, "eval/a": 0.1, "eval/b": 0.5}]
+
+    def mean(key, rows):
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    got = by_source(hist, {"eval/a": 0.05, "eval/b": 0.4}, mean, 1)["by_source"]
+    assert got["a"] == {"reward_start": 0.2, "reward_end": 0.4, "eval_start": 0.05, "eval_end": 0.1}
+    assert by_source([{"reward": 1.0}], {}, mean, 1) == {}
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.write_text("".join(json.dumps({"step": i, **r}) + "\n" for i, r in enumerate(hist)))
+    assert plot(jsonl, tmp_path / "m.png").stat().st_size > 10_000
