@@ -7,5 +7,5 @@ setup(
     packages=find_packages(include=["moe_lora_rl", "moe_lora_rl.*"]),
     python_requires=">=3.11",
     entry_points={"vllm.general_plugins": ["moe_lora_rl = moe_lora_rl.vllm:register"],
-                  "console_scripts": ["moe-lora-rl = moe_lora_rl.plan.cli:console"]},
+                  "console_scripts": ["moe-lora-rl = moe_lora_rl.cli:console"]},
 )

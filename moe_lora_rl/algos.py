@@ -8,6 +8,12 @@ loss aggregation and rollout correction (truncated importance sampling, or maske
 The policy losses read their settings from a verl ``ActorConfig``; ``actor_config`` builds the one they need from
 our few settings, including ``global_batch_info`` so that token-mean normalises by the tokens of the whole global
 batch (the same loss at every data-parallel size and microbatch split).
+
+Every aggregation mode is a function of the global batch alone, never of how it is padded or split: token-mean
+divides by the global batch's valid tokens, token-sum by nothing, the seq-mean-* modes by its sequences with a valid
+token, and seq-mean-token-sum-norm (Dr. GRPO) also by ``loss_scale_factor``, a constant of the run (the main job: the
+response budget, algo.max_response_tokens). verl's default for it (None: the tensor's width, the longest prompt +
+response of the batch) moves with the padding, so PolicyLossSettings refuses that mode without the factor.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ class PolicyLossSettings:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0             # dual-clip bound for negative advantages (vanilla)
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's constant divisor (verl's loss_scale_factor)
 
     def __post_init__(self):
         if self.loss_mode not in LOSS_MODES:
@@ -39,6 +46,13 @@ class PolicyLossSettings:
             raise ValueError(f"clip ratios low={self.clip_ratio_low} high={self.clip_ratio_high}: need 0<low<1, high>0")
         if self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1")
+        if self.loss_scale_factor is not None and (isinstance(self.loss_scale_factor, bool) or
+                                                   not isinstance(self.loss_scale_factor, int) or
+                                                   self.loss_scale_factor < 1):
+            raise ValueError(f"loss_scale_factor={self.loss_scale_factor!r} must be None or an integer >= 1")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor (a constant of the run, "
+                             "the response budget): without it verl divides by the padded width of each batch")
 
 
 @dataclass(frozen=True)
@@ -59,9 +73,7 @@ def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_id
     """Per-token GRPO advantages [B, T] from one scalar reward per response [B] and the prompt id of each response.
 
     verl takes token-level rewards; an outcome reward sits on the response's last valid token (verl's convention,
-    only its sum is used)."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
+    only its sum is used). A group of two or more equal rewards gets advantages of exactly 0 (grpo_outcome_advantage)."""
     if rewards.dim() != 1 or response_mask.dim() != 2 or rewards.shape[0] != response_mask.shape[0]:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] and response_mask {tuple(response_mask.shape)} "
                          "[B, T] with the same B")
@@ -72,9 +84,41 @@ def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_id
         raise ValueError(f"responses {torch.nonzero(lengths == 0).flatten().tolist()} have no valid token")
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
     token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards.float()
-    adv, _ = compute_grpo_outcome_advantage(token_rewards, response_mask.float(), np.asarray(group_ids, dtype=object),
-                                            epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std)
+    adv, _ = grpo_outcome_advantage(token_rewards, response_mask.float(), np.asarray(group_ids, dtype=object),
+                                    epsilon=epsilon, norm_adv_by_std_in_grpo=norm_by_std)
     return adv
+
+
+GRPO_EXACT = "grpo_exact"                 # the name grpo_outcome_advantage is registered under in verl
+
+
+def grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
+                           epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, config=None,
+                           **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's GRPO outcome advantage (compute_grpo_outcome_advantage, same signature: verl's advantage-estimator
+    registry calls it as GRPO_EXACT, reading norm_adv_by_std_in_grpo from `config`, verl's algorithm section) with
+    one fix: a group of two or more responses whose rewards are all equal
+    gets advantages of exactly 0. verl subtracts the group's fp32 mean, which for equal non-dyadic rewards differs
+    from them by a rounding step, and divides that residue by a std of ~1e-7 plus epsilon: eight rewards of 0.35
+    gave +0.0289 each. Other groups, and a group of one (verl's convention: mean 0, std 1), are verl's own numbers.
+    Returns (advantages, returns) [B, T], both the same tensor, as verl's."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    if config is not None:                    # verl's trainer passes algorithm.* here, not the keyword
+        norm_adv_by_std_in_grpo = bool(config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo))
+    scores = token_level_rewards.sum(dim=-1)
+    adv, ret = compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=epsilon,
+                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+    groups: dict = {}
+    for i, g in enumerate(index.tolist() if hasattr(index, "tolist") else list(index)):
+        groups.setdefault(g, []).append(i)
+    flat = [rows for rows in groups.values() if len(rows) > 1 and bool((scores[rows] == scores[rows[0]]).all())]
+    if flat:
+        rows = torch.tensor([i for r in flat for i in r])
+        adv = adv.clone()
+        adv[rows] = 0.0
+        ret = adv
+    return adv, ret
 
 
 def actor_config(settings: PolicyLossSettings, batch: GlobalBatch = GlobalBatch(), rollout_n: int = 1):

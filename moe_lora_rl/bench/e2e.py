@@ -4,6 +4,9 @@ a control; each under torchrun on this machine.
     python -m moe_lora_rl.bench e2e --json [--model DIR] [--layouts tp1ep1pp1] [--nproc 2] [--steps N] [-- k=v ...]
 
 --model: an HF checkpoint to train instead of the built-in warm-started model (model.path=DIR, no warm start).
+--data NAME: train on a dataset of `python -m moe_lora_rl.data` (e.g. gsm8k_arith, scored by verl's gsm8k scorer),
+written under the output folder, with its reference column for the warm start and its job settings
+(moe_lora_rl.data.JOB_OVERRIDES); the free-routing targets below are the default task's.
 --layouts: the one layout both runs use. Anything after `--` is passed to both runs as hydra overrides.
 Targets on 2 cores: wall_s <= 600 (warmup_s <= 300, reported separately), eval_start in [0.10, 0.40],
 eval_end - eval_start >= 0.15, |eval_end_lr0 - eval_start| <= 0.03, kl_mean_r3 <= kl_mean_no_r3 / 3, ratio_gt2 <=
@@ -83,6 +86,7 @@ def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] 
     ap = job_parser(name, doc, "both runs")
     ap.add_argument("--nproc", type=int, default=2, help="torchrun processes per run")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
+    ap.add_argument("--data", default=None, help="a dataset of python -m moe_lora_rl.data (default: data.task's)")
     a = ap.parse_args(argv)
     lay, layout_over, model_over = job_layout(a, name)
     if a.nproc < 1 or a.timeout <= 0 or (a.steps is not None and a.steps < 1):
@@ -90,18 +94,32 @@ def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] 
     overrides = [*recipe, *layout_over, *extra, *model_over]
     if a.steps:
         overrides.append(f"steps={a.steps}")
-    _preflight(overrides, a.nproc)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)
+        if a.data is not None:
+            overrides = [*data_overrides(a.data, root / "data"), *overrides]
+        _preflight(overrides, a.nproc)
         main_run = run_job(a.nproc, overrides, root / "main", a.timeout)
         control = run_job(a.nproc, [*overrides, "algo.lr=0"], root / "lr0", a.timeout)
     out = {k: main_run[k] for k in keys}
     out["eval_end_lr0"] = control["eval_end"]
     out["eval_start_lr0"] = control["eval_start"]
     out["layout"], out["bench_wall_s"] = lay.name, round(time.time() - t0, 1)
+    if a.data is not None:
+        out["data"] = a.data
     emit(out, a.json)
     return out
+
+
+def data_overrides(name: str, where: Path) -> list[str]:
+    """A dataset's files (written to `where`), its reference column and its job settings, as overrides."""
+    from ..data import JOB_OVERRIDES, REFERENCE_KEYS, write
+
+    paths = write(name, where)
+    ref = REFERENCE_KEYS.get(name)
+    return [f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+            *([f"data.reference_key={ref}"] if ref else []), *JOB_OVERRIDES.get(name, [])]
 
 
 def _preflight(overrides: list[str], nproc: int):

@@ -11,6 +11,7 @@ import torch
 from ..lora.config import LoRAConfig
 from ..lora.layers import adapter_factors
 from ..lora.state import _META_KEY
+from .attempts import FAILED, failed_steps
 from .common import (MOMENTS, OPTIMIZER_FILE, _gather, _line, _local_slice, _optimizer_params, _rank_world,
                      _read_pointer)
 from .plan import (FORMAT, LATEST, MANIFEST, OLD_PREFIX, IntegrityError, Piece, check_file, check_run_meta,
@@ -25,12 +26,15 @@ from .plan import (FORMAT, LATEST, MANIFEST, OLD_PREFIX, IntegrityError, Piece, 
 
 
 def _candidates(root: Path) -> list[str]:
-    """plan_candidates over ROOT as it is now ([] without a `latest` pointer)."""
+    """plan_candidates over ROOT as it is now ([] without a `latest` pointer), less the steps a restart failed on
+    (attempts.py)."""
     pointer = root / LATEST
     if not pointer.is_file():
         return []
     complete = {p.name for p in root.iterdir() if (p / MANIFEST).is_file()}
-    return plan_candidates(_read_pointer(pointer), complete)
+    failed = set(failed_steps(root))
+    return [n for n in plan_candidates(_read_pointer(pointer), complete)
+            if step_of(n.removeprefix(OLD_PREFIX)) not in failed]
 
 
 def _find(root: Path, name: str) -> Path:
@@ -155,6 +159,12 @@ def _stage(ckpt: Path, model, optimizer, run_meta: dict) -> tuple[list, list, li
                         s[kind] = _assemble(ckpt, kind, pieces[(kind, name)], p, cache)
                 opt_states.append((p, s))
     cache.clear()
+    for what, t, name in ([("adapter factor", t, p.lora_meta.global_name) for p, t in params] +
+                          [(f"{k} of adapter factor", v, p.lora_meta.global_name) for p, st in opt_states
+                           for k, v in st.items() if k in MOMENTS]):
+        if not bool(torch.isfinite(t).all()):
+            kind = "nan" if bool(torch.isnan(t).any()) else "inf"
+            raise IntegrityError(f"{ckpt}: step {m['step']}: {what} {name} holds {kind}: not loaded")
     state = torch.load(ckpt / mine, weights_only=False)   # our own pickle, its sha256 checked above
     return params, opt_states, hyper, state
 
@@ -178,7 +188,10 @@ def load_checkpoint(root, model, optimizer, *, run_meta: dict, step: int | None 
     layout; returns this rank's saved `state` (at another world size, ranks beyond the saved world get rank 0's).
     All ranks call it. When the checkpoint `latest` names is missing, incomplete or corrupted, the newest older one
     that verifies loads instead (plan_candidates; one line on stderr; never for an explicit `step`); nothing
-    verifies: IntegrityError. Refusals are one-line ValueErrors; either is raised on every rank, nothing changed."""
+    verifies: IntegrityError. A checkpoint holding a non-finite adapter factor or AdamW moment does not verify
+    (IntegrityError naming the tensor and the step), so the newest finite one loads instead. Steps a restart failed
+    on (checkpoint/attempts.py) are never candidates. Refusals are one-line ValueErrors; either is raised on every
+    rank, nothing changed."""
     root = Path(root)
     rank, _ = _rank_world()
     if step is not None:
@@ -192,6 +205,10 @@ def load_checkpoint(root, model, optimizer, *, run_meta: dict, step: int | None 
         if isinstance(names, str):
             raise IntegrityError(names)
     if not names:
+        failed = failed_steps(root) if step is None and (root / LATEST).is_file() else []
+        if failed:
+            raise ValueError(f"{root}: no checkpoint left to resume from: a restart failed on step(s) "
+                             f"{', '.join(map(str, failed))} (recorded in {root / FAILED}; never loaded again)")
         raise ValueError(f"{root / LATEST}: no checkpoint to resume from (no '{LATEST}' file in {root})")
     first = None
     for name in names:

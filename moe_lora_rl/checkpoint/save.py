@@ -141,14 +141,45 @@ def _publish(root: Path, tmp: Path, final: Path, shared: dict, manifest: dict) -
         raise
 
 
+def non_finite(model, optimizer) -> str | None:
+    """The first of this rank's adapter factors or AdamW moments holding NaN or inf, named ("adapter factor NAME
+    holds nan" / "exp_avg_sq of adapter factor NAME holds inf"); None when all are finite."""
+    for _, p in adapter_factors(model):
+        bad = _bad_values(p)
+        if bad:
+            return f"adapter factor {p.lora_meta.global_name} holds {bad}"
+    if optimizer is not None:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                for kind in MOMENTS:
+                    t = optimizer.state.get(p, {}).get(kind)
+                    bad = _bad_values(t) if torch.is_tensor(t) else None
+                    if bad:
+                        name = getattr(getattr(p, "lora_meta", None), "global_name", "?")
+                        return f"{kind} of adapter factor {name} holds {bad}"
+    return None
+
+
+def _bad_values(t: torch.Tensor) -> str | None:
+    t = t.detach()
+    if bool(torch.isfinite(t).all()):
+        return None
+    return " and ".join(w for w, m in (("nan", torch.isnan(t)), ("inf", torch.isinf(t))) if bool(m.any()))
+
+
 def save_checkpoint(root, step: int, model, optimizer, *, run_meta: dict, state: dict) -> Path:
     """Save at `step` (all ranks call it, with their own `state`); returns ROOT/step-NNNNNNNN. `optimizer`: the
     torch AdamW over the model's adapter factors (None: adapters only). A failed write raises one OSError naming the
-    file on every rank, with the previous checkpoint in place and no .tmp left."""
+    file on every rank, with the previous checkpoint in place and no .tmp left. A non-finite adapter factor or
+    AdamW moment on any rank is refused before anything is written: one ValueError naming it, on every rank, the
+    previous checkpoint untouched (a resume must never load NaN)."""
     rank, world = _rank_world()
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
+    bad = [b for b in _gather(non_finite(model, optimizer)) if b]
+    if bad:
+        raise ValueError(f"save_checkpoint step {step}: {bad[0]}: not saved, the previous checkpoint stays")
     groups = _optimizer_params(optimizer) if optimizer is not None else None
     error = None
     if rank == 0:

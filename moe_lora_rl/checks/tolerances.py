@@ -17,6 +17,11 @@ TRAINED_BF16 = 2 * PARITY_BF16
 # LoRA after 3 AdamW steps (lr 1e-4) at any layout vs tp1ep1pp1: losses and gathered adapters; reduction-order
 # noise becomes a fraction of lr per step (measured ~1e-6; tests/distributed/test_lora_layouts.py).
 LORA_LAYOUT = 1e-5
+# One update's adapter gradient (fp32, relative to its largest entry) of the same global batch padded wider, split
+# into other micro-batches or data-parallel shares: the loss is the same function, only matmul shapes and the
+# summation order change (measured up to 5.3e-6 for 1 vs 4 micro-batches in token-mean; tests/unit/
+# test_policy_core.py). A normaliser that moves with the width is off by the widths' ratio (0.3 and more there).
+GRAD_SPLIT = 2e-5
 # Logits of trained or cross-layout-loaded adapters vs the reference (fp32, magnitude ~5-20).
 LORA_LOGITS = 1e-4
 # Our PEFT export in HF transformers + peft vs Megatron+LoRA logits (fp32, magnitude ~20; peft adds B(Ax) unmerged).

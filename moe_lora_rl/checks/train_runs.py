@@ -20,16 +20,22 @@ from ..procs import free_port
 from .launch import worker_env
 
 
-def train_command(out: Path, extra=(), nproc: int = 2, torchrun=()) -> list[str]:
+def train_command(out: Path, extra=(), nproc: int = 2, torchrun=(), launcher: bool = False) -> list[str]:
+    """torchrun's command, or with launcher=True `moe-lora-rl train` (its checks, then the same ranks)."""
+    if launcher:
+        assert not torchrun, "the launcher takes no torchrun flags"
+        return [sys.executable, "-m", "moe_lora_rl.cli", "train", f"--nproc-per-node={nproc}", *extra,
+                f"out_dir={out}"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
             "--master_addr=127.0.0.1", f"--master_port={free_port()}", *torchrun, "-m", "moe_lora_rl.train",
             *extra, f"out_dir={out}"]
 
 
-def start_train(out: Path, extra=(), nproc: int = 2, env: dict | None = None, torchrun=()) -> subprocess.Popen:
+def start_train(out: Path, extra=(), nproc: int = 2, env: dict | None = None, torchrun=(),
+                launcher: bool = False) -> subprocess.Popen:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(train_command(out, extra, nproc, torchrun), env=env or worker_env(), cwd=out,
+    return subprocess.Popen(train_command(out, extra, nproc, torchrun, launcher), env=env or worker_env(), cwd=out,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..megatron.load import offsets
 from ..models.naming import MEGATRON, AdapterName
-from .config import GROUPS, LoRAConfig
+from .config import LoRAConfig, expand
 from .grouped import (attach_grouped, attach_te_grouped, detach_grouped, te_virtual_expert_linears,
                       virtual_expert_linears)
 from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
@@ -31,6 +31,8 @@ class AdapterPlan:
 
 
 def _parallel_kind(linear: nn.Module) -> str:
+    """column | row | duplicated (a whole weight on every TP rank: MLA's down projections in the TE spec, which
+    megatron builds as TELinear(parallel_mode='duplicated'))."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     if hasattr(linear, "grouped"):                   # a per-expert linear inside a GroupedMLP
@@ -39,6 +41,9 @@ def _parallel_kind(linear: nn.Module) -> str:
         return "column"
     if isinstance(linear, RowParallelLinear):
         return "row"
+    mode = getattr(linear, "parallel_mode", "")      # Transformer Engine linears (megatron's TE wrappers)
+    if mode in ("column", "row", "duplicated") and hasattr(linear, "weight"):
+        return mode
     raise ValueError(f"LoRA supports megatron ColumnParallelLinear/RowParallelLinear bases, got {type(linear).__name__}")
 
 
@@ -103,7 +108,7 @@ def _check_explicit_targets(cfg: LoRAConfig, plans: list[AdapterPlan]) -> None:
 
     if not cfg.explicit:
         return
-    counts = torch.tensor([sum(p.target in GROUPS.get(t, (t,)) for p in plans) for t in cfg.explicit],
+    counts = torch.tensor([sum(p.target in expand(t) for p in plans) for t in cfg.explicit],
                           dtype=torch.int64)
     if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())

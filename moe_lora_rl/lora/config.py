@@ -10,13 +10,28 @@ from ..models.naming.base import ROUTER_TARGET
 TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0],)
 GROUPS: dict[str, tuple[str, ...]] = {
     "experts": ("expert_fc1", "expert_fc2"),
-    "attention": ("qkv", "proj"),
+    "attention": ("qkv", "proj", "q_down", "q_up", "q", "kv_down", "kv_up"),    # GQA's and MLA's: what the model has
     "dense_mlp": ("dense_fc1", "dense_fc2"),
     "shared_experts": ("shared_fc1", "shared_fc2"),
+}
+# verl's / Megatron-Bridge's module names (actor_rollout_ref.model.lora.target_modules) -> ours. linear_fc1/2 name
+# every fc1/fc2 a model has (dense MLP, shared expert, routed experts), as Megatron-Bridge matches them.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("qkv",), "linear_proj": ("proj",), "linear_q_down_proj": ("q_down",),
+    "linear_q_up_proj": ("q_up",), "linear_q_proj": ("q",), "linear_kv_down_proj": ("kv_down",),
+    "linear_kv_up_proj": ("kv_up",), "linear_fc1": ("dense_fc1", "shared_fc1", "expert_fc1"),
+    "linear_fc2": ("dense_fc2", "shared_fc2", "expert_fc2"),
 }
 ALL = ("experts", "attention", "dense_mlp", "shared_experts")      # "all": whatever of these the model has
 LAYOUTS = ("per_expert", "shared_outer", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def expand(target: str) -> tuple[str, ...]:
+    """The concrete target names of a target, group, alias or "all"."""
+    if target == "all":
+        return tuple(n for g in ALL for n in GROUPS[g])
+    return GROUPS.get(target) or ALIASES.get(target) or (target,)
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ class LoRAConfig:
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         if not targets:
             raise ValueError("LoRA targets is empty")
-        known = set(TARGETS) | set(GROUPS) | {"all"}
+        known = set(TARGETS) | set(GROUPS) | set(ALIASES) | {"all"}
         bad = [t for t in targets if t not in known]
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; known: {sorted(known)}")
@@ -67,15 +82,22 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def unmatched(self, adaptable: set[str]) -> list[str]:
-        """The explicitly named targets (or groups) none of whose linears is among `adaptable`."""
-        return [t for t in self.explicit if not set(GROUPS.get(t, (t,))) & adaptable]
+        """The explicitly named targets (or groups, or aliases) none of whose linears is among `adaptable`."""
+        return [t for t in self.explicit if not set(expand(t)) & adaptable]
+
+    def check_model(self, adaptable: set[str], where: str = "lora.targets") -> None:
+        """ValueError naming each explicitly named target the model has no linear for, and what it accepts
+        (`adaptable`: models.arch.MoEArch.adaptable())."""
+        bad = self.unmatched(adaptable)
+        if bad:
+            raise ValueError(f"{where}: {bad} name no linear of this model; it accepts {sorted(adaptable)} (and the "
+                             "groups/aliases that contain them)")
 
     def resolved_targets(self) -> tuple[str, ...]:
-        """Concrete target names, expanded from groups and "all"."""
+        """Concrete target names, expanded from groups, aliases and "all"."""
         out: list[str] = []
         for t in self.targets:
-            names = [n for g in ALL for n in GROUPS[g]] if t == "all" else GROUPS.get(t, (t,))
-            out += [n for n in names if n not in out]
+            out += [n for n in expand(t) if n not in out]
         return tuple(out)
 
     def expert_factors_shared(self, target: str) -> tuple[bool, bool]:

@@ -2,6 +2,11 @@
 
     column base (W: [out/t, in]):  A [r, in] replicated,        B [out/t, r] sharded like the base output
     row base    (W: [out, in/t]):  A [r, in/t] sharded like the input, B [out, r] replicated
+    duplicated  (W: [out, in] on every rank, tokens as the base sees them): A, B replicated
+
+MLA's down projections (linear_q_down_proj, linear_kv_down_proj) are column bases in the local spec: megatron splits
+their rows over TP and gathers the output itself, after the hook, so B's row shard is exactly the base's; in the TE
+spec they are duplicated.
 
 t is the base layer's tensor-parallel group: TP for attention / dense / shared-expert linears, expert-TP (ETP) for
 routed experts. The replicated factor's gradient is a partial sum on each rank whenever the layer's tokens are split
@@ -40,7 +45,7 @@ class LinearRule:
 def rule_for(parallel: str, *, expert: bool, sequence_parallel: bool, tp_size: int,
              shared_across_experts: tuple[bool, bool] = (False, False)) -> LinearRule:
     """parallel: the base layer's kind; shared_across_experts: (A shared, B shared) by all experts of a layer."""
-    if parallel not in ("column", "row"):
+    if parallel not in ("column", "row", "duplicated"):
         raise AssertionError(f"base parallel kind {parallel!r}")
     group = "etp" if expert else "tp"
     dp = "edp" if expert else "dp"
@@ -57,6 +62,9 @@ def rule_for(parallel: str, *, expert: bool, sequence_parallel: bool, tp_size: i
         return FactorRule(None, None, reduce_replicated + extra + (dp,))
 
     a_shared, b_shared = shared_across_experts
+    if parallel == "duplicated":
+        A, B = factor(False, 1, a_shared), factor(False, 0, b_shared)
+        return LinearRule(parallel, expert, A, B, None)
     if parallel == "column":
         A, B = factor(False, 1, a_shared), factor(True, 0, b_shared)
     else:

@@ -5,7 +5,7 @@ reproduce exactly is a ValueError naming it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 
@@ -36,6 +36,25 @@ class MoEArch:
     group_topk: int | None
     scaling_factor: float | None
     shared_expert_ffn: int               # 0 = no shared expert
+    # Multi-head Latent Attention (DeepseekV3ForCausalLM); kv_lora_rank None = GQA attention
+    q_lora_rank: int | None = None       # None with MLA: q is one projection (q_proj), as Moonlight
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_type: str = "default"           # "default" | "yarn"
+    yarn: tuple[tuple[str, float], ...] = ()   # yarn: factor, original_max_position_embeddings, beta_fast, beta_slow,
+                                               # mscale, mscale_all_dim (HF's rope_parameters names)
+    mtp_layers: int = 0                  # num_nextn_predict_layers: model.layers.{num_layers + i}.*, never built
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        """HF layer numbers of the MTP layers (tensors model.layers.{i}.*), which no builder maps."""
+        return list(range(self.num_layers, self.num_layers + self.mtp_layers))
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -93,21 +112,21 @@ def _qwen3_moe(cfg: Any) -> MoEArch:
                    shared_expert_ffn=0)
 
 
-def _glm4_moe(cfg: Any) -> MoEArch:
+def _glm4_moe(cfg: Any, family: str = "glm4_moe") -> MoEArch:
     n = _get(cfg, "num_hidden_layers")
     first_dense = _get(cfg, "first_k_dense_replace", 0)
     topk, n_group, topk_group = _get(cfg, "num_experts_per_tok"), _get(cfg, "n_group", 1), _get(cfg, "topk_group", 1)
     if not _get(cfg, "norm_topk_prob", True):
-        raise ValueError("glm4_moe with norm_topk_prob=False: megatron-core always renormalises sigmoid top-k "
+        raise ValueError(f"{family} with norm_topk_prob=False: megatron-core always renormalises sigmoid top-k "
                          "scores, so this routing cannot be reproduced")
     grouped = n_group and n_group > 1
     if grouped and topk // topk_group != 2:
-        raise ValueError(f"glm4_moe n_group={n_group}, topk_group={topk_group}, num_experts_per_tok={topk}: HF scores "
+        raise ValueError(f"{family} n_group={n_group}, topk_group={topk_group}, num_experts_per_tok={topk}: HF scores "
                          "a group by its top-2 experts, megatron-core by its top (topk // topk_group); they agree only "
                          "when num_experts_per_tok == 2 * topk_group")
     shared = _get(cfg, "n_shared_experts", 0) or 0
     scale = float(_get(cfg, "routed_scaling_factor", 1.0))
-    return MoEArch(**_common(cfg, "glm4_moe"), qkv_bias=bool(_get(cfg, "attention_bias", False)),
+    return MoEArch(**_common(cfg, family), qkv_bias=bool(_get(cfg, "attention_bias", False)),
                    qk_norm=bool(_get(cfg, "use_qk_norm", False)), num_experts=_get(cfg, "n_routed_experts"),
                    moe_layers=tuple(i >= first_dense for i in range(n)), score_function="sigmoid", pre_softmax=False,
                    expert_bias=True, num_groups=n_group if grouped else None,
@@ -115,9 +134,75 @@ def _glm4_moe(cfg: Any) -> MoEArch:
                    shared_expert_ffn=shared * _get(cfg, "moe_intermediate_size"))
 
 
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def _mla_rope(cfg: Any) -> tuple[str, float, tuple[tuple[str, float], ...]]:
+    """(rope_type, theta, yarn parameters) of an MLA config, refusing what megatron-core's MLA rotary cannot
+    reproduce exactly (it implements 'default' RoPE and DeepSeek's yarn with HF's defaults)."""
+    rp = dict(_get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {})
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    theta = float(rp.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    if rp.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"deepseek_v3 partial_rotary_factor={rp['partial_rotary_factor']}: MLA rotates the whole "
+                         "qk_rope_head_dim; only 1.0 is supported")
+    if rope_type == "default":
+        return "default", theta, ()
+    if rope_type != "yarn":
+        raise ValueError(f"deepseek_v3 rope_type={rope_type!r} is not supported by the Megatron builder; "
+                         "accepted: 'default', 'yarn'")
+    for key in ("attention_factor", "truncate"):
+        if rp.get(key, None if key == "attention_factor" else True) not in (None, True):
+            raise ValueError(f"deepseek_v3 yarn {key}={rp[key]!r}: megatron-core's yarn has no such option; "
+                             "accepted: unset")
+    orig = rp.get("original_max_position_embeddings")
+    if not orig:
+        raise ValueError("deepseek_v3 yarn without original_max_position_embeddings: megatron-core needs it")
+    factor = rp.get("factor") or _get(cfg, "max_position_embeddings") / orig
+    y = {k: float(rp.get(k) or v) for k, v in _YARN_DEFAULTS.items()}
+    if not rp.get("mscale_all_dim") and y["mscale"] != 1.0:
+        raise ValueError(f"deepseek_v3 yarn mscale={y['mscale']} without mscale_all_dim: HF then ignores mscale and "
+                         "megatron-core does not; accepted: mscale 1.0, or mscale_all_dim set")
+    return "yarn", theta, (("factor", float(factor)), ("original_max_position_embeddings", float(orig)),
+                           *sorted(y.items()))
+
+
+def _deepseek_v3(cfg: Any) -> MoEArch:
+    """DeepSeek-V3 / Kimi-K2 / Moonlight: MLA attention on glm4_moe's routing (sigmoid + bias, grouped top-k)."""
+    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        got = _get(cfg, key)
+        if got not in (None, want):
+            raise ValueError(f"deepseek_v3 {key}={got!r}: only {want!r} (DeepSeek-V3's routing) is supported")
+    if not _get(cfg, "rope_interleave", True):
+        raise ValueError("deepseek_v3 rope_interleave=False: megatron-core's MLA rotary de-interleaves the rope part "
+                         "as DeepSeek-V3's weights need; accepted: rope_interleave=True")
+    if _get(cfg, "attention_bias", False):
+        raise ValueError("deepseek_v3 attention_bias=True: megatron-core's MLA linears have no bias; accepted: False")
+    kv_rank, rope_dim = _get(cfg, "kv_lora_rank"), _get(cfg, "qk_rope_head_dim")
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if not isinstance(_get(cfg, key), int) or _get(cfg, key) < 1:
+            raise ValueError(f"deepseek_v3 {key}={_get(cfg, key)!r}: must be a positive integer")
+    q_rank = _get(cfg, "q_lora_rank")
+    if q_rank is not None and (not isinstance(q_rank, int) or q_rank < 1):
+        raise ValueError(f"deepseek_v3 q_lora_rank={q_rank!r}: must be a positive integer or null")
+    rope_type, theta, yarn = _mla_rope(cfg)
+    base = _glm4_moe({**_as_dict(cfg), "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                      "rope_scaling": None, "head_dim": _get(cfg, "v_head_dim"), "attention_bias": False}, "deepseek_v3")
+    mtp = _get(cfg, "num_nextn_predict_layers", None)
+    mtp = _get(cfg, "num_mtp_layers", 0) if mtp is None else mtp
+    return replace(base, num_kv_heads=base.num_heads, qk_norm=True, q_lora_rank=q_rank,
+                   kv_lora_rank=kv_rank, qk_nope_head_dim=_get(cfg, "qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
+                   v_head_dim=_get(cfg, "v_head_dim"), rope_type=rope_type, yarn=yarn, mtp_layers=int(mtp or 0))
+
+
+def _as_dict(cfg: Any) -> dict:
+    return dict(cfg) if isinstance(cfg, dict) else cfg.to_dict()
+
+
 READERS: dict[str, Callable[[Any], MoEArch]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "Glm4MoeForCausalLM": _glm4_moe,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 

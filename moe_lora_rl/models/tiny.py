@@ -4,6 +4,10 @@
     path = get_model("glm4_moe", "tiny")      # DeepSeek-V3/Kimi-K2 routing on GQA attention (GLM-4.5 architecture):
                                               # leading dense layer, shared expert, sigmoid scores + expert bias,
                                               # group-limited top-k, routed scaling factor
+    path = get_model("deepseek_v3", "tiny")   # DeepSeek-V3/Kimi-K2/Moonlight (DeepseekV3ForCausalLM): that routing on
+                                              # Multi-head Latent Attention; sizes tiny (q_lora_rank set, yarn as
+                                              # Kimi-K2), tiny_rope (plain RoPE, DeepSeek-V3's MTP layer in the
+                                              # checkpoint), tiny_lite (q_lora_rank null, as Moonlight), wide
 
 Weights are drawn per tensor from a generator seeded by (seed, tensor name), so they do not depend on the order in
 which transformers initialises modules. The cache key hashes the spec, the seed and GENERATOR_VERSION.
@@ -62,9 +66,32 @@ SPECS: dict[tuple[str, str], dict] = {
 SPECS[("glm4_moe", "wide")] = {    # the RL default: 128 fine-grained experts, top-8 in 4 of 8 groups (DeepSeek-V3's
     **SPECS[("glm4_moe", "small")],  # routing at a small scale); as many active routed parameters per token as small
     "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 64}
+# DeepseekV3ForCausalLM. vLLM's CPU MLA decode kernel takes only kv_lora_rank 512 and qk_rope_head_dim 64 (a 576-wide
+# head), so every spec uses those; qk_nope/v head dims and q_lora_rank are free. HF's config class does not write
+# topk_method / scoring_func, which vLLM needs: MLA_CONFIG_EXTRA is written into config.json after saving.
+KIMI_K2_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+MLA_CONFIG_EXTRA = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+_MLA = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256, intermediate_size=512,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512,
+    qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=16, n_shared_experts=1,
+    num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, moe_intermediate_size=32,
+    first_k_dense_replace=1, norm_topk_prob=True, attention_bias=False, rope_interleave=True,
+    num_nextn_predict_layers=0, max_position_embeddings=131072, rope_parameters=KIMI_K2_YARN)
+SPECS[("deepseek_v3", "tiny")] = _MLA                                        # Kimi-K2: yarn, no MTP layer
+SPECS[("deepseek_v3", "tiny_rope")] = {**_MLA, "max_position_embeddings": 4096, "num_nextn_predict_layers": 1,
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+SPECS[("deepseek_v3", "tiny_lite")] = {**_MLA, "q_lora_rank": None, "max_position_embeddings": 8192,  # Moonlight:
+                                       "n_group": 1, "topk_group": 1,                      # ungrouped top-k
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}
+SPECS[("deepseek_v3", "wide")] = {   # glm4_moe wide's routing and widths on MLA
+    **_MLA, "intermediate_size": 512, "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "moe_intermediate_size": 64}
 FAMILIES = sorted({f for f, _ in SPECS})
-SIZES = ("tiny", "small", "wide", "medium")
-_DTYPE = {"tiny": "float32", "small": "float32", "wide": "float32", "medium": "bfloat16"}
+SIZES = ("tiny", "tiny_rope", "tiny_lite", "small", "wide", "medium")
+_DTYPE = {"tiny": "float32", "tiny_rope": "float32", "tiny_lite": "float32", "small": "float32", "wide": "float32",
+          "medium": "bfloat16"}
 
 
 def check_routing(family: str, size: str, spec: dict) -> None:
@@ -83,7 +110,7 @@ def check_routing(family: str, size: str, spec: dict) -> None:
     if not 1 <= topk <= topk_group * (experts // groups):
         raise ValueError(f"{where}: num_experts_per_tok={topk} is more than the {topk_group} of {groups} groups "
                          f"allow ({topk_group} x {experts // groups} experts)")
-    if family == "glm4_moe" and groups > 1 and topk != 2 * topk_group:
+    if family in ("glm4_moe", "deepseek_v3") and groups > 1 and topk != 2 * topk_group:
         raise ValueError(f"{where}: num_experts_per_tok={topk} with topk_group={topk_group}: HF scores a group by its "
                          "top-2 experts, megatron-core by its top (top-k // topk_group), so they agree only when "
                          "top-k == 2 * topk_group")
@@ -147,9 +174,54 @@ def _write(out: Path, family: str, size: str, seed: int) -> None:
     model.model.rotary_emb.__init__(config=cfg)                  # meta-built buffers: recompute inv_freq on CPU
     model.to(getattr(torch, _DTYPE[size]))
     model.save_pretrained(out, safe_serialization=True)
+    if cfg.model_type == "deepseek_v3":
+        _finish_deepseek_v3(out, cfg, seed)
     train_tokenizer(out, vocab_size=cfg.vocab_size, seed=seed)
     (out / "moe_lora_rl.json").write_text(json.dumps({"family": family, "size": size, "seed": seed,
                                                       "generator_version": GENERATOR_VERSION}))
+
+
+MTP_EXTRA = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+             "embed_tokens.weight")
+
+
+def mtp_tensors(names, num_layers: int, mtp_layers: int) -> list[str]:
+    """The MTP tensors DeepSeek-V3 releases, as a checkpoint holding `names` would carry them: for each MTP layer
+    (model.layers.{num_layers + i}) a copy of the last decoder layer's tensors plus enorm, hnorm, eh_proj,
+    shared_head.norm/head and embed_tokens."""
+    last = f"model.layers.{num_layers - 1}."
+    out = []
+    for i in range(mtp_layers):
+        pre = f"model.layers.{num_layers + i}."
+        out += [pre + n[len(last):] for n in names if n.startswith(last)] + [pre + n for n in MTP_EXTRA]
+    return out
+
+
+def _finish_deepseek_v3(out: Path, cfg, seed: int) -> None:
+    """config.json gains topk_method / scoring_func (HF drops them; vLLM needs them); an MTP layer
+    (num_nextn_predict_layers) is written as DeepSeek-V3 releases it, tensors model.layers.{num_hidden_layers}.*,
+    which HF never builds and every loader must skip."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    conf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**conf, **MLA_CONFIG_EXTRA}, indent=2, sort_keys=True) + "\n")
+    mtp = cfg.num_nextn_predict_layers or 0
+    if not mtp:
+        return
+    if (out / "model.safetensors.index.json").exists():
+        raise RuntimeError("tiny MTP layer: sharded checkpoints are not written by this generator")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    h, v = cfg.hidden_size, cfg.vocab_size
+    shapes = {"eh_proj.weight": (h, 2 * h), "shared_head.head.weight": (v, h), "embed_tokens.weight": (v, h)}
+    last = f"model.layers.{cfg.num_hidden_layers - 1}."
+    for name in mtp_tensors(list(state), cfg.num_hidden_layers, mtp):
+        tail = name.split(".", 3)[3]
+        like = state.get(last + tail)
+        shape = like.shape if like is not None else torch.Size(shapes.get(tail, (h,)))
+        state[name] = _init_value(name, shape, seed, h).to(next(iter(state.values())).dtype)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def get_model(family: str, size: str = "tiny", seed: int = 0) -> Path:

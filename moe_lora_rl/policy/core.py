@@ -8,8 +8,8 @@ optimizer step of the adapters on verl's policy loss.
     or a skip on a non-finite norm (policy/step.py)]
 
 Gradients of replicated adapter factors are summed over their data-parallel replicas (lora.grad_sync), so each
-microbatch's loss is its share of the GLOBAL loss: verl's agg_loss with the global token / sequence counts and
-dp_size=1 (verl's dp_size factor undoes DDP's averaging, which is not used here). The result is the same at every
+microbatch's loss is its share of the GLOBAL loss: verl's agg_loss with the global token / sequence counts, the
+run's loss_scale_factor (seq-mean-token-sum-norm: never the padded width) and dp_size=1 (verl's dp_size factor undoes DDP's averaging, which is not used here). The result is the same at every
 layout and microbatch split, up to fp32 reduction order.
 """
 from __future__ import annotations
@@ -252,7 +252,8 @@ class Policy:
             return {"loss": 0.0, "grad_norm": 0.0, "clipped": False, "skipped": True, "pg_clipfrac": 0.0, "kl": 0.0,
                     "lr": float(self.optimizer.param_groups[0]["lr"]), "rollout_rejected_frac": rejected_frac,
                     **extra}
-        gb = GlobalBatch(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=int((mask.sum(-1) > 0).sum()))
+        gb = GlobalBatch(dp_size=1, batch_num_tokens=n_tokens, global_batch_size=int((mask.sum(-1) > 0).sum()),
+                         loss_scale_factor=self.loss.loss_scale_factor)     # a constant of the run, not the width
         s = batch.seq_len
         advantages = batch.advantages.float()
         rollout, valid = batch.rollout_logprobs, batch.loss_mask      # the engine-vs-update k3 (below)

@@ -73,6 +73,7 @@ class AsyncGRPORun(GRPORun):
         m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
         history.append(m)
         self.log.log(step + 1, m)
+        self.stepped(step)
         if self.checkpoint_due(step + 1):
             self.save(step + 1, history, evals,
                       groups_done=sorted(broadcast(self.pipe.done if self.rank == 0 else None)))

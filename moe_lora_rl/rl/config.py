@@ -17,6 +17,7 @@ from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
 from ..rollout.expert_precision import check_expert_precision
 from .config_model import LayoutSettings, LoRASettings, ModelSettings, RuntimeSettings
 from .config_policies import PolicySettings, check_policies, policy_config
+from .config_data import DataSettings, RewardSettings
 from .config_rollout import DelaySettings, RolloutSettings
 from .config_rollout import _choice, _positive
 
@@ -28,51 +29,6 @@ MODES = ("sync", "async")
 INFLIGHT = ("switch", "pin")
 TAKE_ORDER = ("finish", "admission")
 POLICIES_ROLLOUT = ("turns", "batched")
-
-
-@dataclass
-class DataSettings:
-    task: str = "sort"
-    """The task (moe_lora_rl.rl.task): sort (answer the sorted list), sort_trace (write the selection sort out: a
-    long response, 8-12 digits), sort_long (the long-reasoning task: the written selection sort of
-    a list whose size comes from data.mix, rewarded on the sorted result it writes; responses of 60-400 tokens)."""
-    length: int = 5
-    """Digits per list of the sorting task (moe_lora_rl.rl.task); sort_long draws its sizes from data.mix."""
-    mix: Optional[str] = None
-    """sort_long: the list-size mix, a name (long: 70% of 8-13 digits, 30% of 14-25) or 'lo-hi:weight,...'; null:
-    long. Refused for the fixed-length tasks."""
-    n_eval: int = 256
-    """Held-out problems."""
-    eval_samples: int = 4
-    """Responses per held-out problem at each evaluation (sampled at the training temperature, seeds fixed for the
-    run); success is their mean."""
-    prompt_template: str = "auto"
-    """How problems become prompts (rl/prompting.py): chat (the tokenizer's chat template), plain (the question text
-    and a newline, for checkpoints without a chat template), auto (chat if the tokenizer has one, else plain)."""
-    train_file: Optional[str] = None
-    """A parquet file in verl's row format to train on instead of the generated task."""
-    eval_file: Optional[str] = None
-
-    def task_spec(self):
-        from .task import TaskSpec
-
-        return TaskSpec(length=self.length, n_eval=self.n_eval, kind=self.task, mix=self.mix)
-
-    def __post_init__(self):
-        self.task_spec()
-        from .prompting import TEMPLATES
-
-        _choice("data.prompt_template", self.prompt_template, TEMPLATES)
-        if not isinstance(self.eval_samples, int) or isinstance(self.eval_samples, bool) or self.eval_samples < 1:
-            raise ValueError(f"data.eval_samples={self.eval_samples!r} must be an integer >= 1")
-        from .dataset import read_rows
-
-        for key in ("train_file", "eval_file"):
-            p = getattr(self, key)
-            if p is not None and not Path(p).is_file():
-                raise ValueError(f"data.{key}={p!r} is not a file")
-            if p is not None:
-                read_rows(p)              # parsed now: a bad file fails before any process group starts
 
 
 @dataclass
@@ -165,8 +121,11 @@ class AlgoSettings:
             raise ValueError(f"algo.sparse_*: {e}") from None
 
     def policy_loss_settings(self) -> PolicyLossSettings:
+        """loss_scale_factor: the response budget, seq-mean-token-sum-norm's constant divisor (Dr. GRPO's; verl's
+        key), whatever the batch's padding, prompt lengths, micro-batches, data-parallel split or mini-batches."""
         return PolicyLossSettings(loss_mode=self.loss_mode, clip_ratio_low=self.clip_ratio_low,
-                                  clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode)
+                                  clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode,
+                                  loss_scale_factor=self.max_response_tokens)
 
 
 @dataclass
@@ -176,6 +135,7 @@ class TrainConfig:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     lora: LoRASettings = field(default_factory=LoRASettings)
     data: DataSettings = field(default_factory=DataSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)
     algo: AlgoSettings = field(default_factory=AlgoSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     delay: DelaySettings = field(default_factory=DelaySettings)

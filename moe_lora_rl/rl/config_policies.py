@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -37,8 +37,14 @@ class PolicySettings:
     """Its task (data.task); null: the run's."""
     length: Optional[int] = None
     """Its data.length; null: the run's."""
+    train_files: Any = None
+    """Its data.train_files (a file or a list); null: the run's."""
+    val_files: Any = None
+    """Its data.val_files; null: the run's."""
     train_file: Optional[str] = None
+    """Alias of train_files."""
     eval_file: Optional[str] = None
+    """Alias of val_files."""
     max_staleness: Optional[int] = None
     """mode=async: its staleness bound; null: the run's."""
 
@@ -78,8 +84,10 @@ def policy_config(cfg, p: PolicySettings):
     """The run config policy `p` would be trained with alone: cfg with p's settings in place, no policies, and its
     outputs in out_dir/<name>/ (validated as any run config)."""
     r = dataclasses.replace
-    data = r(cfg.data, **{k: getattr(p, k) for k in ("task", "length", "train_file", "eval_file")
-                          if getattr(p, k) is not None})
+    files = {new: getattr(p, new) if getattr(p, new) is not None else getattr(p, old)
+             for new, old in (("train_files", "train_file"), ("val_files", "eval_file"))}
+    data = r(cfg.data, **{k: getattr(p, k) for k in ("task", "length") if getattr(p, k) is not None},
+             **{k: v for k, v in files.items() if v is not None})
     algo = r(cfg.algo, lr=p.lr) if p.lr is not None else cfg.algo
     lora = r(cfg.lora, **{k: getattr(p, k) for k in ("alpha", "rank", "targets") if getattr(p, k) is not None})
     extra = {"seed": p.seed} if p.seed is not None else {}

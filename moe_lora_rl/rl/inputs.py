@@ -9,18 +9,22 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .preflight import base_model_dir
-from .task import make_split
 
 
 def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     """The checkpoint the run starts from, and its warm start: the seconds it took (measured now, or recorded when
-    it was trained, if cached) and whether it was cached."""
+    it was trained, if cached) and whether it was cached. The built-in model learns the built-in task, or a
+    dataset's answer format from its data.reference_key column (none without one); model.path takes none."""
     if cfg.model.path is not None or not cfg.model.warm_start:
         return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
-    from .warm_start import task_warm_spec, warm_started
+    from .warm_start import data_warm_spec, task_warm_spec, warm_started
 
+    d = cfg.data
+    if d.train_files is not None and d.reference_key is None:     # nothing to learn the answer format from
+        return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
     t0 = time.perf_counter()
-    spec = task_warm_spec(cfg.model.size, cfg.data.task_spec())
+    spec = task_warm_spec(cfg.model.size, d.task_spec()) if d.train_files is None else \
+        data_warm_spec(cfg.model.size, d.train_files, d.prompt_key, d.reference_key)
     if cfg.model.warm_steps is not None:
         spec = replace(spec, steps=cfg.model.warm_steps)
     path = warm_started(cfg.model.family, cfg.model.size, spec)
@@ -30,10 +34,30 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     return path, {"warmup_s": recorded if cached else took, "warmup_cached": cached, "warm_start": True}
 
 
-def load_problems(cfg: TrainConfig):
-    from .dataset import problems_from_rows, read_rows
+def load_problems(cfg: TrainConfig, tokenizer=None, template: str = "chat"):
+    """The training and held-out Examples (rl/dataset.py): data.train_files / data.val_files, or the built-in task's
+    splits as rows, read the same way. With data.filter_overlong_prompts (and a tokenizer) the rows whose prompt is
+    over data.max_prompt_length are left out (ValueError when none remain); the count is returned too:
+    (train, held, {"train": left out, "val": left out})."""
+    from .dataset import examples_from_rows, load_examples, task_rows
 
-    spec = cfg.data.task_spec()
-    train = problems_from_rows(read_rows(cfg.data.train_file)) if cfg.data.train_file else make_split(spec, "train")
-    held = problems_from_rows(read_rows(cfg.data.eval_file)) if cfg.data.eval_file else make_split(spec, "eval")
-    return train, held
+    d = cfg.data
+    out, dropped = [], {}
+    for split, task_split in (("train", "train"), ("val", "eval")):
+        files = d.files(split)
+        if files is None:
+            ex = examples_from_rows(task_rows(d.task_spec(), task_split), reference_key=d.reference_key,
+                                    where=f"data.task={d.task} {task_split}")
+        else:
+            ex = load_examples(files, d.prompt_key, d.reference_key)
+        if d.filter_overlong_prompts and tokenizer is not None:
+            from .prompting import prompt_lengths
+
+            n = len(ex)
+            ex = [e for e, k in zip(ex, prompt_lengths(tokenizer, ex, template)) if k <= d.max_prompt_length]
+            dropped[split] = n - len(ex)
+            if not ex:
+                raise ValueError(f"data.filter_overlong_prompts: every one of the {n} {split} prompts is longer than "
+                                 f"data.max_prompt_length={d.max_prompt_length} tokens (raise it)")
+        out.append(ex)
+    return out[0], out[1], dropped

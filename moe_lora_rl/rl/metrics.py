@@ -59,6 +59,29 @@ LABELS = {REWARD: "reward", EVAL_SUCCESS: "held-out success", KL_R3: "with R3", 
           "train_idle_frac": "trainer idle"}
 
 
+BY_SOURCE = {REWARD: "reward/", EVAL_SUCCESS: "eval/"}
+"""Per data_source figures of a dataset mixing sources: "reward/SOURCE", "eval/SOURCE" (drawn beside the mean)."""
+
+
+def reward_figures(scores: list[float], extras: list[dict], sources: list[str]) -> dict:
+    """A step's reward figures beyond the mean: each extra key of a dict reward (its mean over the responses that
+    return it, "reward_extra/KEY") and, when the responses come from several data sources, each source's mean
+    reward ("reward/SOURCE")."""
+    out, sums = {}, {}
+    for e in extras:
+        for k, v in e.items():
+            sums.setdefault(k, []).append(v)
+    for k, vs in sorted(sums.items()):
+        out[f"reward_extra/{k}"] = sum(vs) / len(vs)
+    by = {}
+    for s, r in zip(sources, scores):
+        by.setdefault(s, []).append(r)
+    if len(by) > 1:
+        for src, rs in sorted(by.items()):
+            out[f"{BY_SOURCE[REWARD]}{src}"] = sum(rs) / len(rs)
+    return out
+
+
 def flatten(metrics: dict, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a/b": 1}; tensors and numpy scalars become Python numbers."""
     out = {}
@@ -190,6 +213,9 @@ def plot(jsonl_path, png_path, *, title: str | None = None) -> Path:
     axes = fig.subplots(rows, 2).ravel()
     for ax, (name, keys, log) in zip(axes, panels):
         drawn = 0
+        for main_key, prefix in BY_SOURCE.items():       # a dataset mixing sources: each source beside the mean
+            if main_key in keys:
+                keys = keys + tuple(sorted({k for r in records for k in r if k.startswith(prefix)}))
         for k in keys:
             pts = [(r["step"], r[k]) for r in records if _scalar(r.get(k)) is not None and math.isfinite(r[k])]
             if not pts:

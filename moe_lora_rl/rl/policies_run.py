@@ -134,7 +134,7 @@ class PoliciesRun:
             r = kind(self, name, pcfg)
             r.path, r.warmup, r.tok, r.template = head.path, head.warmup, head.tok, head.template
             r.moe_layers, r.setup_s = head.moe_layers, head.setup_s
-            r.train_problems, r.eval_problems = load_problems(pcfg)
+            r.train_problems, r.eval_problems, r.filtered = load_problems(pcfg, head.tok, head.template)
             r.prod = Producer(pcfg, head.tok, head.path, r.train_problems, r.eval_problems, r.out,
                               template=head.template)
             self.runs.append(r)

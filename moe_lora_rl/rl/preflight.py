@@ -137,7 +137,7 @@ def check_prompts(cfg: TrainConfig) -> None:
 def check_answer_length(cfg: TrainConfig, tokenizer) -> None:
     """algo.max_response_tokens holds the generated task's longest answer and its end of turn (a cut answer can
     never be rewarded). Every digit is one token, so the longest list's answer is the longest answer."""
-    if cfg.data.train_file is not None:
+    if cfg.data.train_files is not None:
         return
     from .task import Problem
 

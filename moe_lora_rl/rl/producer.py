@@ -5,7 +5,10 @@ the asynchronous one (rl/pipeline.py) streams groups while the trainer works.
 
     prod = Producer(cfg, tok, path, train_problems, eval_problems, out_dir); prod.start()
     samples = prod.generate(plans, keep); problems, group_ids = prod.labels(plans)   # plans: group_plan(...)
-    prod.evaluate(version=None) -> held-out success;  prod.rewards(samples, problems)
+    prod.evaluate(version=None) -> held-out success;  prod.score(samples, problems) -> (rewards, extras)
+
+Rewards run in rank 0's reward workers (rl/rewards.py): a step's calls start as soon as its samples are generated
+(prod.submit), and the trainer collects them (prod.score).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 
 from ..rollout.kv_meter import STEP_SUMS, step_fit
 from .groups import GroupPlan
-from .reward import compute_score
+from .rewards import RewardWorkers
 from .schedule import eval_seed
 
 
@@ -25,6 +28,9 @@ class Producer:
         self.out = Path(out_dir)
         self.engines = None                 # rollout/replicas.py's Replicas
         self._prompt_cache: dict[int, list[int]] = {}
+        r = cfg.reward
+        self.rewarder = RewardWorkers(r.path, r.name, r.timeout_s, r.workers)   # its processes start when first used
+        self._pending: dict[int, list] = {}   # id(samples) -> their reward calls, started (submit)
         self._eval_prompts = None
         self.eval_lens: list[int] = []       # response lengths (tokens) of the last evaluation
         self._kv_mark: list[dict] | None = None     # the engines' KV meters after the last rollout or evaluation
@@ -65,11 +71,19 @@ class Producer:
     # -- prompts and groups -------------------------------------------------------------------------------------
     def prompt(self, problem: int) -> list[int]:
         """The prompt ids of a training problem (tokenised once)."""
-        from .hf_sampling import prompt_ids
-
         if problem not in self._prompt_cache:
-            self._prompt_cache[problem] = prompt_ids(self.tok, [self.train_problems[problem]], self.template)[0]
+            self._prompt_cache[problem] = self.encode([self.train_problems[problem]])[0]
         return self._prompt_cache[problem]
+
+    def encode(self, problems) -> list[list[int]]:
+        """Prompt ids, data.truncation applied over data.max_prompt_length (rl/prompting.fit_prompt)."""
+        from .hf_sampling import prompt_ids
+        from .prompting import fit_prompt
+
+        d = self.cfg.data
+        return [fit_prompt(ids, d.max_prompt_length, d.truncation, f"data row {p.index} (data_source "
+                                                                     f"{p.data_source!r})")
+                for p, ids in zip(problems, prompt_ids(self.tok, problems, self.template))]
 
     def requests(self, plans: list[GroupPlan]) -> dict:
         """The engine requests of whole groups, in order: prompts and seeds."""
@@ -106,9 +120,19 @@ class Producer:
         problems = [self.train_problems[p.problem] for p in plans for _ in range(g)]
         return problems, [k for k in range(len(plans)) for _ in range(g)]
 
-    def rewards(self, samples, problems) -> list[float]:
-        return [compute_score(p.data_source, self.tok.decode(s.response, skip_special_tokens=True), p.answer)
-                for s, p in zip(samples, problems)]
+    def submit(self, samples, problems) -> None:
+        """Rank 0: start the samples' reward calls in the workers (score() collects them)."""
+        self._pending[id(samples)] = (samples, self.rewarder.submit(     # held: its id cannot be reused
+            [(p, self.tok.decode(s.response, skip_special_tokens=True)) for s, p in zip(samples, problems)]))
+
+    def score(self, samples, problems) -> tuple[list[float], list[dict]]:
+        """Rank 0: the samples' rewards and each one's extra figures (a dict reward's other keys); ValueError,
+        one line naming the row, on a bad call."""
+        held, handle = self._pending.pop(id(samples), (None, None))
+        if held is not samples:
+            self.submit(samples, problems)
+            _, handle = self._pending.pop(id(samples))
+        return self.rewarder.collect(handle)
 
     def kv_snapshot(self) -> list[dict]:
         """Every engine's KV meter (rollout/kv_meter.py), cumulative."""
@@ -154,11 +178,10 @@ class Producer:
         seeds fixed for the run, the problems spread over the engines. version (a pin engine): every request served
         with that held version, while other requests go on. keep: as in generate."""
         from ..rollout.replicas import spread
-        from .hf_sampling import prompt_ids
 
         k = self.cfg.data.eval_samples
         if self._eval_prompts is None:
-            self._eval_prompts = prompt_ids(self.tok, self.eval_problems, self.template)
+            self._eval_prompts = self.encode(self.eval_problems)
 
         def run(i, engine):          # a problem's k samples on one engine (its prompt computed once)
             mine = parts[i]
@@ -166,9 +189,16 @@ class Producer:
                                   seeds=[eval_seed(self.cfg.seed, q, j) for q in mine for j in range(k)],
                                   **self.sampling(), versions=None if version is None else [version] * len(mine) * k)
             lens.extend(len(o.response) for o in out)
-            return sum(self.rewards(out, [self.eval_problems[q] for q in mine for _ in range(k)]))
+            probs = [self.eval_problems[q] for q in mine for _ in range(k)]
+            scores = self.score(out, probs)[0]
+            for p, r in zip(probs, scores):               # per data_source (a dataset mixing sources)
+                hits = self.eval_by_source.setdefault(p.data_source, [0.0, 0])
+                hits[0] += r
+                hits[1] += 1
+            return sum(scores)
 
         lens: list[int] = []
+        self.eval_by_source: dict[str, list] = {}
         self._advance()                              # the training rollouts' steps so far counted
         parts = spread(len(self.eval_problems), len(self.engines))
         done = self.engines.map(run, [i for i, p in enumerate(parts) if p], {} if keep is None else keep)
@@ -176,6 +206,12 @@ class Producer:
         self.eval_lens = lens
         return sum(done.values()) / (len(self.eval_problems) * k)
 
+    def eval_sources(self) -> dict[str, float]:
+        """The last evaluation's success per data_source, when the held-out rows mix sources ({} otherwise)."""
+        by = getattr(self, "eval_by_source", {})
+        return {s: h / n for s, (h, n) in sorted(by.items())} if len(by) > 1 else {}
+
     def stop(self) -> None:
+        self.rewarder.close(kill=True)
         if self.engines is not None:
             self.engines.stop()

@@ -11,7 +11,6 @@ anything starts.
 """
 from __future__ import annotations
 
-from .task import Problem, messages
 
 TEMPLATES = ("auto", "chat", "plain")
 
@@ -39,15 +38,35 @@ def check_tokenizer(tokenizer, where: str = "the tokenizer") -> None:
                          "its tokenizer_config.json)")
 
 
-def plain_text(problem: Problem) -> str:
-    return "\n\n".join(m["content"] for m in messages(problem)) + "\n"
+def plain_text(problem) -> str:
+    return "\n\n".join(m["content"] for m in problem.messages) + "\n"
 
 
-def encode_prompts(tokenizer, problems: list[Problem], template: str = "chat") -> list[list[int]]:
+def encode_prompts(tokenizer, problems: list, template: str = "chat") -> list[list[int]]:
     if template == "plain":                 # no special tokens but a BOS (some tokenizers would append an EOS)
         bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
         return [bos + list(tokenizer(plain_text(p), add_special_tokens=False)["input_ids"]) for p in problems]
     if template != "chat":
         raise ValueError(f"template={template!r}: expected 'chat' or 'plain'")
-    out = tokenizer.apply_chat_template([messages(p) for p in problems], add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template([p.messages for p in problems], add_generation_prompt=True, tokenize=True)
     return [list(x) for x in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
+def prompt_lengths(tokenizer, problems: list, template: str = "chat") -> list[int]:
+    return [len(x) for x in encode_prompts(tokenizer, problems, template)]
+
+
+def fit_prompt(ids: list[int], max_len: int, truncation: str, where: str) -> list[int]:
+    """verl's data.truncation for a prompt over data.max_prompt_length tokens: error (ValueError naming `where`,
+    the row), left (its last max_len tokens), right (its first), middle (both ends, the middle left out)."""
+    if len(ids) <= max_len:
+        return ids
+    if truncation == "left":
+        return ids[-max_len:]
+    if truncation == "right":
+        return ids[:max_len]
+    if truncation == "middle":
+        left = max_len // 2
+        return ids[:left] + ids[len(ids) - (max_len - left):]
+    raise ValueError(f"{where}: the prompt is {len(ids)} tokens, over data.max_prompt_length={max_len} (raise it, "
+                     "set data.filter_overlong_prompts=true, or data.truncation=left/right/middle)")

@@ -40,7 +40,11 @@ class EngineRecovery:
             if kind == "ok":
                 return value
             if kind == "error":
-                raise value if self.rank == 0 else RuntimeError(f"rank 0 failed during {what}: {value}")
+                if self.rank == 0:
+                    raise value
+                if isinstance(value, ValueError):     # a user's error (a bad reward, a prompt): the same one line
+                    raise ValueError(str(value))
+                raise RuntimeError(f"rank 0 failed during {what}: {value}")
             self._restart(what, value, attempt, after_restart)
 
     def _restart(self, what: str, died: tuple, attempt: int, after_restart=None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ class GRPORun(EngineRecovery):
             torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         self.tok = transformers.AutoTokenizer.from_pretrained(self.path)
         self.template = resolve_template(self.tok, cfg.data.prompt_template, where=str(self.path))
-        self.train_problems, self.eval_problems = load_problems(cfg)
+        self.train_problems, self.eval_problems, self.filtered = load_problems(cfg, self.tok, self.template)
         self.prod = Producer(cfg, self.tok, self.path, self.train_problems, self.eval_problems, self.out,
                              template=self.template)
         a = cfg.algo
@@ -114,7 +115,7 @@ class GRPORun(EngineRecovery):
 
         a, arch = self.cfg.algo, self.policy.arch
         problems, group_ids = self.prod.labels(plans)
-        rewards = self.prod.rewards(samples, problems)
+        rewards, reward_figures = self.scored(samples, problems)
         t0 = time.perf_counter()
         batch = policy_batch(samples, rewards, group_ids, self.tok.pad_token_id, moe_layers=self.moe_layers,
                              num_experts=arch.num_experts, topk=arch.topk, norm_by_std=a.norm_adv_by_std,
@@ -126,9 +127,27 @@ class GRPORun(EngineRecovery):
             time.sleep(self.cfg.delay.train_s)
         self.busy["train"] += time.perf_counter() - t0
         resp_len = sum(len(s.response) for s in samples) / len(samples)
-        return {"reward": sum(rewards) / len(rewards), "response_len": resp_len,
+        return {"reward": sum(rewards) / len(rewards), **reward_figures, "response_len": resp_len,
                 **length_percentiles([len(s.response) for s in samples], "response_len_"), **m,
                 **({"skipped": True} if skipped else {})}, batch, proximal
+
+    def scored(self, samples, problems) -> tuple[list[float], dict]:
+        """Every rank: the samples' rewards (rank 0's reward workers, rl/rewards.py) and their figures: the mean of
+        each extra key a dict reward returns (reward_extra/KEY) and, when the batch mixes data sources, the mean
+        reward per source (reward/SOURCE). A bad reward call: ValueError (one line) on every rank."""
+        from .metrics import reward_figures
+
+        res = None
+        if self.rank == 0:
+            try:
+                scores, extras = self.prod.score(samples, problems)
+                res = ("ok", (scores, reward_figures(scores, extras, [p.data_source for p in problems])))
+            except ValueError as e:
+                res = ("error", str(e))
+        kind, value = broadcast(res)
+        if kind == "error":
+            raise ValueError(value)
+        return value
 
     def sync_step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -144,6 +163,7 @@ class GRPORun(EngineRecovery):
         def generate():
             t0 = time.perf_counter()
             out = self.prod.generate(plans, keep, version=version)
+            self.prod.submit(out, self.prod.labels(plans)[0])     # rewards start now, in the reward workers
             kv = self.prod.kv_step()
             self.busy["rollout"] += time.perf_counter() - t0
             return out, kv
@@ -247,21 +267,40 @@ class GRPORun(EngineRecovery):
                                                          "mode": self.cfg.mode, **extra})
 
     def resumes(self) -> bool:
-        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns)."""
+        """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns). First, a
+        checkpoint the previous start resumed from and failed on is recorded, never to be loaded again
+        (checkpoint/attempts.py); resume=auto with checkpoints but none left to load is refused, not a fresh start."""
+        from ..checkpoint.store import failed_steps, record_failed_resume, resumable_step
+
+        root = self.out / "checkpoints"
+        found = failed = None
+        if self.rank == 0 and self.cfg.resume:
+            failed = record_failed_resume(root)
+            if failed is not None:
+                print(f"checkpoint: the previous start failed after resuming from step {failed}: recorded in "
+                      f"{root / 'failed_resumes.json'}, it is not loaded again", file=sys.stderr, flush=True)
+            found = resumable_step(root)
+            if found is None and failed_steps(root):
+                found = -1                          # checkpoints exist, every one failed a restart: refused below
         if self.cfg.resume != "auto":
             return bool(self.cfg.resume)
-        from ..checkpoint.store import resumable_step
-
-        found = resumable_step(self.out / "checkpoints") if self.rank == 0 else None
-        return broadcast(found) is not None
+        found = broadcast(found)
+        if found == -1:
+            raise ValueError(f"resume=auto: no checkpoint left to resume from in {root}: a restart failed on step(s) "
+                             f"{', '.join(map(str, failed_steps(root)))} (recorded in {root / 'failed_resumes.json'})")
+        return found is not None
 
     def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
         that adapter version. Returns (step, history, evals, the whole saved state)."""
         from ..checkpoint.store import load_checkpoint, set_rng_state
 
+        from ..checkpoint.store import mark_resuming
+
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())
+        if self.rank == 0:                          # cleared by the first step after it (stepped)
+            mark_resuming(self.out / "checkpoints", state["step"])
         set_rng_state(state["rng"])
         self.policy.version = state["version"]
         return state["step"], state["history"], {int(k): v for k, v in state["evals"].items()}, state
@@ -269,15 +308,20 @@ class GRPORun(EngineRecovery):
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
         self.setup()
-        start, history, evals, state = self.open()
-        self.start_engine()
-        self.begin(evals)
-        self.loop(start, history, evals, state)
-        wall = time.perf_counter() - self.t_rl
-        summary = self.finish(history, evals, wall)
-        if self.rank == 0:
-            self.prod.stop()
-        return summary
+        try:
+            start, history, evals, state = self.open()
+            self.start_engine()
+            self.begin(evals)
+            if self.rank == 0 and any(self.filtered.values()):
+                self.log.note("data.filter_overlong_prompts: left out " + ", ".join(
+                    f"{n} {k} prompts" for k, n in self.filtered.items()) + f" over data.max_prompt_length="
+                    f"{self.cfg.data.max_prompt_length} tokens")
+            self.loop(start, history, evals, state)
+            wall = time.perf_counter() - self.t_rl
+            return self.finish(history, evals, wall)
+        finally:                              # a refused input stops the engines and the reward workers too
+            if self.rank == 0 and self.prod is not None:
+                self.prod.stop()
 
     def open(self) -> tuple[int, list, dict, dict]:
         """Resume (or not) and open the metrics log: (start step, history, evals, saved state)."""
@@ -308,7 +352,17 @@ class GRPORun(EngineRecovery):
         if 0 not in evals:
             evals[0] = self.evaluate()
             self.start_lens = length_percentiles(self.eval_lens, "len_")
-            self.log.log(0, {"eval": evals[0], **length_percentiles(self.eval_lens, "eval_len_")})
+            self.log.log(0, {"eval": evals[0], **self.eval_sources(),
+                             **length_percentiles(self.eval_lens, "eval_len_")})
+
+    def eval_sources(self) -> dict:
+        """Rank 0: the last evaluation's success per data_source ("eval/SOURCE"), when the held-out rows mix
+        sources."""
+        if self.rank != 0:
+            return {}
+        from .metrics import BY_SOURCE, EVAL_SUCCESS
+
+        return {f"{BY_SOURCE[EVAL_SUCCESS]}{k}": v for k, v in self.prod.eval_sources().items()}
 
     def export_adapter(self) -> None:
         """Collective: the trained adapter as a PEFT directory, out_dir/adapter."""
@@ -365,13 +419,22 @@ class GRPORun(EngineRecovery):
         """A finished step: the evaluation if due, the clocks, the metrics line, the checkpoint if due."""
         if self.eval_due(step + 1):
             evals[step + 1] = m["eval"] = self.evaluate()
+            m.update(self.eval_sources())
             m.update(length_percentiles(self.eval_lens, "eval_len_"))
         m["wall_s"] = time.perf_counter() - self.t_rl
         m["eval_s"] = self.eval_s             # seconds of evaluation so far (in wall_s)
         history.append(m)
         self.log.log(step + 1, m)
+        self.stepped(step)
         if self.checkpoint_due(step + 1):
             self.save(step + 1, history, evals)
+
+    def stepped(self, step: int) -> None:
+        """A step finished: the first after a resume clears the resume's mark (checkpoint/attempts.py)."""
+        if self.resuming and step == self.start and self.rank == 0:
+            from ..checkpoint.store import resume_succeeded
+
+            resume_succeeded(self.out / "checkpoints")
 
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         from .summary import run_summary

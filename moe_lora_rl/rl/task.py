@@ -135,6 +135,10 @@ class Problem:
     def data_source(self) -> str:
         return SOURCES[self.kind]
 
+    @property
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.question}]
+
 
 def trace(digits) -> str:
     """The written selection sort of `digits`: per step " m |" and the digits left, in order; lines joined by \n."""
@@ -222,7 +226,3 @@ def make_split(spec: TaskSpec, split: str) -> list[Problem]:
         seqs = [s for s in itertools.product(DIGITS, repeat=spec.length) if tuple(sorted(s)) not in held_set]
         random.Random(f"train-order:{spec.length}:{spec.seed}").shuffle(seqs)
     return [Problem(s, i, spec.kind) for i, s in enumerate(seqs)]
-
-
-def messages(problem: Problem) -> list[dict]:
-    return [{"role": "user", "content": problem.question}]

@@ -1,4 +1,6 @@
-"""Supervised warm start of a built-in model on the synthetic task, so RL starts from a low but non-zero success rate.
+"""Supervised warm start of a built-in model on the synthetic task or on a dataset's reference answers
+(data_warm_spec: data.reference_key, e.g. gsm8k's worked solutions), so RL starts from a low but non-zero success
+rate in the dataset's answer format.
 
     path = warm_started("glm4_moe", "wide")          # the size's default_spec; HF checkpoint dir, cached like get_model
     path = warm_started("glm4_moe", "small", WarmStartSpec(steps=100))
@@ -58,6 +60,13 @@ class WarmStartSpec:
     """torch threads while training (1: bit-reproducible anywhere; more: faster, reproducible at that count)."""
     decay: bool = False
     """After the warmup, the learning rate falls linearly to 0 at the last step (False: constant)."""
+    data: tuple = ()
+    """A dataset's files (verl's row format) to learn instead of the built-in task: each row's prompt -> its
+    reference answer (reference_key, e.g. gsm8k's worked solution in extra_info.answer). Cached by data_digest."""
+    data_digest: str = ""
+    """sha256 of the files' bytes (data_digest(files)): the warm start's cache key holds it, not the paths."""
+    prompt_key: str = "prompt"
+    reference_key: str | None = None
 
     def __post_init__(self):
         for k in ("steps", "batch_size", "chunks", "threads"):
@@ -79,9 +88,18 @@ class WarmStartSpec:
                            ("decay", False)):                      # keys of earlier specs unchanged
             if fields[k] == default:
                 del fields[k]
-        if fields["task"]["kind"] == "sort":
+        if not fields["data"]:                              # keys of the built-in task's specs unchanged
+            for k in ("data", "data_digest", "prompt_key", "reference_key"):
+                del fields[k]
+        else:
+            del fields["data"], fields["task"]              # the dataset's bytes, wherever its files are
+        if "task" not in fields:
+            pass
+        elif fields["task"]["kind"] == "sort":
             del fields["task"]["kind"]
-        if fields["task"].get("mix") is None:
+        if "task" not in fields:
+            pass
+        elif fields["task"].get("mix") is None:
             fields["task"].pop("mix", None)
         else:                                             # a named mix and its spelling out are one warm start
             from .task import MIXES
@@ -91,10 +109,24 @@ class WarmStartSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
+def data_digest(files) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def target(problem) -> str:
+    """What the warm start teaches for a problem: its reference answer (a dataset's data.reference_key), else its
+    ground truth (the built-in tasks: the answer is the ground truth)."""
+    ref = getattr(problem, "reference", None)
+    return ref if ref is not None else problem.answer
+
+
 def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask and labels (-100 except on the answer and its end-of-turn)."""
     prompts = prompt_ids(tokenizer, problems)
-    answers = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    answers = [tokenizer(target(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                for p in problems]
     n = max(len(p) + len(a) for p, a in zip(prompts, answers))
     ids = torch.full((len(problems), n), tokenizer.pad_token_id, dtype=torch.long)
@@ -121,7 +153,7 @@ def _sft_step(model, tokenizer, batch: list[Problem], spec: WarmStartSpec, windo
     if spec.chunks == 1:
         parts = [batch]
     else:
-        order = sorted(batch, key=lambda p: len(p.answer))
+        order = sorted(batch, key=lambda p: len(target(p)))
         size = -(-len(order) // spec.chunks)
         parts = [order[i:i + size] for i in range(0, len(order), size)]
     encoded = [sft_batch(tokenizer, part) for part in parts]
@@ -138,7 +170,12 @@ def _sft_step(model, tokenizer, batch: list[Problem], spec: WarmStartSpec, windo
 
 def train(model, tokenizer, spec: WarmStartSpec, *, on_step=None) -> dict:
     """Run the supervised phase in place. on_step(step, loss) may evaluate; its time is not counted."""
-    problems = make_split(spec.task, "train")
+    if spec.data:
+        from .dataset import load_examples
+
+        problems = load_examples(list(spec.data), spec.prompt_key, spec.reference_key)
+    else:
+        problems = make_split(spec.task, "train")
     rng = random.Random(f"warm_start:{spec.seed}")
     torch.manual_seed(spec.seed)
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
@@ -210,6 +247,14 @@ def task_warm_spec(size: str, task: TaskSpec) -> WarmStartSpec:
     if task == base.task:
         return base
     return replace(base, task=task, **TASK_WARM_STARTS.get(task.kind, {}))
+
+
+def data_warm_spec(size: str, files, prompt_key: str, reference_key: str) -> WarmStartSpec:
+    """The warm start of a built-in size on a dataset: the size's default_spec, learning each training row's
+    reference answer (rows read like the run's, rl/dataset.py)."""
+    files = tuple(str(f) for f in files)
+    return replace(default_spec(size), data=files, data_digest=data_digest(files), prompt_key=prompt_key,
+                   reference_key=reference_key)
 
 
 def _load_counters(routers, on: bool, real: dict) -> tuple[list[torch.Tensor], list]:

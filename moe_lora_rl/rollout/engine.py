@@ -56,6 +56,28 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
                                        "moe_lora_stage_timeout_s": check_stage_timeout(stage_timeout_s)}
     from vllm import LLM
 
-    return LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-               enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
-               load_format=load_format, worker_extension_cls=extension, **llm_kw)
+    llm_kw = checkpoint_settings(model, llm_kw)
+    llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+              enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
+              load_format=load_format, worker_extension_cls=extension, **llm_kw)
+    llm.collective_rpc("moe_lora_prepare")      # the fixes on the loaded model (vllm/rope_fix.py) before any request
+    return llm
+
+
+def checkpoint_settings(model: str, llm_kw: dict) -> dict:
+    """llm_kw with what the checkpoint needs (vllm/mla_config.py: DeepSeek-V3's routing keys where config.json lacks
+    them, one line printed; the CPU MLA backend), the caller's own values first; ValueError for MLA widths the CPU
+    engine cannot decode, before the engine starts."""
+    from vllm.platforms import current_platform
+
+    from ..vllm.mla_config import engine_settings_for
+
+    overrides, engine_kw, lines = engine_settings_for(model, cpu=current_platform.is_cpu())
+    for line in lines:
+        print(line, flush=True)
+    if "attention_config" in llm_kw:
+        engine_kw.pop("attention_backend", None)
+    out = {**engine_kw, **llm_kw}
+    if overrides:
+        out["hf_overrides"] = {**overrides, **(llm_kw.get("hf_overrides") or {})}
+    return out

@@ -38,7 +38,7 @@ def start_server(model: str, port: int, *, dtype: str = "float32", log_dir: str 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-model-len", "512", "--enforce-eager",
            "--no-enable-prefix-caching", "--served-model-name", "policy", "--worker-extension-cls", WORKER_EXTENSION,
-           *(extra or [])]
+           *_checkpoint_args(model), *(extra or [])]
     # cwd: a folder without a package named like ours, so the plugin is not shadowed
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=Path(log_dir))
     url = f"http://127.0.0.1:{port}"
@@ -50,12 +50,33 @@ def start_server(model: str, port: int, *, dtype: str = "float32", log_dir: str 
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
+                    _rpc(url, "moe_lora_prepare")     # the fixes on the loaded model before any request
                     return ServerHandle(proc, url, log)
         except OSError:
             pass
         time.sleep(1.0)
     proc.kill()
     raise RuntimeError(f"vLLM server not healthy after {timeout:.0f} s; log: {log}")
+
+
+def _checkpoint_args(model: str) -> list[str]:
+    """The server flags of what the checkpoint needs (rollout/engine.checkpoint_settings; MLA only)."""
+    import json
+
+    from .engine import checkpoint_settings
+
+    kw = checkpoint_settings(model, {})
+    args = ["--hf-overrides", json.dumps(kw["hf_overrides"])] if kw.get("hf_overrides") else []
+    return args + (["--attention-backend", kw["attention_backend"]] if kw.get("attention_backend") else [])
+
+
+def _rpc(url: str, method: str) -> None:
+    import json
+
+    req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": method}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
 
 
 def prompt_logprobs_http(url: str, seqs: list[list[int]]) -> list[list[float]]:

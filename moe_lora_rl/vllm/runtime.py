@@ -36,6 +36,7 @@ from ..models.checkpoint import HFCheckpoint
 from ..models.naming import naming_for
 from .adapter_set import AdapterSet
 from .merge import MergedExperts
+from .mla_merge import KV_B, KvBMerge
 from .moe_torch import (EXPERT_PRECISION, BaseExperts, ExpertLoRA, load_base_experts, routed_experts,
                         stack_expert_lora)
 from .versions import (UNTRACKED_SALT, VersionTable, cache_salt, check_inflight_config, check_mode,
@@ -132,6 +133,7 @@ class LoRARuntime:
         self._pristine: dict[int, BaseExperts] = {}                # merged: checkpoint values every merge starts from
         self._merged: MergedExperts | None = None
         self._merged_version: int | None = None
+        self._kvb: KvBMerge | None = None                          # MLA: kv_b_proj adapters, merged + re-absorbed
 
     @property
     def active(self) -> AdapterSet | None:
@@ -143,9 +145,7 @@ class LoRARuntime:
     # unmerged: the dtype its GEMMs run in (expert_precision); merged: the checkpoint's own dtype, so W + s*B@A is
     # rounded to the serving dtype once (an fp32 checkpoint read in bf16 first would be rounded twice)
     def _load(self, layer: int, dtype: torch.dtype | None) -> BaseExperts:
-        if not hasattr(self, "_ckpt"):
-            self._ckpt = HFCheckpoint(self.model_dir)
-        return load_base_experts(self._ckpt, self.arch, layer, dtype)
+        return load_base_experts(self._checkpoint(), self.arch, layer, dtype)
 
     def _base_experts(self, layer: int) -> BaseExperts:
         if layer not in self._base:
@@ -162,13 +162,24 @@ class LoRARuntime:
             self._merged = MergedExperts(self.blocks, {l: self._pristine_experts(l) for l in self.blocks}, self.dtype)
         return self._merged
 
+    def _kv_b(self) -> KvBMerge:
+        if self._kvb is None:
+            read = lambda li: self._checkpoint().get(f"model.layers.{li}.{KV_B}.weight")  # noqa: E731
+            self._kvb = KvBMerge(self.layers, read, self.dtype)
+        return self._kvb
+
+    def _checkpoint(self) -> HFCheckpoint:
+        if not hasattr(self, "_ckpt"):
+            self._ckpt = HFCheckpoint(self.model_dir)
+        return self._ckpt
+
     # -- hooks -------------------------------------------------------------------------------------------
     def _install_linear_hooks(self) -> None:
         for li, layer in enumerate(self.layers):
             naming = naming_for(self.arch)
             for vname, parts in naming.vllm_linears().items():
                 mod = _resolve(layer, vname)
-                if mod is None:
+                if mod is None or KV_B in parts:        # kv_b_proj: absorbed decode never calls it (mla_merge.py)
                     continue
                 shapes = naming.hf_shapes(self.arch, li)
                 sizes = [shapes[p][1] for p in parts]
@@ -306,6 +317,7 @@ class LoRARuntime:
 
         self.table.plan_admit(adapter.version, owner)   # stale, or pin and full: refused before any work
         t0 = time.perf_counter()
+        kv_b = self._stage_kv_b(adapter)
         loras = {}
         for li, mods in adapter.layers.items():
             lora = stack_expert_lora(mods, self.arch, adapter.rank, adapter.scale, torch.float32)
@@ -328,7 +340,22 @@ class LoRARuntime:
         else:
             self._hold(adapter, loras, owner)
             self._set_moe_path(self._adapted_layers())
+        if kv_b is not None:
+            self._kv_b().commit(kv_b, merged=any(KV_B in m for m in adapter.layers.values()))
         return {"commit_s": time.perf_counter() - t0}
+
+    def _stage_kv_b(self, adapter: AdapterSet) -> dict | None:
+        """The kv_b_proj weights to commit with this version (mla_merge.py), None when nothing changes there.
+        Refused with pin: several versions in one batch cannot each have their own merged kv_b_proj."""
+        deltas = {li: (*mods[KV_B], adapter.scale) for li, mods in adapter.layers.items() if KV_B in mods}
+        if deltas and self.table.pin:
+            raise ValueError(f"adapter version {adapter.version} adapts {KV_B} (layers {sorted(deltas)}), which vLLM's "
+                             "absorbed MLA decode serves only merged, one version at a time; inflight='pin' holds "
+                             "several versions in one batch: use inflight='switch' or leave kv_b_proj out of the "
+                             "LoRA targets")
+        if not deltas and (self._kvb is None or not self._kvb.merged):
+            return None
+        return self._kv_b().stage(deltas)
 
     def _hold(self, adapter: AdapterSet, loras: dict, owner: str | None = None) -> None:
         self._drop(self.table.admit(adapter.version, owner))
@@ -354,6 +381,8 @@ class LoRARuntime:
 
     def deactivate(self) -> None:
         self._drop(self.table.clear())                 # pin: refused while requests run on a held version
+        if self._kvb is not None and self._kvb.merged:
+            self._kvb.commit(self._kvb.stage({}), merged=False)
         if self._merged_version is not None:
             merger = self._merger()
             merger.commit(merger.stage({}))

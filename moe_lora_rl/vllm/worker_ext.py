@@ -3,7 +3,8 @@ pushes reach the worker through collective_rpc, in process or over the server's 
 
 vLLM 0.32 mixes the extension into its worker class as an extra base and never calls its __init__, so the first
 moe_lora_* call is the hook: every entry point checks the vLLM version first (ValueError, nothing changed) and then
-applies our fixes to vLLM once per worker process (reload_fix).
+applies our fixes to vLLM once per worker process (reload_fix) and to its loaded model once per worker (rope_fix);
+make_engine calls moe_lora_prepare right after the engine is built, so they are in place before any request.
 
 Engine settings come from vLLM's additional_config: moe_lora_serving ("unmerged" | "merged"), moe_lora_inflight
 ("switch" | "pin"), moe_lora_max_versions, moe_lora_on_full ("wait" | "refuse"); checked by
@@ -38,11 +39,22 @@ def _ensure_ready() -> None:
     _FIXES_APPLIED = True
 
 
+def _ensure_model_ready(worker) -> dict:
+    """The fixes that act on the loaded model's modules (rope_fix), once per worker."""
+    done = getattr(worker, "_moe_lora_model_fixes", None)
+    if done is None:
+        from . import rope_fix
+
+        done = worker._moe_lora_model_fixes = {"mla_rope_routed": rope_fix.apply(worker.model_runner.model)}
+    return done
+
+
 def entry(method):
     """An extension method callable through collective_rpc: version check and fixes before its body."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         _ensure_ready()
+        _ensure_model_ready(self)
         return method(self, *args, **kwargs)
     return wrapper
 
@@ -84,6 +96,12 @@ class MoELoRAWorkerExtension:
         cap = getattr(self, "_moe_lora_capture", None)
         if cap is not None:
             cap.new_weights(self._moe_lora_runtime().live_salts())
+
+    @entry
+    def moe_lora_prepare(self) -> dict:
+        """Apply the fixes (version check, reload_fix, rope_fix) before the first request: make_engine calls it on
+        every engine it builds. Returns what the model fixes changed."""
+        return dict(_ensure_model_ready(self))
 
     @entry
     def moe_lora_push(self, version: int, checksum: str, tensors: dict, rank: int, alpha: float) -> dict:

@@ -31,7 +31,7 @@ t = AutoTokenizer.from_pretrained(sys.argv[1]); t.add_special_tokens({"additiona
 t.save_pretrained(sys.argv[2])' "$MODEL" "$OUT/model"
 fi
 MODEL=$OUT/model
-[ -f "$OUT/data/train.parquet" ] || "$PY" -m moe_lora_rl.rl.dataset "$OUT/data" >/dev/null
+[ -f "$OUT/data/val.parquet" ] || "$PY" -m moe_lora_rl.data sort "$OUT/data" >/dev/null
 STEPS=${STEPS:-2}
 if [ "${R3:-on}" = on ]; then
   ROUTES=(actor_rollout_ref.actor.megatron.router_replay.mode=R3 actor_rollout_ref.rollout.enable_rollout_routing_replay=true
@@ -48,7 +48,7 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${
   trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
   trainer.total_training_steps="$STEPS" trainer.total_epochs=1 trainer.default_local_dir="$OUT/ckpt" \
   trainer.project_name=cpu_smoke trainer.experiment_name=tiny \
-  data.train_files="$OUT/data/train.parquet" data.val_files="$OUT/data/eval.parquet" \
+  data.train_files="$OUT/data/train.parquet" data.val_files="$OUT/data/val.parquet" \
   data.train_max_samples=16 data.val_max_samples=4 data.train_batch_size=2 \
   data.max_prompt_length=32 data.max_response_length=16 data.dataloader_num_workers=0 \
   reward.custom_reward_function.path=pkg://moe_lora_rl.rl.reward \

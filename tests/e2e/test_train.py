@@ -4,8 +4,12 @@ mechanics do not depend on the model, and the default's 128 experts would cost C
 tested in tests/e2e/test_r3_vllm.py, its learning measured by `bench e2e`), fp32 rollouts so that the
 train-inference mismatch is numerical noise only where refit and R3 work.
 
-Two launches of the same seed, 4 steps:
-- a: uninterrupted, one engine, a checkpoint every 2 steps;
+Both train on a dataset in verl's row format, gsm8k-format arithmetic word problems (`python -m moe_lora_rl.data
+gsm8k_arith`: chat prompts, string ground truths, the worked solution in extra_info.answer, from which the model's
+warm start learns the answer format), scored by a reward file with verl's signature (partial credit for the "####"
+answer line; its dict's extra key logged as a metric). Two launches of the same seed, 4 steps:
+- a: through the launcher (`moe-lora-rl train`: its checks, then torch's elastic launcher in-process), uninterrupted,
+  one engine, a checkpoint every 2 steps;
 - b: two engine replicas (`rollout.engines=2`) that start empty and get the base from rank 0
   (`rollout.base_from=peer`: the checkpoint over shared memory through vLLM's weight-transfer calls at start, from
   a live engine after a restart), under `torchrun --max-restarts=1` with `resume=auto` and a checkpoint every step;
@@ -47,28 +51,44 @@ SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=
          "runtime.rollout_dtype=float32", "steps=4", "model.size=small", "algo.rollout_is=off"]
 
 
-def start(out: Path, extra=(), torchrun=()):
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    line = "#### " + str(ground_truth)
+    answered = "####" in solution_str
+    return {"score": 1.0 if line in solution_str else 0.2 if answered else 0.0, "answered": float(answered)}
+'''
+
+
+def start(out: Path, extra=(), torchrun=(), launcher=False):
     env = {k: v for k, v in worker_env().items() if k != "PYTHONWARNINGS"}     # as a user runs it: warnings on
-    return start_train(out, [*SHORT, *extra], torchrun=torchrun, env=env)
+    return start_train(out, [*SHORT, *extra], torchrun=torchrun, env=env, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from moe_lora_rl.data import write
+
     root = tmp_path_factory.mktemp("train")
-    a = start(root / "a", ["checkpoint_every=2"])
+    files = write("gsm8k_arith", root / "data", n_eval=16)
+    (root / "reward.py").write_text(REWARD)
+    data = [f"data.train_files={files['train']}", f"data.val_files={files['val']}",
+            "data.reference_key=extra_info.answer", f"reward.path={root / 'reward.py'}", "algo.max_response_tokens=16"]
+    a = start(root / "a", [*data, "checkpoint_every=2"], launcher=True)
     uninterrupted = finish(a, root / "a")
-    b = start(root / "b", ["rollout.engines=2", "rollout.base_from=peer", "rollout.base_transport=gloo",
+    b = start(root / "b", [*data, "rollout.engines=2", "rollout.base_from=peer", "rollout.base_transport=gloo",
                            "rollout.base_bucket_mb=4", "resume=auto",
                            "checkpoint_every=1", "free_routing_every=2"], torchrun=["--max-restarts=1"])
     kill_engine_after_step(root / "b", b, 1)
     kill_rank_after_step(root / "b", b, 2, rank=1)
-    return {"a": uninterrupted, "b": finish(b, root / "b"), "root": root}
+    return {"a": uninterrupted, "b": finish(b, root / "b"), "root": root, "data": data}
 
 
 def test_short_run_trains_and_refits_adapters_only(runs):
     summary, rows, out = runs["a"]
     assert summary["steps"] == 4 and [r["version"] for r in rows] == [1, 2, 3, 4]
     assert all(0.0 <= r["reward"] <= 1.0 for r in rows) and any(r["grad_norm"] > 0 for r in rows)
+    assert all(0.0 <= r["reward_extra/answered"] <= 1.0 for r in rows), rows        # the dict reward's extra key
+    assert summary["warm_start"] and "Traceback" not in out, out[-3000:]   # warm start on the reference answers
     assert 0 < summary["refit_bytes_per_step"] < summary["full_bytes"] / 4
     assert 0.0 <= summary["eval_start"] <= 1.0 and 0.0 <= summary["eval_end"] <= 1.0
     assert 0 < summary["rollout_busy_frac"] < 1 and 0 < summary["train_busy_frac"] < 1
@@ -184,6 +204,6 @@ def test_resume_refusals(runs, tmp_path, train_cli):
 
     rc, lines, err = train_cli(*SHORT, "resume=true", "checkpoint_every=2", f"out_dir={tmp_path / 'none'}")
     assert rc == 2 and len(lines) == 1 and "no checkpoint" in lines[0] and "Traceback" not in err, err[-2000:]
-    p = train(runs["root"] / "b", "resume=auto", "checkpoint_every=1", "steps=5", "lora.rank=4")
+    p = train(runs["root"] / "b", *runs["data"], "resume=auto", "checkpoint_every=1", "steps=5", "lora.rank=4")
     err = [l for l in p.stderr.splitlines() if l.startswith("train: error")]
     assert p.returncode == 2 and err and "rank" in err[0] and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -283,3 +283,101 @@ def test_prune_keeps_the_newest_and_latest(tmp_path, model_dir):
     assert ck.load_checkpoint(root, m, opt, run_meta=meta)["version"] == 3
     with pytest.raises(ValueError, match="keep=0"):
         ck.prune(root, 0)
+
+
+def _nan_save(root, step_n, m, opt, meta, monkeypatch):
+    """A checkpoint holding NaN, written with the save's finite check switched off (what an unchecked save wrote)."""
+    from moe_lora_rl.checkpoint import save as save_mod
+
+    monkeypatch.setattr(save_mod, "non_finite", lambda *a: None, raising=False)
+    try:
+        return ck.save_checkpoint(root, step_n, m, opt, run_meta=meta, state={"step": step_n, "version": step_n})
+    finally:
+        monkeypatch.undo()
+
+
+def test_save_refuses_non_finite_and_keeps_the_previous(saved):
+    """NaN in an adapter factor, or inf in an AdamW moment: one ValueError naming the tensor; step-3 stays latest
+    and loads with its values; no step-4 debris."""
+    m, opt, meta, path = saved
+    before = snapshot(m, opt)
+    with torch.no_grad():
+        m.B[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"step 4: adapter factor layers.0.qkv.lora_B holds nan: not saved") as e:
+        ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 4})
+    assert "\n" not in str(e.value)
+    with torch.no_grad():
+        m.B[1, 0] = 0.0
+    opt.state[m.A]["exp_avg_sq"][0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"exp_avg_sq of adapter factor layers.0.qkv.lora_A holds inf"):
+        ck.save_checkpoint(path.parent, 4, m, opt, run_meta=meta, state={"step": 4})
+    assert ck.latest_step(path.parent) == 3 and sorted(p.name for p in path.parent.iterdir()) == ["latest", path.name]
+    fresh, fopt = trained()
+    ck.load_checkpoint(path.parent, fresh, fopt, run_meta=meta)
+    assert torch.equal(fresh.B, before[0]["B"]) and torch.equal(fresh.A, before[0]["A"])
+
+
+def test_load_refuses_non_finite_and_falls_back_to_the_newest_finite(saved, monkeypatch, capfd):
+    """A NaN checkpoint (saved unchecked) as latest: the load names the tensor and the step and loads the newest
+    finite one (step 3) instead; asked for that step explicitly: refused naming both; nothing finite: refused."""
+    m, opt, meta, path = saved
+    root = path.parent
+    good = snapshot(m, opt)
+    with torch.no_grad():
+        m.A[0, 1] = float("nan")
+    _nan_save(root, 4, m, opt, meta, monkeypatch)
+    assert ck.latest_step(root) == 4
+    fresh, fopt = trained()
+    state = ck.load_checkpoint(root, fresh, fopt, run_meta=meta)
+    assert state["step"] == 3 and torch.equal(fresh.A, good[0]["A"])
+    err = capfd.readouterr().err
+    assert "step 4: adapter factor layers.0.qkv.lora_A holds nan" in err and "loading step-00000003 instead" in err
+    with pytest.raises(ValueError, match=r"step 4: adapter factor layers.0.qkv.lora_A holds nan: not loaded"):
+        ck.load_checkpoint(root, *trained(), run_meta=meta, step=4)
+    alone = root.parent / "alone"
+    _nan_save(alone, 5, m, opt, meta, monkeypatch)
+    with pytest.raises(ValueError, match=r"step 5: adapter factor layers.0.qkv.lora_A holds nan"):
+        ck.load_checkpoint(alone, *trained(), run_meta=meta)
+
+
+def test_a_checkpoint_a_restart_failed_on_is_never_loaded_again(saved):
+    """resume: mark_resuming after the load; a start that finds the mark records that step as failed and loads the
+    one before; when every checkpoint failed a restart, one line says so (torchrun's restarts end there)."""
+    m, opt, meta, path = saved
+    root = path.parent
+    step(m, opt)
+    ck.save_checkpoint(root, 4, m, opt, run_meta=meta, state={"step": 4})
+    assert ck.record_failed_resume(root) is None                     # a first start: nothing to record
+    ck.mark_resuming(root, ck.load_checkpoint(root, *trained(), run_meta=meta)["step"])    # resumed from 4 ...
+    assert ck.record_failed_resume(root) == 4                        # ... and died: the next start records it
+    assert ck.failed_steps(root) == [4] and ck.resumable_step(root) == 3
+    ck.mark_resuming(root, ck.load_checkpoint(root, *trained(), run_meta=meta)["step"])
+    ck.resume_succeeded(root)                                        # its first step went through
+    assert ck.record_failed_resume(root) is None and ck.resumable_step(root) == 3
+    ck.mark_resuming(root, 3)
+    assert ck.record_failed_resume(root) == 3 and ck.resumable_step(root) is None
+    with pytest.raises(ValueError, match=r"no checkpoint left to resume from: a restart failed on step\(s\) 4, 3") as e:
+        ck.load_checkpoint(root, *trained(), run_meta=meta)
+    assert "\n" not in str(e.value)
+
+
+def test_main_job_resume_auto_ends_on_one_line_after_a_failed_restart(tmp_path, model_dir, monkeypatch, capfd):
+    """The main job's resume=auto (GRPORun.resumes, one rank): resumes from step 3; the resumed start dies before
+    its first step (the mark stays); the next start records step 3 as failed, says so on stderr, and with no other
+    checkpoint refuses in one line (train.py's exit 2) instead of resuming into it again."""
+    import types
+
+    from moe_lora_rl.rl import run as run_mod
+
+    monkeypatch.setattr(run_mod, "broadcast", lambda obj, src=0: obj)
+    m, opt = trained()
+    meta = ck.describe_run(model_dir, m.lora_config)
+    out = tmp_path / "run"
+    ck.save_checkpoint(out / "checkpoints", 3, m, opt, run_meta=meta, state={"step": 3})
+    job = types.SimpleNamespace(rank=0, cfg=types.SimpleNamespace(resume="auto"), out=out)
+    assert run_mod.GRPORun.resumes(job) is True
+    ck.mark_resuming(out / "checkpoints", 3)                       # GRPORun.resume after its load; then it died
+    with pytest.raises(ValueError, match=r"resume=auto: no checkpoint left to resume from .* step\(s\) 3") as e:
+        run_mod.GRPORun.resumes(job)
+    assert "\n" not in str(e.value)
+    assert "failed after resuming from step 3" in capfd.readouterr().err

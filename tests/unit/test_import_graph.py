@@ -36,9 +36,12 @@ ALLOWED = {
                     "procs", "weight_sync"},
     "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
     "train": {"rl"},
+    "data": {"rl"},                                                # datasets written in verl's row format
+    "launch": {"rl"},                                              # moe-lora-rl train: checks, then the ranks
+    "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
     "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
                "rollout", "router_replay", "vllm", "weight_sync"},
-    "bench": {"algos", "checkpoint", "checks", "integration", "lora", "megatron", "models", "plan", "policy",
+    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "models", "plan", "policy",
               "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it

@@ -265,3 +265,92 @@ def test_mis_rejection_is_masking_the_tokens_out(drivers):
     assert u["skipped"] and u["rollout_rejected_frac"] == 1.0 and pol.core.version == snap[2]
     assert all(torch.equal(p, q) for p, q in zip(pol.core.params, before))
     assert _same_state(_state(pol.core.optimizer), state)
+
+
+def _padded(batch, old, extra: int):
+    """The same rows right-padded by `extra` more positions (what a longer prompt or response elsewhere in the
+    batch does to the tensor width); routes are per real token, so they stay."""
+    from moe_lora_rl.policy.batch import PolicyBatch
+
+    def pad(t, value):
+        return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+    return (PolicyBatch(pad(batch.tokens, 0), list(batch.lengths), pad(batch.loss_mask, False),
+                        pad(batch.advantages, 0.0), None, batch.routes, list(batch.group_ids)), pad(old, 0.0))
+
+
+def _alone(batch, old, rows):
+    """The mini-batch of `rows` built on its own: only those rows, padded to their own longest."""
+    from moe_lora_rl.policy.batch import PolicyBatch
+    from moe_lora_rl.router_replay.routes import RoutesBatch
+
+    w = max(batch.lengths[i] for i in rows)
+    r = batch.routes
+    return (PolicyBatch(batch.tokens[rows, :w], [batch.lengths[i] for i in rows], batch.loss_mask[rows, :w - 1],
+                        batch.advantages[rows, :w - 1], None,
+                        RoutesBatch([r.samples[i] for i in rows], r.layer_ids, r.num_experts, r.topk),
+                        [batch.group_ids[i] for i in rows]), old[rows, :w - 1])
+
+
+def _rel(a, b) -> float:
+    scale = max(float(x.abs().max()) for x in b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
+
+
+def test_gradient_is_invariant_to_padding_microbatches_dp_and_minibatches_in_every_agg_mode(drivers, monkeypatch):
+    """Every loss_agg_mode, with the run's settings as the main job makes them (AlgoSettings.policy_loss_settings):
+    the gradient of one global batch is the same (checks/tolerances.py GRAD_SPLIT relative: fp32's floor) padded to two widths, in 1 vs 4 micro-batches,
+    and on 1 vs 2 data-parallel ranks (each rank's share through Policy._plan, the ranks' gradients summed as
+    lora.grad_sync sums them); a mini-step's gradient (rl/minibatch.select: the whole batch's width) equals its
+    mini-batch's built alone (its own width). seq-mean-token-sum-norm divides by a constant of the run
+    (algo.max_response_tokens, verl's loss_scale_factor), not by the padded width. Control: verl's default (no
+    loss_scale_factor) moves with the padding."""
+    import megatron.core.parallel_state as ps
+
+    from moe_lora_rl.algos import LOSS_AGG_MODES, PolicyLossSettings
+    from moe_lora_rl.checks.policy_update_worker import make_batch
+    from moe_lora_rl.checks.tolerances import GRAD_SPLIT
+    from moe_lora_rl.rl.config import AlgoSettings
+    from moe_lora_rl.rl.minibatch import select
+
+    pol, _ = drivers
+    arch = pol.arch
+    batch, _ = make_batch(arch.vocab_size, tuple(arch.moe_layer_ids), arch.num_experts, arch.topk)
+    old = pol.logprobs(batch, replay="r3").logprobs - 0.05 * batch.loss_mask   # ratio != 1: the clip is in play
+    snap = _snapshot(pol.core)
+    saved = pol.loss, pol.grad_clip, pol.micro_batch_size
+    pol.grad_clip = 1e9                                     # no clipping: the gradients themselves are compared
+
+    def grads(b, o, mbs=2, dp=None):
+        pol.micro_batch_size = mbs
+        if dp is None:
+            return _update(pol, b, o, snap, rollout_is=None)[1]
+        total = None
+        for r in range(dp):
+            monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda *a, **k: dp)
+            monkeypatch.setattr(ps, "get_data_parallel_rank", lambda *a, r=r, **k: r)
+            g = _update(pol, b, o, snap, rollout_is=None)[1]
+            monkeypatch.undo()
+            total = g if total is None else [x + y for x, y in zip(total, g)]
+        return total
+
+    try:
+        worst = {}
+        for mode in LOSS_AGG_MODES:
+            pol.loss = AlgoSettings(loss_agg_mode=mode, max_response_tokens=20).policy_loss_settings()
+            ref = grads(batch, old)
+            rows = [1, 2, 3, 6]                              # lengths 12, 17, 8, 6: alone, width 17 (not 23)
+            worst[mode] = {"pad9": _rel(grads(*_padded(batch, old, 9)), ref),
+                           "pad30": _rel(grads(*_padded(batch, old, 30)), ref),
+                           "mbs1_vs_4": _rel(grads(batch, old, mbs=1), grads(batch, old, mbs=4)),
+                           "dp2": _rel(grads(batch, old, dp=2), ref),
+                           "mini_step": _rel(grads(select(batch, rows), old[rows]), grads(*_alone(batch, old, rows)))}
+        print("GRAD_SPLIT", worst)
+        assert all(v <= GRAD_SPLIT for d in worst.values() for v in d.values()), worst
+        pol.loss = PolicyLossSettings(loss_agg_mode="token-mean")        # control: the width-normalised default
+        object.__setattr__(pol.loss, "loss_agg_mode", "seq-mean-token-sum-norm")   # bypass the refusal on purpose
+        control = _rel(grads(*_padded(batch, old, 9)), grads(batch, old))
+        print("GRAD_SPLIT control", control)
+        assert control > 0.1
+    finally:
+        pol.loss, pol.grad_clip, pol.micro_batch_size = saved
+        _restore(pol.core, snap)

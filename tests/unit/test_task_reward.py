@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from moe_lora_rl.rl.dataset import problems_from_rows, read_rows, write_parquet
+from moe_lora_rl.rl.dataset import examples_from_rows, read_rows, write_parquet
 from moe_lora_rl.rl.reward import DATA_SOURCE, compute_score, extract_answer
 from moe_lora_rl.rl.task import Problem, TaskSpec, make_split
 
@@ -83,7 +83,9 @@ def test_parquet_rows_roundtrip(tmp_path):
     assert r["reward_model"] == {"style": "rule", "ground_truth": p.answer}
     assert r["extra_info"]["index"] == 3 and r["extra_info"]["split"] == "eval"
     assert r["extra_info"]["digits"] == list(p.digits)
-    assert problems_from_rows(rows) == make_split(spec, "eval")
+    ex = examples_from_rows(rows)
+    assert [(e.messages, e.ground_truth, e.data_source, e.index) for e in ex] == \
+        [(p.messages, p.answer, p.data_source, p.index) for p in make_split(spec, "eval")]
 
 
 def test_unparsable_dataset_is_one_line_error(tmp_path):
@@ -98,7 +100,7 @@ def test_unparsable_dataset_is_one_line_error(tmp_path):
 
     other = tmp_path / "other.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": "x"}]), other)
-    with pytest.raises(ValueError, match="lacks verl columns"):
+    with pytest.raises(ValueError, match=r"lacks verl's columns \['data_source', 'prompt', 'reward_model'\]"):
         read_rows(other)
 
 

@@ -46,7 +46,7 @@ def test_overrides_from_command_line_list():
     ("algo.loss_mode=ppo", "algo.loss_mode='ppo'"),
     ("algo.rollout_is_threshold=0.5", "algo.rollout_is_threshold=0.5"),
     ("steps=abc", "steps"),
-    ("data.train_file=/no/such.parquet", "data.train_file='/no/such.parquet'"),
+    ("data.train_file=/no/such.parquet", "'/no/such.parquet' does not exist"),
     ("model.size=huge", "'glm4_moe'/'huge'"),
     ("resume=true", "resume=true needs checkpoint_every"),
     ("free_routing_every=-1", "free_routing_every=-1"),
@@ -72,7 +72,10 @@ def test_dataset_files_parsed_at_load(tmp_path):
     from moe_lora_rl.rl.task import TaskSpec
 
     good = write_parquet(TaskSpec(n_eval=16), "eval", tmp_path / "eval.parquet")
-    assert C.load([f"data.eval_file={good}"]).data.eval_file == str(good)
+    cfg = C.load([f"data.train_file={good}", f"data.eval_file={good}"]).data     # the aliases of verl's names
+    assert cfg.train_files == cfg.val_files == [str(good)] and cfg.train_file is None
+    with pytest.raises(ValueError, match="data.train_files and data.val_files go together"):
+        C.load([f"data.train_files={good}"])
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
     with pytest.raises(ValueError) as e:

@@ -2,6 +2,8 @@
 checked against values computed by hand on small tensors (exact up to float32 rounding: tol 1e-6)."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -26,6 +28,49 @@ def test_grpo_advantages_by_hand():
     torch.testing.assert_close(adv2[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, 0.0, 0.0]), **TOL)
     # negative control: grouping all seven together gives different advantages
     assert not torch.allclose(grpo_advantages(rewards, mask, ["p"] * 7), adv, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grpo_equal_rewards_give_exact_zeros(dtype):
+    """A group of two or more equal rewards: advantages exactly 0 for any value (verl's fp32 mean of equal
+    non-dyadic values differs from them by a rounding step, which the std's ~1e-7 + eps inflated: eight of 0.35 gave
+    +0.0289). Groups of other rewards and a group of one: verl's own numbers (<= 1e-6), through our function and
+    through the estimator registered in verl's registry (integration/verl/plugin.py)."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn
+
+    values = [0.35, 0.1, 0.7, 1 / 3, 0.2, 1e-3, 12.345, -0.6, 0.0, 1.0]
+    for n in (2, 3, 8):
+        rewards = torch.tensor([v for v in values for _ in range(n)], dtype=dtype)
+        groups = [f"g{i // n}" for i in range(len(rewards))]
+        mask = torch.ones(len(rewards), 3)
+        adv = grpo_advantages(rewards, mask, groups)
+        assert adv.abs().max().item() == 0.0, (n, dtype, adv[:, 0].tolist())
+        assert grpo_advantages(rewards, mask, groups, norm_by_std=False).abs().max().item() == 0.0
+    # control: verl's own estimator on the same rewards gives the residue (the fault this fixes)
+    r = torch.full((8,), 0.35)
+    tok = torch.zeros(8, 3)
+    tok[:, -1] = r
+    verl_adv, _ = compute_grpo_outcome_advantage(tok, torch.ones(8, 3), np.array(["g"] * 8, dtype=object))
+    assert verl_adv.abs().max().item() > 1e-3
+    # mixed groups, a group of one and partial credit: as before
+    rewards = torch.tensor([0.35, 0.35, 0.35, 0.1, 0.2, 0.9, 0.5, 0.4, 0.4], dtype=dtype)
+    groups = ["a", "a", "a", "b", "b", "b", "c", "d", "d"]
+    mask = torch.tensor([[1, 1, 0]] * 9)
+    tok = torch.zeros(9, 3)
+    tok[torch.arange(9), 1] = rewards.float()
+    ref, _ = compute_grpo_outcome_advantage(tok, mask.float(), np.array(groups, dtype=object))
+    adv = grpo_advantages(rewards, mask, groups)
+    assert adv[[0, 1, 2, 7, 8]].abs().max().item() == 0.0
+    torch.testing.assert_close(adv[3:7], ref[3:7], rtol=0, atol=1e-6)
+    assert adv[6, 0].item() == pytest.approx(0.5, abs=1e-6)              # a group of one: mean 0, std 1 (verl's)
+    from moe_lora_rl.algos import GRPO_EXACT
+    from moe_lora_rl.integration.verl import plugin
+
+    plugin.register()
+    fn = get_adv_estimator_fn(GRPO_EXACT)                                # verl's route: algorithm.adv_estimator
+    got, _ = fn(token_level_rewards=tok, response_mask=mask.float(), index=np.array(groups, dtype=object),
+                config={"norm_adv_by_std_in_grpo": True})
+    torch.testing.assert_close(got, adv, rtol=0, atol=0)
 
 
 def test_grpo_advantages_bad_input():
@@ -164,3 +209,7 @@ def test_settings_validation():
         PolicyLossSettings(loss_mode="ppo")
     with pytest.raises(ValueError, match="loss_agg_mode"):
         PolicyLossSettings(loss_agg_mode="sum")
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs loss_scale_factor"):
+        PolicyLossSettings(loss_agg_mode="seq-mean-token-sum-norm")        # verl would divide by the padded width
+    with pytest.raises(ValueError, match="loss_scale_factor=0"):
+        PolicyLossSettings(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=0)

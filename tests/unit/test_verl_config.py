@@ -138,6 +138,8 @@ def test_vllm_engine_args_through_replica_hooks(compose):
       "actor_rollout_ref.rollout.enable_rollout_routing_replay": True},
      r"engine_kwargs.vllm.enable_return_routed_experts=True turns on vLLM's own routes next to ours "
      r"\(actor_rollout_ref.rollout.enable_rollout_routing_replay=True\)"),
+    ({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm"},
+     r"loss_agg_mode=seq-mean-token-sum-norm needs actor_rollout_ref.actor.loss_scale_factor"),
 ])
 def test_bad_config_is_a_one_line_error(compose, extra, match):
     from moe_lora_rl.integration.verl.config import check_config
@@ -145,6 +147,14 @@ def test_bad_config_is_a_one_line_error(compose, extra, match):
     with pytest.raises(ValueError, match=match) as e:
         check_config(compose(**extra))
     assert "\n" not in str(e.value)
+
+
+def test_seq_mean_token_sum_norm_with_a_constant_factor_is_accepted(compose):
+    """The refusal above names the key; set, the same mode passes (verl then divides by that constant)."""
+    from moe_lora_rl.integration.verl.config import check_config
+
+    check_config(compose(**{"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+                            "actor_rollout_ref.actor.loss_scale_factor": 64}))
 
 
 def test_bad_engine_values_and_versions():

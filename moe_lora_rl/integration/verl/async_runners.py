@@ -42,6 +42,10 @@ class OneStepTaskRunner:
     def run(self, config):
         import asyncio
 
+        from .plugin import register
+
+        register()                    # this driver computes advantages: verl's registry gets grpo_exact
+
         from omegaconf import OmegaConf
         from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
         from verl.experimental.separation.utils import create_resource_pool_manager
@@ -83,6 +87,9 @@ def fully_async_task_runner():
 
     class MoELoRAFullyAsyncTaskRunner(base):
         def _create_trainer(self, config):
+            from .plugin import register
+
+            register()                # the trainer computes advantages here: verl's registry gets grpo_exact
             if cpu_platform_selected():
                 self.components["role_worker_mapping"] = role_worker_mapping(config)[0]
             return super()._create_trainer(config)

@@ -144,6 +144,18 @@ def check_config(cfg) -> None:
         raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: set it to {REPLICA} (our vLLM replica: expert "
                          "LoRA refit and route capture)")
     check_rollout(rollout, _get(_get(actor, "megatron"), "router_replay"))
+    check_loss(actor)
+
+
+def check_loss(actor) -> None:
+    """verl's seq-mean-token-sum-norm divides by actor.loss_scale_factor, or when it is null by the padded width of
+    each micro-batch's tensor (core_algos.agg_loss): a scale that moves with padding and prompt lengths. Refused
+    unless the factor is set (a constant of the run: data.max_response_length, Dr. GRPO's constant)."""
+    mode = _get(actor, "loss_agg_mode", "token-mean")
+    if mode == "seq-mean-token-sum-norm" and _get(actor, "loss_scale_factor") is None:
+        raise ValueError("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm needs "
+                         "actor_rollout_ref.actor.loss_scale_factor (null divides by the padded width of each batch): "
+                         "set it to data.max_response_length")
 
 
 WORKER_EXTENSION = "moe_lora_rl.integration.verl.worker_ext.VerlMoELoRAWorkerExtension"

@@ -15,6 +15,8 @@ It only adds names, so verl behaves as before unless the config selects them:
     rollout ServerAdapter       ("moe_lora_vllm", "async") -> verl's vLLM ServerAdapter (the worker side)
     CheckpointEngineRegistry    "moe_lora" -> checkpoint_engine.MoELoRACheckpointEngine
                                 "moe_lora_base" -> checkpoint_engine.MoELoRABaseCheckpointEngine
+    advantage estimators        "grpo_exact" -> algos.grpo_outcome_advantage (verl's GRPO; equal-reward groups
+                                exactly 0: algorithm.adv_estimator=grpo_exact)
 """
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ def register() -> None:
     for name, cls in ((CKPT_BACKEND, MoELoRACheckpointEngine), (BASE_BACKEND, MoELoRABaseCheckpointEngine)):
         if CheckpointEngineRegistry._registry.get(name) is not cls:
             CheckpointEngineRegistry.register(name)(cls)
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
+
+    from ...algos import GRPO_EXACT, grpo_outcome_advantage
+
+    if ADV_ESTIMATOR_REGISTRY.get(GRPO_EXACT) is not grpo_outcome_advantage:
+        register_adv_est(GRPO_EXACT)(grpo_outcome_advantage)
     rollout_base._ROLLOUT_REGISTRY[(REPLICA, "async")] = rollout_base._ROLLOUT_REGISTRY[("vllm", "async")]
 
 

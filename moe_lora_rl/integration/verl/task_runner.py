@@ -17,7 +17,13 @@ _VerlTaskRunner = main_ppo_v0.TaskRunner.__ray_metadata__.modified_class.__ray_a
 
 
 class MoELoRATaskRunner(main_ppo_v0.BaseTaskRunner):
-    run = _VerlTaskRunner.run                # verl's V0 training workflow, unchanged
+    def run(self, config):
+        """verl's V0 training workflow, unchanged, after our names are registered in this process (the driver
+        computes advantages: algorithm.adv_estimator=grpo_exact is looked up here)."""
+        from .plugin import register
+
+        register()
+        return _VerlTaskRunner.run(self, config)
 
     def add_actor_rollout_worker(self, config):
         actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)

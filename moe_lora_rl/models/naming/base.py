@@ -41,6 +41,7 @@ class Linear:
     vllm: str                     # vLLM module holding all of `hf` as output slices (experts: the fused parameter)
     parallel: str                 # base linear kind in Megatron: "column" | "row"
     io: tuple[str, str]           # (in, out) dimension names per HF module, resolved by `dims`
+    vllm_slice: int = 0           # output slice of `vllm` where hf[0] starts (another linear may own the others)
 
     @property
     def canonical(self) -> str:
@@ -116,9 +117,26 @@ ROUTER_TARGET = ("router", "mlp.router")
 
 
 def dims(arch) -> dict[str, int]:
-    """Dimension names used by Linear.io, for an architecture (models.arch.MoEArch)."""
-    return {"hidden": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
-            "ffn": arch.ffn_hidden_size, "moe_ffn": arch.moe_ffn_hidden_size, "shared_ffn": arch.shared_expert_ffn}
+    """Dimension names used by Linear.io, for an architecture (models.arch.MoEArch). With MLA, "q" is the output
+    projection's input (heads x v_head_dim, arch.head_dim = v_head_dim) and the MLA widths are added."""
+    out = {"hidden": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
+           "ffn": arch.ffn_hidden_size, "moe_ffn": arch.moe_ffn_hidden_size, "shared_ffn": arch.shared_expert_ffn}
+    if getattr(arch, "kv_lora_rank", None) is not None:
+        out.update(q_rank=arch.q_lora_rank or 0, kv_rank=arch.kv_lora_rank,
+                   kv_a=arch.kv_lora_rank + arch.qk_rope_head_dim,
+                   q_heads=arch.num_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim),
+                   kv_heads=arch.num_heads * (arch.qk_nope_head_dim + arch.v_head_dim))
+    return out
+
+
+def split_mtp(names, num_layers: int) -> tuple[list[str], list[str]]:
+    """(backbone, MTP) tensor names of a checkpoint: DeepSeek-V3's multi-token-prediction layers are stored as
+    model.layers.{num_layers + i}.* (num_nextn_predict_layers of them); no builder maps them onto a layer."""
+    backbone, mtp = [], []
+    for n in names:
+        layer = layer_of(n)
+        (mtp if layer is not None and layer >= num_layers else backbone).append(n)
+    return backbone, mtp
 
 
 @dataclass(frozen=True)
@@ -213,7 +231,13 @@ class Naming:
         self._canonical_shared = [(li, _template_regex("layers.{L}." + li.canonical.replace("{E}.", "")))
                                   for li in linears if li.part == "expert"]
         self._hf = [(li, i, _template_regex(HF_LAYER + h)) for li in linears for i, h in enumerate(li.hf)]
-        self._vllm = {li.vllm: li for li in linears}
+        self._vllm: dict[str, list[Linear]] = {}
+        for li in linears:
+            self._vllm.setdefault(li.vllm, []).append(li)
+        for vname, lis in self._vllm.items():
+            spans = sorted((li.vllm_slice, li.vllm_slice + len(li.hf)) for li in lis)
+            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                raise AssertionError(f"{family}: linears {[li.target for li in lis]} overlap in vLLM module {vname}")
         self._hf_params = [(r, i, _template_regex(h)) for r in params for i, h in enumerate(r.hf)
                            if not r.kind.startswith("grouped_")]
 
@@ -341,20 +365,28 @@ class Naming:
         raise ValueError(f"{self.family}: {module!r} is not an adaptable HF module of this family")
 
     def to_vllm(self, name: AdapterName, part: int) -> VllmName:
+        """The vLLM module and output slice of an HF output part (slice = linear.vllm_slice + part)."""
         if name.linear.part == "expert" and name.expert is None:
             raise ValueError(f"{name.canonical}: a factor shared by all experts has no single vLLM slot")
-        return VllmName(f"model.layers.{name.layer}.{name.linear.vllm}", name.expert, part)
+        return VllmName(f"model.layers.{name.layer}.{name.linear.vllm}", name.expert, name.linear.vllm_slice + part)
 
     def from_vllm(self, v: VllmName) -> tuple[AdapterName, int]:
+        """(adapter name, output part of its linear) of a vLLM module slice."""
         m = re.match(r"^model\.layers\.(\d+)\.(.+)$", v.module)
-        li = self._vllm.get(m.group(2)) if m else None
-        if li is None or (li.part == "expert") != (v.expert is not None) or not 0 <= v.slice < len(li.hf):
-            raise ValueError(f"{self.family}: vLLM module {v} is not an adaptable module of this family")
-        return AdapterName(li, int(m.group(1)), v.expert), v.slice
+        for li in (self._vllm.get(m.group(2), []) if m else []):
+            if (li.part == "expert") == (v.expert is not None) and 0 <= v.slice - li.vllm_slice < len(li.hf):
+                return AdapterName(li, int(m.group(1)), v.expert), v.slice - li.vllm_slice
+        raise ValueError(f"{self.family}: vLLM module {v} is not an adaptable module of this family")
 
     def vllm_linears(self) -> dict[str, tuple[str, ...]]:
-        """vLLM module (under model.layers.L.) -> its HF modules in output order, for the non-expert linears."""
-        return {li.vllm: li.hf for li in self.linears if li.part != "expert"}
+        """vLLM module (under model.layers.L.) -> the HF modules of all its output slices in order, for the
+        non-expert linears (a fused module may hold several linears: MLA's fused_qkv_a_proj = q_a_proj,
+        kv_a_proj_with_mqa)."""
+        out = {}
+        for vname, lis in self._vllm.items():
+            if lis[0].part != "expert":
+                out[vname] = tuple(h for li in sorted(lis, key=lambda li: li.vllm_slice) for h in li.hf)
+        return out
 
     # -- shapes ------------------------------------------------------------------------------------------------
     def hf_shapes(self, arch, layer: int) -> dict[str, tuple[int, int]]:

@@ -1,0 +1,54 @@
+"""Datasets in verl's row format, written to files the main job (data.train_files / data.val_files) and verl's
+main_ppo read alike:
+
+    python -m moe_lora_rl.data NAME OUT_DIR [--seed S] [--n-eval N] [--format parquet|jsonl]
+        -> OUT_DIR/train.parquet, OUT_DIR/val.parquet
+
+NAME: the built-in sorting tasks (sort, sort_trace, sort_long: their own scorer, rl/reward.py) or gsm8k_arith
+(arithmetic word problems in gsm8k's format, scored by verl's gsm8k scorer; data/arith.py). A dataset is a table
+entry: a function of the options returning {"train": rows, "val": rows}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _sorting(kind: str):
+    def rows(seed: int = 0, n_eval: int | None = None, length: int | None = None, mix: str | None = None):
+        from ..rl.dataset import task_rows
+        from ..rl.task import TaskSpec
+
+        kw = {k: v for k, v in (("n_eval", n_eval), ("length", length), ("mix", mix)) if v is not None}
+        spec = TaskSpec(seed=seed, kind=kind, **kw)
+        return {"train": task_rows(spec, "train"), "val": task_rows(spec, "eval")}
+    return rows
+
+
+def _arith(seed: int = 0, n_eval: int | None = None, length: int | None = None, mix: str | None = None):
+    from .arith import splits
+
+    if length is not None or mix is not None:
+        raise ValueError("gsm8k_arith takes no --length or --mix (they size the sorting tasks' lists)")
+    return splits(n_eval=128 if n_eval is None else n_eval, seed=seed)
+
+
+DATASETS = {"sort": _sorting("sort"), "sort_trace": _sorting("sort_trace"), "sort_long": _sorting("sort_long"),
+            "gsm8k_arith": _arith}
+REFERENCE_KEYS = {"gsm8k_arith": "extra_info.answer"}
+"""The column holding each dataset's worked answer (data.reference_key, for the warm start); the sorting tasks'
+answer is the ground truth itself."""
+JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"]}
+"""The main job's settings a dataset needs (its answers' length: "12 + 7 = 19\n#### 19" is 14 tokens and the end
+of turn on the built-in tokenizer)."""
+
+
+def write(name: str, out_dir: str | Path, *, fmt: str = "parquet", **options) -> dict[str, Path]:
+    """Write dataset `name`'s train and val files; ValueError naming an unknown dataset or a bad option."""
+    from ..rl.dataset import write_rows
+
+    if name not in DATASETS:
+        raise ValueError(f"dataset {name!r} is not one of {sorted(DATASETS)}")
+    if fmt not in ("parquet", "jsonl"):
+        raise ValueError(f"--format {fmt!r}: parquet or jsonl")
+    rows = DATASETS[name](**options)
+    return {split: write_rows(r, Path(out_dir) / f"{split}.{fmt}") for split, r in rows.items()}

@@ -1,0 +1,95 @@
+"""vLLM's CPU engine on DeepSeek-V3-architecture (MLA) checkpoints against HF transformers, fp32
+(checks/mla_serve.py, one engine per checkpoint, every check on it):
+
+- plain RoPE: prompt logprobs (positions > 0) and greedy decode equal HF's with our rotary fix (vllm/rope_fix.py);
+  with the fix undone they differ (negative control: the CPU rotary kernel misreads MLA's 3-D strided q)
+- a checkpoint without topk_method / scoring_func in config.json (as HF's save_pretrained writes it) is served with
+  DeepSeek-V3's values, with one line saying so
+- LoRA on each MLA linear alone (five with q_lora_rank set, four with it null), on the routed experts, on the shared
+  expert, and on all at once, served merged and unmerged: max |logprob diff| <= 1e-4 and k3 <= 1e-10 against HF with
+  the adapter merged, on prompt positions and on decoded tokens (kv_b_proj's delta must reach the absorbed decode),
+  greedy tokens equal; each adapter moves the engine's and the reference's logprobs by > 1e-3 (a module the engine
+  dropped would agree with the base model instead)
+- R3: captured routes equal HF's router top-k at every token and layer, while serving every module
+- kv_b_proj is served merged (W_UK_T / W_UV re-derived per version): a kv_b_proj adapter on an engine holding several
+  versions per batch (inflight='pin') is refused in one line, the served version unchanged
+
+Tolerances: 1e-4 is the same fp32 math in two implementations (measured ~2e-5); k3 <= 1e-10 follows (k3 ~ d^2 / 2).
+"""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from moe_lora_rl.checks.launch import worker_env
+
+pytestmark = pytest.mark.vllm
+TOL, K3, MOVED = 1e-4, 1e-10, 1e-3
+
+
+def _without_routing_keys(src, dst):
+    """A copy of a checkpoint whose config.json lacks topk_method / scoring_func (as HF's save_pretrained leaves it)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    (dst / "config.json").unlink()
+    conf = json.loads((src / "config.json").read_text())
+    conf.pop("topk_method", None), conf.pop("scoring_func", None)
+    (dst / "config.json").write_text(json.dumps(conf))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    from moe_lora_rl.models import get_model
+
+    tmp = tmp_path_factory.mktemp("mla")
+    rope = _without_routing_keys(get_model("deepseek_v3", "tiny_rope"), tmp / "tiny_rope_hf_config")
+    models = [str(rope), str(get_model("deepseek_v3", "tiny_lite"))]
+    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.checks.mla_serve", "--models", ",".join(models)],
+                          env=worker_env(), cwd=tmp, capture_output=True, text=True, timeout=1800)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):]), proc.stdout
+
+
+def test_missing_routing_keys_filled_with_one_line(result):
+    _, stdout = result
+    said = [l for l in stdout.splitlines() if l.startswith("moe_lora: config.json has no topk_method / scoring_func")]
+    assert len(said) == 1, stdout[-2000:]
+
+
+def test_plain_rope_matches_hf_and_unfixed_path_does_not(result):
+    for m in result[0]["models"]:
+        b, u = m["base"], m["base_unfixed"]
+        assert m["rope_routed"] >= 1, m
+        assert b["prompt_max"] <= TOL and b["decode_max"] <= TOL and b["greedy_equal"], b
+        assert max(u["prompt_max"], u["decode_max"]) > 1e-2, u          # negative control: the kernel's fault
+
+
+@pytest.mark.parametrize("mode", ["merged", "unmerged"])
+def test_every_module_served_exactly(result, mode):
+    for m in result[0]["models"]:
+        rows = {k.split("/")[0]: v for k, v in m["served"].items() if k.endswith("/" + mode)}
+        want = {"q_b_proj", "q_a_proj"} if m["q_lora_rank"] else {"q_proj"}
+        want |= {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "experts", "shared_expert", "all"}
+        assert set(rows) == want, rows.keys()
+        for name, r in rows.items():
+            assert r["prompt_max"] <= TOL and r["decode_max"] <= TOL, (m["model"], name, r)
+            assert r["k3"] <= K3 and r["greedy_equal"], (m["model"], name, r)
+            assert r["engine_moved"] > MOVED and r["ref_moved"] > MOVED, (m["model"], name, r)
+
+
+@pytest.mark.parametrize("mode", ["merged", "unmerged"])
+def test_r3_routes_equal_hf_router(result, mode):
+    for m in result[0]["models"]:
+        assert m["served"][f"routes_{mode}"] == 1.0, m["served"]
+
+
+def test_unmerged_kv_b_with_several_versions_per_batch_is_refused(result):
+    for m in result[0]["models"]:
+        r = m["pin_kv_b_refused"]
+        assert "self_attn.kv_b_proj" in r["message"] and "inflight='pin'" in r["message"], r
+        assert r["served_after"] == r["served_before"], r
