@@ -93,9 +93,9 @@ def test_one_evaluator_zero_adapter_equals_base_and_a_perturbed_one_fails(tmp_pa
             if "lora_B" in n:
                 p.normal_(0, 4.0)
     lora.save_pretrained(str(tmp_path / "perturbed"))
-    kw = dict(n_eval=64, samples=2, seed=0)
-    ref = evaluate(base, None, **kw)
-    assert ref["n"] == 128 and 0.1 < ref["success"] < 0.6
+    kw = dict(n_eval=64, samples=1, seed=0)     # one sample a problem: half the generation of two, the same checks
+    ref = evaluate(base, None, **kw)            # (measured: base 0.219, the zero adapter equal, perturbed 0.0)
+    assert ref["n"] == 64 and 0.1 < ref["success"] < 0.6
     assert evaluate(base, tmp_path / "zero", **kw) == ref
     assert evaluate(base, tmp_path / "perturbed", **kw)["success"] < ref["success"] - 0.1
 
