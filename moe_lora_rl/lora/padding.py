@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from .config import LoRAConfig
+from .config import LoRAConfig, expand
 from .layers import FactorMeta
 
 
@@ -40,7 +40,8 @@ def check_fits(module: LoRAConfig, policy: LoRAConfig, name: str) -> None:
                          f"{module.adapter_layout!r}")
     if policy.rank > module.rank:
         raise ValueError(f"policy {name!r}: rank={policy.rank} is above the base's adapter rank {module.rank}")
-    extra = sorted(set(policy.resolved_targets()) - set(module.resolved_targets()))
+    held = set(module.resolved_targets())
+    extra = [t for t in policy.targets if not set(expand(t)) <= held]     # in the policy's own words
     if extra:
         raise ValueError(f"policy {name!r}: targets {extra} are not adapted on this base "
                          f"(its adapters: {list(module.targets)})")

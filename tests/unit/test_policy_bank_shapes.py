@@ -152,7 +152,7 @@ def test_bank_refusals_name_the_policy(runs, world):
     core = runs[3]                                    # rank 4 on the experts
     with pytest.raises(ValueError, match="policy 'big': rank=8 is above the base's adapter rank 4"):
         AdapterBank(core, {"big": PolicyAdapter(1e-3, _lora(seed=1, alpha=8.0, rank=8, targets=("experts",)))})
-    with pytest.raises(ValueError, match=r"policy 'att': targets \['proj', 'qkv'\] are not adapted on this base"):
+    with pytest.raises(ValueError, match=r"policy 'att': targets \['attention'\] are not adapted on this base"):
         AdapterBank(core, {"att": PolicyAdapter(1e-3, _lora(seed=1, alpha=8.0, rank=4, targets=("attention",)))})
     with pytest.raises(ValueError, match="policy 'sh': adapter_layout='shared'"):
         AdapterBank(core, {"sh": PolicyAdapter(1e-3, dataclasses.replace(core.lora, adapter_layout="shared"))})

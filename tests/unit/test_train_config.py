@@ -10,7 +10,8 @@ from moe_lora_rl.rl import config as C  # noqa: E402
 def test_recipe_defaults_match_schema_defaults():
     cfg = C.load([])
     assert cfg == C.TrainConfig()      # the recipe restates the schema's defaults; a drift shows here
-    assert cfg.lora.lora_config().resolved_targets() == ("expert_fc1", "expert_fc2", "qkv", "proj")
+    assert cfg.lora.lora_config().resolved_targets() == ("expert_fc1", "expert_fc2", "qkv", "proj", "q_down", "q_up",
+                                                         "q", "kv_down", "kv_up")    # attention: GQA's and MLA's
 
 
 def test_overrides_from_command_line_list():
