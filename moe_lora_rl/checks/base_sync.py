@@ -6,7 +6,9 @@ older version. Control: a base with one tensor perturbed is sent and served (its
 update after it leaves exactly its logprobs. The base sent again inline (transport http, the bytes inside each call):
 a flipped byte refused, then exactly the disk-loaded engine's tokens and logprobs. Then an expert adapter is pushed and served
 with routing capture on: the sampled tokens, their logprobs and the captured routes equal the disk-loaded engine's
-under the same adapter. Used by tests/e2e/test_base_sync.py.
+under the same adapter. On an MLA model the dummy engine's kv_b_proj weights are first untied from the absorbed
+W_UK_T / W_UV, so equal decoded tokens show those are re-derived from the synced weights. Used by
+tests/e2e/test_base_sync.py.
 
     python -m moe_lora_rl.checks.base_sync --model DIR [--bucket-kb 256]   prints "RESULT <json>"
 """
@@ -82,6 +84,11 @@ def main(argv=None) -> dict:
     ref_adapted = adapted(disk)
     del disk
     llm = make_engine(a.model, dtype="float32", prefix_caching=False, load_format="dummy")
+    # MLA: kv_b_proj.weight untied from the W_UK_T / W_UV derived from it (an fp32 engine shares their storage, so an
+    # in-place load would reach decode by accident): the synced base decodes right only if they are re-derived
+    from .mla_serve import _unalias_kv_b
+
+    _unalias_kv_b(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model)
 
     def rpc(method, *args):
         return llm.collective_rpc(method, args=args)
