@@ -47,13 +47,17 @@ def _without_routing_keys(src, dst):
     return dst
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
+# CI runs the plain-RoPE checkpoint with q_lora_rank set (the rotary fault, all five MLA linears); the Moonlight and
+# Kimi-K2 (yarn) variants run with --all (slow). The first checkpoint of each run lacks the routing keys.
+@pytest.fixture(scope="module", params=[pytest.param(("tiny_rope",), id="rope"),
+                                        pytest.param(("tiny_lite", "tiny"), id="lite-yarn", marks=pytest.mark.slow)])
+def result(request, tmp_path_factory):
     from moe_lora_rl.models import get_model
 
     tmp = tmp_path_factory.mktemp("mla")
-    rope = _without_routing_keys(get_model("deepseek_v3", "tiny_rope"), tmp / "tiny_rope_hf_config")
-    models = [str(rope), str(get_model("deepseek_v3", "tiny_lite")), str(get_model("deepseek_v3", "tiny"))]
+    first, *rest = request.param
+    models = [str(_without_routing_keys(get_model("deepseek_v3", first), tmp / f"{first}_hf_config"))]
+    models += [str(get_model("deepseek_v3", size)) for size in rest]
     proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.checks.mla_serve", "--models", ",".join(models)],
                           env=worker_env(), cwd=tmp, capture_output=True, text=True, timeout=1800)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
