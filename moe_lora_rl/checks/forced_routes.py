@@ -43,7 +43,7 @@ def _sigmoid_logits(gate, hidden: torch.Tensor) -> torch.Tensor:
 GATES = {
     "Qwen3MoeTopKRouter": (_softmax_logits, _softmax_gates),
     "Glm4MoeTopkRouter": (_sigmoid_logits, _sigmoid_gates),
-    "DeepseekV3TopkRouter": (_sigmoid_logits, _sigmoid_gates),    # the same rule as GLM-4.5's (transformers 5.x)
+    "DeepseekV3TopkRouter": (_sigmoid_logits, _sigmoid_gates),     # the same routing (glm4_moe is its stand-in)
 }
 
 
