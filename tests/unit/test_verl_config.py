@@ -263,3 +263,26 @@ def test_task_runner_swaps_the_worker_only_on_the_cpu_platform(compose, monkeypa
     r = MoELoRATaskRunner()
     assert r.add_actor_rollout_worker(cfg)[0] is CPUActorRolloutRefWorker
     assert set(mapped(r).values()) == {CPUActorRolloutRefWorker}
+
+
+def test_target_modules_are_honoured_or_refused_in_one_line():
+    """verl's model.lora.target_modules (Megatron module names) chooses our targets; verl's default list and
+    'all-linear' mean every linear the model has; a name we cannot honour, a wildcard, exclude_modules or a
+    disagreement with our own `targets` is refused naming the key."""
+    from moe_lora_rl.integration.verl.config import lora_config
+
+    cfg = lambda **kw: lora_config({"rank": 4, **kw})  # noqa: E731
+    mla = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    assert set(cfg(target_modules=mla).resolved_targets()) == {"q_down", "q_up", "kv_down", "kv_up", "proj"}
+    assert set(cfg(target_modules=["linear_fc2"]).resolved_targets()) == {"dense_fc2", "shared_fc2", "expert_fc2"}
+    assert cfg(target_modules=["experts"]).resolved_targets() == ("expert_fc1", "expert_fc2")
+    everything = cfg().resolved_targets()
+    assert cfg(target_modules="all-linear").resolved_targets() == everything
+    assert cfg(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]).resolved_targets() == everything
+    assert cfg(targets=["experts"], target_modules=["experts"]).resolved_targets() == ("expert_fc1", "expert_fc2")
+    for kw, msg in [(dict(target_modules=["*.layers.0.*.linear_qkv"]), r"target_modules: \['\*\.layers\.0"),
+                    (dict(target_modules=["linear_q"]), r"target_modules: \['linear_q'\] are not module names"),
+                    (dict(targets=["experts"], target_modules=mla), "disagree; set one of them"),
+                    (dict(exclude_modules=["linear_proj"]), r"exclude_modules=\['linear_proj'\] is not supported")]:
+        with pytest.raises(ValueError, match=msg):
+            cfg(**kw)

@@ -2,7 +2,7 @@
 
     actor_rollout_ref.actor.megatron._target_=moe_lora_rl.integration.verl.plugin.MoELoRAEngineConfig
     actor_rollout_ref.model.external_lib=moe_lora_rl.integration.verl.plugin
-    actor_rollout_ref.model.lora.{rank,alpha,dropout,targets,adapter_layout}
+    actor_rollout_ref.model.lora.{rank,alpha,dropout,targets,adapter_layout} (verl's target_modules: see lora_targets)
     actor_rollout_ref.rollout.name=moe_lora_vllm
 
 `MoELoRAEngineConfig` is verl's McoreEngineConfig (the same parallel sizes, `router_replay.mode`, micro-batching)
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from verl.workers.config import McoreEngineConfig
 from verl.workers.config.engine import EngineConfig
 
-from ...lora.config import LoRAConfig
+from ...lora.config import ALIASES, GROUPS, TARGETS, LoRAConfig
 from ...megatron.layout import Layout
 from ...megatron.run_config import RunConfig
 
@@ -29,7 +29,8 @@ ENGINE_TARGET = f"{PLUGIN}.MoELoRAEngineConfig"
 SUPPORTED_VERL = ("0.9",)
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 LORA = "actor_rollout_ref.model.lora"
-# verl's own model.lora keys (hf_model.yaml) we accept, with the values we need (None: any value is fine)
+# verl's own model.lora keys (hf_model.yaml) we accept, with the values we need (None: any value is fine;
+# target_modules and exclude_modules are read by lora_targets)
 VERL_LORA_KEYS: dict[str, Any] = {
     "type": "lora", "merge": False, "fully_sharded_loras": False, "adapter_path": None, "target_modules": None,
     "exclude_modules": None, "dropout_position": None, "lora_A_init_method": None, "lora_B_init_method": None,
@@ -99,6 +100,39 @@ def _get(cfg, key, default=None):
     return getattr(cfg, key, default)
 
 
+# verl's default target_modules (hf_model.yaml): "every linear" of a GQA model, read as our "all"
+VERL_DEFAULT_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_targets(lora: Mapping) -> tuple[str, ...]:
+    """Our target names from model.lora: `targets` (ours), or verl's `target_modules` (Megatron module names such as
+    linear_q_down_proj, or our target/group names; "all-linear" and verl's default list mean every linear the model
+    has). ValueError, naming the key, for both set differently, a name we do not know (wildcards and layer-selective
+    patterns included), or a non-empty exclude_modules (not supported)."""
+    exclude = lora.get("exclude_modules")
+    if exclude:
+        raise ValueError(f"{LORA}.exclude_modules={list(exclude)!r} is not supported; name what to adapt in "
+                         f"{LORA}.target_modules")
+    ours = lora.get("targets")
+    ours = None if ours is None else ((ours,) if isinstance(ours, str) else tuple(ours))
+    modules = lora.get("target_modules")
+    modules = None if modules is None else ((modules,) if isinstance(modules, str) else tuple(modules))
+    if modules in (("all-linear",), VERL_DEFAULT_TARGET_MODULES):
+        modules = None
+    if modules is not None:
+        known = set(TARGETS) | set(GROUPS) | set(ALIASES) | {"all"}
+        bad = [m for m in modules if m not in known]
+        if bad:
+            raise ValueError(f"{LORA}.target_modules: {bad} are not module names we adapt (no wildcards or "
+                             f"per-layer patterns); accepted: {sorted(ALIASES)}, our targets {sorted(TARGETS)} "
+                             f"and groups {sorted(GROUPS)}, or 'all-linear'")
+        if ours is not None and set(ours) != set(modules):
+            raise ValueError(f"{LORA}.targets={list(ours)!r} and {LORA}.target_modules={list(modules)!r} disagree; "
+                             "set one of them")
+        return modules
+    return ours or ("all",)
+
+
 def lora_config(lora: Mapping | None) -> LoRAConfig:
     """Our LoRAConfig from verl's model.lora section; unknown keys and options that conflict with ours are refused."""
     lora = dict(lora or {})
@@ -112,8 +146,7 @@ def lora_config(lora: Mapping | None) -> LoRAConfig:
     rank = lora.get("rank", 0)
     if not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"{LORA}.rank={rank!r}: our engine trains LoRA adapters only, set a positive rank")
-    targets = lora.get("targets", ("all",))
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    targets = lora_targets(lora)
     try:
         return LoRAConfig(rank=rank, alpha=float(lora.get("alpha", 2 * rank)), dropout=float(lora.get("dropout", 0.0)),
                           targets=targets, adapter_layout=lora.get("adapter_layout", "per_expert"),
