@@ -289,6 +289,10 @@ def test_data_cli_writes_verl_rows(tmp_path):
     assert len(val) == 16 and len(train) == 4000 and val[0].data_source == "openai/gsm8k"
     assert val[0].reference.endswith(f"#### {val[0].ground_truth}")
     assert not {e.messages[0]["content"] for e in val} & {e.messages[0]["content"] for e in train}   # held out
+    easy = load_examples(write("gsm8k_add1", tmp_path / "a", fmt="jsonl")["val"], reference_key="extra_info.answer")
+    assert len(easy) == 32 and all(" + " in e.reference and int(e.ground_truth) <= 18 for e in easy)
+    with pytest.raises(ValueError, match="level 'add1' has 162 distinct problems; hold out at most 81"):
+        write("gsm8k_add1", tmp_path / "b", n_eval=100)
     paths = write("sort", tmp_path / "s", fmt="jsonl", n_eval=8)
     assert load_examples(paths["val"])[0].data_source == "moe_lora_rl/addition"
     assert main(["nope", str(tmp_path)]) == 2
