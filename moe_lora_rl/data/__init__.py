@@ -24,20 +24,22 @@ def _sorting(kind: str):
     return rows
 
 
-def _arith(seed: int = 0, n_eval: int | None = None, length: int | None = None, mix: str | None = None):
-    from .arith import splits
+def _arith(level: str, n_eval_default: int):
+    def rows(seed: int = 0, n_eval: int | None = None, length: int | None = None, mix: str | None = None):
+        from .arith import splits
 
-    if length is not None or mix is not None:
-        raise ValueError("gsm8k_arith takes no --length or --mix (they size the sorting tasks' lists)")
-    return splits(n_eval=128 if n_eval is None else n_eval, seed=seed)
+        if length is not None or mix is not None:
+            raise ValueError("gsm8k_arith takes no --length or --mix (they size the sorting tasks' lists)")
+        return splits(n_eval=n_eval_default if n_eval is None else n_eval, seed=seed, level=level)
+    return rows
 
 
 DATASETS = {"sort": _sorting("sort"), "sort_trace": _sorting("sort_trace"), "sort_long": _sorting("sort_long"),
-            "gsm8k_arith": _arith}
-REFERENCE_KEYS = {"gsm8k_arith": "extra_info.answer"}
+            "gsm8k_arith": _arith("mixed", 128), "gsm8k_add1": _arith("add1", 32)}
+REFERENCE_KEYS = {"gsm8k_arith": "extra_info.answer", "gsm8k_add1": "extra_info.answer"}
 """The column holding each dataset's worked answer (data.reference_key, for the warm start); the sorting tasks'
 answer is the ground truth itself."""
-JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"]}
+JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"], "gsm8k_add1": ["algo.max_response_tokens=16"]}
 """The main job's settings a dataset needs (its answers' length: "12 + 7 = 19\n#### 19" is 14 tokens and the end
 of turn on the built-in tokenizer)."""
 

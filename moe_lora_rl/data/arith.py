@@ -29,12 +29,16 @@ STORIES = (
 )
 RANGES = {"+": ((2, 50), (2, 50)), "-": ((10, 60), (1, 9)), "*": ((2, 9), (2, 9))}
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+LEVELS = {"mixed": RANGES, "add1": {"+": ((1, 9), (1, 9))}}
+"""A level: the operations drawn and their operands' ranges. mixed (gsm8k_arith): +, - and * as RANGES; add1
+(gsm8k_add1): one-digit addition only (162 distinct (story, a, b): a small held-out split leaves the rest to train)."""
 
 
-def problem(rng: random.Random) -> tuple:
-    story = rng.randrange(len(STORIES))
-    op = STORIES[story][0]
-    (alo, ahi), (blo, bhi) = RANGES[op]
+def problem(rng: random.Random, level: str = "mixed") -> tuple:
+    ranges = LEVELS[level]
+    stories = [k for k, (op, _) in enumerate(STORIES) if op in ranges]
+    story = stories[rng.randrange(len(stories))]
+    (alo, ahi), (blo, bhi) = ranges[STORIES[story][0]]
     return story, rng.randint(alo, ahi), rng.randint(blo, bhi), rng.randrange(len(NAMES)), rng.randrange(len(ITEMS))
 
 
@@ -49,19 +53,26 @@ def to_row(key: tuple, split: str, index: int) -> dict:
                            "question": question}}
 
 
-def splits(n_train: int = 4000, n_eval: int = 128, seed: int = 0) -> dict[str, list[dict]]:
+def splits(n_train: int = 4000, n_eval: int = 128, seed: int = 0, level: str = "mixed") -> dict[str, list[dict]]:
     """{"train": rows, "val": rows}: seeded draws, the held-out ones first; a training draw whose (story, numbers)
-    is held out is skipped."""
-    rng = random.Random(f"arith:{seed}")
+    is held out is skipped. ValueError when the held-out split would take half the level's distinct problems."""
+    if level not in LEVELS:
+        raise ValueError(f"level {level!r} is not one of {sorted(LEVELS)}")
+    distinct = sum((ahi - alo + 1) * (bhi - blo + 1) * sum(op == o for o, _ in STORIES)
+                   for op, ((alo, ahi), (blo, bhi)) in LEVELS[level].items())
+    if 2 * n_eval > distinct:
+        raise ValueError(f"--n-eval {n_eval}: level {level!r} has {distinct} distinct problems; hold out at most "
+                         f"{distinct // 2}")
+    rng = random.Random(f"arith:{seed}" if level == "mixed" else f"arith:{level}:{seed}")
     held, seen = [], set()
     while len(held) < n_eval:
-        k = problem(rng)
+        k = problem(rng, level)
         if k[:3] not in seen:
             seen.add(k[:3])
             held.append(k)
     train = []
     while len(train) < n_train:
-        k = problem(rng)
+        k = problem(rng, level)
         if k[:3] not in seen:
             train.append(k)
     return {"train": [to_row(k, "train", i) for i, k in enumerate(train)],

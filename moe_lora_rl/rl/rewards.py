@@ -147,6 +147,15 @@ def _function(path, name, data_source):
     return fn
 
 
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """The main job's default reward (reward.path=null) as one function with verl's signature: a built-in task's
+    source scored by its own scorer (BUILTIN), any other by verl's default_compute_score. For verl's
+    reward.custom_reward_function (path=pkg://moe_lora_rl.rl.rewards, name=compute_score:
+    recipes/verl_moe_lora/run_cpu_smoke.sh's default), so that both routes score every dataset alike."""
+    return _function(None, None, data_source)(data_source=data_source, solution_str=solution_str,
+                                              ground_truth=ground_truth, extra_info=extra_info)
+
+
 def call(path, name, data_source, solution_str, ground_truth, extra_info):
     """One reward call in a worker: the raw result, or ("error", text) for any exception (so that the trainer's
     message names the row, and an unpicklable exception cannot take the pool down)."""

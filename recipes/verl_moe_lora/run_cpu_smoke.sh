@@ -4,6 +4,12 @@
 # Colocated sync with vLLM started on dummy weights (verl's default; the recipe config loads the base from disk):
 # the rollout's weights are then exactly what the first sync put there.
 #   recipes/verl_moe_lora/run_cpu_smoke.sh [OUT_DIR] [extra verl overrides...]
+# Data: the built-in sort task (python -m moe_lora_rl.data sort), or your verl-format files with verl's own keys
+# data.train_files=FILE data.val_files=FILE (a file or [a,b]). Reward: verl's reward.custom_reward_function.path= /
+# .name= (default pkg://moe_lora_rl.rl.rewards compute_score: the main job's default reward, a built-in task's
+# scorer, else verl's default_compute_score). Lengths: data.max_prompt_length is the data's longest prompt
+# (tokens, chat template; at least 32) unless PROMPT_LEN is set; data.max_response_length is RESPONSE_LEN (default
+# 16 on the sort task, 64 on your files); rollout.max_model_len their sum. Overrides given here win over all three.
 # R3 on (R3=off turns it off): verl's routed_experts come from our replica's capture (vLLM's own return stays off);
 # each log-prob recompute is also run without replay and both k3 KLs against the rollout go to OUT/r3_check.jsonl.
 # Prints the log's last lines and "SMOKE: finished N steps" or "SMOKE: stopped (rc)".
@@ -31,7 +37,25 @@ t = AutoTokenizer.from_pretrained(sys.argv[1]); t.add_special_tokens({"additiona
 t.save_pretrained(sys.argv[2])' "$MODEL" "$OUT/model"
 fi
 MODEL=$OUT/model
-[ -f "$OUT/data/val.parquet" ] || "$PY" -m moe_lora_rl.data sort "$OUT/data" >/dev/null
+TRAIN= VAL=
+for a in "$@"; do
+  case "$a" in data.train_files=*) TRAIN=${a#*=} ;; data.val_files=*) VAL=${a#*=} ;; esac
+done
+if [ -z "$TRAIN" ]; then
+  [ -f "$OUT/data/val.parquet" ] || "$PY" -m moe_lora_rl.data sort "$OUT/data" >/dev/null
+  TRAIN=$OUT/data/train.parquet VAL=${VAL:-$OUT/data/val.parquet} RESPONSE_LEN=${RESPONSE_LEN:-16}
+fi
+VAL=${VAL:-$TRAIN}
+# the longest prompt in tokens through the model's chat template (as verl's RLHFDataset applies it); 10k rows a file
+PROMPT_LEN=${PROMPT_LEN:-$("$PY" -c 'import sys
+from transformers import AutoTokenizer
+from moe_lora_rl.rl.dataset import load_examples
+from moe_lora_rl.rl.hf_sampling import prompt_ids
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+files = [f for a in sys.argv[2:] for f in a.strip("[]").split(",") if f]
+n = max(max(map(len, prompt_ids(tok, load_examples(f)[:10000], "chat"))) for f in files)
+print(max(32, -(-n // 8) * 8))' "$MODEL" "$TRAIN" "$VAL")} || { echo "SMOKE: cannot read $TRAIN / $VAL"; exit 2; }
+RESPONSE_LEN=${RESPONSE_LEN:-64}
 STEPS=${STEPS:-2}
 if [ "${R3:-on}" = on ]; then
   ROUTES=(actor_rollout_ref.actor.megatron.router_replay.mode=R3 actor_rollout_ref.rollout.enable_rollout_routing_replay=true
@@ -48,10 +72,10 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${
   trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
   trainer.total_training_steps="$STEPS" trainer.total_epochs=1 trainer.default_local_dir="$OUT/ckpt" \
   trainer.project_name=cpu_smoke trainer.experiment_name=tiny \
-  data.train_files="$OUT/data/train.parquet" data.val_files="$OUT/data/val.parquet" \
+  data.train_files="$TRAIN" data.val_files="$VAL" \
   data.train_max_samples=16 data.val_max_samples=4 data.train_batch_size=2 \
-  data.max_prompt_length=32 data.max_response_length=16 data.dataloader_num_workers=0 \
-  reward.custom_reward_function.path=pkg://moe_lora_rl.rl.reward \
+  data.max_prompt_length="$PROMPT_LEN" data.max_response_length="$RESPONSE_LEN" data.dataloader_num_workers=0 \
+  reward.custom_reward_function.path=pkg://moe_lora_rl.rl.rewards reward.custom_reward_function.name=compute_score \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false \
   actor_rollout_ref.model.path="$MODEL" \
   actor_rollout_ref.model.lora.rank=4 actor_rollout_ref.model.lora.alpha=8 \
@@ -65,7 +89,7 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.rollout.n=2 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-  actor_rollout_ref.rollout.dtype=float32 actor_rollout_ref.rollout.max_model_len=64 \
+  actor_rollout_ref.rollout.dtype=float32 actor_rollout_ref.rollout.max_model_len=$((PROMPT_LEN + RESPONSE_LEN)) \
   actor_rollout_ref.rollout.free_cache_engine=false +actor_rollout_ref.rollout.enable_sleep_mode=false \
   actor_rollout_ref.rollout.checkpoint_engine.backend=naive actor_rollout_ref.rollout.agent.num_workers=1 \
   actor_rollout_ref.rollout.load_format=dummy \

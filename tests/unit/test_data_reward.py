@@ -4,6 +4,8 @@ one line naming the file, the column, the row or the function. The reward checks
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
 import pytest
 
 from moe_lora_rl.rl.dataset import Example, examples_from_rows, load_examples, read_rows, write_rows
@@ -134,6 +136,8 @@ REWARDS = '''
 import math, time
 def good(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": float(solution_str.strip() == str(ground_truth)), "length": len(solution_str)}
+def lenient(data_source, solution_str, ground_truth, extra_info=None):
+    return float(str(ground_truth) in solution_str)
 def raises(data_source, solution_str, ground_truth, extra_info=None):
     raise KeyError("boom")
 def none(data_source, solution_str, ground_truth, extra_info=None):
@@ -188,6 +192,69 @@ def test_rewards_in_workers(tmp_path, pool):
             in one_line(e), str(e.value)
 
 
+def test_same_scores_as_verls_reward_manager(tmp_path, pool):
+    """The same responses (token ids, an EOS at the end) to gsm8k-format rows get the same scores through our path
+    (rl/producer.py's decode, rl/rewards.py's workers) and through verl 0.9.1's own: load_reward_manager (its
+    custom_reward_function loading, else default_compute_score) and the reward loop's NaiveRewardManager.run_single
+    on a DataProto as main_ppo builds it. With verl's default (gsm8k's strict "####"), the verl recipe's default
+    (rl/rewards.compute_score) and a reward file; control: another function of the file gives other scores. (verl
+    adds num_turns and rollout_reward_scores to extra_info; ours hands the row's extra_info as it is.)"""
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl import DataProto
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.rl.producer import Producer
+
+    tok = AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
+    rows = [GSM, {**GSM, "reward_model": {"style": "rule", "ground_truth": "12"},
+                  "extra_info": {"split": "test", "index": 7}}]
+    examples = examples_from_rows(rows)
+    texts = ["2 + 3 = 5\n#### 5", "#### 6", "5", "The answer is 5.", "3 * 4 = 12 #### 12", "#### 120", "12", ""]
+    pairs = [(examples[i // 4], t) for i, t in enumerate(texts)]
+    responses = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    f = tmp_path / "rewards.py"
+    f.write_text(REWARDS)
+
+    def ours(path, name):
+        cfg = SimpleNamespace(reward=SimpleNamespace(path=path, name=name, timeout_s=30.0, workers=1))
+        prod = Producer(cfg, tok, "unused", [], [], tmp_path)
+        prod.rewarder = RewardWorkers(path, name, pool=pool)
+        return prod.score([SimpleNamespace(response=r) for r in responses], [ex for ex, _ in pairs])[0]
+
+    def verls(path, name):
+        config = OmegaConf.create({"reward": {
+            "custom_reward_function": {"path": path, "name": name},
+            "reward_manager": {"source": "register", "name": "naive", "module": {"path": None, "name": "x"}}}})
+        manager = load_reward_manager(config, tok)
+        prompt = tok.encode("question", add_special_tokens=False)
+        scores = []
+        for (ex, _), resp in zip(pairs, responses):
+            row = rows[examples.index(ex)]
+            width = max(map(len, responses)) + 1                          # right-padded as verl's rollout pads
+            ids = resp + [tok.pad_token_id or 0] * (width - len(resp))
+            mask = [1] * (len(prompt) + len(resp)) + [0] * (width - len(resp))
+            data = DataProto.from_dict(
+                tensors={"prompts": torch.tensor([prompt]), "responses": torch.tensor([ids]),
+                         "attention_mask": torch.tensor([mask])},
+                non_tensors={k: np.array([row[k]], dtype=object) for k in ("data_source", "reward_model",
+                                                                           "extra_info")})
+            scores.append(float(manager.loop.run_until_complete(manager.run_single(data))["reward_score"]))
+        return scores
+
+    default = ours(None, "compute_score")
+    assert default == verls(None, "compute_score") == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    # the verl recipe's default reward (run_cpu_smoke.sh): our default's dispatch as verl's custom_reward_function
+    assert verls("pkg://moe_lora_rl.rl.rewards", "compute_score") == default
+    custom = ours(str(f), "good")
+    assert custom == verls(str(f), "good") and custom != default         # the file's function, not verl's default
+    assert verls(str(f), "lenient") != custom                             # control: another name, other scores
+    assert ours(str(f), "lenient") == verls(str(f), "lenient")
+
+
 def test_reward_loading_refusals(tmp_path):
     f = tmp_path / "rewards.py"
     f.write_text(REWARDS)
@@ -222,6 +289,10 @@ def test_data_cli_writes_verl_rows(tmp_path):
     assert len(val) == 16 and len(train) == 4000 and val[0].data_source == "openai/gsm8k"
     assert val[0].reference.endswith(f"#### {val[0].ground_truth}")
     assert not {e.messages[0]["content"] for e in val} & {e.messages[0]["content"] for e in train}   # held out
+    easy = load_examples(write("gsm8k_add1", tmp_path / "a", fmt="jsonl")["val"], reference_key="extra_info.answer")
+    assert len(easy) == 32 and all(" + " in e.reference and int(e.ground_truth) <= 18 for e in easy)
+    with pytest.raises(ValueError, match="level 'add1' has 162 distinct problems; hold out at most 81"):
+        write("gsm8k_add1", tmp_path / "b", n_eval=100)
     paths = write("sort", tmp_path / "s", fmt="jsonl", n_eval=8)
     assert load_examples(paths["val"])[0].data_source == "moe_lora_rl/addition"
     assert main(["nope", str(tmp_path)]) == 2
