@@ -60,17 +60,35 @@ def _read_manifest(ckpt: Path) -> dict:
     return m
 
 
+def _first_readable(root: Path) -> tuple[Path, dict] | None:
+    for name in _candidates(root):
+        try:
+            ckpt = _find(root, name)
+            m = _read_manifest(ckpt)
+            m["step"]
+            return ckpt, m
+        except (IntegrityError, KeyError):
+            continue
+    return None
+
+
 def resumable_step(root) -> int | None:
     """The step load_checkpoint(ROOT, ...) would load, judged by the manifests alone (no hashing: cheap, one process,
     no collective); None when ROOT holds no checkpoint. Should a file then fail its checksum, the load falls back
     further (or refuses when nothing verifies)."""
-    root = Path(root)
-    for name in _candidates(root):
-        try:
-            return _read_manifest(_find(root, name))["step"]
-        except (IntegrityError, KeyError):
-            continue
-    return None
+    found = _first_readable(Path(root))
+    return None if found is None else found[1]["step"]
+
+
+def check_resume_lora(root, lora_config: LoRAConfig) -> None:
+    """The LoRA refusal load_checkpoint(ROOT, ...) gives adapters built with LORA_CONFIG (rank, alpha, adapter
+    layout, targets: LoRAConfig.check_compatible), from the manifest resumable_step reads: a one-line ValueError
+    in a second, before any model is built. The load would refuse that same manifest (refusals come before any
+    hashing and are never a fallback), possibly naming a run_meta difference first. No checkpoint, or a manifest
+    without a LoRA config: nothing checked here."""
+    found = _first_readable(Path(root))
+    if found is not None and isinstance(found[1].get("lora_config"), dict):
+        lora_config.check_compatible(LoRAConfig.from_dict(found[1]["lora_config"]), str(found[0]))
 
 
 def _pieces(ckpt: Path, files: list[str]) -> dict[tuple[str, str], list[Piece]]:

@@ -52,7 +52,7 @@ import torch
 from ..lora.config import LoRAConfig
 from .common import CRASH_EXIT, MOMENTS, OPTIMIZER_FILE, _crash_point  # noqa: F401 - the public surface
 from .attempts import failed_steps, mark_resuming, record_failed_resume, resume_succeeded  # noqa: F401
-from .load import load_checkpoint, resumable_step  # noqa: F401
+from .load import check_resume_lora, load_checkpoint, resumable_step  # noqa: F401
 from .common import latest_step  # noqa: F401
 from .plan import sha256_file
 from .save import non_finite, prune, save_checkpoint  # noqa: F401

@@ -78,7 +78,7 @@ def check(cfg: TrainConfig, world_size: int):
             if name is not None:
                 check_prompts(pcfg)
             check_targets(pcfg, arch)
-            check_resumable(pcfg)
+            check_resumable(pcfg, lora=name is None)   # a policy's adapters: checked at its load
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
     if cfg.runtime.device == "cpu":
@@ -96,14 +96,19 @@ def check_targets(cfg: TrainConfig, arch) -> None:
         raise ValueError(f"lora.targets {unmatched} match no layer of this model (it has {sorted(arch.adaptable())})")
 
 
-def check_resumable(cfg: TrainConfig) -> None:
-    if cfg.resume is True:
-        from ..checkpoint.store import resumable_step
+def check_resumable(cfg: TrainConfig, lora: bool = True) -> None:
+    """resume=true finds a checkpoint; with LORA, a checkpoint resume would load was written with compatible LoRA
+    settings (checkpoint/load.py's check_resume_lora: refused before any policy is built)."""
+    if not cfg.resume:
+        return
+    from ..checkpoint.store import check_resume_lora, resumable_step
 
-        root = Path(cfg.out_dir) / "checkpoints"
-        if resumable_step(root) is None:
-            raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first, or "
-                             "resume=auto to start fresh when there is none)")
+    root = Path(cfg.out_dir) / "checkpoints"
+    if cfg.resume is True and resumable_step(root) is None:
+        raise ValueError(f"resume=true: no checkpoint in {str(root)!r} (run with checkpoint_every>0 first, or "
+                         "resume=auto to start fresh when there is none)")
+    if lora:
+        check_resume_lora(root, cfg.lora.lora_config())
 
 
 def check_engine_cores(cfg: TrainConfig) -> None:

@@ -197,7 +197,8 @@ def test_console_is_quiet(runs):
 
 def test_resume_refusals(runs, tmp_path, train_cli):
     """No torchrun: the refusals come before any engine starts, as one line (the first in this process, through the
-    CLI's main; the second, found once the run reads the checkpoint, in a process of its own)."""
+    CLI's main; the second, the checkpoint's LoRA rank read from its manifest before any policy is built, in a
+    process of its own)."""
     def train(out, *extra):
         return subprocess.run([sys.executable, "-m", "moe_lora_rl.train", *SHORT, *extra, f"out_dir={out}"],
                               env=worker_env(), capture_output=True, text=True, timeout=600)

@@ -180,6 +180,11 @@ def test_refuses_another_lora_config(saved, model_dir):
         m, opt = make(cfg)
         step(m, opt)
         refused(path.parent, m, opt, ck.describe_run(model_dir, cfg, "tp1ep1pp1"), what)
+        with pytest.raises(ValueError, match=what):      # the main job's preflight: the manifest alone, no model
+            ck.check_resume_lora(path.parent, cfg)
+    ck.check_resume_lora(path.parent, saved[0].lora_config)       # the saved settings pass (init_seed aside)
+    ck.check_resume_lora(path.parent, LoRAConfig(rank=4, alpha=8.0, init_seed=7))
+    ck.check_resume_lora(path.parent.parent / "none", LoRAConfig(rank=8, alpha=16.0))   # nothing to resume
 
 
 def test_layout_may_differ(saved):

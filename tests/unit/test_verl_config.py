@@ -9,6 +9,8 @@ import types
 
 import pytest
 
+from moe_lora_rl.checks.import_inert import IMPORT_CHECK, facts
+
 pytestmark = pytest.mark.verl
 
 ENGINE = "moe_lora_rl.integration.verl.plugin.MoELoRAEngineConfig"
@@ -198,6 +200,7 @@ def _start(code, **env) -> subprocess.Popen:
 def _check(p: subprocess.Popen) -> None:
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0 and stdout.strip().endswith("ok"), stderr[-2000:]
+    p.stdout_text = stdout
 
 
 REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
@@ -206,9 +209,12 @@ REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
 
 
 def test_plugin_is_inert_unless_imported():
-    """Three fresh processes, started together (each imports verl: most of the time)."""
-    # our other modules (algos, the vLLM plugin) import no verl and register nothing
-    first = _start("import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm, moe_lora_rl.integration.verl\n"
+    """Three fresh processes, started together (each imports verl: most of the time). The first also runs
+    test_cpu_support's check that importing every module of the package patches nothing (checks/import_inert.py),
+    before anything imports verl."""
+    # our other modules (algos, the vLLM plugin; every module import_inert walks) import no verl and register nothing
+    first = _start(IMPORT_CHECK +
+         "import sys, moe_lora_rl, moe_lora_rl.algos, moe_lora_rl.vllm, moe_lora_rl.integration.verl\n"
          "assert 'verl' not in sys.modules, 'importing algos or the integration package must not import verl'\n"
          "import verl\n" + REGISTRIES +
          "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"
@@ -239,6 +245,8 @@ def test_plugin_is_inert_unless_imported():
                    VERL_USE_EXTERNAL_MODULES="moe_lora_rl.integration.verl.plugin")
     for p in (first, second, third):
         _check(p)
+    out = facts(first.stdout_text)
+    assert int(out["IMPORTED"]) > 20 and out["CHANGED"] == "[]", out
 
 
 def test_task_runner_swaps_the_worker_only_on_the_cpu_platform(compose, monkeypatch):
