@@ -40,6 +40,9 @@ from .generate import Generated, finish_generated
 # worker-extension methods that change the served weights: they run behind the commit barrier
 COMMIT_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob",
                             "moe_lora_clear", "moe_lora_set_mode"})
+# vLLM's weight-transfer calls that load a new base (vllm/base_sync.py): refused while requests run, and vLLM's prefix
+# cache is reset after finish_weight_update (its blocks, base-salted or unsalted, were computed under the old base)
+BASE_METHODS = frozenset({"start_weight_update", "update_weights", "finish_weight_update"})
 # of those, the ones that add a version (the only ones that can find the engine full)
 ADDING_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob"})
 # housekeeping skipped (answered None) while a commit waits behind the barrier or a full engine: the stage that commit
@@ -242,7 +245,13 @@ class EngineLoop:
                     deferred.append(cmd)
                     continue
             try:
+                if cmd.method in BASE_METHODS and self._live:
+                    raise ValueError(f"{cmd.method}: a base update while {len(self._live)} requests run is refused "
+                                     "(their KV cache and prefix-cache blocks are the old base's); wait for them")
                 cmd.future.set_result(cmd.fn(self.llm))
+                if cmd.method == "finish_weight_update" \
+                        and self.engine.vllm_config.cache_config.enable_prefix_caching:
+                    self.engine.reset_prefix_cache()
             except BaseException as e:  # noqa: BLE001 - the caller gets it; the loop keeps serving
                 cmd.future.set_exception(e)
             finally:
