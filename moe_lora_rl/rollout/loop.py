@@ -16,6 +16,8 @@ mode the version served at the engine step that sampled it (a commit applies to 
 forward; their KV cache is kept), in `pin` mode the version the request was tracked with at admission
 (worker extension `moe_lora_track`). The prefix cache is keyed by version (vLLM's `cache_salt`), never reset per
 commit: a reset cannot drop the blocks of running requests, and `pin` keeps several versions' prefixes live.
+A base update (vLLM's start_weight_update / update_weights / finish_weight_update, BASE_METHODS) changes what
+every salt means: it is refused while requests run, and vLLM's prefix cache is reset after finish_weight_update.
 
 Commit barrier (switch). A request's prompt must be computed under the version of its salt, so a commit waits
 until every admitted request has prefilled (no chunked prefill: one step), and no request is admitted while a
