@@ -267,7 +267,7 @@ def test_a_base_update_resets_the_prefix_cache_and_is_refused_while_requests_run
     """A prompt served under base A, base B synced, the same prompt again: its prompt is computed under B (the
     base salt is the same across bases, so without the reset the cache serves A's blocks: the control, run on the
     loop without its reset, asserts exactly that). A base update while a request runs is refused in one line and
-    changes nothing."""
+    changes nothing; a request submitted while an update is open is admitted after it finishes."""
     eng = CachingEngine()
     llm = BaseSyncLLM(eng)
     loop = EngineLoop(llm, None, inflight="switch").start()
@@ -282,10 +282,13 @@ def test_a_base_update_resets_the_prefix_cache_and_is_refused_while_requests_run
                 loop.rpc(method, args)
         assert eng.base == "A" and eng.resets == 0
         t.results()
-        for method, args in (("start_weight_update", ()), ("update_weights", ({},)), ("finish_weight_update", ())):
-            loop.rpc(method, args)
+        loop.rpc("start_weight_update")
+        again = loop.submit([Request([1, 2, 3], Params(2))])      # submitted while the update is open: it waits
+        time.sleep(0.1)
+        assert not eng.reqs and again.request_ids == []
+        loop.rpc("update_weights", ({},))
+        loop.rpc("finish_weight_update")
         assert eng.base == "B" and eng.resets == 1
-        again = loop.submit([Request([1, 2, 3], Params(2))])
         again.results()
         assert eng.prompt_base[first.request_ids[0]] == "A" and eng.prompt_base[again.request_ids[0]] == "B"
         # control: the same sync through llm directly (no loop, no reset) leaves A's blocks served under B
