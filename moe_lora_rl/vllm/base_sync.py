@@ -24,8 +24,8 @@ keeps serving nothing: `served` stays None). A version older than the served one
 an update after an adapter was pushed is refused (the adapters' serving state holds references to the base).
 A new base makes every prefix computed under the old one stale: the worker drops its prefix route store (on_served)
 and the engine loop resets vLLM's prefix cache after finish_weight_update, refusing a base update while requests run
-(rollout/loop.py BASE_METHODS). With keep (moe_lora_base_init(keep=True)) the version that serves keeps its checkpoint bytes, and PeerExport gives
-them to an engine that starts empty (rollout.base_from=peer).
+(rollout/loop.py BASE_METHODS). With keep (moe_lora_base_init(keep=True)) the version that serves keeps its checkpoint
+bytes, and PeerExport gives them to an engine that starts empty (rollout.base_from=peer).
 """
 from __future__ import annotations
 
