@@ -16,6 +16,9 @@ mode the version served at the engine step that sampled it (a commit applies to 
 forward; their KV cache is kept), in `pin` mode the version the request was tracked with at admission
 (worker extension `moe_lora_track`). The prefix cache is keyed by version (vLLM's `cache_salt`), never reset per
 commit: a reset cannot drop the blocks of running requests, and `pin` keeps several versions' prefixes live.
+A base update (vLLM's start_weight_update / update_weights / finish_weight_update, BASE_METHODS) changes what
+every salt means: it is refused while requests run, no request is admitted from start_weight_update until
+finish_weight_update (or moe_lora_base_abort) returns, and vLLM's prefix cache is reset after finish_weight_update.
 
 Commit barrier (switch). A request's prompt must be computed under the version of its salt, so a commit waits
 until every admitted request has prefilled (no chunked prefill: one step), and no request is admitted while a
@@ -40,6 +43,9 @@ from .generate import Generated, finish_generated
 # worker-extension methods that change the served weights: they run behind the commit barrier
 COMMIT_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob",
                             "moe_lora_clear", "moe_lora_set_mode"})
+# vLLM's weight-transfer calls that load a new base (vllm/base_sync.py): refused while requests run, and vLLM's prefix
+# cache is reset after finish_weight_update (its blocks, base-salted or unsalted, were computed under the old base)
+BASE_METHODS = frozenset({"start_weight_update", "update_weights", "finish_weight_update"})
 # of those, the ones that add a version (the only ones that can find the engine full)
 ADDING_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob"})
 # housekeeping skipped (answered None) while a commit waits behind the barrier or a full engine: the stage that commit
@@ -120,6 +126,7 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._base_open = False           # a base update started and not finished or aborted: nothing is admitted
         self.served = self._rpc("moe_lora_status")["version"]
         self.stats = {"steps": 0, "step_s": 0.0, "tokens": 0, "commands": 0, "stall_s": 0.0, "commits": 0,
                       "commit_wait_s": 0.0}
@@ -203,7 +210,7 @@ class EngineLoop:
                     break
                 commands, self._commands = self._commands, []
             deferred = self._run_commands(commands)
-            blocked = bool(deferred) and self.inflight == "switch"
+            blocked = (bool(deferred) and self.inflight == "switch") or self._base_open
             with self._lock:
                 self._commands[:0] = deferred
                 pending = [] if blocked else self._pending
@@ -221,6 +228,10 @@ class EngineLoop:
                 self._step()
             elif deferred:
                 time.sleep(0.001)
+            elif self._base_open:
+                with self._lock:                   # admissions wait for the base update; its next call wakes this
+                    if not self._commands and not self._stop:
+                        self._lock.wait(0.05)
         self._fail_all(RuntimeError("the engine loop stopped"))
 
     def _barrier_open(self) -> bool:
@@ -242,7 +253,17 @@ class EngineLoop:
                     deferred.append(cmd)
                     continue
             try:
+                if cmd.method in BASE_METHODS and self._live:
+                    raise ValueError(f"{cmd.method}: a base update while {len(self._live)} requests run is refused "
+                                     "(their KV cache and prefix-cache blocks are the old base's); wait for them")
+                if cmd.method in ("finish_weight_update", "moe_lora_base_abort"):
+                    self._base_open = False               # finished, refused or aborted: admissions resume
                 cmd.future.set_result(cmd.fn(self.llm))
+                if cmd.method == "start_weight_update":
+                    self._base_open = True
+                if cmd.method == "finish_weight_update" \
+                        and self.engine.vllm_config.cache_config.enable_prefix_caching:
+                    self.engine.reset_prefix_cache()
             except BaseException as e:  # noqa: BLE001 - the caller gets it; the loop keeps serving
                 cmd.future.set_exception(e)
             finally:

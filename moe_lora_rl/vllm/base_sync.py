@@ -22,8 +22,10 @@ The model's weights are written at finish only, from bytes that all passed their
 incomplete version changes nothing: the engine keeps its previous weights (or, started with load_format=dummy,
 keeps serving nothing: `served` stays None). A version older than the served one is refused. The base comes first:
 an update after an adapter was pushed is refused (the adapters' serving state holds references to the base).
-With keep (moe_lora_base_init(keep=True)) the version that serves keeps its checkpoint bytes, and PeerExport gives
-them to an engine that starts empty (rollout.base_from=peer).
+A new base makes every prefix computed under the old one stale: the worker drops its prefix route store (on_served)
+and the engine loop resets vLLM's prefix cache after finish_weight_update, refusing a base update while requests run
+(rollout/loop.py BASE_METHODS). With keep (moe_lora_base_init(keep=True)) the version that serves keeps its checkpoint
+bytes, and PeerExport gives them to an engine that starts empty (rollout.base_from=peer).
 """
 from __future__ import annotations
 
@@ -166,6 +168,7 @@ def engine_class():
             #                                   (UpdateInfo, MappedSegment)), whether they are the whole version, for
             #                                   a SharedExport)
             self.timers = {"read_s": 0.0, "load_s": 0.0}
+            self.on_served = None              # called after a new base serves (the worker drops its prefix routes)
             self._reset()
 
         def _reset(self):
@@ -322,6 +325,8 @@ def engine_class():
                 self.timers["load_s"] += time.perf_counter() - t0
                 self.served = self.version
                 self._keep(weights)
+                if self.on_served is not None:
+                    self.on_served()
             finally:
                 self._reset()
 

@@ -25,7 +25,10 @@ does not forget the numbers passed, and a commit of a number at or below the hig
 naming both. Every cache keyed by a version therefore holds one set of weights per key: vLLM's prefix cache
 (`cache_salt`, never reset per commit), the prefix route store (prefix_routes.py, same salt), the merged-weight
 record (runtime.py `_merged_version`) and the adapter slots (runtime.py `adapters`, `_loras`). A restarted engine
-is a new process with empty caches and a new table.
+is a new process with empty caches and a new table. The base model's salt (`cache_salt(None)`) is one key across base
+syncs (vllm/base_sync.py): a new base empties the caches instead (the engine loop resets vLLM's prefix cache after
+finish_weight_update and refuses a base update while requests run; the worker drops its route store), and a base
+update once an adapter is served is refused, so no adapter key outlives its base.
 """
 from __future__ import annotations
 

@@ -352,7 +352,19 @@ class MoELoRAWorkerExtension:
             raise ValueError(f"adapter versions {rt.table.held} are served: the base is synced before any adapter")
         eng = install(self)
         eng.set_keep(keep)
+        eng.on_served = self._moe_lora_base_served
         return {"backend": BACKEND, "served": eng.served}
+
+    def _moe_lora_base_served(self) -> None:
+        """A new base serves: every stored prompt route was computed under the old base (the base salt and the
+        untracked one alike), so the route store keeps only the held adapter versions' (none: the base is synced
+        before any adapter)."""
+        from .versions import cache_salt
+
+        cap = getattr(self, "_moe_lora_capture", None)
+        if cap is not None:
+            rt = getattr(self, "_moe_lora_rt", None)
+            cap.new_weights({cache_salt(v) for v in (rt.table.held if rt is not None else ())})
 
     @entry
     def moe_lora_base_abort(self) -> dict:

@@ -52,3 +52,26 @@ def test_a_bucket_larger_than_free_memory_is_refused_and_drops_the_version(engin
     monkeypatch.setattr(base_sync, "available_bytes", lambda: need)                  # control: it fits exactly
     engine.receive_weights(info)
     assert engine.got == {0}
+
+
+def test_a_new_base_that_serves_tells_the_worker_and_a_refused_one_does_not(engine, bucket, monkeypatch):
+    """on_served (the worker drops its prefix route store) runs once the new base serves, never for a version that
+    did not load (control: a finish with no bucket arrived is refused and calls nothing)."""
+    from vllm.model_executor.model_loader import reload
+
+    tensors, info = bucket
+    loaded = {}
+    engine.model = types.SimpleNamespace(load_weights=lambda w: loaded.update({n: t.clone() for n, t in w}),
+                                         state_dict=lambda keep_vars: {n: t.clone() for n, t in tensors.items()})
+    monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: None)
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, cfg: None)
+    calls = []
+    engine.on_served = lambda: calls.append(engine.served)
+    engine.start_weight_update()
+    with pytest.raises(ValueError, match="never arrived"):
+        engine.finish_weight_update()
+    assert calls == [] and engine.served is None
+    engine.start_weight_update()
+    engine.receive_weights(info)
+    engine.finish_weight_update()
+    assert calls == [1] and torch.equal(loaded["a.weight"], tensors["a.weight"])

@@ -112,6 +112,26 @@ def test_prefix_store_keyed_by_version():
     assert not cap.prefix.by_key
 
 
+def test_prefix_store_dropped_when_a_new_base_serves():
+    """The base salt is one string across base syncs: the worker drops every stored prompt route (base-salted and
+    untracked) when a new base serves, so a prompt prefilled again under base B is never given base A's routes.
+    Control: the store as it was before the base served still hits (it would serve A's routes)."""
+    from moe_lora_rl.vllm.versions import UNTRACKED_SALT, cache_salt
+    from moe_lora_rl.vllm.worker_ext import MoELoRAWorkerExtension
+
+    prompt = list(range(8))
+    runner = _Runner({k: prompt for k in ("a-1", "u-2", "b-3")})
+    salts = {"a-1": cache_salt(None), "u-2": UNTRACKED_SALT, "b-3": cache_salt(None)}
+    cap = _capture(runner)
+    cap.prefix.salt_of = salts.__getitem__
+    _step(cap, ["a-1", "u-2"], [8, 8], [0, 0])                  # base A computes the prompt (base salt, untracked)
+    assert {salt for salt, _ in cap.prefix.by_key.values()} == {cache_salt(None), UNTRACKED_SALT}
+    assert cap.prefix.lookup("b-3", 0, 8) is not None            # control: before the new base, a hit
+    worker = type("W", (), {"_moe_lora_capture": cap})()        # no adapter runtime: the base alone
+    MoELoRAWorkerExtension._moe_lora_base_served(worker)         # base B serves (ShmBaseEngine.on_served)
+    assert not cap.prefix.by_key and cap.prefix.lookup("b-3", 0, 8) is None
+
+
 class _Batch:
     def __init__(self, req_ids, lens):
         self.num_reqs, self.req_ids = len(req_ids), list(req_ids)
