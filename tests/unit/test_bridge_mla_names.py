@@ -2,12 +2,15 @@
 DeepSeek-V3 mappings (megatron/bridge/models/deepseek/common.py) and its MLA provider. Runs in .venv312, where
 `bash scripts/setup.sh --compat` installs megatron-bridge 0.6.2 with --no-deps into .venv312/megatron-bridge (its
 own pins would replace our transformers and megatron-core); skipped with the reason where that folder is absent.
+The bridge's modules are imported for real (see _bridge: its package __init__s are skipped, and transformer_engine,
+which its PEFT module imports at load time, is a placeholder while AutoBridge is imported and called).
 
 For every Megatron parameter our builder has (both q_lora_rank variants, local and TE spec names), the bridge's
 mapping with the same Megatron name must give the same HF tensor(s); the MTP layer's HF tensors are the ones the
 bridge maps to its own MTP block (mtp.layers.*), never to decoder layers; the MLA widths and RoPE parameters our
 builder passes to MLATransformerConfig equal the bridge provider's.
 """
+import contextlib
 import fnmatch
 import importlib
 import inspect
@@ -30,13 +33,37 @@ pytestmark = pytest.mark.skipif(
     reason=f"megatron-bridge is not installed at {BRIDGE_DIR} (bash scripts/setup.sh --compat puts it in .venv312)")
 
 
-def _import_bridge(*modules: str) -> list:
+class _GpuOnly(types.ModuleType):
+    """Stands in for transformer_engine while megatron-bridge's modules are imported: every attribute is another
+    placeholder (usable as a base class), so class bodies and annotations that name it evaluate; calling one raises."""
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _GpuOnly(f"{self.__name__}.{attr}")
+
+    def __call__(self, *a, **k):
+        raise RuntimeError(f"{self.__name__} is GPU-only and stubbed for an import of megatron-bridge")
+
+    def __mro_entries__(self, bases):
+        return (type(self.__name__.rsplit(".", 1)[-1], (), {}),)
+
+
+@contextlib.contextmanager
+def _bridge(*modules: str, stub_te: bool = False):
     """megatron-bridge's own modules, imported for real from BRIDGE_DIR, without running its package __init__s
     (megatron/bridge/__init__.py imports every model family, diffusion, PEFT and transformer_engine, which this
-    CPU venv lacks): each bridge package is put in sys.modules bare, with its real __path__, for this import alone,
-    then every megatron.bridge entry is taken out again; the returned module objects keep what they imported."""
+    CPU venv lacks): each bridge package is put in sys.modules bare, with its real __path__, inside this context
+    alone (the bridge imports more of itself lazily when called), then every megatron.bridge entry is taken out
+    again; the yielded module objects keep what they imported.
+    stub_te: transformer_engine (imported at module level by megatron/bridge/peft/lora_layers.py) is a _GpuOnly for
+    this context alone; megatron.core must not be imported meanwhile (it would record TE as present for the rest of
+    the process), else it raises."""
     root = BRIDGE_DIR / "megatron" / "bridge"
-    saved = {k: v for k, v in sys.modules.items() if k == "megatron.bridge" or k.startswith("megatron.bridge.")}
+    ours = ("megatron.bridge.", "transformer_engine.")
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "transformer_engine"
+             or k == "megatron.bridge" or k.startswith("megatron.bridge.")}
+    before = set(sys.modules)
     try:
         for d, _, files in os.walk(root):
             if "__init__.py" in files:
@@ -44,16 +71,26 @@ def _import_bridge(*modules: str) -> list:
                 pkg = types.ModuleType(name)
                 pkg.__path__, pkg.__package__ = [d], name
                 sys.modules[name] = pkg
-        return [importlib.import_module(m) for m in modules]
+        if stub_te:
+            # the bridge's model providers pull in megatron.core's model modules: imported first, with no stub
+            importlib.import_module("megatron.bridge.models.mla_provider")
+            before = set(sys.modules)
+            sys.modules["transformer_engine"] = _GpuOnly("transformer_engine")
+            sys.modules["transformer_engine.pytorch"] = sys.modules["transformer_engine"].pytorch
+        yield [importlib.import_module(m) for m in modules]
+        if stub_te:
+            core = sorted(m for m in set(sys.modules) - before if m.startswith("megatron.core"))
+            assert not core, f"megatron.core modules imported under the transformer_engine stub: {core}"
     finally:
-        for k in [k for k in sys.modules if k == "megatron.bridge" or k.startswith("megatron.bridge.")]:
+        for k in [k for k in sys.modules if (k + ".").startswith(ours)]:
             del sys.modules[k]
         sys.modules.update(saved)
 
 
 @pytest.fixture(scope="module")
 def bridge_common():
-    (common,) = _import_bridge("megatron.bridge.models.deepseek.common")
+    with _bridge("megatron.bridge.models.deepseek.common") as (common,):
+        pass
     assert Path(common.__file__).is_relative_to(BRIDGE_DIR), common.__file__
     return common
 
@@ -143,18 +180,13 @@ def test_mtp_tensors_map_to_the_bridge_mtp_block_only(bridge_common):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_mla_config_matches_bridge_provider(size):
-    try:
-        (auto_bridge,) = _import_bridge("megatron.bridge.models.conversion.auto_bridge")
-    except ModuleNotFoundError as e:
-        if e.name != "transformer_engine":
-            raise
-        pytest.skip("megatron-bridge's AutoBridge imports transformer_engine (megatron/bridge/peft/lora_layers.py, "
-                    "via model_bridge) at import time; it is GPU-only and absent here")
-    AutoBridge = auto_bridge.AutoBridge
-
     cfg = build_hf_config("deepseek_v3", size)
     arch = arch_from_hf_config(cfg)
-    provider = AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
+    # deepseek_v3_bridge registers DeepSeekV3Bridge for DeepseekV3ForCausalLM (the package __init__ that would is skipped)
+    with _bridge("megatron.bridge.models.conversion.auto_bridge", "megatron.bridge.models.deepseek.deepseek_v3_bridge",
+                 stub_te=True) as (auto_bridge, _):
+        provider = auto_bridge.AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
+    assert type(provider).__name__ == "MLAModelProvider", type(provider)
     ours = mla_kwargs(arch)
     keys = ["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_base"]
     if arch.rope_type == "yarn":
@@ -162,6 +194,8 @@ def test_mla_config_matches_bridge_provider(size):
                  "mscale_all_dim"]
     got = {k: getattr(provider, k) for k in keys}
     assert got == {k: ours[k] for k in keys}, (got, ours)
+    # negative control: one of our widths off by one is caught by the same comparison
+    assert got != {**{k: ours[k] for k in keys}, "kv_lora_rank": ours["kv_lora_rank"] + 1}
     assert provider.num_attention_heads == arch.num_heads and provider.hidden_size == arch.hidden_size
     # the MLA weight shapes both imply (Megatron [out, in]) equal our HF shapes
     shapes = naming_for(arch).hf_shapes(arch, 0)
