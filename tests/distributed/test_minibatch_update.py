@@ -5,7 +5,9 @@ Tolerances: train_on with 1 mini-batch and 1 epoch takes its proximal logprobs f
 (Policy.update with old_logprobs=None), which must equal the separate proximal pass followed by the update: adapters,
 metrics, the proximal logprobs and the router disagreement are compared bit for bit (control: a proximal off by 0.01
 per token gives other adapters); mini_batches=4 against 4 updates by hand on the same slices with the same old logprobs runs the same
-computations, so <= 1e-6 is loose (measured 0.0). ministep0_rollout_kl with the rollout logprobs taken as the
+products, but the slices' GEMMs have other shapes than the whole batch's, and on CPUs whose oneDNN kernels block by
+shape (AVX-512/AMX) they round differently; four AdamW steps at lr 2e-2 carry that to the adapters: <= 1e-3 (measured
+0.0 on an AVX2 machine, 9.6e-5 on an AMX one), a hundredth of the controls below. ministep0_rollout_kl with the rollout logprobs taken as the
 replayed recompute: <= 1e-10 (measured 0.0: the update forward reproduces it); the control replays the routes
 shuffled over tokens in the update: > 1e-3 (measured 193). Controls for the adapters: the mini-batches in reverse
 order (measured 0.16) and the single update (0.10) differ by > 1e-3.
@@ -42,7 +44,7 @@ def test_four_mini_batches_are_four_steps_against_the_proximal(rep):
     m = rep["mini4_metrics"]
     assert rep["mini4_version"] == rep["hand_version"] == 4 and rep["mini4_skipped"] is False
     assert (m["mini_steps"], m["mini_steps_skipped"]) == (4, 0)
-    assert rep["mini4_vs_hand"] <= 1e-6 and rep["proximal_vs_hand_old"] == 0.0, rep
+    assert rep["mini4_vs_hand"] <= 1e-3 and rep["proximal_vs_hand_old"] == 0.0, rep
     clip = rep["hand_clipfrac"]
     assert clip[0] == 0.0 and min(clip[1:]) > 0, clip        # step 0: policy = proximal; later ones moved and clip
     assert m["pg_clipfrac_last"] == clip[-1] and abs(m["pg_clipfrac"] - sum(clip) / 4) <= 1e-12
@@ -68,8 +70,9 @@ def test_first_mini_step_reproduces_the_replayed_rollout(rep):
 
 def test_grouped_experts_update_as_sequential(rep):
     """runtime.experts=grouped: megatron's legacy GroupedMLP (grouped GEMMs) in place of SequentialMLP gives the
-    same replayed logprobs and the same update to fp32 rounding (<= 1e-5, measured 0.0: the per-expert GEMMs are
-    the same products); the control, the grouped model replaying the routes shuffled over tokens, is far off."""
+    same replayed logprobs and the same update to fp32 rounding (<= 1e-4: the per-expert GEMMs are the same products
+    in other shapes, measured 0.0 on an AVX2 machine, 8.6e-6 and 2.0e-5 on an AMX one whose kernels block by shape);
+    the control, the grouped model replaying the routes shuffled over tokens, is far off (> 1e-2)."""
     assert "GroupedMLP" in rep["grouped_class"] and "SequentialMLP" not in rep["grouped_class"], rep["grouped_class"]
-    assert rep["grouped_logprobs_diff"] <= 1e-5 and rep["grouped_update_diff"] <= 1e-5, rep
+    assert rep["grouped_logprobs_diff"] <= 1e-4 and rep["grouped_update_diff"] <= 1e-4, rep
     assert rep["grouped_shuffled_diff"] > 1e-2, rep
