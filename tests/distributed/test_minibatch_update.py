@@ -44,7 +44,9 @@ def test_four_mini_batches_are_four_steps_against_the_proximal(rep):
     m = rep["mini4_metrics"]
     assert rep["mini4_version"] == rep["hand_version"] == 4 and rep["mini4_skipped"] is False
     assert (m["mini_steps"], m["mini_steps_skipped"]) == (4, 0)
-    assert rep["mini4_vs_hand"] <= 1e-3 and rep["proximal_vs_hand_old"] == 0.0, rep
+    # the proximal logprobs: one pass over the whole batch vs the hand's slices (GEMM shapes again: 0.0 on AVX2,
+    # 7.6e-6 on AMX; fp32 logprobs of one model agree to 1e-4, checks/tolerances.py)
+    assert rep["mini4_vs_hand"] <= 1e-3 and rep["proximal_vs_hand_old"] <= 1e-4, rep
     clip = rep["hand_clipfrac"]
     assert clip[0] == 0.0 and min(clip[1:]) > 0, clip        # step 0: policy = proximal; later ones moved and clip
     assert m["pg_clipfrac_last"] == clip[-1] and abs(m["pg_clipfrac"] - sum(clip) / 4) <= 1e-12
