@@ -24,10 +24,13 @@ def resolve_models(model_args: list[str] | None, size: str = "tiny") -> list[str
 
 
 def mla_models() -> list[str]:
-    """The three deepseek_v3 (MLA) tiny variants."""
+    """The deepseek_v3 (MLA) tiny variants the installed megatron-core builds: all three on 0.16; on later versions
+    not q_lora_rank null (tiny_lite), which megatron/build.py refuses there."""
+    from ..megatron.cpu_support import mcore_version
     from ..models import get_model
 
-    return [str(get_model("deepseek_v3", s)) for s in MLA_SIZES]
+    sizes = MLA_SIZES if mcore_version().startswith("0.16.") else tuple(s for s in MLA_SIZES if s != "tiny_lite")
+    return [str(get_model("deepseek_v3", s)) for s in sizes]
 
 
 def group_by_world(layout_names: str) -> "OrderedDict[int, list[str]]":

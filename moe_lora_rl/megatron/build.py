@@ -175,6 +175,13 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
             raise ValueError("grouped_experts=True with layer_spec='te': the TE spec has its own grouped experts "
                              "(TEGroupedMLP)")
         config_overrides = {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True, **config_overrides}
+    if arch.mla and not arch.q_lora_rank and rc.layer_spec == "local":
+        from .cpu_support import mcore_version
+
+        if not mcore_version().startswith("0.16."):
+            raise ValueError(f"MLA with q_lora_rank null (Moonlight's) on megatron-core {mcore_version()} with "
+                             "layer_spec='local': its MLA wants a norm fused into linear_q_proj, which the local "
+                             "spec cannot build (and the HF model has no such norm); use megatron-core 0.16")
     cfg = transformer_config(arch, layout, rc, **config_overrides)
     spec = get_gpt_decoder_block_spec(cfg, **spec_kwargs(rc))
     if rc.layer_spec == "local":
