@@ -132,24 +132,7 @@ def test_reward_result_checks():
         assert "data_source 'openai/gsm8k' row 12" in one_line(e) and text in str(e.value), str(e.value)
 
 
-REWARDS = '''
-import math, time
-def good(data_source, solution_str, ground_truth, extra_info=None):
-    return {"score": float(solution_str.strip() == str(ground_truth)), "length": len(solution_str)}
-def lenient(data_source, solution_str, ground_truth, extra_info=None):
-    return float(str(ground_truth) in solution_str)
-def raises(data_source, solution_str, ground_truth, extra_info=None):
-    raise KeyError("boom")
-def none(data_source, solution_str, ground_truth, extra_info=None):
-    return None
-def nan(data_source, solution_str, ground_truth, extra_info=None):
-    return math.nan
-def hangs(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep(60)
-def two_args(solution_str, ground_truth):
-    return 0.0
-NOT_A_FUNCTION = 3
-'''
+from reward_files import REWARDS  # noqa: E402  (tests/unit: one reward file for these tests)
 
 
 @pytest.fixture(scope="module")

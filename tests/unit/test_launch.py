@@ -17,19 +17,7 @@ pytest.importorskip("pyarrow")
 
 GSM = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "Ann has 2 apples and buys 3. How many?"}],
        "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"index": 0}}
-REWARDS = '''
-import math, time
-def raises(data_source, solution_str, ground_truth, extra_info=None):
-    raise KeyError("boom")
-def none(data_source, solution_str, ground_truth, extra_info=None):
-    return None
-def nan(data_source, solution_str, ground_truth, extra_info=None):
-    return math.nan
-def hangs(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep(60)
-def two_args(solution_str, ground_truth):
-    return 0.0
-'''
+from reward_files import REWARDS  # noqa: E402  (tests/unit: one reward file for these tests)
 
 
 @pytest.fixture(scope="module")
