@@ -283,6 +283,15 @@ def _balance(routers, loads: list[torch.Tensor], speed: float) -> None:
         load.zero_()
 
 
+def _keep_config_keys(base: Path, out: Path) -> None:
+    """The base's config.json keys that save_pretrained does not write (DeepSeek-V3's topk_method / scoring_func,
+    which HF's config class drops and vLLM needs) written back, so the warm-started checkpoint is read as its base."""
+    have = json.loads((out / "config.json").read_text())
+    lost = {k: v for k, v in json.loads((base / "config.json").read_text()).items() if k not in have}
+    if lost:
+        (out / "config.json").write_text(json.dumps({**have, **lost}, indent=2, sort_keys=True) + "\n")
+
+
 def warm_started(family: str = "glm4_moe", size: str = "wide", spec: WarmStartSpec | None = None,
                  model_seed: int = 0) -> Path:
     """Path of the cached warm-started checkpoint (base model get_model(family, size, model_seed)), training it
@@ -296,7 +305,8 @@ def warm_started(family: str = "glm4_moe", size: str = "wide", spec: WarmStartSp
     stamp = out / "moe_lora_rl_warm_start.json"
     if stamp.exists():
         return out
-    with open(root / ".lock-warm", "w") as lock:
+    # one lock per warm start: a long one (minutes to hours) must not hold up another model's or spec's
+    with open(root / f".lock-{out.name}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists():
             return out
@@ -312,6 +322,7 @@ def warm_started(family: str = "glm4_moe", size: str = "wide", spec: WarmStartSp
             finally:
                 torch.set_num_threads(threads)
             model.save_pretrained(tmp, safe_serialization=True)
+            _keep_config_keys(base, tmp)
             tok.save_pretrained(tmp)
             shutil.copy(base / "moe_lora_rl.json", tmp / "moe_lora_rl.json")
             (tmp / "moe_lora_rl_warm_start.json").write_text(json.dumps(
