@@ -1,4 +1,5 @@
-"""torchrun worker (2 ranks): LoRA training checkpoints at two layouts.
+"""torchrun worker (2 ranks): LoRA training checkpoints at two layouts (--model: a built-in FAMILY/SIZE, default
+glm4_moe/tiny, or an HF checkpoint dir).
 
 Train 2 AdamW steps at --save-layout, save, run step 3 (the uninterrupted reference); then, at every --load-layouts
 layout, a fresh model loads the checkpoint: gathered adapters and Adam moments against the saved ones, then step 3
@@ -67,10 +68,11 @@ def main(argv=None):
         ap.add_argument("--load-layouts", default="tp2ep2,tp1ep1pp1")
         ap.add_argument("--out", required=True)
         ap.add_argument("--lr", type=float, default=1e-4)
+        ap.add_argument("--model", default="glm4_moe/tiny", help="a built-in FAMILY/SIZE or an HF checkpoint dir")
 
     a = worker_args(argv, add)                                   # fp32 on CPU
     rc = a.rc
-    path = get_model("glm4_moe", "tiny")
+    path = get_model(*a.model.split("/")) if a.model.count("/") == 1 and not Path(a.model).is_dir() else a.model
     cfg = LoRAConfig(rank=4, alpha=8.0)
     root = Path(a.out) / "ckpt"
 

@@ -1,6 +1,8 @@
-"""Training checkpoints of the Megatron LoRA policy (glm4_moe tiny, fp32, 2 ranks, one torchrun launch): 2 AdamW
-steps at tp2ep2, save; fresh models load at tp2ep2, at tp1ep1pp1 (data parallel 2) and at pp2 (each rank holds half
-the layers) -- adapters and Adam moments reshard -- and continue.
+"""Training checkpoints of the Megatron LoRA policy (fp32, 2 ranks, one torchrun launch per model): 2 AdamW steps,
+save; fresh models load at the saving layout and at others -- adapters and Adam moments reshard -- and continue.
+glm4_moe tiny (GQA): saved at tp2ep2, loaded at tp2ep2, tp1ep1pp1 (data parallel 2) and pp2 (each rank holds half
+the layers). deepseek_v3 tiny (MLA; LoRA on every linear, q_a/q_b/kv_a/kv_b/o included): saved at tp1ep1pp1,
+loaded at tp1ep1pp1, tp2ep2 (the MLA heads and the latent up-projections split over TP) and pp2.
 
 Tolerances: the loaded adapters, Adam moments and step counts equal the saved ones exactly (gathered). The next step
 from the loaded state: at the saving layout exactly the uninterrupted run's (0 difference); at the other layouts
@@ -15,12 +17,19 @@ from moe_lora_rl.checks.launch import run_torchrun
 pytestmark = pytest.mark.dist
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+# (model, saving layout, the other layouts it is loaded at; the saving layout is loaded too)
+CASES = {"glm4_moe": ("glm4_moe/tiny", "tp2ep2", ("tp1ep1pp1", "pp2")),
+         "deepseek_v3": ("deepseek_v3/tiny", "tp1ep1pp1", ("tp2ep2", "pp2"))}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def report(request, tmp_path_factory):
+    model, save, others = CASES[request.param]
     out = tmp_path_factory.mktemp("ckpt")
     rep = run_torchrun("moe_lora_rl.checks.checkpoint_worker", 2,
-                       ["--out", str(out), "--save-layout", "tp2ep2", "--load-layouts", "tp2ep2,tp1ep1pp1,pp2"])
-    rep["root"] = out / "ckpt"
+                       ["--out", str(out), "--model", model, "--save-layout", save,
+                        "--load-layouts", ",".join((save, *others))])
+    rep.update(root=out / "ckpt", save=save, others=others)
     return rep
 
 
@@ -34,7 +43,7 @@ def test_checkpoint_files(report):
 
 
 def test_loaded_state_equals_saved(report):
-    assert report["saved_steps"] == [2.0] and set(report["per_layout"]) == {"tp2ep2", "tp1ep1pp1", "pp2"}
+    assert report["saved_steps"] == [2.0] and set(report["per_layout"]) == {report["save"], *report["others"]}
     for layout, r in report["per_layout"].items():
         assert r["state_step"] == 2 and r["state_rank_ok"], (layout, r)
         assert r["steps"] == [2.0] and r["lr"] == 1e-4, (layout, r)
@@ -43,10 +52,10 @@ def test_loaded_state_equals_saved(report):
 
 
 def test_next_step_equals_uninterrupted(report):
-    same = report["per_layout"]["tp2ep2"]
+    same = report["per_layout"][report["save"]]
     assert same["loss3_diff"] == 0.0 and same["after3_diff"] == 0.0 and same["loss4_diff"] == 0.0, same
     loss = report["losses"][-1]
-    for layout in ("tp1ep1pp1", "pp2"):
+    for layout in report["others"]:
         other = report["per_layout"][layout]
         assert other["after3_diff"] <= 1e-6, (layout, other)
         assert other["loss3_diff"] <= 1e-6 * loss and other["loss4_diff"] <= 1e-6 * loss, (layout, other)
