@@ -24,14 +24,6 @@ from .run import GRPORun
 
 
 class AsyncGRPORun(GRPORun):
-    def __init__(self, cfg, world_size: int):
-        super().__init__(cfg, world_size)
-        self.served = None                # keep_served (rank 0): rl/served.py's record of what was trained on
-        if self.rank == 0 and cfg.keep_served:
-            from .served import ServedAdapters
-
-            self.served = ServedAdapters(self.out, keep=cfg.max_staleness + 1)
-
     def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
         self.open_pipe(state)
         try:
@@ -105,10 +97,6 @@ class AsyncGRPORun(GRPORun):
         w0 = self.pipe.wait_s
         ok, dropped = self.pipe.take(n, version)
         return [(g.plan, g.samples) for g in ok], sum(len(g.samples) for g in dropped), self.pipe.wait_s - w0
-
-    def transport(self, engines=None):
-        tr = self.engines.transport(engines)
-        return tr if self.served is None else self.served.wrap(tr)
 
     def pipe_recover(self, index: int) -> None:
         self.pipe.recover(index)

@@ -160,8 +160,9 @@ class TrainConfig:
     admission (the oldest admitted first: every answer length reaches the trainer in the proportion it is sampled,
     no group is ever over the bound, and finished short groups wait for the long ones admitted before them)."""
     keep_served: bool = False
-    """mode=async: keep the adapters of the last max_staleness + 1 versions and write every trained sample with its
-    token versions to out_dir/served/ (rl/served.py), so training can be checked against what was served."""
+    """Keep the adapters of the last max_staleness + 1 versions and write every trained sample with its token
+    versions and routes to out_dir/served/ (rl/served.py), so training can be checked against what was served
+    (either mode)."""
     steps: int = 80
     seed: int = 0
     eval_every: int = 10

@@ -51,6 +51,11 @@ class GRPORun(EngineRecovery):
         self.busy = {"rollout": 0.0, "train": 0.0}
         self.prod = None
         self.engine_restarts = 0
+        self.served = None                # keep_served (rank 0): rl/served.py's record of what was trained on
+        if self.rank == 0 and cfg.keep_served:
+            from .served import ServedAdapters
+
+            self.served = ServedAdapters(self.out, keep=cfg.max_staleness + 1)
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -193,6 +198,8 @@ class GRPORun(EngineRecovery):
         """Train on a step's samples and push the new version; the step's metrics."""
         t0 = time.perf_counter()
         m, _, _ = self.train(samples, plans)
+        if self.served is not None:
+            self.served.record(plans[-1].step + 1, samples)
         t1 = time.perf_counter()
         pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
         return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version, "time_train_s": t1 - t0,
@@ -230,7 +237,8 @@ class GRPORun(EngineRecovery):
         return self._restart(f"the push of version {self.policy.version}", value, 0, after_restart)  # it pushes
 
     def transport(self, engines=None):
-        return self.engines.transport(engines)
+        tr = self.engines.transport(engines)
+        return tr if self.served is None else self.served.wrap(tr)
 
     def evaluate(self, version: int | None = None, after_restart=None) -> float:
         """Held-out success rate (Producer.evaluate on rank 0; the result on every rank). An engine's death repeats
