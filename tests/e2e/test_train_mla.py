@@ -18,8 +18,9 @@ trained sample with).
   k3 <= 1e-10 (the same fp32 math in two implementations; measured 8.7e-6 and 6.8e-12). Controls: the routes
   shuffled over each sample's tokens (measured 0.96, k3 0.067) and the pushed versions' samples without the adapter
   differ by > 1e-2.
-- mode=async (slow): the same job with the engine generating ahead (max_staleness 1, inflight=switch) runs its 3
-  steps; its samples served by one version pass the same Megatron check.
+- mode=async serving=merged (slow): the same job with the engine generating ahead (max_staleness 1,
+  inflight=switch) and the adapters merged into the served weights (kv_b_proj's absorbed matrices re-derived per
+  version) runs its 3 steps; its samples served by one version pass the same Megatron check.
 
 The k3 with and without R3 in bf16 (where routing flips) is `bench e2e`'s, on `wide` (docs/mla.md).
 """
@@ -108,8 +109,9 @@ def test_engine_equals_megatron_with_replayed_routes_at_every_layout(sync_run):
 
 @pytest.mark.slow
 def test_async_mode(tmp_path):
-    summary, rows, _ = finish_train(start_train(tmp_path, [*SMOKE, "mode=async"]), tmp_path)
-    assert summary["mode"] == "async" and summary["steps"] == 3 and summary["staleness_max"] <= 1, summary
+    summary, rows, _ = finish_train(start_train(tmp_path, [*SMOKE, "mode=async", "serving=merged"]), tmp_path)
+    assert summary["mode"] == "async" and summary["serving"] == "merged" and summary["steps"] == 3, summary
+    assert summary["staleness_max"] <= 1, summary
     assert all(r["refit_bytes"] == adapter_bytes(summary["model"], LORA["rank"]) for r in rows)
     rep = served_check(tmp_path, summary["model"])
     print(json.dumps(rep))
