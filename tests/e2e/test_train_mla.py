@@ -20,7 +20,8 @@ trained sample with).
   differ by > 1e-2.
 - mode=async serving=merged (slow): the same job with the engine generating ahead (max_staleness 1,
   inflight=switch) and the adapters merged into the served weights (kv_b_proj's absorbed matrices re-derived per
-  version) runs its 3 steps; its samples served by one version pass the same Megatron check.
+  version) runs its 3 steps; its samples served by one version pass the same Megatron check (measured 1.0e-5, k3
+  9.2e-12; shuffled 0.34, without the adapter 1.01).
 
 The k3 with and without R3 in bf16 (where routing flips) is `bench e2e`'s, on `wide` (docs/mla.md).
 """
