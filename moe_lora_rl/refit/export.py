@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import torch
@@ -69,9 +70,10 @@ def vllm_lora_note(names, arch: MoEArch, out_dir: str | Path, base_model: str | 
 
 
 def _note(names, arch: MoEArch, out_dir, base_model) -> None:
+    """The line on stderr: a bench's stdout stays its one JSON line."""
     line = vllm_lora_note(names, arch, out_dir, base_model)
     if line:
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
 def save_peft(adapters: dict[str, torch.Tensor], arch: MoEArch, cfg: LoRAConfig, out_dir: str | Path,
