@@ -35,11 +35,12 @@ def make_data(models: list[str], out: Path, n: int = 4, s: int = 16) -> dict:
 
 
 def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: int = 3, lr: float = 1e-4,
-        grouped: bool = False, rc=None, controls: bool = False) -> dict:
+        grouped: bool = False, rc=None, controls: bool = False, peft: bool = False) -> dict:
     """grouped: the non-reference layouts use the legacy GroupedMLP; the reference stays SequentialMLP.
     rc: the Megatron RunConfig of every layout (default fp32 on CPU).
     controls: per non-reference layout, "controls": {"drop:TARGET" | "perturb:TARGET": max |logit diff| against
-    the reference} with that target's adapters dropped or one factor perturbed (each must exceed the tolerance)."""
+    the reference} with that target's adapters dropped or one factor perturbed (each must exceed the tolerance).
+    peft: every layout also exports its trained adapter as the main job does (workdir/peft-LAYOUT-mI)."""
     from ..megatron.layout import Layout
     from ..megatron.run_config import RunConfig
 
@@ -49,6 +50,7 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     load_info = make_data(models, workdir, n=n)
     common = ["--models", ",".join(models), "--data", str(workdir / "data.pt"), "--lora", json.dumps(cfg.to_dict()),
               "--steps", str(steps), "--lr", str(lr), "--out", str(workdir), *worker_arg(rc or RunConfig())]
+    common += ["--peft"] if peft else []
     summary = run_torchrun("moe_lora_rl.checks.lora_worker", 1, common + ["--layouts", REFERENCE])
     for world, group in group_by_world(",".join(names)).items():
         summary.update(run_torchrun("moe_lora_rl.checks.lora_worker", world,

@@ -1,5 +1,6 @@
 """torchrun worker: LoRA on a Megatron model at each layout; equal-at-init, K training steps, gathered adapters,
-sharded checkpoint save and cross-layout load. Rank 0 writes tensors to --out and a JSON summary to --result."""
+sharded checkpoint save and cross-layout load; with --peft the trained adapter exported as the main job exports it
+(refit/export.stream_to_peft, --out/peft-LAYOUT-mI). Rank 0 writes tensors to --out and a JSON summary to --result."""
 from __future__ import annotations
 
 import time
@@ -53,6 +54,10 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
     adapters = gather_adapters(model)
     eval_logits = forward_logits(model, data["eval"], arch.vocab_size)
     save_sharded(model, out / f"ckpt-{key}-m{mi}")
+    if a.peft:
+        from ..refit.export import stream_to_peft
+
+        stream_to_peft(model, arch, out / f"peft-{key}-m{mi}", base_model=path)
     rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
            "n_adapter_tensors": len(adapters), "adapter_params": sum(t.numel() for t in adapters.values()),
            "step_s": times}
@@ -103,6 +108,7 @@ def main(argv=None):
         ap.add_argument("--out", required=True)
         ap.add_argument("--load-from", default=None, help="layout whose checkpoints (in --out) to load and compare")
         ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")
+        ap.add_argument("--peft", action="store_true", help="export each trained adapter with stream_to_peft")
         ap.add_argument("--controls", action="store_true", help="with --load-from: negative controls (a target's "
                         "adapters dropped, one factor perturbed) on the loaded adapters")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from ..rollout.engine import make_engine, set_engine_env
 from ..rollout.generate import capturing, start_capture
@@ -77,6 +78,20 @@ def _rounding_loss(model: str, arch, peft, rank: int, scale: float) -> float:
             lost += (got.float() - want).pow(2).sum().item()
             total += (want - b.float()).pow(2).sum().item()
     return (lost / total) ** 0.5
+
+
+def prefix_cache_fields(prefix_on: bool, vllm_hits, route_fills, config: dict) -> tuple[dict, dict]:
+    """(prefix_cache_hits / prefix_route_fills, skipped entries). With prefix caching off in the engine (vLLM's CPU
+    engine turns it off for MLA attention whatever is asked) both are None and named in skipped with the reason,
+    never reported as zero hits."""
+    if prefix_on:
+        return {"prefix_cache_hits": None if vllm_hits is None else int(vllm_hits),
+                "prefix_route_fills": route_fills}, {}
+    from ..vllm.mla_config import is_mla
+
+    why = ("vLLM's CPU engine forces prefix caching (and chunked prefill) off for MLA attention"
+           if is_mla(config) else "the engine runs with prefix caching off")
+    return {"prefix_cache_hits": None, "prefix_route_fills": None}, {"prefix_cache_hits, prefix_route_fills": why}
 
 
 def _expert_memcpy_s(model: str, arch) -> float:
@@ -182,12 +197,10 @@ def main(argv=None) -> dict:
     gc.collect()
     for mode in ("merged", "unmerged"):
         res[f"overhead_{mode}"] = 1 - res[f"tps_{mode}"] / res["tps_base"]
-    if not prefix_on:                   # vLLM's CPU engine turns prefix caching off for MLA whatever is asked
-        vllm_hits = hits = None
-        skipped["prefix_cache_hits, prefix_route_fills"] = ("vLLM's CPU engine forces prefix caching off for this "
-                                                           "model (MLA attention)")
-    res.update({"capture_ok": capture_ok, "prefix_cache_hits": None if vllm_hits is None else int(vllm_hits),
-                "prefix_route_fills": hits,
+    config = json.loads((Path(a.model) / "config.json").read_text())
+    prefix, why = prefix_cache_fields(prefix_on, vllm_hits, hits, config)
+    skipped.update(why)
+    res.update({"capture_ok": capture_ok, **prefix,
                 "expert_bytes_memcpy_s": _expert_memcpy_s(a.model, arch),
                 "delta_lost_to_rounding": _rounding_loss(a.model, arch, peft, a.rank, alpha / a.rank),
                 "skipped": skipped})

@@ -1,11 +1,16 @@
 """Canonical adapters -> an HF PEFT adapter directory (adapter_model.safetensors + adapter_config.json), with
 global expert ids: base_model.model.model.layers.L.<module>.lora_{A,B}.weight, lora_A [r, in], lora_B [out, r],
 scale lora_alpha / r. Whole adapters (save_peft) or bucket by bucket (refit/gather.py: stream_to_peft) through
-`SafetensorsWriter`, which writes the header first and then the data in plan order."""
+`SafetensorsWriter`, which writes the header first and then the data in plan order.
+
+An export whose adapter vLLM's own LoRA would silently drop (an MLA model's kv_b_proj: absorbed decode never calls
+the layer) prints one line saying so (vllm_lora_note) and names the merged checkpoint that serves it anywhere
+(refit/merged.py)."""
 from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +22,9 @@ from .rename import to_peft_tensors
 from .wire import nbytes
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# LoRA targets vLLM's own LoRA (--enable-lora) ignores, with the HF module it leaves unadapted: MLA's kv_b_proj is
+# never called by absorbed decode (W_UK_T / W_UV are derived from its weight at load; docs/mla.md)
+VLLM_LORA_DROPS = {"kv_up": "kv_b_proj"}
 
 
 def _mlp_params(arch: MoEArch) -> tuple[str, ...]:
@@ -43,6 +51,31 @@ def write_config(out_dir: str | Path, cfg: LoRAConfig, names, arch: MoEArch, bas
                                                                   indent=1))
 
 
+def vllm_lora_note(names, arch: MoEArch, out_dir: str | Path, base_model: str | None) -> str | None:
+    """One line when the PEFT tensors `names` hold a target vLLM's own LoRA ignores (VLLM_LORA_DROPS), naming the
+    module, how many layers, and the command writing a merged checkpoint; None otherwise."""
+    naming = naming_for(arch)
+    hit: dict[str, set[int]] = {}
+    for n in names:
+        name = naming.parse_peft(n)[0]
+        if name.linear.target in VLLM_LORA_DROPS:
+            hit.setdefault(VLLM_LORA_DROPS[name.linear.target], set()).add(name.layer)
+    if not hit:
+        return None
+    what = ", ".join(f"{m} ({len(layers)} layers)" for m, layers in sorted(hit.items()))
+    return (f"moe_lora: warning: {out_dir} adapts {what}, which vLLM's own LoRA ignores (absorbed MLA decode "
+            f"never calls it): served with --enable-lora that part is silently dropped; serve it with moe_lora_rl's "
+            f"worker extension, or merge it for any server: python -m moe_lora_rl.refit.merged --model "
+            f"{base_model or 'MODEL_DIR'} --adapter {out_dir} --out MERGED_DIR")
+
+
+def _note(names, arch: MoEArch, out_dir, base_model) -> None:
+    """The line on stderr: a bench's stdout stays its one JSON line."""
+    line = vllm_lora_note(names, arch, out_dir, base_model)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
 def save_peft(adapters: dict[str, torch.Tensor], arch: MoEArch, cfg: LoRAConfig, out_dir: str | Path,
               base_model: str | None = None) -> Path:
     from safetensors.torch import save_file
@@ -52,6 +85,7 @@ def save_peft(adapters: dict[str, torch.Tensor], arch: MoEArch, cfg: LoRAConfig,
     tensors = to_peft_tensors(adapters, arch)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     write_config(out, cfg, tensors, arch, base_model)
+    _note(tensors, arch, out, base_model)
     return out
 
 
@@ -72,7 +106,9 @@ def stream_to_peft(model, arch: MoEArch, out_dir: str | Path, bucket_bytes: int 
     digest = stream(model, arch, plan, lambda bucket, buf: writer.write(buf), collect_to=writer_rank)
     if writer is not None:
         writer.close()
-        write_config(out, model.lora_config, [name for name, _, _ in plan.entries()], arch, base_model)
+        names = [name for name, _, _ in plan.entries()]
+        write_config(out, model.lora_config, names, arch, base_model)
+        _note(names, arch, out, base_model)
     return digest
 
 

@@ -65,19 +65,14 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
 
 
 def checkpoint_settings(model: str, llm_kw: dict) -> dict:
-    """llm_kw with what the checkpoint needs (vllm/mla_config.py: DeepSeek-V3's routing keys where config.json lacks
-    them, one line printed; the CPU MLA backend), the caller's own values first; ValueError for MLA widths the CPU
-    engine cannot decode, before the engine starts."""
+    """llm_kw with what the checkpoint needs (vllm/mla_config.engine_args: DeepSeek-V3's routing keys where
+    config.json lacks them, one line printed; the CPU MLA backend on a CPU engine), the caller's own values first;
+    ValueError for MLA widths the CPU engine cannot decode, before the engine starts."""
     from vllm.platforms import current_platform
 
-    from ..vllm.mla_config import engine_settings_for
+    from ..vllm.mla_config import engine_args
 
-    overrides, engine_kw, lines = engine_settings_for(model, cpu=current_platform.is_cpu())
+    out, lines = engine_args(model, llm_kw, cpu=current_platform.is_cpu())
     for line in lines:
         print(line, flush=True)
-    if "attention_config" in llm_kw:
-        engine_kw.pop("attention_backend", None)
-    out = {**engine_kw, **llm_kw}
-    if overrides:
-        out["hf_overrides"] = {**overrides, **(llm_kw.get("hf_overrides") or {})}
     return out

@@ -16,6 +16,9 @@ engine starts (pure: reads config.json, no vLLM import).
                    absorbed matrices. The CPU engine is pinned to CPU_MLA (any dtype; the decode kernel above), the
                    backend these rules and the serving of kv_b_proj adapters were measured on, unless the caller
                    chose a backend.
+
+Both ways we start vLLM take these through engine_args(model_dir, kw, cpu=...): make_engine (rollout/engine.py) and
+verl's rollout server (integration/verl/replica.py); the caller says whether the engine runs on CPU.
 """
 from __future__ import annotations
 
@@ -64,3 +67,17 @@ def engine_settings_for(model_dir: str | Path, *, cpu: bool) -> tuple[dict, dict
     if not path.is_file():
         return {}, {}, []
     return engine_settings(json.loads(path.read_text()), cpu=cpu)
+
+
+def engine_args(model_dir: str | Path, kw: dict, *, cpu: bool) -> tuple[dict, list[str]]:
+    """(kw with what the checkpoint needs, lines to print): DeepSeek-V3's routing keys where config.json lacks them
+    (in `hf_overrides`, beneath the caller's), the CPU MLA backend (cpu=True, unless kw chose a backend through
+    `attention_backend` or `attention_config`); the caller's values win. ValueError for MLA widths the CPU engine
+    cannot decode (cpu=True), before the engine starts. kw unchanged for any other architecture."""
+    overrides, engine_kw, lines = engine_settings_for(model_dir, cpu=cpu)
+    if "attention_config" in kw:
+        engine_kw.pop("attention_backend", None)
+    out = {**engine_kw, **kw}
+    if overrides:
+        out["hf_overrides"] = {**overrides, **(kw.get("hf_overrides") or {})}
+    return out, lines

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# verl's main_ppo (V0 trainer) with our engine, replica and CPU platform on the tiny GLM-4.5-style model:
+# verl's main_ppo (V0 trainer) with our engine, replica and CPU platform on the tiny GLM-4.5-style model (or MODEL):
 # a 2-step GRPO run on CPU (fp32, tp1 ep1, 1 Ray worker, batch 2 x n 2, responses of 16 tokens).
 # Colocated sync with vLLM started on dummy weights (verl's default; the recipe config loads the base from disk):
 # the rollout's weights are then exactly what the first sync put there.
@@ -24,18 +24,14 @@ export VERL_USE_EXTERNAL_MODULES=moe_lora_rl.integration.verl.plugin # so every 
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
-# MODEL: a checkpoint dir (run_cpu_learn.sh passes the warm-started default model); default the tiny model
+# MODEL: a checkpoint dir (run_cpu_learn.sh passes the warm-started default model; e.g. a deepseek_v3 model:
+# MODEL=$(python -c 'from moe_lora_rl.models import get_model; print(get_model("deepseek_v3", "tiny_rope"))'));
+# default the tiny GLM-4.5-style model
 MODEL=${MODEL:-$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("glm4_moe", "tiny"))')}
-# verl's agent loop picks its GLM-4.7 token builder from model_type glm4_moe; it needs GLM's <|user|> and
-# <|observation|> turn tokens, which the tiny model's offline tokenizer lacks: a copy of the model whose tokenizer
-# has them as added special tokens (ids past the model's vocab; never prompted, never sampled).
-if [ ! -f "$OUT/model/config.json" ]; then
-  mkdir -p "$OUT/model" && for f in "$MODEL"/*; do ln -sf "$f" "$OUT/model/"; done
-  rm -f "$OUT"/model/tokenizer*.json
-  "$PY" -c 'import sys; from transformers import AutoTokenizer
-t = AutoTokenizer.from_pretrained(sys.argv[1]); t.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|observation|>"]})
-t.save_pretrained(sys.argv[2])' "$MODEL" "$OUT/model"
-fi
+# verl's agent loop picks its token builder from the model_type (GLM-4.7's for glm4_moe, DeepSeek's for deepseek_v3),
+# which needs that family's turn tokens; the tiny models' offline tokenizer lacks them: a copy of the model whose
+# tokenizer has them as added special tokens (builder_tokens.py)
+[ -f "$OUT/model/config.json" ] || "$PY" "$HERE/builder_tokens.py" "$MODEL" "$OUT/model" || exit 2
 MODEL=$OUT/model
 TRAIN= VAL=
 for a in "$@"; do

@@ -87,8 +87,49 @@ def _mla_run(tmp_path_factory, sizes, layouts):
     from moe_lora_rl.models import get_model
 
     models = [str(get_model("deepseek_v3", s)) for s in sizes]
-    return models, run(models, layouts, LoRAConfig(rank=4, alpha=8.0), tmp_path_factory.mktemp("lora_mla"),
-                       controls=True)
+    work = tmp_path_factory.mktemp("lora_mla")
+    return models, run(models, layouts, LoRAConfig(rank=4, alpha=8.0), work, controls=True, peft=True), work
+
+
+def _check_mla_peft(models, work, layout, capsys):
+    """The adapter trained at `layout`, exported as the main job exports it (stream_to_peft, collective) and as the
+    verl route's checkpoint is exported (checkpoint_to_peft), loads in HF transformers + peft on HF's DeepseekV3 with
+    Megatron+LoRA's logits (fp32, PEFT_LOGITS); so does the merged checkpoint the export's warning points to (a
+    kv_b_proj adapter is what vLLM's own LoRA drops: one line says so). Control: the exported kv_b_proj factor
+    perturbed breaks the match."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from moe_lora_rl.checks.hf import hf_logits
+    from moe_lora_rl.checks.tolerances import PEFT_BROKEN_MIN, PEFT_LOGITS
+    from moe_lora_rl.lora.peft_hf import peft_logits
+    from moe_lora_rl.refit.export import checkpoint_to_peft
+    from moe_lora_rl.refit.merged import save_merged
+
+    data, figures = torch.load(work / "data.pt"), {}
+    for i, m in enumerate(models):
+        tokens, megatron = data[m]["eval"], torch.load(work / f"{layout}-m{i}.pt")["eval_logits"]
+        main_job = work / f"peft-{layout}-m{i}"
+        verl = checkpoint_to_peft(work / f"ckpt-{layout}-m{i}", m, work / f"verl-peft-{layout}-m{i}")
+        said = [l for l in capsys.readouterr().err.splitlines() if "vLLM's own LoRA ignores" in l]
+        assert len(said) == 1 and "kv_b_proj (4 layers)" in said[0] and "moe_lora_rl.refit.merged" in said[0], said
+        for d in (main_job, verl):
+            diff = (peft_logits(m, d, tokens) - megatron).abs().max().item()
+            figures[d.name] = diff
+            assert diff <= PEFT_LOGITS, (m, d, diff)
+        merged = save_merged(m, main_job, work / f"merged-{layout}-m{i}")
+        diff = (hf_logits(str(merged), tokens) - megatron).abs().max().item()
+        figures[merged.name] = diff
+        assert diff <= PEFT_LOGITS, (m, "merged", diff)
+        t = load_file(str(main_job / "adapter_model.safetensors"))
+        key = next(k for k in t if ".kv_b_proj.lora_B" in k)
+        t[key] = t[key] + 1e-2
+        save_file(t, str(main_job / "adapter_model.safetensors"))
+        diff = (peft_logits(m, main_job, tokens) - megatron).abs().max().item()
+        figures[f"{main_job.name} kv_b_proj perturbed"] = diff
+        assert diff > PEFT_BROKEN_MIN, (m, "perturbed", diff)
+    with capsys.disabled():                                     # the figures docs/mla.md quotes (pytest -s)
+        print("max |logit diff| vs Megatron:", {k: f"{v:.2e}" for k, v in figures.items()})
 
 
 def _check_mla(models, report, layouts, sizes):
@@ -115,12 +156,14 @@ def test_mla_lora_layout_invariant_all_variants(tmp_path_factory):
     """LoRA (targets all: every MLA linear, experts, shared expert, dense MLP) trains identically at tp2, ep2, pp2
     and etp2 on the three MLA variants; negative controls: each target's adapters dropped, one factor perturbed."""
     sizes = ("tiny", "tiny_rope", "tiny_lite")
-    models, report = _mla_run(tmp_path_factory, sizes, MLA_LAYOUTS)
+    models, report, _ = _mla_run(tmp_path_factory, sizes, MLA_LAYOUTS)
     _check_mla(models, report, MLA_LAYOUTS, sizes)
 
 
-def test_mla_lora_layout_invariant_smoke(tmp_path_factory):
-    """CI smoke of the above: both q_lora_rank variants at tp2ep2 and pp2ep2 (one launch of two ranks)."""
+def test_mla_lora_layout_invariant_smoke(tmp_path_factory, capsys):
+    """CI smoke of the above: both q_lora_rank variants at tp2ep2 and pp2ep2 (one launch of two ranks); the PEFT
+    export of the tp2ep2 run in HF transformers + peft."""
     sizes, layouts = ("tiny", "tiny_lite"), "tp2ep2,pp2ep2"
-    models, report = _mla_run(tmp_path_factory, sizes, layouts)
+    models, report, work = _mla_run(tmp_path_factory, sizes, layouts)
     _check_mla(models, report, layouts, sizes)
+    _check_mla_peft(models, work, "tp2ep2", capsys)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from moe_lora_rl.vllm.mla_config import engine_settings, engine_settings_for
+from moe_lora_rl.vllm.mla_config import engine_args, engine_settings, engine_settings_for
 
 BASE = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "q_lora_rank": 64}
@@ -38,3 +38,18 @@ def test_other_architectures_untouched(tmp_path):
     assert engine_settings({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe"}, cpu=True) == \
         ({}, {}, [])
     assert engine_settings_for(tmp_path, cpu=True) == ({}, {}, [])          # no config.json: vLLM's own error
+
+
+def test_engine_args_the_callers_values_win(tmp_path):
+    """What make_engine and verl's rollout server pass to vLLM: ours beneath the caller's, per key."""
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    kw, lines = engine_args(tmp_path, {"dtype": "float32"}, cpu=True)
+    assert kw == {"dtype": "float32", "attention_backend": "CPU_MLA",
+                  "hf_overrides": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}} and len(lines) == 1
+    kw, _ = engine_args(tmp_path, {"attention_backend": "TORCH_SDPA", "hf_overrides": {"scoring_func": "softmax"}},
+                        cpu=True)
+    assert kw == {"attention_backend": "TORCH_SDPA", "hf_overrides": {"topk_method": "noaux_tc",
+                                                                     "scoring_func": "softmax"}}
+    assert "attention_backend" not in engine_args(tmp_path, {"attention_config": {}}, cpu=True)[0]
+    assert "attention_backend" not in engine_args(tmp_path, {}, cpu=False)[0]            # CPU backend on CPU only
+    assert engine_args(tmp_path / "none", {"dtype": "float32"}, cpu=True) == ({"dtype": "float32"}, [])

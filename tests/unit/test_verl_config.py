@@ -119,6 +119,43 @@ def test_vllm_engine_args_through_replica_hooks(compose):
     assert stock["enable_return_routed_experts"] is True
 
 
+@pytest.mark.vllm
+def test_mla_engine_settings_through_replica_hooks(compose, tmp_path, capsys):
+    """verl's server is given what our own engine gives an MLA checkpoint (vllm/mla_config.engine_args): DeepSeek-V3's
+    routing keys where config.json lacks them (one line), the CPU MLA backend; engine_kwargs.vllm's values win."""
+    import json
+
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    from moe_lora_rl.integration.verl.replica import MoELoRAvLLMHttpServer
+    from moe_lora_rl.models import get_model
+
+    src = get_model("deepseek_v3", "tiny_rope")
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    for key in ("topk_method", "scoring_func"):         # as HF's save_pretrained writes a DeepSeek-V3 checkpoint
+        config.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mla = {"actor_rollout_ref.model.path": str(tmp_path)}
+    ours = _launch_args(MoELoRAvLLMHttpServer, compose(**mla))
+    assert ours["attention_backend"] == "CPU_MLA"
+    assert ours["hf_overrides"] == {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    said = [l for l in capsys.readouterr().out.splitlines() if "has no topk_method / scoring_func" in l]
+    assert len(said) == 1 and "noaux_tc" in said[0]
+    mine = _launch_args(MoELoRAvLLMHttpServer, compose(**mla, **{
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend": "TORCH_SDPA",
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides": "{scoring_func: softmax}"}))
+    assert mine["attention_backend"] == "TORCH_SDPA"
+    assert mine["hf_overrides"] == {"topk_method": "noaux_tc", "scoring_func": "softmax"}
+    # controls: verl's own server passes neither (vLLM then fails to load the checkpoint); a GQA model gets neither
+    stock = _launch_args(vLLMHttpServer, compose(**mla))
+    assert not stock.get("attention_backend") and not stock.get("hf_overrides")
+    glm = _launch_args(MoELoRAvLLMHttpServer, compose())
+    assert not glm.get("attention_backend") and not glm.get("hf_overrides")
+
+
 @pytest.mark.parametrize("extra, match", [
     ({"+actor_rollout_ref.model.lora.adapter_layuot": "shared"},
      r"actor_rollout_ref.model.lora.adapter_layuot='shared' is not a key we read"),

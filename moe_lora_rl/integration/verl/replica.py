@@ -1,4 +1,4 @@
-"""Our rollout replica: verl's vLLM replica and HTTP server, with four hook overrides (verl's own override points):
+"""Our rollout replica: verl's vLLM replica and HTTP server, with these hook overrides (verl's own override points):
 
     _init_model_config   hide model.lora from the vLLM arguments (verl turns vLLM's own LoRA on for any rank > 0;
                          our worker extension serves the expert adapters instead) and refuse conflicting options
@@ -8,6 +8,11 @@
     _get_worker_extension_cls   integration.verl.worker_ext.VerlMoELoRAWorkerExtension (staged commit, capture, and
                          verl's colocated update_weights_from_ipc)
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
+    _preprocess_engine_kwargs   what the checkpoint needs, as make_engine gives it (vllm/mla_config.engine_args):
+    _apply_quantization  for MLA, DeepSeek-V3's routing keys where config.json lacks them (one line) in verl's
+                         hf_overrides, the CPU MLA attention backend on a CPU engine, widths the CPU engine cannot
+                         decode refused before it starts; engine_kwargs.vllm's own values win. The model fixes
+                         (vllm/rope_fix.py) come with our worker extension: verl's monkey_patch_model call is its first
     generate             with rollout.enable_rollout_routing_replay: verl's TokenOutput.routed_experts filled from our
                          capture (server_routes.py); vLLM's own routed-experts return is never turned on
     run_server           the engine wrapped so verl's pause call reaches vLLM 0.32 (engine_compat.py)
@@ -16,6 +21,7 @@
                          (verl's async trainers pause it for the sync and reopen the gate after)
     _get_server_name_prefix (replica) "<rollout.name>_": the name verl's ServerAdapter looks the server actor up by
                          (verl's replica answers "vllm_", which only matches rollout.name=vllm)
+kv_b_proj adapters are merged and re-derived at each commit by our worker extension's runtime (vllm/mla_merge.py).
 """
 from __future__ import annotations
 
@@ -82,6 +88,24 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
         object.__setattr__(mc, "lora", {})               # what verl's launch_server reads: no vLLM LoRA
         object.__setattr__(mc, "lora_rank", 0)
         return mc
+
+    def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
+        super()._preprocess_engine_kwargs(engine_kwargs)
+        from vllm.platforms import current_platform
+
+        from ...vllm.mla_config import engine_args
+
+        args, lines = engine_args(self.model_config.local_path, engine_kwargs, cpu=current_platform.is_cpu())
+        for line in lines:
+            print(line, flush=True)
+        # verl builds hf_overrides in _apply_quantization and spreads engine_kwargs after it: ours go there, unless
+        # engine_kwargs names hf_overrides itself (then engine_args put ours beneath those)
+        self.moe_hf_overrides = {} if "hf_overrides" in engine_kwargs else args.pop("hf_overrides", {})
+        engine_kwargs.update(args)
+
+    def _apply_quantization(self):
+        quantization, hf_overrides = super()._apply_quantization()
+        return quantization, {**getattr(self, "moe_hf_overrides", {}), **hf_overrides}
 
     def _get_worker_extension_cls(self) -> str:
         return WORKER_EXTENSION
