@@ -5,14 +5,15 @@ any rank starts, then torch's elastic launcher starts the ranks in-process (what
 
     1. the configuration (strict keys, every value; rl/config.py)
     2. the layout, the model and its tokenizer (rl/preflight.py)
-    3. the data files and the prompts' lengths (data.max_prompt_length, data.truncation, filtering)
+    3. the data files, the prompts' lengths (data.max_prompt_length, data.truncation, filtering: the first
+       preflight.MEASURED_ROWS of a split) and the answers' (algo.max_response_tokens), in the same tokenizer load
     4. the reward: its file or module imports, the function takes verl's arguments, and one call per data_source
        returns a finite number (verl's default scorer raises NotImplementedError for a source it does not know)
     5. torch.distributed.run with --standalone, running `-m moe_lora_rl.train` on every rank
 
 A user error is one line on stderr and exit status 2, from this process or from a rank (whose own line is the only
 output: the launcher adds no traceback). `torchrun --standalone --nproc_per_node=N -m moe_lora_rl.train ...` keeps
-working (each rank runs the checks of steps 1-3 itself).
+working (each rank runs the checks of steps 1-3 itself, measuring the prompts as it reaches them).
 """
 from __future__ import annotations
 
@@ -48,36 +49,9 @@ def check(train_args: list[str], world: int):
 
     name, overrides = config.split_config_name(train_args)
     cfg = config.load(overrides, config_name=name)
-    preflight.check(cfg, world)
-    check_prompts(cfg)
+    preflight.check(cfg, world, prompt_rows=preflight.MEASURED_ROWS)
     check_reward(cfg)
     return cfg
-
-
-MEASURED_ROWS = 10_000
-"""Prompts measured here per split (tokenizing 60k chat prompts takes ~15 s of CPU); the rows past it are measured as
-the run reaches them, and one over the limit stops the run with the same line (rl/producer.py)."""
-
-
-def check_prompts(cfg) -> None:
-    """Every prompt (of the first MEASURED_ROWS of a split) fits data.max_prompt_length, or is truncated or
-    filtered as configured (rl/inputs.py: filtering measures every row)."""
-    import transformers
-
-    from .rl.inputs import load_problems
-    from .rl.preflight import base_model_dir
-    from .rl.prompting import fit_prompt, prompt_lengths, resolve_template
-
-    where = str(base_model_dir(cfg))
-    tok = transformers.AutoTokenizer.from_pretrained(where)
-    template = resolve_template(tok, cfg.data.prompt_template, where=where)
-    d = cfg.data
-    for split, examples in zip(("train", "val"), load_problems(cfg, tok, template)[:2]):
-        if d.truncation == "error" and not d.filter_overlong_prompts:
-            examples = examples[:MEASURED_ROWS]
-            for e, n in zip(examples, prompt_lengths(tok, examples, template)):
-                fit_prompt([0] * n, d.max_prompt_length, d.truncation,
-                           f"{split} row {e.index} (data_source {e.data_source!r})")
 
 
 def check_reward(cfg) -> None:

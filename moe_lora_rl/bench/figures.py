@@ -91,3 +91,24 @@ def policies_png(png: Path, result: dict) -> Path:
     wall.set_title(f"job seconds: {result['speedup']:.2f}x{pred}", fontsize=10)
     wall.grid(alpha=0.3, axis="y")
     return save(fig, f"Two policies on one base and engine, {result['steps']} steps each", png)
+
+
+def e2e_png(png, runs: dict, title: str) -> Path:
+    """bench e2e: the training reward (a 5-step running mean) and the held-out success of each run, runs = {label:
+    the job's out_dir} (its metrics.jsonl)."""
+    import json
+
+    from ..rl.metrics import EVAL_SUCCESS
+
+    fig, (rew, held) = panels(1, 2, size=(10, 4))
+    for label, where in runs.items():
+        rows = [json.loads(l) for l in Path(where, "metrics.jsonl").read_text().splitlines() if l.strip()]
+        pts = [(r["step"], r["reward"]) for r in rows if "reward" in r]
+        r = [p[1] for p in pts]
+        rew.plot([p[0] for p in pts], [sum(r[max(0, i - 4):i + 1]) / len(r[max(0, i - 4):i + 1])
+                                       for i in range(len(r))], label=label)
+        pts = [(r["step"], r[EVAL_SUCCESS]) for r in rows if EVAL_SUCCESS in r]
+        held.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    style(rew, "training reward (5-step mean)")
+    style(held, "held-out success (temperature 1)")
+    return save(fig, title, Path(png))

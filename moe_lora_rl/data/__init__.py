@@ -39,9 +39,12 @@ DATASETS = {"sort": _sorting("sort"), "sort_trace": _sorting("sort_trace"), "sor
 REFERENCE_KEYS = {"gsm8k_arith": "extra_info.answer", "gsm8k_add1": "extra_info.answer"}
 """The column holding each dataset's worked answer (data.reference_key, for the warm start); the sorting tasks'
 answer is the ground truth itself."""
-JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"], "gsm8k_add1": ["algo.max_response_tokens=16"]}
-"""The main job's settings a dataset needs (its answers' length: "12 + 7 = 19\n#### 19" is 14 tokens and the end
-of turn on the built-in tokenizer)."""
+JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"],
+                 "gsm8k_add1": ["algo.max_response_tokens=16", "model.warm_steps=150"]}
+"""The main job's settings a dataset needs (its answers' length: the longest reference answer, "23 + 28 = 51\n####
+51", is 16 tokens on the built-in tokenizer; preflight.check_answer_length refuses fewer) and its warm start
+(gsm8k_add1: 150 steps, from which GRPO lifts held-out success by +0.23; after the default 60 nothing is learnt:
+docs/your_data.md)."""
 
 
 def write(name: str, out_dir: str | Path, *, fmt: str = "parquet", **options) -> dict[str, Path]:

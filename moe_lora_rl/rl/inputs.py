@@ -8,7 +8,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import TrainConfig
-from .preflight import base_model_dir
+
+
+def base_model_dir(cfg: TrainConfig) -> Path:
+    """The checkpoint whose architecture the run trains (the warm start keeps the base's config)."""
+    if cfg.model.path is not None:
+        p = Path(cfg.model.path)
+        if not (p / "config.json").is_file():
+            raise ValueError(f"model.path={cfg.model.path!r} has no config.json (not an HF checkpoint directory)")
+        return p
+    from ..models import get_model
+
+    return get_model(cfg.model.family, cfg.model.size)
 
 
 def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:

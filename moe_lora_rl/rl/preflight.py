@@ -9,20 +9,9 @@ from ..megatron.build import check_layout
 from ..models.arch import load_arch
 from ..megatron.run_config import RunConfig
 from .config import TrainConfig
+from .inputs import base_model_dir
 
 TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def base_model_dir(cfg: TrainConfig) -> Path:
-    """The checkpoint whose architecture the run trains (the warm start keeps the base's config)."""
-    if cfg.model.path is not None:
-        p = Path(cfg.model.path)
-        if not (p / "config.json").is_file():
-            raise ValueError(f"model.path={cfg.model.path!r} has no config.json (not an HF checkpoint directory)")
-        return p
-    from ..models import get_model
-
-    return get_model(cfg.model.family, cfg.model.size)
 
 
 def run_config(cfg: TrainConfig) -> RunConfig:
@@ -30,8 +19,9 @@ def run_config(cfg: TrainConfig) -> RunConfig:
                      grouped_experts=cfg.runtime.experts == "grouped")
 
 
-def check(cfg: TrainConfig, world_size: int):
-    """The run's architecture, once every check passed."""
+def check(cfg: TrainConfig, world_size: int, prompt_rows: int = 0):
+    """The run's architecture, once every check passed; prompt_rows > 0: the first prompt_rows prompts of each split
+    measured against data.max_prompt_length too (the launcher's MEASURED_ROWS; each rank measures as it goes)."""
     layout = cfg.layout.layout()
     layout.check_world_size(world_size)
     arch = load_arch(base_model_dir(cfg))
@@ -69,7 +59,7 @@ def check(cfg: TrainConfig, world_size: int):
     if m > 1 and (n // m) % (dp * mbs):        # each mini-step splits its mini-batch over dp, then into microbatches
         raise ValueError(f"algo.mini_batches={m}: a mini-batch of {n // m} responses (batch {n} / {m}) does not split "
                          f"over data-parallel size {dp} into microbatches of micro_batch_size={mbs}")
-    check_prompts(cfg)
+    check_prompts(cfg, prompt_rows)
     from .config_policies import policy_configs
 
     for name, pcfg in policy_configs(cfg) or [(None, cfg)]:   # each policy's answers fit, its checkpoints exist
@@ -126,27 +116,70 @@ def check_engine_cores(cfg: TrainConfig) -> None:
                          f"each; this process may use {cores}")
 
 
-def check_prompts(cfg: TrainConfig) -> None:
-    """The tokenizer can make the prompts asked for and stop responses (rl/prompting.py)."""
+MEASURED_ROWS = 10_000
+"""Rows of a split measured before the run (tokenizing 60k chat prompts takes ~15 s of CPU): prompts by the launcher
+(check(prompt_rows=)), reference answers by every check; later prompts are measured as the run reaches them, and one
+over the limit stops the run with the same line (rl/producer.py)."""
+
+
+def check_prompts(cfg: TrainConfig, rows: int = 0) -> None:
+    """The tokenizer can make the prompts asked for and stop responses (rl/prompting.py), the answers fit
+    algo.max_response_tokens (check_answer_length) and, with rows > 0, the first `rows` prompts of each split fit
+    data.max_prompt_length or are truncated or filtered as configured (rl/inputs.py: filtering measures every row).
+    One tokenizer load for all of it."""
     import transformers
 
     from .prompting import check_tokenizer, resolve_template
 
     where = str(base_model_dir(cfg))
     tok = transformers.AutoTokenizer.from_pretrained(where)
-    resolve_template(tok, cfg.data.prompt_template, where=where)
+    template = resolve_template(tok, cfg.data.prompt_template, where=where)
     check_tokenizer(tok, where)
     check_answer_length(cfg, tok)
+    if rows > 0:
+        check_prompt_lengths(cfg, tok, template, rows)
+
+
+def check_prompt_lengths(cfg: TrainConfig, tokenizer, template: str, rows: int = MEASURED_ROWS) -> None:
+    """Every prompt of the first `rows` of a split fits data.max_prompt_length (data.truncation=error without
+    filtering; ValueError naming the split, the row and its data_source), else nothing to measure here."""
+    from .inputs import load_problems
+    from .prompting import fit_prompt, prompt_lengths
+
+    d = cfg.data
+    for split, examples in zip(("train", "val"), load_problems(cfg, tokenizer, template)[:2]):
+        if d.truncation == "error" and not d.filter_overlong_prompts:
+            examples = examples[:rows]
+            for e, n in zip(examples, prompt_lengths(tokenizer, examples, template)):
+                fit_prompt([0] * n, d.max_prompt_length, d.truncation,
+                           f"{split} row {e.index} (data_source {e.data_source!r})")
 
 
 def check_answer_length(cfg: TrainConfig, tokenizer) -> None:
-    """algo.max_response_tokens holds the generated task's longest answer and its end of turn (a cut answer can
-    never be rewarded). Every digit is one token, so the longest list's answer is the longest answer."""
-    if cfg.data.train_files is not None:
+    """algo.max_response_tokens holds the longest answer the warm start teaches (a cut answer can never be
+    rewarded): the generated task's longest answer and its end of turn (every digit is one token, so the longest
+    list's), or, for a dataset warm-started on data.reference_key, the longest reference answer of the first
+    MEASURED_ROWS training rows (its reward reads the decoded text, so the end of turn may be cut; ValueError naming
+    the row). A dataset without a warm start (no reference column, model.path, model.warm_start=false) has no
+    answer length to hold."""
+    d = cfg.data
+    if d.train_files is not None:
+        if d.reference_key is None or cfg.model.path is not None or not cfg.model.warm_start:
+            return
+        from .dataset import load_examples
+
+        examples = load_examples(d.files("train"), d.prompt_key, d.reference_key)[:MEASURED_ROWS]
+        ids = tokenizer([e.reference for e in examples], add_special_tokens=False)["input_ids"]
+        k = max(range(len(ids)), key=lambda i: len(ids[i]))
+        need = len(ids[k])
+        if cfg.algo.max_response_tokens < need:
+            raise ValueError(f"algo.max_response_tokens={cfg.algo.max_response_tokens} is below the longest reference "
+                             f"answer the warm start teaches (data.reference_key={d.reference_key!r}, train row "
+                             f"{examples[k].index}: {need} tokens)")
         return
     from .task import Problem
 
-    spec = cfg.data.task_spec()
+    spec = d.task_spec()
     n = spec.sizes()[1]
     need = len(tokenizer(Problem((1,) * n, 0, spec.kind).answer, add_special_tokens=False)["input_ids"]) + 1
     if cfg.algo.max_response_tokens < need:

@@ -148,7 +148,9 @@ class Producer:
 
     def release(self, samples) -> int:
         """Rank 0: forget the reward calls of samples that will not be scored (any thread); the number released."""
-        return sum(self._pending.pop(id(s), None) is not None for s in samples if s is not None)
+        calls = [c for s in samples if s is not None and (c := self._pending.pop(id(s), None)) is not None]
+        self.rewarder.drop([call for _, call in calls])      # one still running is ended (rl/rewards.py)
+        return len(calls)
 
     def pending(self) -> int:
         """Reward calls submitted and not yet collected or released."""

@@ -10,6 +10,7 @@ reward.name=FN: the user's function for every row, as verl's custom_reward_funct
     workers = RewardWorkers(path, name, timeout_s)      # its worker (spawned) starts and loads at the first call
     handle = workers.submit([(example, text), ...])     # returns at once: the calls run in the workers
     scores, extras = workers.collect(handle)            # ValueError, one line, on the first bad call
+    workers.drop(handle)                                # or: its results are not wanted (a running call is ended)
     workers.close()
 
 A call that raises, returns anything but a finite number (or a dict with a finite "score"), or runs past the
@@ -178,17 +179,34 @@ def call(path, name, data_source, solution_str, ground_truth, extra_info):
         return ("error", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
 
 
+class Call:
+    """One reward call: its row, the response and the worker's pending result (replaced when the pool is)."""
+    __slots__ = ("example", "text", "result", "dropped_at")
+
+    def __init__(self, example, text):
+        self.example, self.text, self.result, self.dropped_at = example, text, None, None
+
+
 class RewardWorkers:
-    """A pool of reward worker processes (spawned: nothing of the trainer's state is copied into them)."""
+    """A pool of reward worker processes (spawned: nothing of the trainer's state is copied into them).
+
+    A call can be dropped (drop(): its sample will not be scored); a pool's worker cannot cancel a running call, so a
+    dropped call still running reward.timeout_s after it was dropped (at the next submit), or while a live call waits
+    past its timeout (at collect), has the pool terminated (its workers killed) and replaced, the live calls started
+    again in the new one. A live call past its timeout with no dropped call left running is the hung one: its row
+    is named."""
 
     def __init__(self, path: str | None, name: str = "compute_score", timeout_s: float = 30.0, workers: int = 1,
                  pool=None):
         self.path, self.name, self.timeout_s, self.workers = path, name, float(timeout_s), int(workers)
         self.where = describe(path, name)
         self._pool = pool                 # a spawned multiprocessing Pool to share (tests); None: its own
+        self.replaced = 0                 # pools terminated for dropped calls that kept running
+        self._live: set = set()           # calls submitted, not yet collected or dropped
+        self._dropped: list = []          # dropped calls that had not finished when last looked at
         import threading
 
-        self._lock = threading.Lock()     # the producer's threads submit too (rl/pipeline.py)
+        self._lock = threading.RLock()    # the producer's threads submit too (rl/pipeline.py)
 
     def pool(self, sources=()):
         """The worker pool, started (and the functions for `sources` loaded) on first use."""
@@ -197,23 +215,81 @@ class RewardWorkers:
                 self._pool = make_pool(function_keys(self.path, self.name, sources), self.workers)
             return self._pool
 
-    def submit(self, items) -> list:
-        """items: (example, response text) pairs. The calls start at once; collect(handle) waits for them."""
-        pool = self.pool({ex.data_source for ex, _ in items})
-        return [(ex, pool.apply_async(call, (self.path, self.name, ex.data_source, text, _plain(ex.ground_truth),
-                                             _plain(ex.extra_info)))) for ex, text in items]
+    def _start(self, pool, c: Call) -> None:
+        ex = c.example
+        c.result = pool.apply_async(call, (self.path, self.name, ex.data_source, c.text, _plain(ex.ground_truth),
+                                           _plain(ex.extra_info)))
 
-    def collect(self, handle) -> tuple[list[float], list[dict]]:
+    def submit(self, items) -> list[Call]:
+        """items: (example, response text) pairs. The calls start at once; collect(handle) waits for them."""
+        import time
+
+        with self._lock:
+            if any(time.monotonic() - c.dropped_at > self.timeout_s for c in self._running_dropped()):
+                self.replace()
+            pool = self.pool({ex.data_source for ex, _ in items})
+            calls = [Call(ex, text) for ex, text in items]
+            for c in calls:
+                self._start(pool, c)
+            self._live.update(calls)
+        return calls
+
+    def drop(self, calls) -> None:
+        """Calls whose results will not be collected (any thread); one still running is ended with its pool later."""
+        import time
+
+        with self._lock:
+            for c in calls:
+                self._live.discard(c)
+                if not c.result.ready():
+                    c.dropped_at = time.monotonic()
+                    self._dropped.append(c)
+
+    def _running_dropped(self) -> list[Call]:
+        self._dropped = [c for c in self._dropped if not c.result.ready()]
+        return self._dropped
+
+    def replace(self) -> None:
+        """Terminate the pool (its workers, and any call they run, killed) and start the live calls again in a new
+        one."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.terminate()
+                self._pool.join()
+                self._pool = None
+            self._dropped, self.replaced = [], self.replaced + 1
+            live = [c for c in self._live if not c.result.ready()]
+            if live:
+                pool = self.pool({c.example.data_source for c in live})
+                for c in live:
+                    self._start(pool, c)
+
+    def _get(self, c: Call):
         import multiprocessing as mp
 
-        scores, extras = [], []
-        for ex, res in handle:
+        for _ in range(2):
+            r = c.result
             try:
-                kind, value = res.get(self.timeout_s)
+                return r.get(self.timeout_s)
             except mp.TimeoutError:
-                self.close(kill=True)     # the hung call's worker goes with the pool
-                raise ValueError(f"reward ({self.where}) on data_source {ex.data_source!r} row {ex.index}: no "
-                                 f"result within reward.timeout_s={self.timeout_s:g}") from None
+                pass
+            with self._lock:
+                if c.result is not r:     # started again in a new pool meanwhile (another thread's replace)
+                    continue
+                if not self._running_dropped():
+                    break                 # nothing else holds the workers: this call is the hung one
+                self.replace()            # dropped calls may hold every worker: they go, this one starts again
+        self.close(kill=True)             # the hung call's worker goes with the pool
+        raise ValueError(f"reward ({self.where}) on data_source {c.example.data_source!r} row {c.example.index}: no "
+                         f"result within reward.timeout_s={self.timeout_s:g}")
+
+    def collect(self, handle) -> tuple[list[float], list[dict]]:
+        scores, extras = [], []
+        for c in handle:
+            kind, value = self._get(c)
+            with self._lock:
+                self._live.discard(c)
+            ex = c.example
             if kind == "error":
                 raise ValueError(f"reward ({self.where}) on data_source {ex.data_source!r} row {ex.index}: {value}")
             s, e = check_result(value, ex.data_source, ex.index, self.where)
@@ -233,13 +309,16 @@ class RewardWorkers:
         self.score([(ex, "") for ex in first.values()])
 
     def close(self, kill: bool = False) -> None:
-        if self._pool is not None:
-            if kill:
-                self._pool.terminate()
-            else:
-                self._pool.close()
-            self._pool.join()
-            self._pool = None
+        with self._lock:
+            if self._pool is not None:
+                if kill:
+                    self._pool.terminate()
+                else:
+                    self._pool.close()
+                self._pool.join()
+                self._pool = None
+            self._live.clear()
+            self._dropped = []
 
 
 def _plain(v):

@@ -71,3 +71,44 @@ def test_main_ppo_two_steps_on_cpu_mla(tmp_path):
 
     log = _smoke(tmp_path, MODEL=str(get_model("deepseek_v3", "tiny_rope")))
     assert "'--attention_backend'" in log and "'CPU_MLA'" in log      # verl's server started on our MLA backend
+
+
+GSM8K_REWARD = '''
+import os
+from verl.utils.reward_score import gsm8k
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls.txt"), "a") as f:
+        f.write(f"{data_source} {extra_info['split']} {extra_info['index']}\\n")
+    return {"score": gsm8k.compute_score(solution_str, ground_truth), "answered": float("####" in solution_str)}
+'''
+
+
+def test_main_ppo_on_a_gsm8k_file_with_a_reward_file(tmp_path):
+    """The verl route on a dataset of ours (python -m moe_lora_rl.data gsm8k_add1: verl's gsm8k row format) with a
+    reward file of verl's signature: the recipe fits the prompt length to the files (their longest chat prompt, over
+    the sort task's 32) and the responses (64 tokens on files); every rollout is scored by the file's function with
+    the row's data_source and extra_info as verl hands them (2 steps x batch 2 x n 2 = 8 calls)."""
+    from moe_lora_rl.data import write
+
+    paths = write("gsm8k_add1", tmp_path / "data")
+    (tmp_path / "reward").mkdir()
+    (tmp_path / "reward" / "reward.py").write_text(GSM8K_REWARD)
+    env = {**os.environ, "PYTHON": sys.executable, "STEPS": "2"}
+    out = tmp_path / "run"
+    p = subprocess.run(["bash", os.path.join(ROOT, "recipes/verl_moe_lora/run_cpu_smoke.sh"), str(out),
+                        f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+                        f"reward.custom_reward_function.path={tmp_path / 'reward' / 'reward.py'}",
+                        "reward.custom_reward_function.name=compute_score"],
+                       env=env, capture_output=True, text=True, timeout=1800)
+    log = (out / "run.log").read_text()
+    assert p.returncode == 0, p.stdout[-3000:]
+    steps = _steps(log)
+    assert sorted(steps) == [1, 2]
+    for s in steps.values():
+        assert math.isfinite(_num(s["actor/loss"])) and 0.0 <= _num(s["critic/score/mean"]) <= 1.0
+        assert 0 < _num(s["response_length/mean"]) <= 64
+        assert _num(s["prompt_length/max"]) > 32                        # the files' prompts, longer than the sort's
+    calls = (tmp_path / "reward" / "calls.txt").read_text().split("\n")[:-1]
+    assert len(calls) == 8 and all(c.startswith("openai/gsm8k train ") for c in calls), calls

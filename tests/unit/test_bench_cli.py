@@ -21,6 +21,7 @@ from moe_lora_rl.megatron.layout import Layout
     (["e2e", "--layouts", "tp2ep2", "--nproc", "1"], "world size"),
     (["e2e", "--", "algo.lr=-1"], "algo.lr=-1"),
     (["e2e", "--", "lora.rnk=4"], "unknown config key"),
+    (["e2e", "--data", "nope"], "dataset 'nope' is not one of"),
     (["async", "--layouts", "tp2ep2,pp2"], "async runs one layout"),
     (["async", "--seeds", "0,x"], "--seeds='0,x'"),
     (["async", "--max-staleness", "0"], "--max-staleness=0"),

@@ -263,6 +263,46 @@ def test_reward_that_hangs_stops_at_its_timeout(tmp_path):
     assert "row 0: no result within reward.timeout_s=2" in one_line(e) and w._pool is None   # its worker killed
 
 
+def test_dropped_call_that_hangs_is_terminated(tmp_path):
+    """A dropped call (its sample never scored) that keeps running holds the pool's one worker: the pool is
+    terminated (the worker killed) and replaced, the live calls started again, at the next collect past the
+    timeout or at the first submit after it. Control: a call forgotten without drop() leaves the worker busy and the
+    next row is blamed for the hang."""
+    import os
+    import time
+
+    f = tmp_path / "rewards.py"
+    f.write_text(REWARDS)
+    gsm = examples_from_rows([GSM])[0]
+    nxt = Example("q", "5", "openai/gsm8k", 7)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    w = RewardWorkers(str(f), "hangs_on_wait", timeout_s=2)
+    first = int(w.score([(gsm, "4")])[1][0]["pid"])
+    w.drop(w.submit([(gsm, "wait")]))                  # at collect: the live call waits, then the pool goes
+    scores, extras = w.score([(nxt, "5")])
+    second = int(extras[0]["pid"])
+    assert scores == [1.0] and w.replaced == 1 and second != first and not alive(first)
+    w.drop(w.submit([(gsm, "wait")]))                  # at submit: dropped more than timeout_s ago
+    time.sleep(2.2)
+    handle = w.submit([(nxt, "5")])
+    assert w.replaced == 2 and not alive(second)                 # replaced before this call started
+    assert w.collect(handle)[0] == [1.0]
+    w.close(kill=True)
+
+    w = RewardWorkers(str(f), "hangs_on_wait", timeout_s=2)      # control: the handle forgotten, not dropped
+    w.submit([(gsm, "wait")])
+    with pytest.raises(ValueError) as e:
+        w.score([(nxt, "5")])
+    assert "row 7: no result within reward.timeout_s=2" in one_line(e) and w.replaced == 0
+
+
 def test_data_cli_writes_verl_rows(tmp_path):
     from moe_lora_rl.data import write
     from moe_lora_rl.data.__main__ import main

@@ -133,3 +133,31 @@ def test_targets_the_model_lacks():
     glm = check(["model.size=tiny", "policies=[{name: a, targets: [shared_experts, dense_mlp]}]"], 1)
     assert glm.adaptable() == {"qkv", "proj", "expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2", "dense_fc1",
                                "dense_fc2"}
+
+
+def test_answer_length_of_a_datasets_reference_column(tmp_path):
+    """A dataset warm-started on data.reference_key: algo.max_response_tokens holds its longest reference answer
+    (gsm8k_arith's "23 + 28 = 51\\n#### 51", 16 tokens on the built-in tokenizer), refused naming the row below it;
+    controls: the same files with no warm start (no reference column, model.warm_start=false) take any length. The
+    launcher's path (prompt_rows) measures the prompts too, in the same tokenizer load."""
+    import transformers
+
+    from moe_lora_rl.data import write
+
+    paths = write("gsm8k_arith", tmp_path, n_eval=8)
+    files = [f"data.train_files={paths['train']}", f"data.val_files={paths['val']}"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(preflight.base_model_dir(config.load([]))))
+
+    def length(*over):
+        preflight.check_answer_length(config.load([*files, *over]), tok)
+
+    length("data.reference_key=extra_info.answer", "algo.max_response_tokens=16")
+    with pytest.raises(ValueError, match=r"algo.max_response_tokens=15 is below the longest reference answer the "
+                                         r"warm start teaches \(data.reference_key='extra_info.answer', train row "
+                                         r"\d+: 16 tokens\)"):
+        length("data.reference_key=extra_info.answer", "algo.max_response_tokens=15")
+    length("algo.max_response_tokens=4")                                                # no reference column
+    length("data.reference_key=extra_info.answer", "algo.max_response_tokens=4", "model.warm_start=false")
+    with pytest.raises(ValueError, match=r"train row 0 \(data_source 'openai/gsm8k'\)"):
+        preflight.check(config.load([*files, "data.max_prompt_length=40"]), 2, prompt_rows=100)
+    check([*files, "data.max_prompt_length=40"], 2)       # a rank's check measures no prompts (it does as it goes)
