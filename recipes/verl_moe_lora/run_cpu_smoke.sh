@@ -59,11 +59,14 @@ if [ "${R3:-on}" = on ]; then
 else
   ROUTES=(actor_rollout_ref.actor.megatron.router_replay.mode=disabled actor_rollout_ref.rollout.enable_rollout_routing_replay=false)
 fi
+# a Ray cluster already up (RAY_ADDRESS: ray_on_slurm.sbatch) has its resources; ray.init refuses them on a join
+RAY_INIT=(+ray_kwargs.ray_init.num_gpus="${RAY_GPUS:-1}" +ray_kwargs.ray_init.num_cpus="${RAY_CPUS:-4}")
+[ -z "${RAY_ADDRESS:-}" ] || RAY_INIT=()
 rm -f "$OUT/r3_check.jsonl"
 start=$(date +%s)
 timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${CONFIG_NAME:-verl_moe_lora}" \
   trainer.use_v1=false \
-  +ray_kwargs.ray_init.num_gpus="${RAY_GPUS:-1}" +ray_kwargs.ray_init.num_cpus="${RAY_CPUS:-4}" \
+  "${RAY_INIT[@]}" \
   trainer.nnodes=1 trainer.n_gpus_per_node=1 trainer.logger='[console]' \
   trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
   trainer.total_training_steps="$STEPS" trainer.total_epochs=1 trainer.default_local_dir="$OUT/ckpt" \

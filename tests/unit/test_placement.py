@@ -14,9 +14,11 @@ def test_same_host_uses_shared_memory():
 
 def test_other_node_is_srun_and_http():
     p = plan_placement(node="gpu-node-02", gpus=[0, 1, 2, 3], this_host="gpu-node-01")
-    assert p.launcher == ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu-node-02", "--gpus=4")
+    assert p.launcher == ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu-node-02", "--gpus-per-node=4")
     assert (p.bind_host, p.connect_host, p.transport, p.watch_parent) == ("0.0.0.0", "gpu-node-02", "http", False)
     assert p.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    cpu = plan_placement(node="cpu-node-02", gpus=[], this_host="cpu-node-01")   # asks for no GPU, even in a GPU job
+    assert cpu.launcher[-1] == "--gpus-per-node=0" and cpu.env == {} and cpu.transport == "http"
 
 
 def test_bad_placement_is_named():

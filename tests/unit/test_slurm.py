@@ -25,6 +25,10 @@ opts = dict(a[2:].split("=", 1) for a in args[:i] if "=" in a)
 hosts = os.environ["STUB_HOSTS"].split(",")[:int(opts.get("nodes", 2))]
 env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="stub[" + ",".join(hosts) + "]",
            SLURM_JOB_NUM_NODES=str(len(hosts)), SLURM_GPUS_ON_NODE="8")
+if "gpus-per-node" in opts:                     # sbatch's option overrides the header's; 0: a CPU-only job
+    env["SLURM_GPUS_PER_NODE"] = opts["gpus-per-node"]
+    if opts["gpus-per-node"] == "0":
+        del env["SLURM_GPUS_ON_NODE"]
 sys.exit(subprocess.run(["bash", args[i]] + args[i + 1:], env=env).returncode)
 ''',
     "scontrol": r'''
@@ -40,8 +44,9 @@ log(["srun"] + args)
 i = next(i for i, a in enumerate(args) if not a.startswith("-"))
 opts = dict(a[2:].split("=", 1) for a in args[:i] if "=" in a)
 for node, host in enumerate(opts["nodelist"].split(",")):
-    env = dict(os.environ, SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURMD_NODENAME=host,
-               CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    env = dict(os.environ, SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURMD_NODENAME=host)
+    if "SLURM_GPUS_ON_NODE" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = "0,1,2,3,4,5,6,7"
     rc = subprocess.run(args[i:], env=env).returncode
     if rc:
         sys.exit(rc)
@@ -49,7 +54,7 @@ for node, host in enumerate(opts["nodelist"].split(",")):
     "python": r'''
 import os, sys
 log(["python@" + os.environ["SLURMD_NODENAME"], "node=" + os.environ["SLURM_NODEID"],
-     "CUDA_VISIBLE_DEVICES=" + os.environ["CUDA_VISIBLE_DEVICES"]] + sys.argv[1:])
+     "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "")] + sys.argv[1:])
 ''',
 }
 PRELUDE = '''
@@ -130,6 +135,41 @@ def test_two_training_nodes_plus_rollout_node(slurm):
     ], calls
 
 
+def test_cpu_nodes_ask_for_no_gpus(slurm):
+    """A CPU-only job (sbatch --gpus-per-node=0 overrides the header's 8): ranks per node from --nproc-per-node, no
+    device binding, the engine on the second node with rollout.gpus=[] (its srun then asks for no GPU:
+    rollout/placement.py); with --rollout=gpus the engine stays on the first node, every node trains."""
+    proc, calls = slurm("--nodes=2", "--gpus-per-node=0", str(SCRIPT), "--nproc-per-node=2", "--rollout-gpus=0",
+                        "steps=3")
+    assert proc.returncode == 0, proc.stderr
+    train = ["-m", "moe_lora_rl.train", "rollout.node=gpu02", "rollout.gpus=[]", "steps=3"]
+    agent = ["--nnodes=1", "--nproc-per-node=2", *RDZV, *train]
+    assert calls[2:] == [
+        ["srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--nodelist=gpu01", "--kill-on-bad-exit=1",
+         *RUN, *agent],
+        ["python@gpu01", "node=0", "CUDA_VISIBLE_DEVICES=", *RUN[1:], *agent],
+    ], calls
+    proc, calls = slurm("--nodes=2", "--gpus-per-node=0", str(SCRIPT), "--nproc-per-node=2", "--rollout=node",
+                        "steps=3")                      # R defaults to the node's GPUs: none
+    assert proc.returncode == 0 and "rollout.gpus=[]" in calls[2], proc.stderr
+    proc, calls = slurm("--nodes=2", "--gpus-per-node=0", str(SCRIPT), "--nproc-per-node=2", "--rollout=gpus",
+                        "steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert calls[2][:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=gpu01,gpu02",
+                            "--kill-on-bad-exit=1"] and "env" not in calls[2], calls
+    assert calls[2][-3:] == ["rollout.node=gpu01", "rollout.gpus=[]", "steps=3"] and "--nproc-per-node=2" in calls[2]
+
+
+def test_fewer_ranks_than_gpus(slurm):
+    """--nproc-per-node below the node's training GPUs: --rollout=gpus binds GPUs 0..P-1 and the engine keeps the
+    last R GPUs (not those after the ranks)."""
+    proc, calls = slurm("--nodes=1", str(SCRIPT), "--rollout=gpus", "--rollout-gpus=2", "--nproc-per-node=4", "steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert calls[-1][:3] == ["python@gpu01", "node=0", "CUDA_VISIBLE_DEVICES=0,1,2,3"], calls
+    assert "--nproc-per-node=4" in calls[-1] and calls[-1][-3:] == ["rollout.node=gpu01", "rollout.gpus=[6,7]",
+                                                                    "steps=3"]
+
+
 def test_dry_run_runs_nothing(slurm):
     proc, calls = slurm("--nodes=2", str(SCRIPT), "--dry-run", "--gpus-per-node=4", "steps=3")
     assert proc.returncode == 0, proc.stderr
@@ -155,7 +195,15 @@ def test_max_restarts_resume_by_themselves(slurm):
     (["--rollout-gpus=9"], 2, "--rollout-gpus=9 exceeds --gpus-per-node=8"),
     ([], 1, "--rollout=node needs at least 2 nodes"),
     (["--rollout=remote"], 2, "--rollout=remote: choose node or gpus"),
-    (["--gpus-per-node=0"], 2, "--gpus-per-node=0 must be an integer >= 1"),
+    (["--gpus-per-node=-1"], 2, "--gpus-per-node=-1 must be an integer >= 0"),
+    (["--gpus-per-node=0"], 2, "the nodes have no GPUs (--gpus-per-node=0): give the training ranks per node with "
+                               "--nproc-per-node=P"),
+    (["--nproc-per-node=0"], 2, "--nproc-per-node=0 must be an integer >= 1"),
+    (["--rollout=gpus", "--rollout-gpus=2", "--nproc-per-node=7"], 2,
+     "--nproc-per-node=7 exceeds the 6 training GPUs a node"),
+    (["--gpus-per-node=0", "--nproc-per-node=2", "--rollout-gpus=1"], 2, "--rollout-gpus=1 exceeds --gpus-per-node=0"),
+    (["--gpus-per-node=0", "--nproc-per-node=2", "--rollout=gpus", "--rollout-gpus=1"], 2,
+     "--rollout=gpus needs --rollout-gpus=1 < --gpus-per-node=0"),
     (["--rdzv-port=x"], 2, "--rdzv-port=x must be an integer"),
     (["--nproc=3"], 2, "unknown option --nproc"),
 ])
@@ -174,3 +222,19 @@ def test_outside_an_allocation(tmp_path):
 def test_help():
     proc = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "--rollout=gpus" in proc.stdout and "c10d" in proc.stdout
+
+
+LOCAL = SCRIPT.parent / "local_cluster.sh"
+
+
+@pytest.mark.parametrize("args,msg", [
+    ([], "unknown action '': choose start or stop"),
+    (["begin"], "unknown action 'begin': choose start or stop"),
+    (["start", "--gpus=two"], "--gpus=two must be an integer >= 0"),
+    (["start", "--port=80"], "--port=80 must be an integer in 1024..65000"),
+    (["stop", "--nodes=3"], "unknown argument --nodes=3"),
+])
+def test_local_cluster_refusals(args, msg):
+    """scripts/slurm/local_cluster.sh refuses before it starts or writes anything (tests/cluster runs it)."""
+    proc = subprocess.run(["bash", str(LOCAL), *args], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

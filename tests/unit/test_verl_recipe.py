@@ -38,14 +38,15 @@ def test_ray_on_slurm_with_stub_commands(tmp_path):
         "srun": 'echo "srun $*" >> "$LOG"; while [ "${1#-}" != "$1" ]; do [ "$1" = -w ] && shift; shift; done; '
                 '"$@"',
         "hostname": 'echo 10.0.0.1',
-        "ray": 'echo "ray $*" >> "$LOG"',
+        # `ray status`: one active node per `ray start` so far (the script waits for all of them)
+        "ray": 'echo "ray $*" >> "$LOG"; [ "$1" = status ] && grep "^ray start" "$LOG" | sed "s/.*/ 1 node_x/"',
         "bash": 'echo "run $* NNODES=$NNODES RAY_ADDRESS=$RAY_ADDRESS" >> "$LOG"',
     }.items():
         p = stubs / name
         p.write_text(f"#!/bin/sh\n{body}\n")
         p.chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "LOG": str(log), "SLURM_JOB_NODELIST": "node-[a-c]",
-           "SLURM_GPUS_PER_NODE": "8", "RAY_HEAD_WAIT": "2", "RAY_WORKER_WAIT": "2",   # the script waits; 0 races
+           "SLURM_GPUS_PER_NODE": "8",
            "RUN_SCRIPT": "recipes/verl_moe_lora/run_qwen3_30b_a3b.sh"}
     r = subprocess.run(["/bin/bash", str(RECIPE / "ray_on_slurm.sbatch"), "trainer.total_epochs=1"], env=env,
                        capture_output=True, text=True, timeout=60)
@@ -56,7 +57,7 @@ def test_ray_on_slurm_with_stub_commands(tmp_path):
     runs = [c for c in calls if c.startswith("run ")]
     assert len(heads) == 1 and "--node-ip-address=10.0.0.1" in heads[0] and "--num-gpus=8" in heads[0]
     assert len(workers) == 2
-    assert any("-w node-a ray start --head" in c for c in calls)
+    assert any("-w node-a" in c and "ray start --head" in c for c in calls)
     assert {c.split("-w ")[1].split()[0] for c in calls if "--address=" in c and c.startswith("srun")} == \
         {"node-b", "node-c"}
     assert runs == ["run recipes/verl_moe_lora/run_qwen3_30b_a3b.sh trainer.total_epochs=1 NNODES=3 "
