@@ -30,14 +30,20 @@ def _num(v: str) -> float:
     return float(re.sub(r"^np\.\w+\((.*)\)$", r"\1", v))
 
 
-def _smoke(tmp_path, **env) -> str:
+def _run(out, *overrides, **env) -> tuple[str, dict[int, dict[str, str]]]:
+    """The recipe's 2 steps in `out` with verl overrides and environment: (its log, the logged steps 1 and 2)."""
     env = {**os.environ, "PYTHON": sys.executable, "STEPS": "2", **env}
-    p = subprocess.run(["bash", os.path.join(ROOT, "recipes/verl_moe_lora/run_cpu_smoke.sh"), str(tmp_path)],
+    p = subprocess.run(["bash", os.path.join(ROOT, "recipes/verl_moe_lora/run_cpu_smoke.sh"), str(out), *overrides],
                        env=env, capture_output=True, text=True, timeout=1800)
-    log = (tmp_path / "run.log").read_text()
+    log = (out / "run.log").read_text()
     assert p.returncode == 0, p.stdout[-3000:]
     steps = _steps(log)
     assert sorted(steps) == [1, 2]
+    return log, steps
+
+
+def _smoke(tmp_path, **env) -> str:
+    log, steps = _run(tmp_path, **env)
     for s in steps.values():
         assert math.isfinite(_num(s["actor/loss"])) and math.isfinite(_num(s["actor/grad_norm"]))
         assert 0.0 <= _num(s["critic/score/mean"]) <= 1.0              # our reward ran on every rollout
@@ -95,17 +101,9 @@ def test_main_ppo_on_a_gsm8k_file_with_a_reward_file(tmp_path):
     paths = write("gsm8k_add1", tmp_path / "data")
     (tmp_path / "reward").mkdir()
     (tmp_path / "reward" / "reward.py").write_text(GSM8K_REWARD)
-    env = {**os.environ, "PYTHON": sys.executable, "STEPS": "2"}
-    out = tmp_path / "run"
-    p = subprocess.run(["bash", os.path.join(ROOT, "recipes/verl_moe_lora/run_cpu_smoke.sh"), str(out),
-                        f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
-                        f"reward.custom_reward_function.path={tmp_path / 'reward' / 'reward.py'}",
-                        "reward.custom_reward_function.name=compute_score"],
-                       env=env, capture_output=True, text=True, timeout=1800)
-    log = (out / "run.log").read_text()
-    assert p.returncode == 0, p.stdout[-3000:]
-    steps = _steps(log)
-    assert sorted(steps) == [1, 2]
+    _, steps = _run(tmp_path / "run", f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+                    f"reward.custom_reward_function.path={tmp_path / 'reward' / 'reward.py'}",
+                    "reward.custom_reward_function.name=compute_score")
     for s in steps.values():
         assert math.isfinite(_num(s["actor/loss"])) and 0.0 <= _num(s["critic/score/mean"]) <= 1.0
         assert 0 < _num(s["response_length/mean"]) <= 64
