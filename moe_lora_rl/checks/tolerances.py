@@ -36,6 +36,11 @@ FIDELITY_TOL = {torch.float32: 1e-4, torch.bfloat16: 16 * BF16_UNIT_ROUNDOFF}
 # noise relative to each token's largest reference logit (max |diff| / max |ref|); 1e-4 at logits of ~10.
 FIDELITY_REL_FP32 = 1e-5
 SHUFFLED_MIN = 1e-2                  # the shuffled-routes negative control must differ by more than this
+# R3 on a bf16 engine: k3 of the engine's logprobs against fp32 Megatron replaying its routes, tiny models. Measured
+# 0.003 (qwen3_moe) and 0.005 (glm4_moe, GQA; docs/r3.md), 0.0097 (deepseek_v3 tiny_rope, MLA); HF bf16 forced to
+# the same routes is as far from HF fp32 (checks/mla_bf16.py), so this is bf16 rounding. Routing freely (no R3):
+# 0.26-1.4; a rotary fault at positions > 0 (the CPU plain-RoPE kernel unfixed): 1.8-3.7 nats per token.
+R3_BF16_K3 = 0.02
 
 # vLLM prompt logprobs vs Megatron+LoRA after a refit (same fp32 math, measured ~1e-5; the base differs by >1e-2).
 REFIT_LOGPROBS = 1e-3

@@ -20,12 +20,19 @@ groups, routing as fragile as a real MoE's), and is checked against HF transform
   same fidelity bound, dispatcher and KL checks; negative controls: the shuffled routes, and the LoRA zeroed
   (Megatron without the adapter) replaying the same routes. The routes are the adapter's routing: far more of their
   decisions differ from the base model's routers' own choices than from the adapted routers'.
+- MLA (`mla`): the same fidelity, dispatcher, KL and negative-control checks on a DeepSeek-V3-architecture checkpoint
+  (deepseek_v3/tiny_rope: plain RoPE, where vLLM's CPU rotary kernel needs our fix, so the routes come from a bf16
+  MLA engine with the fix applied; the MTP layer in the checkpoint), at tp1ep1pp1 and tp2ep2 (MLA's heads and
+  latent projections split over TP), one launch of 2 ranks, no adapter (MLA adapters served: test_mla_vllm.py).
+  And the bf16 engine itself: its logprobs against Megatron replaying its routes within bf16 rounding (k3 <=
+  R3_BF16_K3, from the GQA families' figures; a rotary fault at positions > 0 is 100x that), the same logprobs against
+  Megatron routing freely beyond it (the control). Marked slow: ~2 min on the shared 2-core machine.
 """
 import pytest
 
 from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS
 from moe_lora_rl.checks.replay import run
-from moe_lora_rl.checks.tolerances import FIDELITY_REL_FP32, FIDELITY_TOL, SHUFFLED_MIN
+from moe_lora_rl.checks.tolerances import FIDELITY_REL_FP32, FIDELITY_TOL, R3_BF16_K3, SHUFFLED_MIN
 
 pytestmark = pytest.mark.vllm
 
@@ -42,38 +49,68 @@ def models() -> list[str]:
     return [str(get_model("qwen3_moe", "tiny")), str(warm_started("glm4_moe", "wide"))]
 
 
+MLA_LAYOUTS = ("tp1ep1pp1", "tp2ep2")
+
+
+def mla_model() -> str:
+    from moe_lora_rl.models import get_model
+
+    return str(get_model("deepseek_v3", "tiny_rope"))
+
+
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     return run(models(), DEFAULT_LAYOUTS, tmp_path_factory.mktemp("r3"), engine="vllm",
                single_launch=True, adapter_modes=",".join(ADAPTER_MODES), adapter_layouts=",".join(ADAPTER_LAYOUTS))
 
 
-def _each(res):
-    for layout in LAYOUTS:
+@pytest.fixture(scope="module")
+def mla_res(tmp_path_factory):
+    return run([mla_model()], ",".join(MLA_LAYOUTS), tmp_path_factory.mktemp("r3_mla"), engine="vllm",
+               single_launch=True)
+
+
+# case -> (its module fixture, its layouts, models checked with the relative fp32 bound: logits above ~20)
+CASES = {"gqa": ("res", LAYOUTS, lambda: {models()[1]}),
+         "mla": ("mla_res", list(MLA_LAYOUTS), lambda: {mla_model()})}
+
+
+@pytest.fixture(params=["gqa", pytest.param("mla", marks=pytest.mark.slow)])
+def case(request):
+    fixture, layouts, relative = CASES[request.param]
+    return request.getfixturevalue(fixture), layouts, relative()
+
+
+def _each(res, layouts=LAYOUTS):
+    for layout in layouts:
         for m, per in res[layout].items():
             for kind in KINDS:
                 yield (layout, m, kind), per[kind]
 
 
-def test_replay_matches_forced_route_reference(res):
-    """fp32: max |logit diff| <= 1e-4 on the tiny model; on the default model, whose logits reach ~33, the same
-    noise relative to each token's largest logit <= 1e-5 (checks/tolerances.py)."""
+def test_replay_matches_forced_route_reference(case):
+    """fp32: max |logit diff| <= 1e-4 on the tiny Qwen3-MoE model; on the default model, whose logits reach ~33,
+    and the MLA model (~23), the same noise relative to each token's largest logit <= 1e-5
+    (checks/tolerances.py)."""
     import torch
 
-    for where, r in _each(res):
+    res, layouts, relative = case
+    for where, r in _each(res, layouts):
         for name, d in r["fidelity_max_diff"].items():
-            if where[1] == models()[1]:
+            if where[1] in relative:
                 assert 0 <= r["fidelity_max_rel"][name] <= FIDELITY_REL_FP32, (where, name, r)
             else:
                 assert 0 <= d <= FIDELITY_TOL[torch.float32], (where, name, r)
 
 
-def test_shuffled_routes_differ(res):
-    for where, r in _each(res):
+def test_shuffled_routes_differ(case):
+    res, layouts, _ = case
+    for where, r in _each(res, layouts):
         assert r["shuffled_routes_diff"] > SHUFFLED_MIN, (where, r)
 
 
-def test_forced_routes_are_not_the_routers_own(res):
+def test_forced_routes_are_not_the_routers_own(case):
+    res = case[0]
     for m, sets in res["forced_decisions"].items():
         bad = sum(b for b, _ in sets.values())
         tot = sum(t for _, t in sets.values())
@@ -81,18 +118,30 @@ def test_forced_routes_are_not_the_routers_own(res):
         assert sets["rollout"][0] > 0, (m, sets)              # bf16 rollout routes the fp32 router would not pick
 
 
-def test_dispatcher_receives_the_rollout_routes(res):
-    for where, r in _each(res):
+def test_dispatcher_receives_the_rollout_routes(case):
+    res, layouts, _ = case
+    for where, r in _each(res, layouts):
         for name in ("rollout", "random"):
             assert r["dispatcher_tokens"][name] > 0, (where, r)
             assert r["dispatcher_mismatched_tokens"][name] == 0, (where, name, r)
 
 
-def test_kl_drops_with_replay(res):
-    for where, r in _each(res):
+def test_kl_drops_with_replay(case):
+    res, layouts, _ = case
+    for where, r in _each(res, layouts):
         assert r["decisions"] > 1000, (where, r)
         assert r["disagreement_without"] > 0, (where, r)
         assert r["kl_with"] < r["kl_without"], (where, r)
+
+
+@pytest.mark.slow
+def test_mla_bf16_engine_within_rounding_with_replay(mla_res):
+    """The bf16 MLA engine (plain RoPE, our rotary fix) against fp32 Megatron replaying its routes: k3 within bf16
+    rounding at every layout and batch kind; against Megatron routing freely, beyond it (the control)."""
+    for where, r in _each(mla_res, MLA_LAYOUTS):
+        assert r["decisions"] > 1000, (where, r)
+        assert 0 <= r["kl_with"] <= R3_BF16_K3, (where, r)
+        assert r["kl_without"] > R3_BF16_K3, (where, r)
 
 
 def _adapter(res):
