@@ -373,8 +373,9 @@ def test_main_job_resume_auto_ends_on_one_line_after_a_failed_restart(tmp_path, 
     import types
 
     from moe_lora_rl.rl import run as run_mod
+    from moe_lora_rl.rl import run_checkpoints
 
-    monkeypatch.setattr(run_mod, "broadcast", lambda obj, src=0: obj)
+    monkeypatch.setattr(run_checkpoints, "broadcast", lambda obj, src=0: obj)
     m, opt = trained()
     meta = ck.describe_run(model_dir, m.lora_config)
     out = tmp_path / "run"
