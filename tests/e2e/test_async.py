@@ -7,7 +7,7 @@ the tiny engine is otherwise so fast that every group finishes before the next p
   adapters) and the replayed routes (max |diff| <= 3e-5, the fp32 vLLM-vs-HF kernel noise; per-sample k3 KL <=
   1e-10), over samples that do span versions; recomputed with the trained-at version only, it is off (negative
   control).
-  The trainer waits for the slow engine and trains only whole groups.
+  The trainer waits for the slow engine (at least for its first groups) and trains only whole groups.
 - pin, trainer slowed on purpose, engine SIGKILLed after step 1: the producer is held at the bound (planned exactly
   max_staleness updates ahead, never more), nothing trained is over it, the log reports the restart and the run
   finishes; resume=true continues from the step-4 checkpoint to step 6; every sample of the six steps is of one
@@ -65,7 +65,9 @@ def test_switch_trained_on_what_was_served(switch_run):
     assert summary["mode"] == "async" and summary["steps"] == 6 and summary["staleness_max"] <= K
     assert all(sum(r[f"staleness_hist/{k}"] for k in range(K + 1)) == P * G for r in rows)   # whole groups only
     waits = sorted(r["train_wait_s"] for r in rows)
-    assert waits[len(waits) // 2] > 0.5, waits             # the trainer waits for the slow engine
+    # the trainer waits for the slow engine: at least for the first groups, which take >= 1 delayed engine step
+    # (0.6 s of sleep) whatever the load; later steps' waits shrink when a loaded machine slows training instead
+    assert waits[-1] > 0.5, waits
     assert all(0.0 <= r["rollout_idle_frac"] <= 1.0 for r in rows)
     worst, k3, multi = recompute_all(out, summary)
     print(json.dumps({"switch_max_diff": worst, "switch_k3_max": k3, "multi_version_frac": multi}))
