@@ -59,9 +59,17 @@ if [ "${R3:-on}" = on ]; then
 else
   ROUTES=(actor_rollout_ref.actor.megatron.router_replay.mode=disabled actor_rollout_ref.rollout.enable_rollout_routing_replay=false)
 fi
-# a Ray cluster already up (RAY_ADDRESS: ray_on_slurm.sbatch) has its resources; ray.init refuses them on a join
+# a Ray cluster already up (RAY_ADDRESS: ray_on_slurm.sbatch) has its resources; ray.init refuses them on a join. Its
+# workers were started without this script's environment (a local Ray's inherit it): on a join the variables that
+# select our platform and plugin go to every actor through the job's runtime_env (verl merges ray_init.runtime_env)
 RAY_INIT=(+ray_kwargs.ray_init.num_gpus="${RAY_GPUS:-1}" +ray_kwargs.ray_init.num_cpus="${RAY_CPUS:-4}")
-[ -z "${RAY_ADDRESS:-}" ] || RAY_INIT=()
+if [ -n "${RAY_ADDRESS:-}" ]; then
+  RAY_INIT=()
+  for v in VERL_PLATFORM VERL_ENGINE_DEVICE VERL_USE_EXTERNAL_MODULES VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BIND \
+           TOKENIZERS_PARALLELISM PYTHONPATH HF_HUB_OFFLINE; do
+    [ -z "${!v:-}" ] || RAY_INIT+=("+ray_kwargs.ray_init.runtime_env.env_vars.$v='${!v}'")
+  done
+fi
 rm -f "$OUT/r3_check.jsonl"
 start=$(date +%s)
 timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${CONFIG_NAME:-verl_moe_lora}" \

@@ -6,6 +6,7 @@ One Ray node (RAY_NODES=1): both slurm nodes of the local cluster are this one h
 --address` there shares the head's address (Ray keys a node by its IP), so the join is refused; the smoke asks for
 one Ray "GPU" (our CPU platform's), which the head declares (RAY_GPUS=1). Slow (verl's startup dominates; see
 docs/cluster.md for the time it took): `bash scripts/test.sh --all` runs it."""
+import json
 import os
 import socket
 from pathlib import Path
@@ -45,6 +46,10 @@ def test_cpu_smoke_through_ray_on_slurm(tmp_path):
     assert "SMOKE: finished, 2 step lines logged" in console, console[-3000:]
     log = (out / "smoke" / "run.log").read_text()
     assert f":{port}" in log or "Connecting to existing Ray cluster" in log, log[:3000]   # joined, not a local Ray
-    checks = (out / "smoke" / "r3_check.jsonl").read_text().splitlines()
-    assert checks, "no R3 check records"
+    checks = [json.loads(line) for line in (out / "smoke" / "r3_check.jsonl").read_text().splitlines()]
+    assert len(checks) >= 2, "no R3 check records"
+    # the workers run our CPU platform and replica through the joined cluster: the same R3 figures as the local-Ray
+    # smoke (test_verl_main_ppo_cpu), with its control (routes shifted one token)
+    assert max(c["k3_replay"] for c in checks) < 1e-8 and max(c["max_abs_diff_replay"] for c in checks) < 1e-3, checks
+    assert min(c["k3_shifted"] for c in checks) > 1e-5, checks
     assert not leftovers(f"{port}") and not leftovers(str(out)), (leftovers(f"{port}"), leftovers(str(out)))

@@ -39,8 +39,10 @@ def test_ray_on_slurm_with_stub_commands(tmp_path):
                 '"$@"',
         "hostname": 'echo 10.0.0.1',
         # `ray status`: one active node per `ray start` so far (the script waits for all of them)
-        "ray": 'echo "ray $*" >> "$LOG"; [ "$1" = status ] && grep "^ray start" "$LOG" | sed "s/.*/ 1 node_x/"',
-        "bash": 'echo "run $* NNODES=$NNODES RAY_ADDRESS=$RAY_ADDRESS" >> "$LOG"',
+        # `ray get-auth-token --generate`: the token (the script passes it to every step)
+        "ray": 'echo "ray $* auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN" >> "$LOG"; case "$1" in get-auth-token) echo tok-1;; esac; '
+               '[ "$1" = status ] && grep "^ray start" "$LOG" | sed "s/.*/ 1 node_x/"',
+        "bash": 'echo "run $* NNODES=$NNODES RAY_ADDRESS=$RAY_ADDRESS auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN" >> "$LOG"',
     }.items():
         p = stubs / name
         p.write_text(f"#!/bin/sh\n{body}\n")
@@ -61,7 +63,10 @@ def test_ray_on_slurm_with_stub_commands(tmp_path):
     assert {c.split("-w ")[1].split()[0] for c in calls if "--address=" in c and c.startswith("srun")} == \
         {"node-b", "node-c"}
     assert runs == ["run recipes/verl_moe_lora/run_qwen3_30b_a3b.sh trainer.total_epochs=1 NNODES=3 "
-                    "RAY_ADDRESS=10.0.0.1:6379"]
+                    "RAY_ADDRESS=10.0.0.1:6379 auth=token:tok-1"]
+    # one token mode and token for the head, the joins and the status polls (else `ray status` never sees the head)
+    rays = [c for c in calls if c.startswith("ray ") and not c.startswith("ray get-auth-token")]
+    assert rays and all(c.endswith(" auth=token:tok-1") for c in rays), rays
     assert calls.index(heads[0]) < calls.index(workers[0]) < calls.index(runs[0])
 
 
