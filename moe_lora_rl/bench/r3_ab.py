@@ -64,9 +64,9 @@ per rollout (4), no truncated IS, bf16 rollouts at temperature 1; with a larger
 learning rate, or asynchronous with a staleness bound of 2; medium: the same on data.mix=medium (6-14 digits,
 40-150 tokens), where the warm-started model succeeds often enough for GRPO to learn. long_w500_*: the long A/B
 (docs/r3.md): the long recipe (2 mini-batches) from its 500-step warm start, no rollout correction, 60 steps,
-held-out on 512 samples; at lr 3e-4 (where the R3 run holds) or 6e-4 (between it and 1e-3, where it falls), with 4 mini-batches (the literature's several
-mini-steps; at lr 3e-4, or at lr 1e-3, where the R3 run with 2 mini-batches already falls), or asynchronous at a
-staleness bound of 2."""
+held-out on 512 samples; at lr 3e-4 (where the R3 run holds) or 6e-4 (between it and 1e-3, where it falls), with
+4 mini-batches (the literature's several mini-steps; at lr 3e-4, or at lr 1e-3, where the R3 run with 2 mini-batches
+already falls), or asynchronous at a staleness bound of 2."""
 WARM = {name: ["model.warm_steps=500"] for name in SETTINGS if name.startswith("long_w500")}
 """A setting's warm start where no --model (or model.warm_* override) chooses the model."""
 STEPS = {name: 60 for name in WARM}

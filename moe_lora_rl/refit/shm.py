@@ -36,12 +36,18 @@ _PROC = re.compile(r"^proc:(\d+):(\d+)$")     # a segment another process holds 
 HASH_PIECE = 512 << 10           # bytes hashed right after they were written / read (in cache)
 
 
+def owner_pid(name: str) -> int | None:
+    """The pid of the process that made segment `name` (moe_lora_rl-PID-VERSION-INDEX-HEX); None if not one of ours."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def remove_stale(root: Path = ROOT) -> list[str]:
     """Remove segments left by processes that no longer exist; returns their names."""
     removed = []
     for p in root.glob(PREFIX + "*"):
-        m = _NAME.match(p.name)
-        if m and not pid_alive(int(m.group(1))):
+        pid = owner_pid(p.name)
+        if pid is not None and not pid_alive(pid):
             try:
                 p.unlink()
                 removed.append(p.name)

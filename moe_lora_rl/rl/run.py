@@ -257,7 +257,6 @@ class GRPORun(RunCheckpoints, EngineRecovery):
             self.eval_lens = list(self.prod.eval_lens)
         return out
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
         self.setup()

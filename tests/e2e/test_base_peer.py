@@ -36,16 +36,11 @@ def _segments() -> set:
     may create and remove its own meanwhile); a dead process's leftovers stay in, so a leak of ours is seen."""
     import psutil
 
-    from moe_lora_rl.refit.shm import _NAME, ROOT, pid_alive
+    from moe_lora_rl.refit.shm import PREFIX, ROOT, owner_pid, pid_alive
 
     ours = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
-    out = set()
-    for p in ROOT.glob("moe_lora_rl-*"):
-        m = _NAME.match(p.name)
-        pid = int(m.group(1)) if m else None
-        if pid is None or pid in ours or not pid_alive(pid):
-            out.add(p)
-    return out
+    return {p for p in ROOT.glob(PREFIX + "*")
+            if (pid := owner_pid(p.name)) is None or pid in ours or not pid_alive(pid)}
 
 
 def _refused(fn) -> str:
@@ -83,7 +78,7 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         assert joined["peer_port"] == a.port and joined["buckets"] > 4 and joined["copy_s"] > 0, joined
         assert joined["transport"] == "http", joined                   # the peer's buckets inline, passed on
         assert _sample(b) == ref                                        # exact: tokens and logprobs
-        assert _segments() == segments             # the peer's export segments are gone
+        assert _segments() == segments                                 # the peer's export segments are gone
 
         # refusals: the joiner (restarted again, empty) keeps nothing and serves nothing
         b.stop(keep_base=True)
@@ -146,7 +141,7 @@ def test_restarted_engine_takes_the_base_from_a_live_peer(tmp_path):
         flip_held()                                                     # the byte back
         before = _segments()
         joined = send_from_peer(b.transport._call, a.transport._call, 2 << 20)
-        assert _segments() == before, joined        # nothing written for the join
+        assert _segments() == before, joined                           # nothing written for the join
         assert b.transport._call("moe_lora_base_status")["served"] == 2
         assert _sample(b) == perturbed
 
