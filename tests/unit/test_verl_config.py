@@ -25,7 +25,8 @@ def overrides(path, **extra):
           "actor_rollout_ref.rollout.name": "moe_lora_vllm",
           "actor_rollout_ref.actor.megatron.dtype": "float32",
           "+actor_rollout_ref.actor.megatron.device": "cpu",
-          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+          "trainer.use_v1": False}
     ov.update(extra)
     return [f"{k}={v}" for k, v in ov.items() if v is not None]
 
@@ -61,7 +62,11 @@ def test_overrides_resolve_to_our_engine_and_replica(compose):
     check_config(cfg)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor.engine, MoELoRAEngineConfig) and actor.engine.strategy == "moe_lora"
-    assert actor.engine.layout() == Layout(tp=2, ep=2) and actor.engine.run_config().dtype == "fp32"
+    # expert_tensor_parallel_size unset follows megatron-core's default (ETP = TP); set, it is kept
+    assert actor.engine.layout() == Layout(tp=2, ep=2, etp=2) and actor.engine.run_config().dtype == "fp32"
+    etp1 = compose(**{"actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
+                      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size": 1})
+    assert omega_conf_to_dataclass(etp1.actor_rollout_ref.actor).engine.layout() == Layout(tp=2, etp=1)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.model)          # HFModelConfig imports external_lib: registers
     from moe_lora_rl.integration.verl.engine import MoELoRAEngine
     from moe_lora_rl.integration.verl.replica import MoELoRAvLLMReplica
@@ -158,12 +163,12 @@ def test_mla_engine_settings_through_replica_hooks(compose, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, match", [
     ({"+actor_rollout_ref.model.lora.adapter_layuot": "shared"},
-     r"actor_rollout_ref.model.lora.adapter_layuot='shared' is not a key we read"),
+     r"actor_rollout_ref.model.lora.adapter_layuot='shared' is not a key our override knows"),
     ({"actor_rollout_ref.model.external_lib": None},
      r"actor_rollout_ref.model.external_lib=None: set it to moe_lora_rl.integration.verl.plugin"),
     ({"+actor_rollout_ref.model.lora.fully_sharded_loras": True},
-     r"actor_rollout_ref.model.lora.fully_sharded_loras=True conflicts"),
-    ({"actor_rollout_ref.model.lora.merge": True}, r"actor_rollout_ref.model.lora.merge=True conflicts"),
+     r"actor_rollout_ref.model.lora.fully_sharded_loras=True is not a key our override knows"),
+    ({"actor_rollout_ref.model.lora.merge": True}, r"actor_rollout_ref.model.lora.merge=True: our replica serves the adapters unmerged"),
     ({"+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_lora": True},
      r"actor_rollout_ref.rollout.engine_kwargs.vllm.enable_lora=True turns on vLLM's own LoRA"),
     ({"+actor_rollout_ref.model.lora.adapter_layout": "per_rank"}, r"adapter_layout='per_rank'"),
@@ -328,6 +333,6 @@ def test_target_modules_are_honoured_or_refused_in_one_line():
     for kw, msg in [(dict(target_modules=["*.layers.0.*.linear_qkv"]), r"target_modules: \['\*\.layers\.0"),
                     (dict(target_modules=["linear_q"]), r"target_modules: \['linear_q'\] are not module names"),
                     (dict(targets=["experts"], target_modules=mla), "disagree; set one of them"),
-                    (dict(exclude_modules=["linear_proj"]), r"exclude_modules=\['linear_proj'\] is not supported")]:
+                    (dict(exclude_modules=["linear_proj"]), r"exclude_modules=\['linear_proj'\]: name what to adapt")]:
         with pytest.raises(ValueError, match=msg):
             cfg(**kw)

@@ -20,6 +20,7 @@ from verl.workers.config.engine import EngineConfig
 from ...lora.config import ALIASES, GROUPS, TARGETS, LoRAConfig
 from ...megatron.layout import Layout
 from ...megatron.run_config import RunConfig
+from . import keys
 
 BACKEND = "moe_lora"
 REPLICA = "moe_lora_vllm"
@@ -29,17 +30,6 @@ ENGINE_TARGET = f"{PLUGIN}.MoELoRAEngineConfig"
 SUPPORTED_VERL = ("0.9",)
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 LORA = "actor_rollout_ref.model.lora"
-# verl's own model.lora keys (hf_model.yaml) we accept, with the values we need (None: any value is fine;
-# target_modules and exclude_modules are read by lora_targets)
-VERL_LORA_KEYS: dict[str, Any] = {
-    "type": "lora", "merge": False, "fully_sharded_loras": False, "adapter_path": None, "target_modules": None,
-    "exclude_modules": None, "dropout_position": None, "lora_A_init_method": None, "lora_B_init_method": None,
-    "a2a_experimental": None, "dtype": None, "freeze_vision_model": None, "freeze_vision_projection": None,
-    "freeze_language_model": None,
-}
-OUR_LORA_KEYS = ("rank", "alpha", "dropout", "targets", "adapter_layout", "init_seed")
-
-
 def check_verl_version(version: str | None = None) -> None:
     import verl
 
@@ -82,8 +72,11 @@ class MoELoRAEngineConfig(McoreEngineConfig):
         self.run_config()
 
     def layout(self) -> Layout:
+        """expert_tensor_parallel_size unset (None) follows megatron-core's default: ETP = TP."""
+        etp = self.expert_tensor_parallel_size
         return Layout(tp=self.tensor_model_parallel_size, ep=self.expert_model_parallel_size,
-                      etp=self.expert_tensor_parallel_size or 1, pp=self.pipeline_model_parallel_size)
+                      etp=self.tensor_model_parallel_size if etp is None else etp,
+                      pp=self.pipeline_model_parallel_size)
 
     def run_config(self) -> RunConfig:
         try:
@@ -134,15 +127,13 @@ def lora_targets(lora: Mapping) -> tuple[str, ...]:
 
 
 def lora_config(lora: Mapping | None) -> LoRAConfig:
-    """Our LoRAConfig from verl's model.lora section; unknown keys and options that conflict with ours are refused."""
+    """Our LoRAConfig from verl's model.lora section; keys the key table does not know, and values it refuses, are
+    one-line ValueErrors (keys.py)."""
     lora = dict(lora or {})
     for key, value in lora.items():
-        if key not in VERL_LORA_KEYS and key not in OUR_LORA_KEYS:
-            raise ValueError(f"{LORA}.{key}={value!r} is not a key we read (ours: {', '.join(OUR_LORA_KEYS)}; "
-                             f"verl's: {', '.join(VERL_LORA_KEYS)})")
-        need = VERL_LORA_KEYS.get(key)
-        if need is not None and value not in (need, None):
-            raise ValueError(f"{LORA}.{key}={value!r} conflicts with our expert LoRA (it needs {need!r})")
+        bad = keys.refusal(f"model.lora.{key}", value)
+        if bad:
+            raise ValueError(bad)
     rank = lora.get("rank", 0)
     if not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"{LORA}.rank={rank!r}: our engine trains LoRA adapters only, set a positive rank")
@@ -155,9 +146,66 @@ def lora_config(lora: Mapping | None) -> LoRAConfig:
         raise ValueError(f"{LORA}: {e}") from None
 
 
+SECTIONS = ("model", "actor", "ref", "rollout")
+
+
+def _leaves(node, prefix: str):
+    """(path, value) for every leaf of a plain nested dict (an empty dict is a leaf)."""
+    if isinstance(node, Mapping) and node:
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}.{k}")
+    else:
+        yield prefix, node
+
+
+def engine_sections(cfg) -> dict:
+    """actor_rollout_ref's model / actor / ref / rollout sections as plain dicts, interpolations resolved."""
+    arr = _get(cfg, "actor_rollout_ref")
+    out = {}
+    for sec in SECTIONS:
+        node = _get(arr, sec)
+        if node is None:
+            continue
+        try:
+            from omegaconf import OmegaConf
+
+            node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        except ImportError:
+            pass
+        out[sec] = node
+    return out
+
+
+def check_keys(cfg) -> None:
+    """Every key of actor_rollout_ref.{model,actor,ref,rollout} against the key table (keys.py): the first key the
+    table refuses (an unknown key, a value we do not honour, a ref.megatron value that differs from the actor's) is
+    a one-line ValueError naming it and what to do."""
+    sections = engine_sections(cfg)
+    actor_megatron = dict(_leaves(sections.get("actor", {}).get("megatron", {}), "megatron"))
+    for sec, node in sections.items():
+        for path, value in _leaves(node, sec):
+            other = actor_megatron.get(path[len("ref."):]) if path.startswith("ref.megatron.") else None
+            bad = keys.refusal(path, value, other)
+            if bad:
+                raise ValueError(bad)
+
+
+def check_trainer(cfg) -> None:
+    """verl's V1 trainer (trainer.use_v1, verl 0.9.1's default) hard-codes verl's own worker classes and needs
+    transfer_queue; our override runs in verl's V0 trainer and its async trainers: our config sets
+    trainer.use_v1=false, and a config that sets it back is refused."""
+    trainer = _get(cfg, "trainer")
+    if trainer is not None and _get(trainer, "use_v1", False):
+        raise ValueError("trainer.use_v1=True: our override runs in verl's V0 trainer (V1 hard-codes verl's workers); "
+                         "set trainer.use_v1=false (our recipe config does)")
+
+
 def check_config(cfg) -> None:
-    """Start-up checks on the whole (composed) verl config: our engine, external_lib, LoRA, rollout, routes."""
+    """Start-up checks on the whole (composed) verl config: the trainer version, every engine key (keys.py), our
+    engine, external_lib, LoRA, rollout, routes."""
     check_verl_version()
+    check_trainer(cfg)
+    check_keys(cfg)
     arr = _get(cfg, "actor_rollout_ref")
     model, actor, rollout = _get(arr, "model"), _get(arr, "actor"), _get(arr, "rollout")
     target = _get(_get(actor, "megatron"), "_target_")
