@@ -5,8 +5,8 @@ main_ppo read alike:
         -> OUT_DIR/train.parquet, OUT_DIR/val.parquet
 
 NAME: the built-in sorting tasks (sort, sort_trace, sort_long: their own scorer, rl/reward.py) or gsm8k_arith
-(arithmetic word problems in gsm8k's format, scored by verl's gsm8k scorer; data/arith.py). A dataset is a table
-entry: a function of the options returning {"train": rows, "val": rows}.
+(arithmetic word problems in gsm8k's format, scored by the default reward's gsm8k scorer; data/arith.py). A dataset
+is a table entry: a function of the options returning {"train": rows, "val": rows}.
 """
 from __future__ import annotations
 

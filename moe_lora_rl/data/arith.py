@@ -1,5 +1,6 @@
-"""Arithmetic word problems in gsm8k's format, generated locally (no download), scored by verl's own gsm8k scorer
-(data_source openai/gsm8k: the number after "####" in the response, strict).
+"""Arithmetic word problems in gsm8k's format, generated locally (no download), scored by the default reward's gsm8k
+scorer (data_source openai/gsm8k: the number after the first "####" of the whole response;
+integration/verl/reward_score.gsm8k_score).
 
     row = {"data_source": "openai/gsm8k",
            "prompt": [{"role": "user", "content": "Ann has 12 apples. She buys 7 more. How many apples does Ann have

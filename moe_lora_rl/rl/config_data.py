@@ -3,7 +3,7 @@ legacy_data.yaml, reward.custom_reward_function), validated in __post_init__ (Va
 
     data.train_files / data.val_files: a file or a list (parquet, JSONL) in verl's row format; null: the built-in
     task data.task, generated as rows and read like any file.  reward.path / reward.name: a function with verl's
-    signature; null: verl's default_compute_score (rl/rewards.py).
+    signature; null: verl's default_compute_score with gsm8k and math_dapo read in full (rl/rewards.py).
 """
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ class DataSettings:
 class RewardSettings:
     path: Optional[str] = None
     """verl's reward.custom_reward_function.path: a Python file or pkg://module holding the reward function; null:
-    verl's default_compute_score (by data_source; the built-in tasks' sources by their own scorer)."""
+    verl's default_compute_score (by data_source; gsm8k and math_dapo read in full, the built-in tasks' sources by
+    their own scorer: rl/rewards.py)."""
     name: str = "compute_score"
     """The function's name: compute_score(data_source, solution_str, ground_truth, extra_info) -> float or a dict
     with 'score' (its other numeric keys logged as metrics)."""

@@ -3,9 +3,11 @@ bounded by reward.timeout_s.
 
     compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}
 
-reward.path=null: verl's `default_compute_score` (it dispatches on data_source: openai/gsm8k, MATH, ...), with the
-built-in tasks' sources scored by their own scorer (BUILTIN, a table); reward.path=FILE or pkg://module with
-reward.name=FN: the user's function for every row, as verl's custom_reward_function.
+reward.path=null: verl's `default_compute_score` (it dispatches on data_source: openai/gsm8k, MATH, ...) with the
+scorers it reads wrong replaced (DEFAULT: integration/verl/reward_score.py; gsm8k's and math_dapo's read the whole
+response, not its last 300 characters), and the built-in tasks' sources scored by their own scorer (BUILTIN, a
+table); reward.path=FILE or pkg://module with reward.name=FN: the user's function for every row, as verl's
+custom_reward_function.
 
     workers = RewardWorkers(path, name, timeout_s)      # its worker (spawned) starts and loads at the first call
     handle = workers.submit([(example, text), ...])     # returns at once: the calls run in the workers
@@ -23,7 +25,9 @@ import inspect
 import math
 from pathlib import Path
 
-DEFAULT = ("pkg://verl.utils.reward_score", "default_compute_score")
+DEFAULT = ("pkg://moe_lora_rl.integration.verl.reward_score", "default_compute_score")
+"""verl's default_compute_score, with openai/gsm8k and the math_dapo sources read in full (not the last 300
+characters): what each data source's default scorer reads is listed in docs/your_data.md."""
 BUILTIN = {src: ("pkg://moe_lora_rl.rl.reward", "compute_score")
            for src in ("moe_lora_rl/addition", "moe_lora_rl/sort_trace", "moe_lora_rl/sort_long")}
 """data_source -> the scorer of a built-in task (rl/reward.py), used by the default reward before verl's."""
@@ -31,7 +35,9 @@ ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 def describe(path: str | None, name: str) -> str:
-    return "verl's default_compute_score" if path is None else f"reward.path={path!r} reward.name={name!r}"
+    if path is None:
+        return "the default reward: verl's default_compute_score"
+    return f"reward.path={path!r} reward.name={name!r}"
 
 
 def load_function(path: str, name: str):
@@ -150,7 +156,8 @@ def _function(path, name, data_source):
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """The main job's default reward (reward.path=null) as one function with verl's signature: a built-in task's
-    source scored by its own scorer (BUILTIN), any other by verl's default_compute_score. For verl's
+    source scored by its own scorer (BUILTIN), any other by DEFAULT (verl's default_compute_score, gsm8k and
+    math_dapo read in full). For verl's
     reward.custom_reward_function (path=pkg://moe_lora_rl.rl.rewards, name=compute_score:
     recipes/verl_moe_lora/run_cpu_smoke.sh's default), so that both routes score every dataset alike."""
     return _function(None, None, data_source)(data_source=data_source, solution_str=solution_str,

@@ -72,7 +72,9 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
 fi
 rm -f "$OUT/r3_check.jsonl"
 start=$(date +%s)
-timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${CONFIG_NAME:-verl_moe_lora}" \
+# the run in a session of its own: past TIMEOUT every process of that session (the driver, its local Ray instance,
+# Ray's workers and their engines) is ended, and nothing else (another Ray instance of this user keeps running)
+"$PY" -m moe_lora_rl.procs --timeout-s "${TIMEOUT:-1500}" -- "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${CONFIG_NAME:-verl_moe_lora}" \
   trainer.use_v1=false \
   "${RAY_INIT[@]}" \
   trainer.nnodes=1 trainer.n_gpus_per_node=1 trainer.logger='[console]' \
@@ -102,9 +104,6 @@ timeout "${TIMEOUT:-1500}" "$PY" "$HERE/main_verl_moe_lora.py" --config-name "${
   actor_rollout_ref.rollout.load_format=dummy \
   "$@" > "$OUT/run.log" 2>&1
 rc=$?
-# the driver's local Ray instance ends with it; only a run killed by the timeout leaves one behind (ray stop ends
-# every Ray instance of this user, so it is kept for that case)
-[ "$rc" = 124 ] && "$(dirname "$PY")/ray" stop --force >/dev/null 2>&1
 echo "SMOKE: wall $(( $(date +%s) - start )) s, log $OUT/run.log"
 grep -E "Error|error:|Traceback" "$OUT/run.log" | grep -v "^.*Warning" | tail -n 8
 tail -n 15 "$OUT/run.log"
