@@ -116,10 +116,10 @@ def _module_level(body):
                 yield from _module_level(handler.body)
 
 
-def _top_binding(src: PackageSource, module: str, name: str):
+def _top_binding(src: PackageSource, module: str, name: str, seen: frozenset = frozenset()):
     """What binds `name` at module level: ("def", node) | ("import", (module, name)) | ("other", None) | None."""
     tree = src.tree(module)
-    if tree is None:
+    if tree is None or module in seen:
         return None
     lazy, stars = False, []
     for node in _module_level(tree.body):
@@ -141,7 +141,7 @@ def _top_binding(src: PackageSource, module: str, name: str):
             if any((al.asname or al.name.split(".")[0]) == name for al in node.names):
                 return "other", None
     for star in stars:                                                # `from .x import *` (inside the package)
-        if star != module and star.split(".")[0] == module.split(".")[0] and _top_binding(src, star, name):
+        if star.split(".")[0] == module.split(".")[0] and _top_binding(src, star, name, seen | {module}):
             return "import", (star, name)
     if src.tree(f"{module}.{name}") is not None:
         return "other", None                                          # a submodule
