@@ -306,5 +306,5 @@ def markdown(rep: Report, only_bad: bool = False) -> str:
     for sym, per in rep.rows.items():
         if only_bad and all(f.state == PRESENT for f in per.values()):
             continue
-        lines.append(f"| `{sym.label}` | {sym.why} | " + " | ".join(cell(per[l]) for l in rep.labels) + " |")
+        lines.append(f"| `{sym.label}` | {sym.why}{f' ({sym.where})' if sym.where else ''} | " + " | ".join(cell(per[l]) for l in rep.labels) + " |")
     return "\n".join(lines)

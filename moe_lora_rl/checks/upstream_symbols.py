@@ -93,7 +93,7 @@ HOOK_ROWS = [
       for k in ("model", "dtype", "seed", "max_model_len", "enforce_eager", "enable_prefix_caching", "block_size",
                 "max_num_seqs", "load_format", "worker_extension_cls", "additional_config", "hf_overrides",
                 "attention_backend")],
-    ("vllm.v1.engine.async_llm", "AsyncLLM.pause_generation", ("clear_cache",), "called by verl (engine_compat)",
+    ("vllm.v1.engine.async_llm", "AsyncLLM.pause_generation", ("clear_cache",), "called by verl",
      "integration/verl/engine_compat.py"),
     ("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", ("method", "args"), "called",
      "integration/verl/server_routes.py"),
@@ -181,7 +181,7 @@ def derived(root: str | Path) -> tuple[list[Symbol], list[Symbol]]:
     root = Path(root)
     imports, overrides = [], []
     for path in sorted(root.rglob("*.py")):
-        i, o = _file_symbols(path, str(path.relative_to(root.parent)))
+        i, o = _file_symbols(path, str(path.relative_to(root)))
         imports += i
         overrides += o
     return imports, overrides
