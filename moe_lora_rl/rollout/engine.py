@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ..vllm import WORKER_EXTENSION
+from ..vllm.compat import check_vllm_version
 
 SERVING_MODES = ("unmerged", "merged")
 
@@ -42,6 +43,7 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
     mode the extension starts in (None: its default, unmerged; moe_lora_set_mode changes it later).
     stage_timeout_s: seconds without progress after which the extension aborts an open adapter stage (None: its
     default, vllm/staging.DEFAULT_STAGE_TIMEOUT_S). llm_kw: any other EngineArgs field, passed through."""
+    check_vllm_version("make_engine")                   # before vLLM loads the model
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("make_engine needs the engine core in this process: call set_engine_env() in main() "
                            "before vLLM is imported")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..vllm import WORKER_EXTENSION
+from ..vllm.compat import check_vllm_version
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ServerHandle:
 
 def start_server(model: str, port: int, *, dtype: str = "float32", log_dir: str | Path = ".",
                  timeout: float = 300.0, extra: list[str] | None = None) -> ServerHandle:
+    check_vllm_version("start_server")                 # before the server process loads the model
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     log = Path(log_dir) / f"vllm-server-{port}.log"

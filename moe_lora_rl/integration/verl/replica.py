@@ -28,6 +28,7 @@ from __future__ import annotations
 from verl.utils.tokenizer import normalize_token_ids
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from ...vllm.compat import check_vllm_version
 from .config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
 from .engine_compat import PauseCompat, needs_pause_compat
 from .server_routes import ServerRoutes
@@ -116,6 +117,7 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
 
 class MoELoRAvLLMReplica(vLLMReplica):
     def __init__(self, *args, **kwargs):
+        check_vllm_version("the moe_lora_vllm rollout")   # before verl starts any server actor
         super().__init__(*args, **kwargs)
         import ray
 
