@@ -67,7 +67,7 @@ def test_controls_fail(report):
 
 @pytest.mark.slow
 def test_more_moe_options_equal_plain_layout(tmp_path_factory):
-    """tp2, tp2etp2 with overlap, ep2 with overlap, tp2 allgather, etp2 grouped GEMM."""
+    """tp2, tp2etp2 with overlap, ep2 with overlap, the allgather dispatcher at tp2 and etp2, etp2 grouped GEMM."""
     from moe_lora_rl.checks.moe_options import MORE_VARIANTS, REFERENCE
 
     if not mcore_version().startswith("0.16."):
