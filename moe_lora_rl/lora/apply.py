@@ -75,8 +75,9 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
         shared = cfg.expert_factors_shared(target) if is_expert else (False, False)
         group = "etp" if is_expert else "tp"
         t = sizes[group]
+        explicit = not is_expert and bool(getattr(mod, "explicit_expert_comm", False))   # shared-expert overlap
         rule = rule_for(kind, expert=is_expert, sequence_parallel=bool(mcfg.sequence_parallel), tp_size=t,
-                        shared_across_experts=shared)
+                        shared_across_experts=shared, explicit_comm=explicit)
         w = mod.weight
         out_local, in_local = w.shape
         out_full = out_local * (t if kind == "column" else 1)

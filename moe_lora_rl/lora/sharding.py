@@ -14,6 +14,7 @@ or its partner factor is sharded, so it is all-reduced over that group:
 
     non-expert, sequence parallel: column A sees only the local sequence shard, row B the reduce-scattered one -> TP
     expert (explicit expert comm):  column A gets dh from a B shard, row B gets a partial h        -> ETP
+    shared expert under moe_shared_expert_overlap (explicit comm, sequence parallel): as the expert case  -> TP
 
 Every adapter factor is then all-reduced over its data-parallel replicas: the data-parallel group for non-expert
 linears, the expert-data-parallel group for experts. Factors shared by several experts (shared_outer, shared
@@ -43,8 +44,11 @@ class LinearRule:
 
 
 def rule_for(parallel: str, *, expert: bool, sequence_parallel: bool, tp_size: int,
-             shared_across_experts: tuple[bool, bool] = (False, False)) -> LinearRule:
-    """parallel: the base layer's kind; shared_across_experts: (A shared, B shared) by all experts of a layer."""
+             shared_across_experts: tuple[bool, bool] = (False, False), explicit_comm: bool = False) -> LinearRule:
+    """parallel: the base layer's kind; shared_across_experts: (A shared, B shared) by all experts of a layer;
+    explicit_comm: a non-expert base whose module leaves the sequence-parallel communication to its caller
+    (megatron's explicit_expert_comm: the shared expert under moe_shared_expert_overlap gathers its input before fc1
+    and reduce-scatters fc2's partial sums itself), so the adapter's rank-r activation is not communicated either."""
     if parallel not in ("column", "row", "duplicated"):
         raise AssertionError(f"base parallel kind {parallel!r}")
     group = "etp" if expert else "tp"
@@ -69,5 +73,5 @@ def rule_for(parallel: str, *, expert: bool, sequence_parallel: bool, tp_size: i
         A, B = factor(False, 1, a_shared), factor(True, 0, b_shared)
     else:
         A, B = factor(True, 1, a_shared), factor(False, 0, b_shared)
-    seq = None if expert or not sequence_parallel or tp_size == 1 else ("gather" if parallel == "column" else "scatter")
+    seq = None if expert or explicit_comm or not sequence_parallel or tp_size == 1 else ("gather" if parallel == "column" else "scatter")
     return LinearRule(parallel, expert, A, B, seq)

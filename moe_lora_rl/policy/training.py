@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
 from ..lora import LoRAConfig, adapter_factors, adapters_disabled
 from ..megatron.forward import run_schedule
 from ..megatron.layout import Layout
+from ..megatron.moe_options import transformer_overrides
 from ..megatron.run_config import RunConfig
 from ..router_replay.replay import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
@@ -41,11 +42,14 @@ class PassResult:
 
 
 class TrainingCore:
-    def __init__(self, model_path, layout: Layout, rc: RunConfig, lora: LoRAConfig, *, adamw: dict | None):
+    def __init__(self, model_path, layout: Layout, rc: RunConfig, lora: LoRAConfig, *, adamw: dict | None,
+                 override_transformer_config: Mapping | None = None):
         """Parallel state initialised for `layout`, host prepared. adamw: torch.optim.AdamW's keyword arguments, or
-        None for a forward-only core (no optimizer)."""
+        None for a forward-only core (no optimizer). override_transformer_config: a user's megatron-core options
+        (verl's key of that name), honoured or refused in one line by megatron.moe_options.transformer_overrides."""
         self.lora = lora
-        self.arch, self.model = build_from_hf(model_path, layout, rc, lora=lora)
+        kw = transformer_overrides(override_transformer_config, layout, rc)
+        self.arch, self.model = build_from_hf(model_path, layout, rc, lora=lora, **kw)
         self.params = [p for _, p in adapter_factors(self.model)]
         self.optimizer = None if adamw is None else make_adamw(self.params, **adamw)
         self.replayer = RouterReplayer(self.model)
