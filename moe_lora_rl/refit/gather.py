@@ -119,6 +119,23 @@ def stream_buckets(model, plan: StreamPlan, arch: MoEArch, collect_to: int | Non
             out = None
 
 
+def stream_buckets_to_all(model, plan: StreamPlan, arch: MoEArch, params: dict | None = None
+                          ) -> Iterator[tuple[StreamBucket, torch.Tensor]]:
+    """Collective. Yields every (bucket, flat uint8 buffer) on every rank: each bucket assembled on its sender, then
+    broadcast from it (verl's colocated weight sync hands each trainer rank's stream to its own rollout worker, so
+    every rank streams the whole adapter version). The same buffers, in the same order, on every rank."""
+    me = dist.get_rank()
+    params = local_reports(model)[1] if params is None else params
+    for bucket in plan.buckets:
+        buf = _assemble(bucket, params, arch)
+        if me != bucket.sender:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        dist.broadcast(buf, src=bucket.sender)
+        out, buf = (bucket, buf), None
+        yield out
+        out = None
+
+
 def stream(model, arch: MoEArch, plan: StreamPlan, consume: Callable[[StreamBucket, torch.Tensor], None],
            collect_to: int | None = None, params: dict | None = None) -> str:
     """Collective: hand every bucket's buffer to `consume` on its consuming rank (`wire.unpack(buf,

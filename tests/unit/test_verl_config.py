@@ -26,7 +26,9 @@ def overrides(path, **extra):
           "actor_rollout_ref.actor.megatron.dtype": "float32",
           "+actor_rollout_ref.actor.megatron.device": "cpu",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
-          "trainer.use_v1": False}
+          "trainer.use_v1": False,
+          "reward.reward_manager.source": "importlib", "reward.reward_manager.name": "FiniteRewardManager",
+          "reward.reward_manager.module.path": "pkg://moe_lora_rl.integration.verl.reward_manager"}
     ov.update(extra)
     return [f"{k}={v}" for k, v in ov.items() if v is not None]
 

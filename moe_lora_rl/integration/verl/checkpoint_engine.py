@@ -28,6 +28,14 @@ BACKEND = "moe_lora"
 BASE_BACKEND = "moe_lora_base"
 
 
+def trainer_lead() -> bool:
+    """True on the trainer's rank 0 (or outside a process group): the one rank that delivers a version here. Every
+    rank's stream carries the whole version (weight_sync.py), so the others only drain theirs."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def split_buckets(tensors: dict, bucket_bytes: int) -> list[dict]:
     buckets, cur, size = [], {}, 0
     for n, t in tensors.items():
@@ -92,7 +100,7 @@ class MoELoRACheckpointEngine(CheckpointEngine):
 
     async def send_weights(self, weights, global_steps: int | None = None):
         meta, tensors = read_stream(weights)
-        if not meta:                           # ranks other than the trainer's rank 0 send nothing
+        if not meta or not trainer_lead():     # the trainer's rank 0 delivers the version, once
             return {}
         if not self.transports:
             return await self._post(meta, tensors, global_steps)
@@ -175,7 +183,7 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
         from ...weight_sync.store import BaseStore
 
         meta, base, tensors = split_stream(weights)
-        if not meta:                           # ranks other than the trainer's rank 0 send nothing
+        if not meta or not trainer_lead():     # the trainer's rank 0 delivers the version, once
             return {}
         if not self.transports:
             return await self._post(meta, tensors, global_steps, base)

@@ -38,6 +38,12 @@ def check_verl_version(version: str | None = None) -> None:
         raise ValueError(f"verl version {v!r} is not supported by {PACKAGE} (supported: {', '.join(SUPPORTED_VERL)}.x)")
 
 
+def engine_layout(tp: int, ep: int, etp: int | None, pp: int) -> Layout:
+    """verl's actor.megatron sizes as our Layout; expert_tensor_parallel_size unset (None) follows megatron-core's
+    default, ETP = TP (parallel_state.initialize_model_parallel)."""
+    return Layout(tp=tp, ep=ep, etp=tp if etp is None else etp, pp=pp)
+
+
 @dataclass
 class MoELoRAEngineConfig(McoreEngineConfig):
     """verl's Megatron engine config, selecting our engine (strategy moe_lora) and allowing fp32 on CPU."""
@@ -70,13 +76,21 @@ class MoELoRAEngineConfig(McoreEngineConfig):
             object.__setattr__(self, "sequence_parallel", False)
         self.layout()
         self.run_config()
+        self.transformer_overrides()
+
+    def transformer_overrides(self) -> dict:
+        """override_transformer_config read into our model builder's arguments (megatron/moe_options.py): each
+        megatron-core option honoured or refused in one line."""
+        from ...megatron.moe_options import transformer_overrides
+
+        try:
+            return transformer_overrides(self.override_transformer_config, self.layout(), self.run_config())
+        except ValueError as e:
+            raise ValueError(f"actor_rollout_ref.actor.megatron.{e}") from None
 
     def layout(self) -> Layout:
-        """expert_tensor_parallel_size unset (None) follows megatron-core's default: ETP = TP."""
-        etp = self.expert_tensor_parallel_size
-        return Layout(tp=self.tensor_model_parallel_size, ep=self.expert_model_parallel_size,
-                      etp=self.tensor_model_parallel_size if etp is None else etp,
-                      pp=self.pipeline_model_parallel_size)
+        return engine_layout(self.tensor_model_parallel_size, self.expert_model_parallel_size,
+                             self.expert_tensor_parallel_size, self.pipeline_model_parallel_size)
 
     def run_config(self) -> RunConfig:
         try:
@@ -200,11 +214,23 @@ def check_trainer(cfg) -> None:
                          "set trainer.use_v1=false (our recipe config does)")
 
 
+def check_reward_manager(cfg) -> None:
+    """verl's plain naive reward manager passes a NaN reward on to the advantages (a skipped step, silently): ours is
+    the same manager with non-finite rewards refused (reward_manager.py). Another manager the user named is theirs."""
+    rm = _get(_get(cfg, "reward"), "reward_manager")
+    if rm is not None and _get(rm, "source", "register") == "register" and _get(rm, "name", "naive") == "naive":
+        raise ValueError("reward.reward_manager.name=naive passes NaN rewards into the advantages (the step is then "
+                         "skipped silently): set reward.reward_manager.source=importlib "
+                         "reward.reward_manager.name=FiniteRewardManager reward.reward_manager.module.path="
+                         "pkg://moe_lora_rl.integration.verl.reward_manager (our config does)")
+
+
 def check_config(cfg) -> None:
     """Start-up checks on the whole (composed) verl config: the trainer version, every engine key (keys.py), our
     engine, external_lib, LoRA, rollout, routes."""
     check_verl_version()
     check_trainer(cfg)
+    check_reward_manager(cfg)
     check_keys(cfg)
     arr = _get(cfg, "actor_rollout_ref")
     model, actor, rollout = _get(arr, "model"), _get(arr, "actor"), _get(arr, "rollout")
@@ -224,8 +250,36 @@ def check_config(cfg) -> None:
     if name != REPLICA:
         raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: set it to {REPLICA} (our vLLM replica: expert "
                          "LoRA refit and route capture)")
+    from ...vllm.compat import check_vllm_version
+
+    check_vllm_version(f"actor_rollout_ref.rollout.name={REPLICA}")
+    check_engine(actor)
     check_rollout(rollout, _get(_get(actor, "megatron"), "router_replay"))
     check_loss(actor)
+
+
+def check_engine(actor) -> None:
+    """The engine config's own checks (layout, dtype, device, override_transformer_config) before Ray starts, on the
+    composed config (what verl's workers will instantiate)."""
+    megatron = _get(actor, "megatron")
+    mc = {k: _get(megatron, k) for k in ("tensor_model_parallel_size", "expert_model_parallel_size",
+                                        "expert_tensor_parallel_size", "pipeline_model_parallel_size",
+                                        "override_transformer_config", "dtype")}
+    try:
+        from omegaconf import OmegaConf
+
+        mc = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in mc.items()}
+    except ImportError:
+        pass
+    layout = engine_layout(mc["tensor_model_parallel_size"], mc["expert_model_parallel_size"],
+                           mc["expert_tensor_parallel_size"], mc["pipeline_model_parallel_size"])
+    from ...megatron.moe_options import transformer_overrides
+
+    try:
+        transformer_overrides(mc["override_transformer_config"] or {}, layout,
+                              RunConfig(device=_get(megatron, "device", "cuda"), dtype=DTYPES.get(mc["dtype"], "bf16")))
+    except ValueError as e:
+        raise ValueError(f"actor_rollout_ref.actor.megatron.{e}") from None
 
 
 def check_loss(actor) -> None:

@@ -125,6 +125,7 @@ TABLE: tuple[Key, ...] = (
     Key("actor.kl_loss_type", VERL, "verl's KL loss"),
     _only("actor.use_prefix_grouper", False, "verl's prefix grouper needs its own attention path: remove it"),
     Key("actor.use_torch_compile", VERL, _FSDP + " (accepted: no effect in verl's Megatron path either)"),
+    Key("actor.use_rollout_log_probs", VERL, "verl's fully-async trainer: the rollout's log-probs as the old policy's"),
     Key("actor.ppo_epochs", VERL, "verl's update loop"),
     Key("actor.shuffle", VERL, "verl's update loop"),
     Key("actor.data_loader_seed", VERL, "verl's update loop"),
@@ -202,7 +203,7 @@ TABLE: tuple[Key, ...] = (
     Key("actor.megatron.entropy_from_logits_chunk_size", VERL, "see actor.entropy_from_logits_with_chunking"),
     Key("actor.megatron.seed", VERL, "verl seeds the worker; adapter init uses model.lora.init_seed"),
     Key("actor.megatron.override_transformer_config.*", OURS, "megatron-core options: each honoured or refused in one "
-        "line by megatron/transformer_options.py"),
+        "line by megatron/moe_options.py (before Ray starts)"),
     *_empty("actor.megatron.override_ddp_config", "adapter grads are reduced by our training core (no DDP): "
             "remove it"),
     *_empty("actor.megatron.override_mcore_model_config", "our engine builds the model from model.path: remove it"),

@@ -2,7 +2,7 @@
 
     ("moe_lora.meta", uint8 JSON {version, checksum, rank, alpha, base})   first, always
     [base weights of the HF checkpoint, HF names]                          only on a base sync
-    (PEFT adapter name, full tensor) ...                                   the adapters, gathered to rank 0
+    (PEFT adapter name, full tensor) ...                                   the adapters, whole on every rank
 
 verl calls get_per_tensor_param(layered_summon, base_sync_done) in its colocated path (with a peft_config back) and
 get_per_tensor_param() in checkpoint-engine modes, where peft_config is dropped: there the engine remembers whether
@@ -27,15 +27,19 @@ def decode_meta(t: torch.Tensor) -> dict:
     return json.loads(bytes(t.to(torch.uint8).tolist()).decode())
 
 
-def gather_adapters_to_rank0(model, arch) -> tuple[dict[str, torch.Tensor], str]:
-    """Collective: every adapter tensor in PEFT naming on rank 0 (refit's streaming gather), and the checksum."""
-    from ...refit.gather import build_plan, stream
-    from ...refit.wire import unpack
+def gather_adapters(model, arch) -> tuple[dict[str, torch.Tensor], str]:
+    """Collective: every adapter tensor in PEFT naming on every rank (refit's gather, each bucket broadcast from its
+    sender), and the checksum (refit/wire.py's, over the whole version: the same on every rank)."""
+    from ...refit.gather import build_plan, stream_buckets_to_all
+    from ...refit.wire import buffer_crcs, combine, unpack
 
     got: dict[str, torch.Tensor] = {}
-    digest = stream(model, arch, build_plan(model, arch, 64 << 20),
-                    lambda b, buf: got.update({n: t.clone() for n, t in unpack(buf, b.entries()).items()}), 0)
-    return got, digest
+    crcs: dict[str, int] = {}
+    for bucket, buf in stream_buckets_to_all(model, build_plan(model, arch, 64 << 20), arch):
+        crcs.update(buffer_crcs(buf, bucket.entries()))
+        got.update(unpack(buf, bucket.entries()))
+        del buf
+    return got, combine(crcs)
 
 
 def base_tensors(path: str):
@@ -60,19 +64,15 @@ def peft_config(lora, names) -> dict:
 
 
 def per_tensor_params(engine, base_sync_done: bool | None):
-    """(generator, peft_config) on every rank (the gather is collective and runs now); tensors only on rank 0."""
-    import torch.distributed as dist
-
+    """(generator, peft_config) on every rank (the gather is collective and runs now); every rank's generator yields
+    the same header, base (on a base sync) and adapters."""
     tracking = base_sync_done is None
     send_base = not engine.base_sync_done if tracking else not base_sync_done
-    tensors, digest = gather_adapters_to_rank0(engine.model, engine.arch)
+    tensors, digest = gather_adapters(engine.model, engine.arch)
     meta = {"version": engine.version, "checksum": digest, "rank": engine.lora.rank, "alpha": engine.lora.alpha,
             "base": bool(send_base)}
-    lead = dist.get_rank() == 0
 
     def gen():
-        if not lead:
-            return
         yield META, encode_meta(meta)
         if send_base:
             yield from base_tensors(engine.model_config.local_path)
