@@ -18,6 +18,7 @@ Rank 0 writes the max abs differences as JSON.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -196,7 +197,7 @@ def verl_batch(b, old, adv, rows, routes: bool):
     return td
 
 
-def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
+def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None) -> dict:
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import EngineRouterReplayConfig, HFModelConfig, TrainingWorkerConfig
@@ -221,6 +222,11 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
                                             optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1e9)))
     w.reset()
     randomize_adapters(w.engine.model, seed=1, scale=0.3)
+    out = {}
+    if adapters_to is not None:                                # lora.adapter_path's adapters (verl_adapter_path.py)
+        from .verl_adapter_path import write_adapters
+
+        out["adapter_dirs"] = write_adapters(path, w.engine, w.engine.arch, adapters_to)
     dp, dpr = w.engine.get_data_parallel_size(), w.engine.get_data_parallel_rank()
     rows = list(range(dpr * N // dp, (dpr + 1) * N // dp))
 
@@ -239,7 +245,6 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
                 full[r * N // dp:(r + 1) * N // dp] = v
         return full
 
-    out = {}
     td = verl_batch(b, old, adv, rows, routes=False)
     tu.assign_non_tensor(td, calculate_entropy=True)          # as verl's compute_log_prob asks
     res = w.infer_batch(td)
@@ -328,46 +333,65 @@ def minibatch_check(w, batch_of, rows: list[int]) -> dict:
 
 
 def checkpoint_replay(w, batch, ckpt_dir) -> dict:
-    """verl's save_checkpoint after step 1, step 2, load_checkpoint, step 2 again: the adapters after the replayed
-    step equal the first step 2's (max |diff| over every local factor, max over ranks). Control: the same replay with
-    the optimizer state dropped after the load."""
+    """verl's save_checkpoint after step 1, steps 2 and 3, load_checkpoint, steps 2 and 3 again: the adapters after
+    the replayed steps equal the first ones (max |diff| over every local factor, max over ranks). Each step is
+    TrainingWorker.train_batch with update_lr_scheduler (verl's update path) under a warmup + cosine schedule
+    (lr_schedule.py), so the replay also needs the schedule's position restored. Controls: the same replay with the
+    optimizer state dropped after the load, and with the schedule not restored."""
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
+    from verl.workers.config import McoreOptimizerConfig
 
+    from ..integration.verl.lr_schedule import build_lr_scheduler
     from ..lora.layers import adapter_factors
+
+    eng = w.engine
+    eng.lr_scheduler = build_lr_scheduler(eng.optimizer, McoreOptimizerConfig(
+        lr=1e-3, clip_grad=1e9, lr_decay_style="cosine", lr_warmup_steps=2, total_training_steps=8, min_lr=1e-4))
+    lrs = []
 
     def step():
         td = batch()
-        tu.assign_non_tensor(td, global_token_num=None)
+        tu.assign_non_tensor(td, global_token_num=None, update_lr_scheduler=True)
+        lrs.append(eng.optimizer.param_groups[0]["lr"])
         w.train_batch(td)
 
     def params():
-        return [p.detach().clone() for _, p in adapter_factors(w.engine.model)]
+        return [p.detach().clone() for _, p in adapter_factors(eng.model)]
 
     def max_diff(a, c):
         d = torch.tensor(max(float((x - y).abs().max()) for x, y in zip(a, c)))
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         return float(d)
 
-    version = w.engine.version
-    w.engine.save_checkpoint(ckpt_dir, global_step=1, max_ckpt_to_keep=1)
     step()
+    version = eng.version
+    eng.save_checkpoint(ckpt_dir, global_step=1, max_ckpt_to_keep=1)
+    step(), step()
     want = params()
-    w.engine.load_checkpoint(ckpt_dir)
-    loaded_version = w.engine.version
-    step()
+    eng.load_checkpoint(ckpt_dir)
+    loaded_version = eng.version
+    step(), step()
     replay = max_diff(params(), want)
-    w.engine.load_checkpoint(ckpt_dir)
-    w.engine.optimizer.state.clear()
-    step()
-    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": max_diff(params(), want),
-            "ckpt_version_restored": loaded_version == version}
+    eng.load_checkpoint(ckpt_dir)
+    eng.optimizer.state.clear()
+    step(), step()
+    no_opt = max_diff(params(), want)
+    # a load that leaves the schedule where it was: the first step still runs at the saved lr (AdamW's param_groups
+    # are in its state), the second at the lr of the wrong position
+    sched, eng.lr_scheduler = eng.lr_scheduler, None
+    eng.load_checkpoint(ckpt_dir)
+    eng.lr_scheduler = sched
+    step(), step()
+    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": no_opt,
+            "ckpt_no_schedule_diff": max_diff(params(), want), "ckpt_version_restored": loaded_version == version, "ckpt_lrs": lrs}
 
 
 def main(argv=None):
     def add(ap):
         ap.add_argument("--model", required=True)
         ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
+        ap.add_argument("--adapter-layouts", default="tp1,tp2ep2", help="lora.adapter_path checked here ('': off)")
 
     for k, v in VERL_CPU_ENV.items():
         os.environ.setdefault(k, v)
@@ -385,9 +409,13 @@ def main(argv=None):
     adv = grpo_advantages(b["rewards"], b["resp_mask"], [i // GROUP for i in range(N)])
     ref = reference(a.model, arch, b, adv)
     result = {"layouts": {}, "fp32_batch_shape_floor": ref["floor"]}
+    work = os.path.dirname(a.result)
+    dirs = None
     for name in a.layouts.split(","):
         teardown()
-        got = engine_run(a.model, name, b, ref["old"], adv, os.path.join(os.path.dirname(a.result), f"ckpt-{name}"))
+        got = engine_run(a.model, name, b, ref["old"], adv, os.path.join(work, f"ckpt-{name}"),
+                         adapters_to=Path(work) / "adapters" if dirs is None and a.adapter_layouts else None)
+        dirs = dirs or got.get("adapter_dirs")
         mask = b["resp_mask"].bool()
         d = lambda k: float((got[k] - ref[k]).abs()[mask].max())  # noqa: E731
         result["layouts"][name] = {
@@ -398,8 +426,14 @@ def main(argv=None):
             "loss_gspo_diff": abs(got["loss_gspo"] - ref["loss_gspo"]),
             "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
             "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"],
-            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_version_restored")},
+            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_no_schedule_diff",
+                                   "ckpt_version_restored", "ckpt_lrs")},
             **minibatch_result(got, ref, adv, mask)}
+    if dirs:
+        from .verl_adapter_path import check
+
+        result["adapter_path"] = check(a.model, a.adapter_layouts.split(","), dirs, LORA, b, ref["old"], adv,
+                                       ref["base"])
     finish_worker(result, a.result)
     del dist
 
