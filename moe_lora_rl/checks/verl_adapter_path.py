@@ -38,7 +38,7 @@ def write_adapters(path: str, engine, arch, root: Path) -> dict[str, Path]:
 def peft_logprobs(path: str, adapter: Path, b) -> torch.Tensor:
     """[N, R] response log-probs of HF transformers + PEFT (fp32, eager attention) on the batch's real rows."""
     from ..lora.peft_hf import peft_logits
-    from .verl_worker import real_tokens, response_logprobs
+    from .verl_data import real_tokens, response_logprobs
 
     seqs = real_tokens(b)
     tokens = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
@@ -59,7 +59,7 @@ def engine_logprobs(path: str, layout_name: str, lora: dict, b, old, adv) -> tor
     from ..integration.verl.config import MoELoRAEngineConfig
     from ..megatron.layout import Layout
     from ..megatron.parallel import teardown
-    from .verl_worker import MICRO, N, verl_batch
+    from .verl_data import MICRO, N, verl_batch
 
     teardown()
     lay = Layout.parse(layout_name)

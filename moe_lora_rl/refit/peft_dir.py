@@ -82,6 +82,7 @@ def check_adapter_path(path, lora_cfg, model_path=None, key: str = KEY) -> None:
     if arch is not None:
         _check_base(cfg, Path(str(model_path)), path, key)
         _check_targets(_tensor_shapes(d / WEIGHTS), arch, lora_cfg, path, key)
+        _check_shared_a(d / WEIGHTS, arch, lora_cfg.rank, path, key)
 
 
 def _local_arch(model_path):
@@ -142,6 +143,38 @@ def _check_targets(shapes: dict[str, tuple[int, ...]], arch, lora_cfg, path, key
         raise ValueError(f"{key}={str(path)!r} adapts {sorted(have)}, actor_rollout_ref.model.lora targets "
                          f"{sorted(want)} on this model" + (f" (the adapter lacks {missing})" if missing else "")
                          + (f" (not targeted: {extra})" if extra else "") + ": set model.lora.target_modules to match")
+
+
+def _check_shared_a(weights: Path, arch, rank: int, path, key: str) -> None:
+    """The A of every fused linear's outputs (q/k/v; an expert's gate/up) the same tensor: our LoRA holds one. Reads
+    the lora_A tensors only."""
+    from safetensors import safe_open
+
+    from ..models.naming import naming_for
+
+    naming, first = naming_for(arch), {}
+    with safe_open(str(weights), "pt") as f:
+        for n in f.keys():
+            m = _FUSED.match(n)
+            if m and m[4] == "A" and f.get_slice(n).get_shape()[-1] == arch.hidden_size:     # gate_up_proj
+                a = f.get_tensor(n)
+                per = a.reshape(arch.num_experts, -1, a.shape[-1])
+                if per.shape[1] == 2 * rank and not torch.equal(per[:, :rank], per[:, rank:]):
+                    raise ValueError(f"{key}={str(path)!r}: {n} (gate_up_proj, rank {2 * rank}) has different A "
+                                     "halves for gate and up; our LoRA shares one A between them (Megatron's fused "
+                                     "linear_fc1): not representable")
+                continue
+            if m or not n.endswith("lora_A.weight"):
+                continue
+            name, _, _ = naming.parse_peft(n)
+            if len(name.linear.hf) < 2:
+                continue
+            a = f.get_tensor(n)
+            other = first.setdefault(name.canonical, (n, a))
+            if not torch.equal(other[1], a):
+                raise ValueError(f"{key}={str(path)!r}: {n} differs from {other[0]}; our LoRA shares one A across a "
+                                 f"fused linear's outputs (Megatron's {name.linear.megatron.split('.')[-1]}): an "
+                                 "adapter trained with independent A's is not representable")
 
 
 def read_peft_dir(path, arch, rank: int) -> dict[str, torch.Tensor]:

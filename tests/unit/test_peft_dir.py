@@ -113,14 +113,23 @@ def test_fused_experts_split_equals_peft_delta(adapter, model):
     assert worst <= 1e-7 and swapped > 1e-3, (worst, swapped)
 
 
-def test_independent_gate_up_a_refused(model, tmp_path):
+def test_independent_a_refused(model, tmp_path):
+    """An adapter trained with PEFT's defaults (independent q/k/v A's; gate and up A halves independent): refused
+    before any model is built (check_adapter_path reads the A tensors), and by the reader."""
+    from safetensors.torch import load_file, save_file
+
     from moe_lora_rl.models.arch import load_arch
 
     d = write_peft_adapter(model, tmp_path / "indep", shared_a=False)
-    check_adapter_path(d, OURS, model)                 # the config fits; the tensors do not
+    refused(d, OURS, model, r"[qkv]_proj.lora_A.weight differs from .*[qkv]_proj.lora_A.weight.*linear_qkv")
     with pytest.raises(ValueError, match="two halves of lora_A differ") as e:
         read_peft_dir(d, load_arch(str(model)), OURS.rank)
     assert "\n" not in str(e.value)
+    t = load_file(str(d / "adapter_model.safetensors"))          # q/k/v made to share A: the experts' still differ
+    for n in [n for n in t if n.endswith(("k_proj.lora_A.weight", "v_proj.lora_A.weight"))]:
+        t[n] = t[n.replace("k_proj", "q_proj").replace("v_proj", "q_proj")].clone()
+    save_file(t, str(d / "adapter_model.safetensors"))
+    refused(d, OURS, model, "gate_up_proj, rank 8.*different A halves")
 
 
 def test_perturbed_copy_differs(adapter, tmp_path):
