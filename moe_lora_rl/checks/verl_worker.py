@@ -305,7 +305,8 @@ def checkpoint_replay(w, batch, ckpt_dir) -> dict:
     eng.lr_scheduler = sched
     step(), step()
     return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": no_opt,
-            "ckpt_no_schedule_diff": max_diff(params(), want), "ckpt_version_restored": loaded_version == version, "ckpt_lrs": lrs}
+            "ckpt_no_schedule_diff": max_diff(params(), want), "ckpt_version_restored": loaded_version == version,
+            "ckpt_lrs": lrs}
 
 
 def main(argv=None):

@@ -36,7 +36,8 @@ ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "nu
              "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
              "num_experts", "num_experts_per_tok", "n_shared_experts", "shared_expert_intermediate_size",
              "first_k_dense_replace", "q_lora_rank", "kv_lora_rank")
-_FUSED = re.compile(r"^(base_model\.model\.model\.layers\.(\d+)\.mlp\.experts)\.((?:base_layer\.)*)lora_([AB])\.weight$")
+_FUSED = re.compile(r"^(base_model\.model\.model\.layers\.(\d+)\.mlp\.experts)\."
+                    r"((?:base_layer\.)*)lora_([AB])\.weight$")
 
 
 def check_adapter_path(path, lora_cfg, model_path=None, key: str = KEY) -> None:

@@ -9,8 +9,9 @@ verl's engine contract and the training core the main job also calls (policy/tra
       -> verl's postprocess_batch_func (loss list, metrics, model_output in the original sample order)
 
 The reference policy is the same model with the adapters disabled (disable_adapter). model.lora.adapter_path loads a
-PEFT adapter at initialize (load_adapter); optim's Megatron lr schedule is verl's own scheduler (lr_schedule.py). Only adapter factors train;
-optimizer_step is TrainingCore.step (its non-finite rule: a non-finite norm skips the step and is returned).
+PEFT adapter at initialize (load_adapter); optim's Megatron lr schedule is verl's own scheduler (lr_schedule.py).
+Only adapter factors train; optimizer_step is TrainingCore.step (its non-finite rule: a non-finite norm skips the
+step and is returned).
 
 PPO mini-batches are verl's: its update_actor (TrainingWorker.train_mini_batch) cuts each DP rank's share into
 ppo_mini_batch_size / dp rows and calls train_batch (BaseEngine's: zero_grad, forward_backward_batch, optimizer_step)
@@ -34,6 +35,7 @@ from ...router_replay.routes import RoutesBatch
 from .config import MoELoRAEngineConfig, check_verl_version, lora_config
 from .lr_schedule import build_lr_scheduler, current_lr
 from .routes import routes_from_verl
+
 
 def _lora_get(lora, key):
     if lora is None:
@@ -278,7 +280,8 @@ class MoELoRAEngine(BaseEngine):
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Adapters and the AdamW state (our layout-independent checkpoint, rl/checkpoint.py) under LOCAL_PATH/step-N,
-        with the adapter version and the lr scheduler's state; loadable at any layout. max_ckpt_to_keep: older steps under LOCAL_PATH removed."""
+        with the adapter version and the lr scheduler's state; loadable at any layout. max_ckpt_to_keep: older steps
+        under LOCAL_PATH removed."""
         from ...checkpoint.store import prune, save_checkpoint
 
         if hdfs_path:
