@@ -18,64 +18,20 @@ Rank 0 writes the max abs differences as JSON.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .adapters import randomize_adapters
+from .verl_data import (GROUP, MICRO, N, TEMPERATURE, make_batch, real_tokens, response_entropy,  # noqa: F401
+                        response_logprobs, response_logprobs_autograd, verl_batch)
 from .launch import finish_worker, worker_args
 
 VERL_CPU_ENV = {"VERL_PLATFORM": "moe_lora_cpu", "VERL_ENGINE_DEVICE": "cpu"}   # set by main(), never at import
 
-N, GROUP, TEMPERATURE, MICRO = 8, 4, 0.7, 2
 LORA = {"rank": 4, "alpha": 8, "adapter_layout": "per_expert"}
 LOSSES = {"vanilla": ("vanilla", "token-mean"), "gspo": ("gspo", "seq-mean-token-sum")}
-
-
-def make_batch(arch, seed: int = 0) -> dict:
-    """Left-padded prompts, right-padded responses (verl's rollout layout), rewards, forced routes per real token."""
-    rng = np.random.default_rng(seed)
-    plen, rlen = rng.integers(3, 7, N), rng.integers(3, 8, N)
-    P, R = int(plen.max()), int(rlen.max())
-    prompts = torch.zeros(N, P, dtype=torch.long)
-    responses = torch.zeros(N, R, dtype=torch.long)
-    attn = torch.zeros(N, P + R, dtype=torch.long)
-    for i in range(N):
-        prompts[i, P - plen[i]:] = torch.from_numpy(rng.integers(1, arch.vocab_size, plen[i]))
-        responses[i, : rlen[i]] = torch.from_numpy(rng.integers(1, arch.vocab_size, rlen[i]))
-        attn[i, P - plen[i]: P + rlen[i]] = 1
-    resp_mask = attn[:, P:].clone()
-    routes = [np.argsort(rng.random((plen[i] + rlen[i], arch.num_layers, arch.num_experts)), -1)[..., : arch.topk]
-              for i in range(N)]                                 # distinct experts per token, every layer
-    rewards = torch.from_numpy(rng.random(N)).float()
-    return dict(prompts=prompts, responses=responses, attn=attn, resp_mask=resp_mask, plen=plen, rlen=rlen, P=P, R=R,
-                routes=routes, rewards=rewards, noise=torch.from_numpy(rng.normal(0, 0.05, (N, R))).float())
-
-
-def real_tokens(b) -> list[torch.Tensor]:
-    ids = torch.cat([b["prompts"], b["responses"]], 1)
-    return [ids[i][b["attn"][i].bool()] for i in range(N)]
-
-
-def response_logprobs(logits: torch.Tensor, seqs: list[torch.Tensor], b) -> torch.Tensor:
-    """[N, R] log p(response token) from full logits [N, S, V] of right-padded real sequences."""
-    lp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
-    out = torch.zeros(N, b["R"])
-    for i, s in enumerate(seqs):
-        p, r = int(b["plen"][i]), int(b["rlen"][i])
-        out[i, :r] = lp[i, p - 1: p + r - 1].gather(-1, s[p: p + r, None]).squeeze(-1)
-    return out
-
-
-def response_entropy(logits: torch.Tensor, b) -> torch.Tensor:
-    """[N, R] entropy of the distribution predicting each response token (temperature applied)."""
-    lg = logits.float() / TEMPERATURE
-    ent = torch.logsumexp(lg, -1) - (torch.softmax(lg, -1) * lg).sum(-1)
-    out = torch.zeros(N, b["R"])
-    for i in range(N):
-        p, r = int(b["plen"][i]), int(b["rlen"][i])
-        out[i, :r] = ent[i, p - 1: p + r - 1]
-    return out
 
 
 def settings(mode):
@@ -162,41 +118,7 @@ def reference(path, arch, b, adv) -> dict:
     return out
 
 
-def response_logprobs_autograd(logits_local, seqs, b, vocab):
-    from ..megatron.forward import gather_vocab
-
-    logits = gather_vocab(logits_local, vocab).float()
-    lp = torch.log_softmax(logits / TEMPERATURE, -1)
-    rows = []
-    for i, s in enumerate(seqs):
-        p, r = int(b["plen"][i]), int(b["rlen"][i])
-        row = lp[i, p - 1: p + r - 1].gather(-1, s[p: p + r, None].to(lp.device)).squeeze(-1)
-        rows.append(torch.nn.functional.pad(row, (0, b["R"] - r)))
-    return torch.stack(rows)
-
-
-def verl_batch(b, old, adv, rows, routes: bool):
-    """The DP rank's rows as verl's trainer hands them to the worker (left_right_2_no_padding)."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    attn = b["attn"][rows]
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)
-    fields = dict(prompts=b["prompts"][rows], responses=b["responses"][rows],
-                  input_ids=torch.cat([b["prompts"], b["responses"]], 1)[rows], attention_mask=attn,
-                  position_ids=pos, response_mask=b["resp_mask"][rows], old_log_probs=old[rows], advantages=adv[rows])
-    if routes:
-        full = torch.zeros(len(rows), b["P"] + b["R"], *b["routes"][0].shape[1:], dtype=torch.int16)
-        for j, i in enumerate(rows):
-            full[j, b["P"] - b["plen"][i]: b["P"] + b["rlen"][i]] = torch.from_numpy(b["routes"][i].astype(np.int16))
-        fields["routed_experts"] = full
-    td = left_right_2_no_padding(TensorDict(fields, batch_size=len(rows)))
-    tu.assign_non_tensor(td, temperature=TEMPERATURE, global_batch_size=N, compute_loss=False)
-    return td
-
-
-def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
+def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None) -> dict:
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import EngineRouterReplayConfig, HFModelConfig, TrainingWorkerConfig
@@ -221,6 +143,11 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
                                             optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1e9)))
     w.reset()
     randomize_adapters(w.engine.model, seed=1, scale=0.3)
+    out = {}
+    if adapters_to is not None:                                # lora.adapter_path's adapters (verl_adapter_path.py)
+        from .verl_adapter_path import write_adapters
+
+        out["adapter_dirs"] = write_adapters(path, w.engine, w.engine.arch, adapters_to)
     dp, dpr = w.engine.get_data_parallel_size(), w.engine.get_data_parallel_rank()
     rows = list(range(dpr * N // dp, (dpr + 1) * N // dp))
 
@@ -239,7 +166,6 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir) -> dict:
                 full[r * N // dp:(r + 1) * N // dp] = v
         return full
 
-    out = {}
     td = verl_batch(b, old, adv, rows, routes=False)
     tu.assign_non_tensor(td, calculate_entropy=True)          # as verl's compute_log_prob asks
     res = w.infer_batch(td)
@@ -328,46 +254,66 @@ def minibatch_check(w, batch_of, rows: list[int]) -> dict:
 
 
 def checkpoint_replay(w, batch, ckpt_dir) -> dict:
-    """verl's save_checkpoint after step 1, step 2, load_checkpoint, step 2 again: the adapters after the replayed
-    step equal the first step 2's (max |diff| over every local factor, max over ranks). Control: the same replay with
-    the optimizer state dropped after the load."""
+    """verl's save_checkpoint after step 1, steps 2 and 3, load_checkpoint, steps 2 and 3 again: the adapters after
+    the replayed steps equal the first ones (max |diff| over every local factor, max over ranks). Each step is
+    TrainingWorker.train_batch with update_lr_scheduler (verl's update path) under a warmup + cosine schedule
+    (lr_schedule.py), so the replay also needs the schedule's position restored. Controls: the same replay with the
+    optimizer state dropped after the load, and with the schedule not restored."""
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
+    from verl.workers.config import McoreOptimizerConfig
 
+    from ..integration.verl.lr_schedule import build_lr_scheduler
     from ..lora.layers import adapter_factors
+
+    eng = w.engine
+    eng.lr_scheduler = build_lr_scheduler(eng.optimizer, McoreOptimizerConfig(
+        lr=1e-3, clip_grad=1e9, lr_decay_style="cosine", lr_warmup_steps=2, total_training_steps=8, min_lr=1e-4))
+    lrs = []
 
     def step():
         td = batch()
-        tu.assign_non_tensor(td, global_token_num=None)
+        tu.assign_non_tensor(td, global_token_num=None, update_lr_scheduler=True)
+        lrs.append(eng.optimizer.param_groups[0]["lr"])
         w.train_batch(td)
 
     def params():
-        return [p.detach().clone() for _, p in adapter_factors(w.engine.model)]
+        return [p.detach().clone() for _, p in adapter_factors(eng.model)]
 
     def max_diff(a, c):
         d = torch.tensor(max(float((x - y).abs().max()) for x, y in zip(a, c)))
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         return float(d)
 
-    version = w.engine.version
-    w.engine.save_checkpoint(ckpt_dir, global_step=1, max_ckpt_to_keep=1)
     step()
+    version = eng.version
+    eng.save_checkpoint(ckpt_dir, global_step=1, max_ckpt_to_keep=1)
+    step(), step()
     want = params()
-    w.engine.load_checkpoint(ckpt_dir)
-    loaded_version = w.engine.version
-    step()
+    eng.load_checkpoint(ckpt_dir)
+    loaded_version = eng.version
+    step(), step()
     replay = max_diff(params(), want)
-    w.engine.load_checkpoint(ckpt_dir)
-    w.engine.optimizer.state.clear()
-    step()
-    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": max_diff(params(), want),
-            "ckpt_version_restored": loaded_version == version}
+    eng.load_checkpoint(ckpt_dir)
+    eng.optimizer.state.clear()
+    step(), step()
+    no_opt = max_diff(params(), want)
+    # a load that leaves the schedule where it was: the first step still runs at the saved lr (AdamW's param_groups
+    # are in its state), the second at the lr of the wrong position
+    sched, eng.lr_scheduler = eng.lr_scheduler, None
+    eng.load_checkpoint(ckpt_dir)
+    eng.lr_scheduler = sched
+    step(), step()
+    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": no_opt,
+            "ckpt_no_schedule_diff": max_diff(params(), want), "ckpt_version_restored": loaded_version == version,
+            "ckpt_lrs": lrs}
 
 
 def main(argv=None):
     def add(ap):
         ap.add_argument("--model", required=True)
         ap.add_argument("--layouts", default="tp2ep2,pp2ep2")
+        ap.add_argument("--adapter-layouts", default="tp1,tp2ep2", help="lora.adapter_path checked here ('': off)")
 
     for k, v in VERL_CPU_ENV.items():
         os.environ.setdefault(k, v)
@@ -385,9 +331,13 @@ def main(argv=None):
     adv = grpo_advantages(b["rewards"], b["resp_mask"], [i // GROUP for i in range(N)])
     ref = reference(a.model, arch, b, adv)
     result = {"layouts": {}, "fp32_batch_shape_floor": ref["floor"]}
+    work = os.path.dirname(a.result)
+    dirs = None
     for name in a.layouts.split(","):
         teardown()
-        got = engine_run(a.model, name, b, ref["old"], adv, os.path.join(os.path.dirname(a.result), f"ckpt-{name}"))
+        got = engine_run(a.model, name, b, ref["old"], adv, os.path.join(work, f"ckpt-{name}"),
+                         adapters_to=Path(work) / "adapters" if dirs is None and a.adapter_layouts else None)
+        dirs = dirs or got.get("adapter_dirs")
         mask = b["resp_mask"].bool()
         d = lambda k: float((got[k] - ref[k]).abs()[mask].max())  # noqa: E731
         result["layouts"][name] = {
@@ -398,8 +348,14 @@ def main(argv=None):
             "loss_gspo_diff": abs(got["loss_gspo"] - ref["loss_gspo"]),
             "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
             "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"],
-            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_version_restored")},
+            **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_no_schedule_diff",
+                                   "ckpt_version_restored", "ckpt_lrs")},
             **minibatch_result(got, ref, adv, mask)}
+    if dirs:
+        from .verl_adapter_path import check
+
+        result["adapter_path"] = check(a.model, a.adapter_layouts.split(","), dirs, LORA, b, ref["old"], adv,
+                                       ref["base"])
     finish_worker(result, a.result)
     del dist
 

@@ -18,15 +18,34 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def res():
+def out():
     from moe_lora_rl.models import get_model
     from moe_lora_rl.checks.launch import run_torchrun
 
-    out = run_torchrun("moe_lora_rl.checks.verl_worker", 4,
-                       ["--model", str(get_model("glm4_moe", "tiny")), "--layouts", "tp2ep2,pp2ep2"])
+    return run_torchrun("moe_lora_rl.checks.verl_worker", 4, ["--model", str(get_model("glm4_moe", "tiny")),
+                                                              "--layouts", "tp2ep2,pp2ep2",
+                                                              "--adapter-layouts", "tp1,tp2ep2"])
+
+
+@pytest.fixture(scope="module")
+def res(out):
     tol = max(TOL, 2 * out["fp32_batch_shape_floor"])
     assert tol <= 1e-4, out                               # the project's fp32 fidelity bound
     return {k: dict(v, tol=tol) for k, v in out["layouts"].items()}
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2ep2"])
+def test_adapter_path_logprobs_equal_peft(out, layout):
+    """model.lora.adapter_path loaded by our engine at initialize (through verl's TrainingWorker): the first forward's
+    log-probs equal HF transformers + PEFT's on the same adapter directory within 1e-4, for the main job's export
+    (written at tp2ep2 by stream_to_peft, all targets) and for an adapter PEFT's save_pretrained wrote (q/k/v, o, the
+    routed experts in PEFT's fused form). Control: the adapter with one o_proj B moved by N(0, 0.05^2) is > 1e-3
+    off; each adapter moves the log-probs away from the base model's by > 1e-2 (what is matched is not nothing)."""
+    a = out["adapter_path"]
+    r = a[layout]
+    assert r["adapter_export_diff"] <= 1e-4 and r["adapter_peft_diff"] <= 1e-4, a
+    assert r["adapter_perturbed_diff"] > 1e-3, a
+    assert min(a["effect"].values()) > 1e-2, a
 
 
 @pytest.mark.parametrize("layout", ["tp2ep2", "pp2ep2"])
@@ -52,12 +71,17 @@ def test_r3_from_verl_routes_equals_routes_batch_replay(res, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp2ep2", "pp2ep2"])
-def test_checkpoint_restores_adapters_and_optimizer(res, layout):
-    """verl's save_checkpoint / load_checkpoint on our engine: the step after a load equals the step taken without
-    it, bit for bit; with the optimizer state dropped it does not (control)."""
+def test_checkpoint_restores_adapters_optimizer_and_lr_schedule(res, layout):
+    """verl's save_checkpoint / load_checkpoint on our engine, steps through TrainingWorker.train_batch with
+    update_lr_scheduler under a warmup (2 steps) + cosine schedule: the step after a load equals the step taken
+    without it, bit for bit; with the optimizer state dropped, or the schedule's position not restored, it does not
+    (controls). The lrs the steps ran with: warmup from 0 (0, 5e-4, 1e-3), each replay from the saved position; without
+    the schedule restored the second replayed step runs at the wrong position's lr."""
     r = res[layout]
     assert r["ckpt_replay_diff"] == 0.0, r
     assert r["ckpt_no_optimizer_diff"] > 1e-5, r
+    assert r["ckpt_no_schedule_diff"] > 1e-5, r
+    assert r["ckpt_lrs"][:8] == [0.0] + [5e-4, 1e-3] * 3 + [5e-4] and r["ckpt_lrs"][8] != 1e-3, r
     assert r["ckpt_version_restored"] is True, r
 
 

@@ -47,7 +47,7 @@ ALLOWED = {
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {
     "verl": {"integration", "algos", "checks.verl_worker", "checks.verl_refit", "checks.verl_compose",
-             "checks.verl_async"},
+             "checks.verl_async", "checks.verl_data", "checks.verl_adapter_path"},
 }
 FORBIDDEN = {"vllm": {"megatron"}, "lora": {"verl"}, "refit": {"verl"}, "router_replay": {"verl"}}
 

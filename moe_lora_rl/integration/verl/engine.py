@@ -8,8 +8,10 @@ verl's engine contract and the training core the main job also calls (policy/tra
       -> per-token log_probs as verl's nested [bsz, j] (row t = log p(token t+1)) -> verl's loss_function
       -> verl's postprocess_batch_func (loss list, metrics, model_output in the original sample order)
 
-The reference policy is the same model with the adapters disabled (disable_adapter). Only adapter factors train;
-optimizer_step is TrainingCore.step (its non-finite rule: a non-finite norm skips the step and is returned).
+The reference policy is the same model with the adapters disabled (disable_adapter). model.lora.adapter_path loads a
+PEFT adapter at initialize (load_adapter); optim's Megatron lr schedule is verl's own scheduler (lr_schedule.py).
+Only adapter factors train; optimizer_step is TrainingCore.step (its non-finite rule: a non-finite norm skips the
+step and is returned).
 
 PPO mini-batches are verl's: its update_actor (TrainingWorker.train_mini_batch) cuts each DP rank's share into
 ppo_mini_batch_size / dp rows and calls train_batch (BaseEngine's: zero_grad, forward_backward_batch, optimizer_step)
@@ -31,7 +33,15 @@ from ...megatron.forward import gather_vocab
 from ...policy.logprobs import label_logprobs, padded_len, scaled_logits
 from ...router_replay.routes import RoutesBatch
 from .config import MoELoRAEngineConfig, check_verl_version, lora_config
+from .lr_schedule import build_lr_scheduler, current_lr
 from .routes import routes_from_verl
+
+
+def _lora_get(lora, key):
+    if lora is None:
+        return None
+    return lora.get(key) if hasattr(lora, "get") else getattr(lora, key, None)
+
 
 class _Ctx(BaseEngineCtx):
     def __init__(self, engine, mode, **kwargs):
@@ -65,6 +75,8 @@ class MoELoRAEngine(BaseEngine):
             prepare_host(self.rc)                      # once per process (megatron-core's CPU support)
         init_distributed(self.layout, self.rc)
         self.core = None
+        self.lr_scheduler = None
+        self.adapter_path = None
         self.mode = None
         self.base_sync_done = False
 
@@ -76,6 +88,21 @@ class MoELoRAEngine(BaseEngine):
         adamw = None if self.engine_config.forward_only or oc is None else dict(
             lr=oc.lr, weight_decay=oc.weight_decay, betas=tuple(oc.betas))
         self.core = TrainingCore(self.model_config.local_path, self.layout, self.rc, self.lora, adamw=adamw)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, oc)
+        path = _lora_get(self.model_config.lora, "adapter_path")
+        if path:
+            self.load_adapter(path)
+
+    def load_adapter(self, path: str) -> None:
+        """lora.adapter_path: a PEFT adapter directory (our export or PEFT's own save_pretrained; refit/peft_dir.py)
+        checked against model.lora and the model, then every rank's slice copied into the adapters (collective). It
+        is the starting policy: version 0, what the first weight sync sends; the optimizer state stays empty; a
+        later load_checkpoint (a resumed run) replaces it."""
+        from ...refit.peft_dir import load_adapter_dir
+
+        load_adapter_dir(self.model, self.arch, path, self.lora, self.model_config.local_path)
+        self.core.version = 0
+        self.adapter_path = str(path)
 
     # the core's state, under the names verl's callers and our weight sync use (None before initialize)
     model = property(lambda self: self.core and self.core.model)
@@ -146,7 +173,13 @@ class MoELoRAEngine(BaseEngine):
         return self.core.step(float(clip), grad_divisor=self.get_data_parallel_size()).grad_norm
 
     def lr_scheduler_step(self):
-        return self.optimizer.param_groups[0]["lr"] if self.optimizer else None
+        """verl's Megatron engine's: the scheduler one step on (lr_schedule.py; none: the lr is constant), then the
+        lr the next optimizer step uses."""
+        if self.optimizer is None:
+            return None
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(1)
+        return current_lr(self.optimizer)
 
     # -- forward / backward ----------------------------------------------------------------------------------------
     def _verl_routes(self, micro_batch, lengths):
@@ -247,20 +280,29 @@ class MoELoRAEngine(BaseEngine):
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Adapters and the AdamW state (our layout-independent checkpoint, rl/checkpoint.py) under LOCAL_PATH/step-N,
-        with the adapter version; loadable at any layout. max_ckpt_to_keep: older steps under LOCAL_PATH removed."""
+        with the adapter version and the lr scheduler's state; loadable at any layout. max_ckpt_to_keep: older steps
+        under LOCAL_PATH removed."""
         from ...checkpoint.store import prune, save_checkpoint
 
         if hdfs_path:
             raise ValueError(f"hdfs_path={hdfs_path!r}: our engine saves to local_path only")
+        state = {"version": self.version}
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
         save_checkpoint(local_path, int(global_step), self.model, self.optimizer, run_meta=self._run_meta(),
-                        state={"version": self.version})
+                        state=state)
         if max_ckpt_to_keep:
             prune(local_path, int(max_ckpt_to_keep))
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         """The latest step under LOCAL_PATH into the adapters and the optimizer (refused, nothing changed, if the
-        model or the LoRA config differ); the adapter version continues from the saved one."""
+        model or the LoRA config differ); the adapter version and the lr schedule continue from the saved ones (the
+        schedule's position always; its settings from the config unless optim.use_checkpoint_opt_param_scheduler,
+        megatron-core's rule. verl's own Megatron engine restores the schedule only with that key set)."""
         from ...checkpoint.store import load_checkpoint
 
         state = load_checkpoint(local_path, self.model, self.optimizer, run_meta=self._run_meta())
         self.version = int(state["version"])
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.num_steps = 0                 # load_state_dict steps by the saved count
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
