@@ -242,7 +242,18 @@ def check_config(cfg) -> None:
     if PLUGIN not in libs:
         raise ValueError(f"actor_rollout_ref.model.external_lib={ext!r}: set it to {PLUGIN} (it registers our "
                          "engine and rollout in verl's workers)")
-    lora_config(_get(model, "lora"))
+    lora = lora_config(_get(model, "lora"))
+    adapter_path = _get(_get(model, "lora"), "adapter_path")
+    if adapter_path:
+        import os
+
+        from ...refit.peft_dir import check_adapter_path
+
+        path = os.path.expanduser(str(_get(model, "path") or ""))
+        check_adapter_path(adapter_path, lora, path if os.path.isdir(path) else None)
+    from .lr_schedule import check_lr_schedule
+
+    check_lr_schedule(_get(actor, "optim"))
     if _get(model, "lora_rank", 0):
         raise ValueError(f"actor_rollout_ref.model.lora_rank={_get(model, 'lora_rank')!r} is verl's FSDP LoRA; "
                          f"use {LORA}.rank")

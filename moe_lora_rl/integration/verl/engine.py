@@ -87,7 +87,8 @@ class MoELoRAEngine(BaseEngine):
         oc = self.optimizer_config
         adamw = None if self.engine_config.forward_only or oc is None else dict(
             lr=oc.lr, weight_decay=oc.weight_decay, betas=tuple(oc.betas))
-        self.core = TrainingCore(self.model_config.local_path, self.layout, self.rc, self.lora, adamw=adamw)
+        self.core = TrainingCore(self.model_config.local_path, self.layout, self.rc, self.lora, adamw=adamw,
+                                 override_transformer_config=self.engine_config.override_transformer_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, oc)
         path = _lora_get(self.model_config.lora, "adapter_path")
         if path:

@@ -161,8 +161,8 @@ TABLE: tuple[Key, ...] = (
     Key("actor.optim.weight_decay_incr_style", OURS, "see lr_warmup_steps_ratio"),
     Key("actor.optim.lr_wsd_decay_style", OURS, "see lr_warmup_steps_ratio"),
     Key("actor.optim.lr_wsd_decay_steps", OURS, "see lr_warmup_steps_ratio"),
-    _only("actor.optim.use_checkpoint_opt_param_scheduler", False, "the schedule is always restored from our "
-          "checkpoint with the adapters"),
+    Key("actor.optim.use_checkpoint_opt_param_scheduler", OURS, "either value: our checkpoint always holds the "
+        "schedule and a resume continues it"),
     _only("actor.optim.use_precision_aware_optimizer", False, "the adapters' AdamW state is fp32: remove it"),
     _only("actor.optim.main_grads_dtype", "fp32", "adapter grads are fp32"),
     _only("actor.optim.exp_avg_dtype", "fp32", "the adapters' AdamW moments are fp32"),
