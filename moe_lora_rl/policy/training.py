@@ -41,11 +41,14 @@ class PassResult:
 
 
 class TrainingCore:
-    def __init__(self, model_path, layout: Layout, rc: RunConfig, lora: LoRAConfig, *, adamw: dict | None):
+    def __init__(self, model_path, layout: Layout, rc: RunConfig, lora: LoRAConfig, *, adamw: dict | None,
+                 transformer_overrides: dict | None = None):
         """Parallel state initialised for `layout`, host prepared. adamw: torch.optim.AdamW's keyword arguments, or
-        None for a forward-only core (no optimizer)."""
+        None for a forward-only core (no optimizer). transformer_overrides: megatron.transformer_options'
+        TransformerConfig kwargs (activation recompute; the router replays the same routes in the recompute)."""
         self.lora = lora
-        self.arch, self.model = build_from_hf(model_path, layout, rc, lora=lora)
+        self.arch, self.model = build_from_hf(model_path, layout, rc, lora=lora,
+                                              transformer_overrides=transformer_overrides)
         self.params = [p for _, p in adapter_factors(self.model)]
         self.optimizer = None if adamw is None else make_adamw(self.params, **adamw)
         self.replayer = RouterReplayer(self.model)
@@ -76,7 +79,7 @@ class TrainingCore:
         try:
             if replay == "replay":
                 check_routes(routes, lengths, self.view)
-                self.replayer.set_mode(Mode.REPLAY)
+                self.replayer.set_mode(Mode.REPLAY, backward=not forward_only)
                 queue_routes(self.replayer, routes, rows, lengths, seq_length, self.view, measure)
             else:
                 self.replayer.set_mode(Mode.RECORD if replay == "record" else Mode.DISABLED)
