@@ -11,8 +11,8 @@ adapters never move:
       forward's logprobs), the gathered adapter gradients, the routes replayed in forwards and again in the
       recompute per layer (RouterReplayer.consumed) and check_consumed (inside TrainingCore.run).
 Negative controls on the full-uniform model: (1) the recompute routes freely (the recompute queue off, the router's
-own top-k in backward): the gradients differ; (2) without the frozen-base hook (build.frozen_base_recompute): the
-checkpointed layers' output has no grad (the error, or the gradients' difference, is reported).
+own top-k in backward): the gradients differ; (2) at pp1, without the frozen-base hook (build.frozen_base_recompute):
+the checkpointed layers' output has no grad (the error and the factors without gradient are reported).
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from .adapters import randomize_adapters
 from .launch import finish_worker, worker_args
 from .policy_update_worker import make_batch, rel_diff
 
-VERL = "actor_rollout_ref.actor.megatron.override_transformer_config"
 VARIANTS = {
     "none": {},
     "full_uniform_1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
@@ -58,14 +57,17 @@ def _measure(pol: Policy, batch) -> dict:
     prox: list = []
     stats = pol.update(batch, None, replay="r3", proximal_out=prox)
     return {"logprobs": lp.logprobs, "train_logprobs": prox[0].logprobs, "grads": gather_adapters(pol.model, grads=True),
-            "loss": stats["loss"], "consumed": _summed(pol.replayer.consumed()), "eval_consumed": _summed(eval_consumed)}
+            "loss": stats["loss"], "consumed": _summed(pol.replayer.consumed(), pol.arch),
+            "eval_consumed": _summed(eval_consumed, pol.arch)}
 
 
-def _summed(consumed: dict) -> dict:
-    """{layer: [forward, recompute]} summed over ranks."""
-    t = torch.tensor([list(consumed[k]) for k in sorted(consumed)], dtype=torch.long)
+def _summed(consumed: dict, arch) -> dict:
+    """{global MoE layer: [forward, recompute]} summed over ranks (each pipeline stage holds its own layers)."""
+    t = torch.zeros(arch.num_layers, 2, dtype=torch.long)
+    for layer, counts in consumed.items():
+        t[layer] = torch.tensor(counts)
     dist.all_reduce(t)
-    return {str(k): v for k, v in zip(sorted(consumed), t.tolist())}
+    return {str(k): t[k].tolist() for k in arch.moe_layer_ids}
 
 
 def _free_recompute(pol: Policy) -> None:
@@ -96,6 +98,8 @@ def run_layout(path: str, key: str, rc, variants: list[str]) -> dict:
             _free_recompute(pol)
             out["ctrl_free_recompute"] = _measure(pol, batch)
             pol.replayer.clear()
+        if name == "full_uniform_1" and layout.pp == 1:     # pp2: only the first stage lacks the hook (ranks diverge)
+            pol.replayer.detach()
             pol = _policy(path, layout, rc, override)
             pol.model._recompute_hook.remove()
             try:

@@ -318,9 +318,10 @@ def apply() -> CpuSupport:
     cs._set(torch.cuda, "synchronize", lambda device=None: None)
     cs._set(mrandom.CudaRNGStatesTracker, "add", lambda self, name, seed: None)
     cs._set(mrandom.CudaRNGStatesTracker, "fork", _rng_fork_noop)
-    cs._set(mrandom, "_get_cuda_rng_state", _no_cuda_rng_state)
-    cs._set(mrandom, "_set_cuda_rng_state", _set_no_cuda_rng_state)
-    if version.startswith("0.16."):
+    tested = version.startswith("0.16.")           # activation recompute is checked on 0.16.1
+    cs._set(mrandom, "_get_cuda_rng_state", _no_cuda_rng_state, must_exist=tested)
+    cs._set(mrandom, "_set_cuda_rng_state", _set_no_cuda_rng_state, must_exist=tested)
+    if tested:
         cs._set(mrandom.CheckpointWithoutOutput, "__init__", _checkpoint_without_output_init())
     if version.startswith("0.16.") and not hasattr(moe_utils, "te_general_gemm"):
         # 0.16.1 references te_general_gemm unconditionally although it is only imported with TE (fixed in 0.19).
