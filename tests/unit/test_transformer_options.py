@@ -84,3 +84,12 @@ def test_megatron_takes_the_kwargs(override):
     cfg = transformer_config(load_arch(str(get_model("glm4_moe", "tiny"))), Layout(), **transformer_options(override))
     for k, v in transformer_options(override).items():
         assert getattr(cfg, k) == v
+
+
+def test_takes_verl_dictconfig():
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({**VERL_DEFAULT, **VERL_LORA_EXAMPLE})
+    assert transformer_options(cfg) == VERL_LORA_EXAMPLE
+    cfg = omegaconf.OmegaConf.create({**VERL_DEFAULT, "recompute_granularity": "selective",
+                                      "recompute_modules": ["moe", "layernorm"]})
+    assert transformer_options(cfg)["recompute_modules"] == ["moe", "layernorm"]
