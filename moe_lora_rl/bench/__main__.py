@@ -22,6 +22,7 @@ BENCHES = {
     "peers": "moe_lora_rl.bench.peers",
     "policies": "moe_lora_rl.bench.policies",
     "sync": "moe_lora_rl.bench.sync",
+    "recompute": "moe_lora_rl.bench.recompute",
 }
 
 

@@ -12,7 +12,8 @@ import megatron.core.tensor_parallel.mappings, megatron.core.tensor_parallel.ran
 import megatron.core.transformer.moe.moe_utils, megatron.core.transformer.moe.token_dispatcher
 import megatron.core.transformer.moe.router, megatron.core.transformer.moe.moe_layer
 targets = [torch.cuda, megatron.core.tensor_parallel.mappings, megatron.core.tensor_parallel.random,
-           megatron.core.tensor_parallel.random.CudaRNGStatesTracker, megatron.core.transformer.moe.moe_utils,
+           megatron.core.tensor_parallel.random.CudaRNGStatesTracker,
+           megatron.core.tensor_parallel.random.CheckpointWithoutOutput, megatron.core.transformer.moe.moe_utils,
            megatron.core.transformer.moe.token_dispatcher, megatron.core.transformer.moe.router.TopKRouter,
            megatron.core.transformer.moe.moe_layer.MoELayer]
 try:

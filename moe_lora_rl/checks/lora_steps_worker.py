@@ -11,11 +11,16 @@ and layout, batch `--batch` per data-parallel rank.
         `steps` training steps (the first allocates grads and optimizer state)
         peak_mb = ru_maxrss - baseline: model state + grads + optimizer state + activations at their peak
         step_mb = ru_maxrss - RSS before the first step
+        saved_mb = activations held for backward at the end of the last step's forward (torch's saved-tensor
+                   hooks: unique storages, parameters excluded, sizes read when backward starts)
+    --transformer-overrides JSON: verl's override_transformer_config (activation recompute), through
+                       megatron.transformer_options
 Reported as the maximum over ranks (memory) or rank 0's (speed)."""
 from __future__ import annotations
 
 import functools
 import gc
+import json
 import resource
 import statistics
 import time
@@ -29,6 +34,7 @@ from ..megatron.forward import forward_logits
 from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.train_step import lm_train_step
+from ..megatron.transformer_options import transformer_options
 from ..policy.model import build_from_hf
 
 
@@ -46,9 +52,42 @@ def reset_high_water() -> bool:
         return False
 
 
+class SavedActivations:
+    """Bytes of the tensors autograd keeps for backward, counted when backward first unpacks one: every storage
+    packed in the forward (views counted once; model parameters excluded), at its size then (megatron's
+    CheckpointWithoutOutput frees some outputs after the forward). The storages are held until then, as autograd
+    holds them; under PP this delays megatron's deallocation of a stage's output, so read step_mb at pp1."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.bytes = 0
+
+    def pack(self, t):
+        if self.storages is not None and not _in_backward():
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.params:           # keyed by the storage itself: a freed output's address
+                self.storages.setdefault(st._cdata, st)    # can be reused by a later one while we hold both
+        return t
+
+    def unpack(self, t):
+        if self.storages is not None:              # the first unpack: the forward is over
+            self.bytes = sum(st.nbytes() for st in self.storages.values())
+            self.storages = None
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 def build(a, layout: Layout, lora: LoRAConfig | None):
     """(arch, model, trainable params, grad sync after backward) of one variant."""
-    arch, model = build_from_hf(a.model, layout, a.rc, lora=lora)
+    arch, model = build_from_hf(a.model, layout, a.rc, lora=lora,
+                                transformer_overrides=transformer_options(json.loads(a.transformer_overrides)))
     if lora is None:
         return arch, model, [p for p in model.parameters() if p.requires_grad], None
     return arch, model, [p for _, p in adapter_factors(model)], functools.partial(sync_adapter_grads, model)
@@ -98,12 +137,17 @@ def memory(a, layout: Layout, cfg: LoRAConfig, dp: int) -> dict:
     gc.collect()
     before_step = rss_kb()
     reset = reset_high_water()
-    for _ in range(a.steps):
+    for _ in range(a.steps - 1):
         step(model, params, opt, tokens, arch.vocab_size, sync)
+    saved = SavedActivations(model)
+    with saved.hooks():
+        last_s = step(model, params, opt, tokens, arch.vocab_size, sync)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss          # KiB on Linux
-    vals = torch.tensor([peak - baseline, peak - before_step, before_step - baseline], dtype=torch.float64) / 1024
+    vals = torch.tensor([peak - baseline, peak - before_step, before_step - baseline, saved.bytes / 1024],
+                        dtype=torch.float64) / 1024
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-    return {"peak_mb": vals[0].item(), "step_mb": vals[1].item(), "state_mb": vals[2].item(), "hwm_reset": reset,
+    return {"peak_mb": vals[0].item(), "step_mb": vals[1].item(), "state_mb": vals[2].item(),
+            "saved_mb": vals[3].item(), "last_step_s": last_s, "hwm_reset": reset,
             "trainable_params": sum(p.numel() for p in params), "variant": a.variant}
 
 
@@ -116,6 +160,7 @@ def main(argv=None):
         ap.add_argument("--steps", type=int, default=None, help="default: 4 (speed), 2 (memory)")
         ap.add_argument("--batch", type=int, default=2)
         ap.add_argument("--seq", type=int, default=128)
+        ap.add_argument("--transformer-overrides", default="{}", help="verl's override_transformer_config as JSON")
 
     a = worker_args(argv, add, lora=True)
     a.steps = a.steps or (4 if a.measure == "speed" else 2)

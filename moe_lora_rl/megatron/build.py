@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from ..models.arch import MoEArch
 from .layout import Layout
 from .run_config import RunConfig, spec_kwargs, transformer_kwargs
+from .transformer_options import check_for_model
 
 
 class SPRMSNorm(torch.nn.RMSNorm):
@@ -146,9 +148,13 @@ def _local_swaps(arch: MoEArch, rc: RunConfig) -> dict:
 
 
 def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, grouped_experts: bool = False,
-                **config_overrides):
+                transformer_overrides: Mapping | None = None, **config_overrides):
     """The GPTModel stage of this rank (parallel state must be initialised for `layout`), in rc's dtype on rc's
     device; rc (default: fp32 on CPU) is kept as model.run_config for the forward.
+
+    transformer_overrides: the user's TransformerConfig options (transformer_options.transformer_options' result:
+    activation recompute), checked against this model and layout (check_for_model, ValueError). With recompute the
+    decoder's input is made to require grad (frozen_base_recompute).
 
     grouped_experts (or rc.grouped_experts): the legacy GroupedMLP (one weight1/weight2 for all local experts,
     grouped GEMM; megatron-core 0.16 only; on CPU its gmm is cpu_support.torch_gmm) instead of SequentialMLP."""
@@ -182,6 +188,9 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
             raise ValueError(f"MLA with q_lora_rank null (Moonlight's) on megatron-core {mcore_version()} with "
                              "layer_spec='local': its MLA wants a norm fused into linear_q_proj, which the local "
                              "spec cannot build (and the HF model has no such norm); use megatron-core 0.16")
+    if transformer_overrides:
+        check_for_model(transformer_overrides, arch, layout)
+        config_overrides = {**config_overrides, **transformer_overrides}
     cfg = transformer_config(arch, layout, rc, **config_overrides)
     spec = get_gpt_decoder_block_spec(cfg, **spec_kwargs(rc))
     if rc.layer_spec == "local":
@@ -200,8 +209,25 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
             cpu_support.duplicated_kv_down(layer.self_attention)
     if rc.device == "cuda" and rc.cpu_init:
         model.cuda(torch.cuda.current_device())
+    if cfg.recompute_granularity is not None:
+        frozen_base_recompute(model)
     model.run_config = rc
     return model
+
+
+def _input_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
+def frozen_base_recompute(model) -> None:
+    """megatron-core's recompute (tensor_parallel.checkpoint) is torch's reentrant checkpoint: a checkpointed chunk's
+    output requires grad only if one of its *inputs* does. With a frozen base nothing before the first adapter
+    requires grad, so the chunk's adapters (and, with full recompute, every layer after it) would get no gradient
+    and the loss none at all. The embedding's output is made to require grad in grad-enabled forwards (the usual
+    fix for adapters under reentrant checkpointing); later pipeline stages receive an input that already does."""
+    if getattr(model, "pre_process", False) and not getattr(model, "_recompute_hook", None):
+        model._recompute_hook = model.embedding.register_forward_hook(_input_requires_grad)
 
 
 def _allow_fp32_grouped_mlp(model) -> None:

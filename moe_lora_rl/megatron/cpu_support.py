@@ -70,6 +70,31 @@ def _rng_fork_noop(self, name=None):
     yield
 
 
+def _no_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    # megatron's activation checkpoint saves and restores the CUDA RNG state around the recompute; a CPU-only torch
+    # has none (the CPU generator's state is saved and restored by the same code, torch.get/set_rng_state).
+    return None
+
+
+def _set_no_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    pass
+
+
+def _checkpoint_without_output_init():
+    # 0.16.1's CheckpointWithoutOutput.__init__ sets `self.fp8 = fp8 is not None`, so its default fp8=False (the
+    # layernorm and expert-activation recompute) takes the Transformer Engine FP8 path, which raises NameError
+    # without TE. None and False both mean "no FP8" here (MLA passes its quantization context or None).
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    original = CheckpointWithoutOutput.__init__
+
+    def __init__(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = fp8 is not None and fp8 is not False
+
+    return __init__
+
+
 def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
     # Upstream only converts CUDA tensors; gloo's all_to_all_single rejects tensor split sizes, so CPU tensors must
     # become numpy/lists here too.
@@ -293,6 +318,11 @@ def apply() -> CpuSupport:
     cs._set(torch.cuda, "synchronize", lambda device=None: None)
     cs._set(mrandom.CudaRNGStatesTracker, "add", lambda self, name, seed: None)
     cs._set(mrandom.CudaRNGStatesTracker, "fork", _rng_fork_noop)
+    tested = version.startswith("0.16.")           # activation recompute is checked on 0.16.1
+    cs._set(mrandom, "_get_cuda_rng_state", _no_cuda_rng_state, must_exist=tested)
+    cs._set(mrandom, "_set_cuda_rng_state", _set_no_cuda_rng_state, must_exist=tested)
+    if tested:
+        cs._set(mrandom.CheckpointWithoutOutput, "__init__", _checkpoint_without_output_init())
     if version.startswith("0.16.") and not hasattr(moe_utils, "te_general_gemm"):
         # 0.16.1 references te_general_gemm unconditionally although it is only imported with TE (fixed in 0.19).
         cs._set(moe_utils, "te_general_gemm", None, must_exist=False)

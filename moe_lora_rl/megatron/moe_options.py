@@ -15,10 +15,10 @@ tp2etp2 and ep2 against the plain layout by tests/distributed/test_moe_options.p
     moe_grouped_gemm              True: the local spec's legacy GroupedMLP (rc.grouped_experts); the TE spec has it on
     moe_use_legacy_grouped_gemm   with moe_grouped_gemm on the local spec
     moe_permute_fusion            False
-Accepted and left to our builder: verl's defaults that change nothing (recompute_granularity null, which leaves
-recompute_modules / recompute_method / recompute_num_layers unused; attention_backend: the local spec has one
-attention, DotProductAttention; the TE spec lets Transformer Engine choose), and the defaults of the options
-REFUSED lists. Every other key or value is refused, naming it.
+Activation recompute (recompute_granularity, recompute_method, recompute_num_layers, recompute_modules) and
+attention_backend are read by megatron/transformer_options.py (recompute honoured with router replay, attention_backend
+accepted) and reach build_model as `transformer_overrides`. The defaults of the options REFUSED lists are accepted.
+Every other key or value is refused, naming it.
 """
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ from typing import Any, Mapping
 
 from .layout import Layout
 from .run_config import RunConfig
+from .transformer_options import ACCEPTED as RECOMPUTE_ACCEPTED
+from .transformer_options import HONOURED as RECOMPUTE_HONOURED
+from .transformer_options import transformer_options
 
 KEY = "override_transformer_config"
 DISPATCHERS = ("alltoall", "allgather")
-# verl's override_transformer_config defaults (trainer/config/engine/megatron.yaml): accepted, nothing to apply
-# while recompute_granularity is null
-INERT = ("recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend")
+# read by transformer_options (activation recompute, attention_backend)
+RECOMPUTE = (*RECOMPUTE_HONOURED, *RECOMPUTE_ACCEPTED)
 # key: (the default, which changes nothing; why another value is refused)
 REFUSED = {
     "moe_permute_fusion": (False, "Transformer Engine's fused permutation kernels (CUDA) are not checked with expert "
@@ -46,7 +48,6 @@ REFUSED = {
     "moe_pad_expert_input_to_capacity": (False, "capacity padding is not supported; leave it false"),
     "moe_apply_probs_on_input": (False, "probabilities on the expert input change the model against its checkpoint; "
                                         "leave it false"),
-    "recompute_granularity": (None, "activation recomputation is not checked with adapters; leave it null"),
     "moe_layer_recompute": (False, "activation recomputation is not checked with adapters; leave it false"),
 }
 
@@ -60,8 +61,11 @@ def transformer_overrides(overrides: Mapping[str, Any] | None, layout: Layout, r
     override_transformer_config (pure). ValueError naming the first key or value we cannot honour."""
     overrides = dict(overrides or {})
     kw: dict[str, Any] = {}
+    recompute = transformer_options({k: v for k, v in overrides.items() if k in RECOMPUTE})
+    if recompute:
+        kw["transformer_overrides"] = recompute
     for key, value in overrides.items():
-        if key in INERT:
+        if key in RECOMPUTE:
             continue
         if key == "moe_shared_expert_overlap":
             if value not in (True, False):

@@ -52,9 +52,10 @@ class Policy:
     def __init__(self, model_path, layout: Layout, rc: RunConfig, lora: LoRAConfig, *, lr: float,
                  weight_decay: float, grad_clip: float, loss: PolicyLossSettings, micro_batch_size: int,
                  temperature: float = 1.0,
-                 betas: tuple[float, float] = (0.9, 0.999)):
+                 betas: tuple[float, float] = (0.9, 0.999), override_transformer_config: dict | None = None):
         """Parallel state must be initialised for `layout` (megatron.parallel.init_distributed) and the host
-        prepared (run_config.prepare_host). The adapters take rc.adapter_dtype."""
+        prepared (run_config.prepare_host). The adapters take rc.adapter_dtype. override_transformer_config: a user's
+        megatron-core options (activation recompute, MoE options), as TrainingCore takes them."""
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a positive integer")
         if not temperature > 0:
@@ -70,7 +71,8 @@ class Policy:
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
         lora = dataclasses.replace(lora, dtype=_ADAPTER_DTYPE[rc.adapter_dtype])
         self.core = TrainingCore(model_path, layout, rc, lora,
-                                 adamw=dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas)))
+                                 adamw=dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas)),
+                                 override_transformer_config=override_transformer_config)
 
     # the core's state, under the names the main job and its checks use
     lora = property(lambda self: self.core.lora)

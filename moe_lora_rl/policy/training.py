@@ -46,7 +46,8 @@ class TrainingCore:
                  override_transformer_config: Mapping | None = None):
         """Parallel state initialised for `layout`, host prepared. adamw: torch.optim.AdamW's keyword arguments, or
         None for a forward-only core (no optimizer). override_transformer_config: a user's megatron-core options
-        (verl's key of that name), honoured or refused in one line by megatron.moe_options.transformer_overrides."""
+        (verl's key of that name), honoured or refused in one line by megatron.moe_options.transformer_overrides
+        (activation recompute included: the router replays the same routes in the recompute)."""
         self.lora = lora
         kw = transformer_overrides(override_transformer_config, layout, rc)
         self.arch, self.model = build_from_hf(model_path, layout, rc, lora=lora, **kw)
@@ -80,7 +81,7 @@ class TrainingCore:
         try:
             if replay == "replay":
                 check_routes(routes, lengths, self.view)
-                self.replayer.set_mode(Mode.REPLAY)
+                self.replayer.set_mode(Mode.REPLAY, backward=not forward_only)
                 queue_routes(self.replayer, routes, rows, lengths, seq_length, self.view, measure)
             else:
                 self.replayer.set_mode(Mode.RECORD if replay == "record" else Mode.DISABLED)

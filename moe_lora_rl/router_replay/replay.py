@@ -5,7 +5,9 @@ _function -> router_replay.get_replay_topk). We use that hook point but not its 
 a process-global registry in construction order, so two models in one process or PP stages mix up layers, (2)
 reuses one target for every microbatch, (3) checks neither the token count nor the expert ids, and (4) cannot tell
 whether every route was used. Here every router gets a RouteReplay that knows its global layer number and holds a
-queue with one entry per microbatch, consumed exactly once per forward (and once more by activation recompute).
+queue with one entry per microbatch, consumed exactly once per forward (and once more by activation recompute, when
+the forward ran inside megatron-core's checkpoint: the recompute re-runs the router in backward and must get the same
+routes).
 
 A queued microbatch may carry a mask of its real (routed) tokens: the replay then also computes the router's own
 top-k for those tokens and counts the decisions (token x top-k slot) whose replayed expert the router would not
@@ -32,10 +34,20 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _in_checkpointed_forward() -> bool:
+    """In a pass that a backward follows (RouteReplay.backward), the router runs with grad disabled only inside
+    megatron-core's tensor_parallel.checkpoint (full recompute, selective 'moe'), whose forward is no_grad: those
+    routes are asked for again when backward recomputes the chunk. Layers outside a checkpoint (recompute_method
+    block past recompute_num_layers) run with grad enabled and are never recomputed. (megatron-core's own
+    is_checkpointing() flag is not nest-safe: the shared-expert checkpoint inside the MoE checkpoint clears it.)"""
+    return not torch.is_grad_enabled()
+
+
 class RouteReplay:
     def __init__(self, layer: int, num_experts: int, topk: int, recompute: bool):
         self.layer, self.num_experts, self.topk, self.recompute = layer, num_experts, topk, recompute
         self.mode = Mode.DISABLED
+        self.backward = False              # a backward follows this pass (set_mode): checkpointed forwards keep a copy
         self.keep_replayed = False         # REPLAY mode keeps nothing unless asked: a long run must not hold every route
         self.queue: deque[torch.Tensor] = deque()
         self.recompute_queue: deque[torch.Tensor] = deque()
@@ -43,6 +55,7 @@ class RouteReplay:
         self.measure_queue: deque[torch.Tensor | None] = deque()   # per queued microbatch: real-token mask or None
         self.disagree = [0, 0]             # [decisions the router would have made differently, decisions measured]
         self.token_flags: list[torch.Tensor] = []   # per measured microbatch: real token differs in >= 1 decision
+        self.consumed = [0, 0]             # replayed routes used since the last set_mode: [forward, recompute]
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if self.mode is Mode.DISABLED:
@@ -56,6 +69,7 @@ class RouteReplay:
             if not self.recompute_queue:
                 raise ValueError(f"layer {self.layer}: activation recompute found no replayed route to reuse")
             idx = self.recompute_queue.popleft()
+            self.consumed[1] += 1
         else:
             if not self.queue:
                 raise ValueError(f"layer {self.layer}: no recorded route left for a forward of {scores.shape[0]} "
@@ -67,7 +81,8 @@ class RouteReplay:
                                  f"{scores.shape[0]} tokens with top-k {topk}")
             if real is not None:
                 self._measure(scores, topk, idx, real, num_groups, group_topk, default_compute_topk)
-            if self.recompute:
+            self.consumed[0] += 1
+            if self.recompute and self.backward and _in_checkpointed_forward():
                 self.recompute_queue.append(idx)
         idx = idx.to(scores.device)
         if self.keep_replayed and not _in_backward():
@@ -110,11 +125,14 @@ class RouterReplayer:
     def layer_ids(self) -> list[int]:
         return [r.layer for r in self.replays]
 
-    def set_mode(self, mode: Mode | str, keep_replayed: bool = False) -> None:
-        """keep_replayed: in REPLAY mode also keep the replayed routes for pop_recorded (off by default)."""
+    def set_mode(self, mode: Mode | str, keep_replayed: bool = False, *, backward: bool = False) -> None:
+        """keep_replayed: in REPLAY mode also keep the replayed routes for pop_recorded (off by default). backward:
+        a backward follows the pass, so with activation recompute each route replayed inside a checkpointed forward
+        is kept for the recompute (a forward-only pass may still run megatron-core's checkpoint: no copy then)."""
         mode = Mode(mode)
         for r in self.replays:
-            r.mode, r.keep_replayed = mode, bool(keep_replayed)
+            r.mode, r.keep_replayed, r.backward = mode, bool(keep_replayed), bool(backward)
+            r.consumed = [0, 0]
 
     def queue_microbatch(self, per_layer: list[torch.Tensor], real: torch.Tensor | None = None) -> None:
         """One microbatch's routes, one [tokens, topk] tensor per MoE layer of this stage. real: optional bool
@@ -155,6 +173,11 @@ class RouterReplayer:
             raise AssertionError(f"layers measured different token counts: {[t.numel() for t in per_layer]}")
         return torch.stack(per_layer).any(0)
 
+    def consumed(self) -> dict[int, tuple[int, int]]:
+        """{global layer: (routes replayed in forwards, routes replayed again by activation recompute)} since the
+        last set_mode (kept by clear: the counts of the pass that just ended)."""
+        return {r.layer: tuple(r.consumed) for r in self.replays}
+
     def check_consumed(self) -> None:
         """Every queued route used exactly once (and every recompute copy too)."""
         left = {r.layer: (len(r.queue), len(r.recompute_queue)) for r in self.replays
@@ -172,7 +195,7 @@ class RouterReplayer:
         """Drop every queued, recorded and measured route (after a failed pass), back to DISABLED."""
         for r in self.replays:
             r.queue.clear(), r.recompute_queue.clear(), r.measure_queue.clear()
-            r.recorded, r.disagree, r.mode, r.keep_replayed = [], [0, 0], Mode.DISABLED, False
+            r.recorded, r.disagree, r.mode, r.keep_replayed, r.backward = [], [0, 0], Mode.DISABLED, False, False
             r.token_flags = []
 
     def detach(self) -> None:

@@ -47,7 +47,7 @@ def test_honoured():
     ({"moe_use_legacy_grouped_gemm": True}, Layout(), CPU, "moe_use_legacy_grouped_gemm=True"),
     ({"moe_router_fusion": True}, Layout(), CPU, "moe_router_fusion=True"),
     ({"moe_expert_capacity_factor": 1.0}, Layout(), CPU, "moe_expert_capacity_factor=1.0"),
-    ({"recompute_granularity": "full"}, Layout(), CPU, "recompute_granularity='full'"),
+    ({"recompute_granularity": "full"}, Layout(), CPU, "recompute_method=None with recompute_granularity=full"),
     ({"num_layers": 3}, Layout(), CPU, "num_layers=3"),
 ])
 def test_refused_in_one_line(overrides, layout, rc, says):

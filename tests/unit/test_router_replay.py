@@ -110,7 +110,7 @@ def test_replay_queue_consumed_once_and_checked():
 
 def test_replay_with_activation_recompute():
     rp = RouteReplay(layer=1, num_experts=8, topk=2, recompute=True)
-    rp.mode = Mode.REPLAY
+    rp.mode, rp.backward = Mode.REPLAY, True                   # a training pass (RouterReplayer.set_mode(backward=))
     target = torch.tensor([[5, 6], [0, 7]])
     rp.queue.append(target)
     x = torch.randn(2, 8, requires_grad=True)
@@ -122,8 +122,25 @@ def test_replay_with_activation_recompute():
     y = torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True)
     assert len(rp.recompute_queue) == 1
     y.backward()                                               # recompute pops the same routes
-    assert not rp.queue and not rp.recompute_queue
+    assert not rp.queue and not rp.recompute_queue and rp.consumed == [1, 1]
     assert x.grad is not None and x.grad[0, 5] == 2 and x.grad[0, 0] == 0   # gradient flows at replayed experts
+
+
+def test_recompute_copy_only_for_checkpointed_forwards_of_a_training_pass():
+    """A layer outside the checkpoint (recompute_method block) and a forward-only pass through a checkpoint keep no
+    copy: check_consumed would otherwise fail on routes no backward ever asks for."""
+    rp = RouteReplay(layer=1, num_experts=8, topk=2, recompute=True)
+    rp.mode, rp.backward = Mode.REPLAY, True
+    x = torch.randn(2, 8, requires_grad=True)
+    rp.queue.append(torch.tensor([[5, 6], [0, 7]]))
+    rp.get_replay_topk(x, 2, default_compute_topk=_default_topk)[0].sum().backward()     # not checkpointed
+    assert not rp.recompute_queue and rp.consumed == [1, 0]
+    rp.backward = False                                        # forward only (e.g. megatron's selective 'moe' in eval)
+    rp.queue.append(torch.tensor([[5, 6], [0, 7]]))
+    with torch.no_grad():
+        torch.utils.checkpoint.checkpoint(lambda s: rp.get_replay_topk(s, 2, default_compute_topk=_default_topk)[0],
+                                          x, use_reentrant=True)
+    assert not rp.queue and not rp.recompute_queue and rp.consumed == [2, 0]
 
 
 def test_r2_record_then_replay_in_megatron(qwen):
