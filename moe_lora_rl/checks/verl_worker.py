@@ -148,6 +148,7 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None) -> di
         from .verl_adapter_path import write_adapters
 
         out["adapter_dirs"] = write_adapters(path, w.engine, w.engine.arch, adapters_to)
+    out.update(stream_check(w.engine))
     dp, dpr = w.engine.get_data_parallel_size(), w.engine.get_data_parallel_rank()
     rows = list(range(dpr * N // dp, (dpr + 1) * N // dp))
 
@@ -192,6 +193,26 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None) -> di
     out["loss_vanilla"], out["grad_norm"] = next(v for _, v in got if v is not None)
     out.update(checkpoint_replay(w, lambda: verl_batch(b, old, adv, rows, routes=False), ckpt_dir))
     return out
+
+
+def stream_check(engine) -> dict:
+    """Every trainer rank's get_per_tensor_param stream (verl's colocated call): its tensor count and a digest of its
+    names and bytes, gathered from every rank. verl hands each rank's stream to its own rollout worker, so every rank
+    must yield the same whole version (the digest is also compared across layouts by the test)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    gen, _ = engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)
+    h, n = hashlib.sha256(), 0
+    for name, t in gen:
+        if name != "moe_lora.meta":          # the header carries the version, the same on every rank too
+            h.update(name.encode())
+            h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+            n += 1
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (n, h.hexdigest()))
+    return {"stream_tensors": [c for c, _ in got], "stream_digests": [d for _, d in got]}
 
 
 def minibatch_check(w, batch_of, rows: list[int]) -> dict:
