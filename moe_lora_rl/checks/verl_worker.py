@@ -204,12 +204,11 @@ def stream_check(engine) -> dict:
     import torch.distributed as dist
 
     gen, _ = engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)
-    h, n = hashlib.sha256(), 0
-    for name, t in gen:
-        if name != "moe_lora.meta":          # the header carries the version, the same on every rank too
-            h.update(name.encode())
-            h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
-            n += 1
+    tensors = {name: t for name, t in gen if name != "moe_lora.meta"}   # bucket order follows the layout's plan
+    h, n = hashlib.sha256(), len(tensors)
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().to(torch.float32).contiguous().numpy().tobytes())
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, (n, h.hexdigest()))
     return {"stream_tensors": [c for c, _ in got], "stream_digests": [d for _, d in got]}
@@ -370,7 +369,7 @@ def main(argv=None):
             "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
             "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"],
             **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_no_schedule_diff",
-                                   "ckpt_version_restored", "ckpt_lrs")},
+                                   "ckpt_version_restored", "ckpt_lrs", "stream_tensors", "stream_digests")},
             **minibatch_result(got, ref, adv, mask)}
     if dirs:
         from .verl_adapter_path import check

@@ -58,6 +58,19 @@ def test_logprobs_and_losses_match_reference(res, layout):
     assert abs(r["grad_norm"] - r["grad_norm_ref"]) <= 1e-4 * r["grad_norm_ref"], r
 
 
+def test_every_rank_streams_the_whole_adapter_version(res):
+    """verl's colocated sync hands each trainer rank's stream to its own rollout worker: every rank yields every
+    adapter tensor, byte for byte the same, and the same bytes at every layout (the gather is layout-independent).
+    Before the fix rank 0 alone yielded tensors (the others' engines failed: "weight stream ended without its
+    header")."""
+    digests = set()
+    for layout, r in res.items():
+        assert min(r["stream_tensors"]) > 0 and len(set(r["stream_tensors"])) == 1, (layout, r["stream_tensors"])
+        assert len(set(r["stream_digests"])) == 1, (layout, r["stream_digests"])
+        digests |= set(r["stream_digests"])
+    assert len(digests) == 1, digests
+
+
 @pytest.mark.parametrize("layout", ["tp2ep2", "pp2ep2"])
 def test_reference_pass_is_the_base_model(res, layout):
     assert res[layout]["base_max_diff"] <= res[layout]["tol"], res[layout]
