@@ -12,6 +12,7 @@ request) and its per-layer state holding the buffered tensors, so the next reloa
                                             the weights leave (partly) unloaded. Nothing of the model is touched.
     reload(model, model_config, weights)    snapshot, vLLM's layerwise reload, `after()`; on any exception vLLM's
                                             layerwise state is reset and the snapshot put back, then the error raised
+    txn = Transaction(model) ... txn.rollback()     the same for a reload streamed in several load_weights calls
 
 The snapshot holds a host copy of every parameter and buffer (the model's bytes once, for the duration of the
 reload) and a shallow copy of every module's attributes: a reload changes the kernel tensors in place and replaces
@@ -139,20 +140,6 @@ def check_loadable(model: torch.nn.Module, weights: list, what: str) -> None:
         _put_back(saved)
 
 
-def _snapshot(model: torch.nn.Module) -> tuple[list, list]:
-    """(module attributes as _meta_model saves them, [(tensor, host copy of its values)]) for every module."""
-    saved = [(layer, dict(layer.__dict__), dict(layer._parameters), dict(layer._buffers),
-              set(layer._non_persistent_buffers_set)) for layer in model.modules()]
-    values, seen = [], set()
-    for _, _, params, buffers, _ in saved:
-        for t in list(params.values()) + list(buffers.values()):
-            if t is None or id(t) in seen or t.is_meta:
-                continue
-            seen.add(id(t))
-            values.append((t, t.detach().to("cpu", copy=True)))
-    return saved, values
-
-
 def reset_layerwise(model: torch.nn.Module) -> None:
     """vLLM's layerwise reload state of every module of `model` dropped (buffered tensors, load counts, the saved
     kernel tensors), the loaders it wrapped unwrapped and the recorded metadata's layer references sanitized again."""
@@ -171,17 +158,42 @@ def reset_layerwise(model: torch.nn.Module) -> None:
     layerwise.LOADING_LAYERS.clear()
 
 
+class Transaction:
+    """The model as it is now, to put back: a host copy of every parameter and buffer, a shallow copy of every
+    module's attributes. rollback() resets vLLM's layerwise state and puts them back (exact: a reload changes the
+    kernel tensors in place and replaces derived state with new objects)."""
+
+    def __init__(self, model: torch.nn.Module):
+        import time
+
+        t0 = time.perf_counter()
+        self.model = model
+        self.saved = [(layer, dict(layer.__dict__), dict(layer._parameters), dict(layer._buffers),
+                       set(layer._non_persistent_buffers_set)) for layer in model.modules()]
+        self.values, seen = [], set()
+        for _, _, params, buffers, _ in self.saved:
+            for t in list(params.values()) + list(buffers.values()):
+                if t is None or id(t) in seen or t.is_meta:
+                    continue
+                seen.add(id(t))
+                self.values.append((t, t.detach().to("cpu", copy=True)))
+        self.seconds = time.perf_counter() - t0
+
+    def rollback(self) -> None:
+        reset_layerwise(self.model)
+        _put_back(self.saved)
+        with torch.no_grad():
+            for t, v in self.values:
+                t.data.copy_(v)
+
+
 def reload(model: torch.nn.Module, model_config, weights: list, after: Callable[[], None] | None = None) -> float:
     """vLLM's layerwise reload of `weights` ([(checkpoint name, tensor)]) into `model`, then `after()` (a check of
-    the loaded model); on any exception the model is put back as it was before (every value, every module's
-    attributes) and vLLM's layerwise state reset, then the exception raised. Returns the snapshot's seconds."""
-    import time
-
+    the loaded model); on any exception the model is put back as it was before (Transaction) and the exception
+    raised. Returns the snapshot's seconds."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    t0 = time.perf_counter()
-    saved, values = _snapshot(model)
-    snap_s = time.perf_counter() - t0
+    txn = Transaction(model)
     try:
         initialize_layerwise_reload(model)
         model.load_weights(weights)
@@ -189,10 +201,6 @@ def reload(model: torch.nn.Module, model_config, weights: list, after: Callable[
         if after is not None:
             after()
     except BaseException:
-        reset_layerwise(model)
-        _put_back(saved)
-        with torch.no_grad():
-            for t, v in values:
-                t.data.copy_(v)
+        txn.rollback()
         raise
-    return snap_s
+    return txn.seconds
