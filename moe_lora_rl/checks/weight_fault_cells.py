@@ -151,7 +151,7 @@ def base_cells(m, which: str) -> None:
     else:
         cells += [("http", "finish", "shape", faulty("http", "shape"))]
     for path, stage, fault, inject in cells:
-        m.cell(f"base/{path}", stage, fault, "base", inject, sender(path))
+        m.cell(f"base/{path}", stage, fault, "base", inject, sender(path), "expired" if fault == "sender_died" else "")
     if which == "all":
         gloo_cells(m)
 
@@ -230,9 +230,10 @@ def loop_cells(m, which: str) -> None:
         msg = inject(v)
         raise ValueError(msg)                      # the update was aborted: a refusal
 
-    m.cell("base/loop", "mid", "sender_died", "base", cell_inject,
-           lambda v, kind: send_base(rpcs, m.bases[kind], v, BUCKET))
-    m.records[-1]["held_s"] = held.get("s")
+    rec = m.cell("base/loop", "mid", "sender_died", "base", cell_inject,
+                 lambda v, kind: send_base(rpcs, m.bases[kind], v, BUCKET), expect="requests served")
+    if rec:
+        rec["held_s"] = held.get("s")
 
 
 # -- adapters ------------------------------------------------------------------------------------------------------
@@ -352,6 +353,6 @@ def adapter_cells(m, which: str) -> None:
                 m.cell(f"adapter/{path}", "commit", fault, "adapter", faulty(path, fault), sender(path))
             m.cell(f"adapter/{path}", "receive", "digest", "adapter", flipped(path), sender(path))
             m.cell(f"adapter/{path}", "activate", "exc_activate", "adapter", armed(path), sender(path))
-        m.cell("adapter/inproc", "mid", "sender_died", "adapter", died, sender("inproc"))
+        m.cell("adapter/inproc", "mid", "sender_died", "adapter", died, sender("inproc"), expect="expired")
     finally:
         pool.close()
