@@ -22,7 +22,8 @@ The model's weights are written at finish only, from bytes that all passed their
 incomplete version changes nothing: the engine keeps its previous weights (or, started with load_format=dummy,
 keeps serving nothing: `served` stays None). At finish the version is first loaded on the meta device
 (reload_txn.check_loadable: names, shapes, dtypes, every parameter loaded) and then reloaded as a transaction
-(reload_txn.reload: an error inside vLLM's load puts the previous weights back and resets vLLM's layerwise state). A version older than the served one is refused. The base comes first:
+(reload_txn.reload: an error inside vLLM's load puts the previous weights back and resets vLLM's layerwise state).
+A version older than the served one is refused. The base comes first:
 an update after an adapter was pushed is refused (the adapters' serving state holds references to the base).
 A new base makes every prefix computed under the old one stale: the worker drops its prefix route store (on_served)
 and the engine loop resets vLLM's prefix cache after finish_weight_update, refusing a base update while requests run

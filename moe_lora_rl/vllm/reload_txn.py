@@ -59,12 +59,12 @@ def _meta_model(model: torch.nn.Module, counts: dict, dtype_errors: list) -> lis
             return ret
         return loader
 
-    def to_meta(key, src, layer, name, is_param):
+    def to_meta(key, src, layer, name, is_param, required=True):
         if key not in memo:
             m = restore_layer_refs(meta.to_meta_tensor(src), layer)     # a copy: the recorded metadata is unchanged
             if is_param:
                 full = f"{prefix.get(id(layer), '')}.{name}".lstrip(".")
-                counts[key] = [0, utils.get_tensor_load_numel(m), full]
+                counts[key] = [0, utils.get_tensor_load_numel(m) if required else 0, full]
                 m.weight_loader = counting(key, m)
             memo[key] = m
         return memo[key]
@@ -83,7 +83,8 @@ def _meta_model(model: torch.nn.Module, counts: dict, dtype_errors: list) -> lis
                 continue
             layer.__dict__.pop(name, None)
             key = id(cur) if cur is not None else (id(layer), name)
-            layer._parameters[name] = to_meta(key, src, layer, name, True)
+            # a parameter made after the model was built (vLLM's post-load processing) need not be loaded
+            layer._parameters[name] = to_meta(key, src, layer, name, True, info is None or name in rec_p)
         for name, src in rec_b.items():
             cur = buffers.get(name)
             layer.__dict__.pop(name, None)

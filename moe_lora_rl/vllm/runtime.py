@@ -316,8 +316,9 @@ class LoRARuntime:
 
     def activate(self, adapter: AdapterSet, owner: str | None = None) -> dict:
         """Hold `adapter` as the newest version (switch: instead of the previous one; pin: beside the versions
-        running requests use); returns timings. Nothing changes unless every step before the swap succeeded; an error
-        inside the swap puts the held versions and MoE paths back (merged mode: not the merger's half-written weights)."""
+        running requests use); returns timings. Nothing changes unless every step before the swap succeeded; an
+        error inside the swap puts the held versions and MoE paths back (merged: not the merger's half-written
+        weights)."""
         import time
 
         self.table.plan_admit(adapter.version, owner)   # stale, or pin and full: refused before any work
