@@ -242,7 +242,7 @@ def adapter_fault(t: dict, fault: str) -> dict:
     if fault == "shape":
         return _last(t, first, torch.cat([t[first], t[first][:1]]))
     if fault == "name":
-        return _last(t, first.replace("gate_proj", "gate_prj"), t[first])
+        return _last(t, first.replace("gate_proj", "gate_prj"), t[first].clone())
     if fault == "dtype":
         return _last(t, first, t[first].to(torch.int32))
     if fault == "missing":
