@@ -114,7 +114,7 @@ def _base_timeout(llm, value: float | None) -> float:
     from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 
     if value is None:
-        extra = getattr(llm.llm_engine.vllm_config, "additional_config", None) or {}
+        extra = getattr(getattr(llm.llm_engine, "vllm_config", None), "additional_config", None) or {}
         value = extra.get("moe_lora_stage_timeout_s", DEFAULT_STAGE_TIMEOUT_S)
     return check_stage_timeout(value, "base_timeout_s")
 
