@@ -181,6 +181,16 @@ def main(argv=None):
     mail = mailbox_streams(MoELoRABaseCheckpointEngine, [first, v2])
     empty = make_engine(a.model, dtype="float32", prefix_caching=False, extension=WORKER_EXTENSION,
                         load_format="dummy")
+    # first a base stream with one tensor a row too long: refused, and the empty engine keeps exactly its dummy
+    # weights (the base load is rolled back, vLLM's layerwise state reset), then the right stream loads
+    empty_before = prompt_logprobs(empty, seqs.tolist())
+    bad_base = [(n, torch.cat([t, t[:1]]) if n == "model.norm.weight" else t) for n, t in mail[0]]
+    try:
+        colocated_sync(empty, iter(bad_base), base_sync_done=False)
+        bad_base_refused = ""
+    except Exception as e:  # noqa: BLE001
+        bad_base_refused = str(e).splitlines()[0]
+    bad_base_got = prompt_logprobs(empty, seqs.tolist())
     mail_sync1 = colocated_sync(empty, iter(mail[0]), base_sync_done=False)
     mail_got = prompt_logprobs(empty, seqs.tolist())
     mail_sync2 = colocated_sync(empty, iter(mail[1]), base_sync_done=False)
@@ -201,6 +211,8 @@ def main(argv=None):
         "bad_refused": refused, "after_bad_diff": float((after_bad - want2).abs().max()),
         "base_backend_out": base_out, "base_backend_diff": float((base_got - want).abs().max()),
         "base_backend_out2": base_out2, "base_backend_diff2": float((base_got2 - want2).abs().max()),
+        "bad_base_refused": bad_base_refused, "bad_base_norm": any(n == "model.norm.weight" for n, _ in mail[0]),
+        "bad_base_diff": float((bad_base_got - empty_before).abs().max()),
         "mailbox_names": [len(m) - 1 for m in mail], "mailbox_sync": [mail_sync1, mail_sync2],
         "mailbox_diff": float((mail_got - want).abs().max()), "mailbox_diff2": float((mail_got2 - want2).abs().max()),
     }

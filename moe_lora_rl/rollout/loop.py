@@ -19,6 +19,8 @@ commit: a reset cannot drop the blocks of running requests, and `pin` keeps seve
 A base update (vLLM's start_weight_update / update_weights / finish_weight_update, BASE_METHODS) changes what
 every salt means: it is refused while requests run, no request is admitted from start_weight_update until
 finish_weight_update (or moe_lora_base_abort) returns, and vLLM's prefix cache is reset after finish_weight_update.
+A base update with no start_weight_update or update_weights for base_timeout_s (its sender died between start and
+finish) is aborted by the loop (moe_lora_base_abort, one line in the log): the engine keeps its base and admits again.
 
 Commit barrier (switch). A request's prompt must be computed under the version of its salt, so a commit waits
 until every admitted request has prefilled (no chunked prefill: one step), and no request is admitted while a
@@ -107,9 +109,20 @@ class _Command:
         self.waited_since: float | None = None         # deferred behind the barrier or a full engine since
 
 
+def _base_timeout(llm, value: float | None) -> float:
+    """base_timeout_s: the value given, else the engine's moe_lora_stage_timeout_s (vllm/staging.py's default)."""
+    from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
+
+    if value is None:
+        extra = getattr(getattr(llm.llm_engine, "vllm_config", None), "additional_config", None) or {}
+        value = extra.get("moe_lora_stage_timeout_s", DEFAULT_STAGE_TIMEOUT_S)
+    return check_stage_timeout(value, "base_timeout_s")
+
+
 class EngineLoop:
     def __init__(self, llm, meta: dict | None = None, *, inflight: str = "switch", on_full: str = "wait",
-                 pad_routes: bool = False, step_delay_s: float = 0.0, kv_meter=None, kv_records=None):
+                 pad_routes: bool = False, step_delay_s: float = 0.0, kv_meter=None, kv_records=None,
+                 base_timeout_s: float | None = None):
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         if core is not None and getattr(core, "batch_queue", None) is not None:
             raise ValueError("the engine loop needs one batch in flight at a time (vLLM batch queue is enabled)")
@@ -127,9 +140,11 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._base_open = False           # a base update started and not finished or aborted: nothing is admitted
+        self._base_touched = 0.0          # time.monotonic() of its last start_weight_update or update_weights
+        self.base_timeout_s = _base_timeout(llm, base_timeout_s)
         self.served = self._rpc("moe_lora_status")["version"]
         self.stats = {"steps": 0, "step_s": 0.0, "tokens": 0, "commands": 0, "stall_s": 0.0, "commits": 0,
-                      "commit_wait_s": 0.0}
+                      "commit_wait_s": 0.0, "base_expired": 0}
 
     # -- client side (any thread) -------------------------------------------------------------------------
     def start(self) -> "EngineLoop":
@@ -210,6 +225,7 @@ class EngineLoop:
                     break
                 commands, self._commands = self._commands, []
             deferred = self._run_commands(commands)
+            self._expire_base()
             blocked = (bool(deferred) and self.inflight == "switch") or self._base_open
             with self._lock:
                 self._commands[:0] = deferred
@@ -233,6 +249,20 @@ class EngineLoop:
                     if not self._commands and not self._stop:
                         self._lock.wait(0.05)
         self._fail_all(RuntimeError("the engine loop stopped"))
+
+    def _expire_base(self) -> None:
+        """Abort a base update whose sender made no call for base_timeout_s (it died between start and finish)."""
+        idle = time.monotonic() - self._base_touched
+        if not self._base_open or idle < self.base_timeout_s:
+            return
+        self._base_open = False
+        self.stats["base_expired"] += 1
+        try:
+            served = self._rpc("moe_lora_base_abort").get("served")
+        except Exception as e:  # noqa: BLE001 - admissions resume whatever the abort says
+            served = f"unknown ({type(e).__name__}: {e})"
+        print(f"moe_lora: base update aborted: no start_weight_update or update_weights for {idle:.1f} s "
+              f"(base_timeout_s {self.base_timeout_s:g}); base version {served} stays served", flush=True)
 
     def _barrier_open(self) -> bool:
         return self.inflight != "switch" or all(l.started for l in self._live.values())
@@ -261,6 +291,8 @@ class EngineLoop:
                 cmd.future.set_result(cmd.fn(self.llm))
                 if cmd.method == "start_weight_update":
                     self._base_open = True
+                if cmd.method in ("start_weight_update", "update_weights"):
+                    self._base_touched = time.monotonic()
                 if cmd.method == "finish_weight_update" \
                         and self.engine.vllm_config.cache_config.enable_prefix_caching:
                     self.engine.reset_prefix_cache()

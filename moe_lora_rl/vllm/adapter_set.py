@@ -1,7 +1,7 @@
 """A complete, validated LoRA adapter for a served model (pure: no vLLM import).
 
 PEFT tensors (base_model.model.model.layers.L.<module>.lora_{A,B}.weight) are checked against the model's
-architecture (every name known, A/B paired, one rank, shapes, every expert of an adapted MoE projection present)
+architecture (every name known, A/B paired, one rank, shapes, a floating dtype, every expert of an adapted MoE projection present)
 and grouped per layer. A failed check raises ValueError naming the tensor, layer and expert; nothing is applied.
 """
 from __future__ import annotations
@@ -106,6 +106,9 @@ def build_adapter_set(tensors: dict[str, torch.Tensor], arch: MoEArch, *, rank: 
     experts: dict[tuple[int, str], set[int]] = {}          # (layer, HF projection template) -> experts present
     for name, t in tensors.items():
         layer, module, ab, (din, dout), expert_key, expert = _parse_tensor(arch, name)
+        if not t.is_floating_point():
+            raise ValueError(f"adapter tensor {name!r} has dtype {t.dtype}; LoRA factors are floating point "
+                             "(send the trainer's fp32/bf16 tensors)")
         want = (rank, din) if ab == "A" else (dout, rank)
         if tuple(t.shape) != want:
             raise ValueError(f"adapter tensor {name!r} has shape {tuple(t.shape)}, the model needs {want} "

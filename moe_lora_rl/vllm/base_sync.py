@@ -20,7 +20,10 @@ carried inside the call itself (http: base64 in the RPC's body, for an engine on
 
 The model's weights are written at finish only, from bytes that all passed their digests, so a refused bucket or an
 incomplete version changes nothing: the engine keeps its previous weights (or, started with load_format=dummy,
-keeps serving nothing: `served` stays None). A version older than the served one is refused. The base comes first:
+keeps serving nothing: `served` stays None). At finish the version is first loaded on the meta device
+(reload_txn.check_loadable: names, shapes, dtypes, every parameter loaded) and then reloaded as a transaction
+(reload_txn.reload: an error inside vLLM's load puts the previous weights back and resets vLLM's layerwise state).
+A version older than the served one is refused. The base comes first:
 an update after an adapter was pushed is refused (the adapters' serving state holds references to the base).
 A new base makes every prefix computed under the old one stale: the worker drops its prefix route store (on_served)
 and the engine loop resets vLLM's prefix cache after finish_weight_update, refusing a base update while requests run
@@ -167,8 +170,9 @@ def engine_class():
             self.kept: tuple | None = None     # (version, {name: tensor}, the segments they view (index ->
             #                                   (UpdateInfo, MappedSegment)), whether they are the whole version, for
             #                                   a SharedExport)
-            self.timers = {"read_s": 0.0, "load_s": 0.0}
+            self.timers = {"read_s": 0.0, "check_s": 0.0, "snapshot_s": 0.0, "load_s": 0.0}
             self.on_served = None              # called after a new base serves (the worker drops its prefix routes)
+            self.touched = time.monotonic()    # the open update's last start or bucket
             self._reset()
 
         def _reset(self):
@@ -199,6 +203,11 @@ def engine_class():
 
         def start_weight_update(self) -> None:
             self._reset()
+            self.touched = time.monotonic()
+
+        def idle_s(self) -> float:
+            """Seconds since the last start_weight_update or bucket."""
+            return time.monotonic() - self.touched
 
         def receive_weights(self, u: UpdateInfo) -> None:
             from ..refit import gloo_bucket
@@ -240,6 +249,7 @@ def engine_class():
                     raise ValueError(f"bucket transport {u.transport!r}: expected 'shm', 'gloo', 'nccl', 'ipc' or "
                                      "'http'")
                 self._stage(u, data)
+                self.touched = time.monotonic()
                 self.timers["read_s"] += time.perf_counter() - t0
             except BaseException:
                 self._reset()                        # the whole version is dropped; the weights were not touched
@@ -309,8 +319,7 @@ def engine_class():
             return out
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                                  initialize_layerwise_reload)
+            from .reload_txn import check_loadable, reload
 
             try:
                 weights = self.tensors()
@@ -318,11 +327,13 @@ def engine_class():
                 maps = [seg for _, seg in self.segs.values()]
                 for seg in maps:             # the bytes as they were checked on arrival (nothing wrote them since)
                     seg.verify()
-                initialize_layerwise_reload(self.model)
-                self.model.load_weights(list(weights.items()))
-                finalize_layerwise_reload(self.model, self.model_config)
-                _check_no_alias(self.model, maps)
-                self.timers["load_s"] += time.perf_counter() - t0
+                what = f"base version {self.version}"
+                check_loadable(self.model, list(weights.items()), what)        # before any weight is touched
+                t1 = time.perf_counter()
+                self.timers["check_s"] += t1 - t0
+                self.timers["snapshot_s"] += reload(
+                    self.model, self.model_config, list(weights.items()), lambda: _check_no_alias(self.model, maps))
+                self.timers["load_s"] += time.perf_counter() - t1
                 self.served = self.version
                 self._keep(weights)
                 if self.on_served is not None:

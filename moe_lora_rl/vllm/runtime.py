@@ -316,7 +316,9 @@ class LoRARuntime:
 
     def activate(self, adapter: AdapterSet, owner: str | None = None) -> dict:
         """Hold `adapter` as the newest version (switch: instead of the previous one; pin: beside the versions
-        running requests use); returns timings. Nothing changes unless every step before the swap succeeded."""
+        running requests use); returns timings. Nothing changes unless every step before the swap succeeded; an
+        error inside the swap puts the held versions and MoE paths back (merged: not the merger's half-written
+        weights)."""
         import time
 
         self.table.plan_admit(adapter.version, owner)   # stale, or pin and full: refused before any work
@@ -334,18 +336,25 @@ class LoRARuntime:
                     self._pristine_experts(li)
                 else:
                     self._base_experts(li)
-        if self.mode == "merged":
-            merger = self._merger()
-            staged = merger.stage(loras)
-            self._hold(adapter, {}, owner)
-            merger.commit(staged)
-            self._merged_version = adapter.version
-            self._set_moe_path(())
-        else:
-            self._hold(adapter, loras, owner)
+        undo = (self.table.snapshot(), dict(self.adapters), dict(self._loras), self._merged_version)
+        try:                                           # the swap: on any error the previous version serves
+            if self.mode == "merged":
+                merger = self._merger()
+                staged = merger.stage(loras)
+                self._hold(adapter, {}, owner)
+                merger.commit(staged)
+                self._merged_version = adapter.version
+                self._set_moe_path(())
+            else:
+                self._hold(adapter, loras, owner)
+                self._set_moe_path(self._adapted_layers())
+            if kv_b is not None:
+                self._kv_b().commit(kv_b, merged=any(KV_B in m for m in adapter.layers.values()))
+        except BaseException:
+            self.table.restore(undo[0])
+            self.adapters, self._loras, self._merged_version = undo[1], undo[2], undo[3]
             self._set_moe_path(self._adapted_layers())
-        if kv_b is not None:
-            self._kv_b().commit(kv_b, merged=any(KV_B in m for m in adapter.layers.values()))
+            raise
         return {"commit_s": time.perf_counter() - t0}
 
     def _stage_kv_b(self, adapter: AdapterSet) -> dict | None:

@@ -218,6 +218,14 @@ class VersionTable:
                              f"version {self.passed}; a clear does not reset that): a number is never reused, so the "
                              f"caches keyed by it cannot serve other weights; push a version above {self.passed}")
 
+    def snapshot(self) -> tuple:
+        """The held versions, owners and highest passed version, for restore() after a failed activation."""
+        return list(self.held), dict(self.owner), self.passed
+
+    def restore(self, snap: tuple) -> None:
+        held, owner, self.passed = snap
+        self.held, self.owner = list(held), dict(owner)
+
     def admit(self, version: int, owner: str | None = None) -> list[int]:
         """Hold `version` as the newest (of `owner`); returns the versions freed for it."""
         freed = self._drop(self.plan_admit(version, owner))

@@ -178,9 +178,14 @@ class MoELoRAWorkerExtension:
 
     @entry
     def moe_lora_expire(self) -> dict:
-        """Abort the open stage if it made no progress for stage_timeout_s (logged); the served version is
-        untouched. Called between engine steps by the engine server, so an abandoned stage goes without a new push."""
-        return {"expired": self._moe_lora_staging().expire()}
+        """Abort the open stage, and an open base update, if it made no progress for stage_timeout_s (logged); the
+        served versions are untouched. Called between engine steps by the engine server, so an abandoned stage goes
+        without a new push."""
+        from .base_sync import engine_class
+
+        eng = getattr(self, "weight_transfer_engine", None)
+        base = eng is not None and type(eng) is engine_class() and self._moe_lora_base_expire(eng)
+        return {"expired": self._moe_lora_staging().expire(), "base_expired": base}
 
     @entry
     def moe_lora_bucket(self, version: int, index: int, tensors: dict) -> dict:
@@ -351,6 +356,7 @@ class MoELoRAWorkerExtension:
         if rt is not None and rt.table.held:
             raise ValueError(f"adapter versions {rt.table.held} are served: the base is synced before any adapter")
         eng = install(self)
+        self._moe_lora_base_expire(eng, refuse=True)
         eng.set_keep(keep)
         eng.on_served = self._moe_lora_base_served
         return {"backend": BACKEND, "served": eng.served}
@@ -365,6 +371,23 @@ class MoELoRAWorkerExtension:
         if cap is not None:
             rt = getattr(self, "_moe_lora_rt", None)
             cap.new_weights({cache_salt(v) for v in (rt.table.held if rt is not None else ())})
+
+    def _moe_lora_base_expire(self, eng, refuse: bool = False) -> bool:
+        """An open base update (start_weight_update without finish or abort) idle for stage_timeout_s is aborted,
+        with one line in the log (its sender died between start and finish); refuse: a younger one is refused
+        (ValueError) rather than left to a second sender. True when one was aborted."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        timeout, idle = self._moe_lora_staging().timeout_s, eng.idle_s()
+        if idle < timeout:
+            if refuse:
+                raise ValueError(f"a base update is open on this engine (version {eng.version}, idle {idle:.1f} s): "
+                                 f"finish it, moe_lora_base_abort, or let it expire ({timeout:g} s without progress)")
+            return False
+        print(f"moe_lora: base update of version {eng.version} aborted: no bucket for {idle:.1f} s (stage_timeout_s "
+              f"{timeout:g}); base version {eng.served} stays served", flush=True)
+        self.moe_lora_base_abort()
+        return True
 
     @entry
     def moe_lora_base_abort(self) -> dict:

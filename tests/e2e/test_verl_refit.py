@@ -84,3 +84,11 @@ def test_base_backend_mailbox_fills_an_empty_engine(res):
     assert s2["base_tensors"] == 0 and s2["version"] == 2 and not s2["unchanged"], s2
     assert res["mailbox_diff"] <= 1e-3 < min(res["dummy_vs_megatron_base"], res["base_vs_lora"]), res
     assert res["mailbox_diff2"] <= 1e-3 < res["v1_vs_v2"], res
+
+
+def test_a_colocated_base_that_fails_to_load_leaves_the_previous_weights(res):
+    """A base stream with model.norm.weight one row too long into an engine started empty: refused, and the engine
+    serves exactly its previous (dummy) weights; the right stream then loads (mailbox_diff above). Before the
+    rollback, vLLM's finalize ran over the half-loaded model."""
+    assert res["bad_base_norm"] and "129" in res["bad_base_refused"], res["bad_base_refused"]
+    assert res["bad_base_diff"] == 0.0, res

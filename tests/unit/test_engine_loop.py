@@ -301,3 +301,34 @@ def test_a_base_update_resets_the_prefix_cache_and_is_refused_while_requests_run
         eng.reqs.clear()
     finally:
         loop.stop()
+
+
+class AbortableBaseSyncLLM(BaseSyncLLM):
+    def moe_lora_base_abort(self):
+        self.staged, self.aborts = None, getattr(self, "aborts", 0) + 1
+        return {"served": self.llm_engine.base}
+
+
+def test_a_base_update_whose_sender_died_is_aborted_after_base_timeout_s():
+    """start_weight_update, one bucket, then nothing (the sender died): requests submitted meanwhile are held until
+    base_timeout_s passes without a base call, then the loop aborts the update (moe_lora_base_abort) and admits them
+    on the old base. Control: with a long timeout the same request is still held."""
+    for timeout, held in ((0.3, False), (60.0, True)):
+        eng = CachingEngine()
+        llm = AbortableBaseSyncLLM(eng)
+        loop = EngineLoop(llm, None, inflight="switch", base_timeout_s=timeout).start()
+        try:
+            loop.rpc("start_weight_update")
+            loop.rpc("update_weights", ({},))
+            t0 = time.perf_counter()
+            ticket = loop.submit([Request([1, 2, 3], Params(2))])
+            time.sleep(1.0)
+            assert (ticket.request_ids == []) is held
+            if not held:
+                ticket.results()
+                assert time.perf_counter() - t0 < 1.5 and eng.prompt_base[ticket.request_ids[0]] == "A"
+                assert llm.aborts == 1 and loop.stats["base_expired"] == 1 and eng.base == "A"
+        finally:
+            loop.stop()
+    with pytest.raises(ValueError, match="base_timeout_s must be > 0"):
+        EngineLoop(AbortableBaseSyncLLM(CachingEngine()), None, base_timeout_s=0)

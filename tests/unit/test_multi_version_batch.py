@@ -257,6 +257,19 @@ def test_a_non_finite_adapter_is_refused_naming_its_tensor():
         build_adapter_set(t, ARCH, rank=RANK, alpha=8.0, version=3)
 
 
+def test_an_integer_adapter_tensor_is_refused_naming_it():
+    """An integer factor (a sender that cast to the wrong dtype) was converted and served; now refused naming the
+    tensor. Control: the same values as float32 are taken."""
+    shapes = naming_for(ARCH).hf_shapes(ARCH, 0)
+    din, dout = shapes["self_attn.q_proj"]
+    pre = "base_model.model.model.layers.0.self_attn.q_proj"
+    t = {f"{pre}.lora_A.weight": torch.ones(RANK, din), f"{pre}.lora_B.weight": torch.ones(dout, RANK)}
+    assert build_adapter_set(t, ARCH, rank=RANK, alpha=8.0, version=3).version == 3
+    t[f"{pre}.lora_A.weight"] = t[f"{pre}.lora_A.weight"].to(torch.int32)
+    with pytest.raises(ValueError, match=f"adapter tensor '{pre}.lora_A.weight' has dtype torch.int32"):
+        build_adapter_set(t, ARCH, rank=RANK, alpha=8.0, version=3)
+
+
 def test_the_finite_check_in_groups_names_the_tensor(monkeypatch):
     """The tensors are checked in groups of at most _FINITE_CHUNK elements: an inf in a later group is found and
     named; a nan in the first tensor too; all finite passes."""

@@ -11,7 +11,8 @@
         vLLM's own layerwise reload
 
 A bad stream does not leave verl's sender waiting: the receiver drains every bucket and the error is raised after
-the last one, with the served version untouched.
+the last one, with the served version untouched: a base that fails to load half-way is rolled back (the model's
+values and modules as before the first base bucket, vLLM's layerwise state reset; vllm/reload_txn.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 from verl.workers.rollout.vllm_rollout.utils import monkey_patch_compute_logits, vLLMColocateWorkerExtension
 
+from ...vllm.reload_txn import Transaction
 from ...vllm.worker_ext import MoELoRAWorkerExtension, entry
 from .colocated import ColocatedSync
 from .plugin import register
@@ -46,7 +48,7 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
         sync = ColocatedSync(base_sync_done)
         device = getattr(self, "device", None) or torch.device("cpu")
         errors: list[BaseException] = []
-        reloading: list[bool] = []
+        reloading: list = []                             # the base's Transaction (vllm/reload_txn.py) once started
         model = self.model_runner.model
 
         def on_bucket(weights, is_last):
@@ -62,8 +64,8 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
                     # on the CPU the receiver's tensors are views into the shared segment (its .to(cpu) copies
                     # nothing): load copies, so nothing outlives the segment
                     if not reloading:
+                        reloading.append(Transaction(model))     # what to put back if the stream fails
                         initialize_layerwise_reload(model)       # vLLM's in-place reload (repacked CPU kernels)
-                        reloading.append(True)
                     model.load_weights([(n, t.clone() if t.device.type == "cpu" else t) for n, t in base])
             except Exception as e:  # noqa: BLE001
                 # keep no traceback: its frames would hold views into the receiver's buffer past its cleanup
@@ -72,8 +74,13 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
 
         BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=device, use_shm=use_shm).receive_weights(
             on_bucket_received=on_bucket)
-        if reloading:
-            finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        if reloading and not errors:
+            try:
+                finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+            except Exception as e:  # noqa: BLE001 - rolled back below, then raised
+                errors.append(e)
+        if reloading and errors:
+            reloading[0].rollback()                      # the previous base serves, vLLM's reload state reset
         if errors:
             raise errors[0]
         m, served = sync.meta, self._moe_lora_runtime().status()
