@@ -25,6 +25,15 @@ def megatron_lp(eng, seqs):
     return megatron_logprobs(seqs, forward_logits(eng.model, seqs, eng.arch.vocab_size))
 
 
+def refused_sync(llm, stream, base_sync_done: bool) -> str:
+    """colocated_sync of a stream that must be refused: the first line of its error ("" when it was taken)."""
+    try:
+        colocated_sync(llm, stream, base_sync_done=base_sync_done)
+        return ""
+    except Exception as e:  # noqa: BLE001
+        return str(e).splitlines()[0]
+
+
 def colocated_sync(llm, stream, base_sync_done: bool, bucket_mb: int = 1) -> dict:
     """verl's colocated sync on the wire: its BucketedWeightSender (shared memory, as verl picks without IPC) on
     verl's ZMQ handle, while the engine runs update_weights_from_ipc (collective_rpc, as verl's ServerAdapter)."""
@@ -137,11 +146,7 @@ def main(argv=None):
     # a colocated stream with a corrupted adapter: refused after the last bucket (the sender is not left waiting)
     bad_colo = [(n, t + 1.0 if i == 2 else t) for i, (n, t) in enumerate(colocated)]
     bad_colo[0] = (META, encode_meta(dict(decode_meta(colocated[0][1]), version=5)))
-    try:
-        colocated_sync(llm, iter(bad_colo), base_sync_done=True)
-        colo_refused = ""
-    except Exception as e:  # noqa: BLE001
-        colo_refused = str(e).splitlines()[0]
+    colo_refused = refused_sync(llm, iter(bad_colo), base_sync_done=True)
     after_bad_colo = prompt_logprobs(llm, seqs.tolist())
 
     # checkpoint-engine mode: the next version (other adapters) through our backend, adapters only
@@ -185,11 +190,7 @@ def main(argv=None):
     # weights (the base load is rolled back, vLLM's layerwise state reset), then the right stream loads
     empty_before = prompt_logprobs(empty, seqs.tolist())
     bad_base = [(n, torch.cat([t, t[:1]]) if n == "model.norm.weight" else t) for n, t in mail[0]]
-    try:
-        colocated_sync(empty, iter(bad_base), base_sync_done=False)
-        bad_base_refused = ""
-    except Exception as e:  # noqa: BLE001
-        bad_base_refused = str(e).splitlines()[0]
+    bad_base_refused = refused_sync(empty, iter(bad_base), base_sync_done=False)
     bad_base_got = prompt_logprobs(empty, seqs.tolist())
     mail_sync1 = colocated_sync(empty, iter(mail[0]), base_sync_done=False)
     mail_got = prompt_logprobs(empty, seqs.tolist())
