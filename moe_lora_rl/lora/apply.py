@@ -129,12 +129,12 @@ def group_coords() -> tuple[dict, dict]:
     return ranks, sizes
 
 
-def initial_factor(p: nn.Parameter, seed: int) -> torch.Tensor:
-    """What apply_lora gives factor `p` under init seed `seed` (A: the seeded kaiming draw, B: zeros), as a new
+def initial_factor(p: nn.Parameter, seed: int, a_init: str = "kaiming") -> torch.Tensor:
+    """What apply_lora gives factor `p` under init seed `seed` (A: the seeded a_init draw, B: zeros), as a new
     tensor of p's local shape, dtype and device."""
     ranks, sizes = group_coords()
     meta = p.lora_meta
-    init = "kaiming" if meta.global_name.endswith("lora_A") else "zeros"
+    init = a_init if meta.global_name.endswith("lora_A") else "zeros"
     return make_factor(meta, ranks[meta.group], sizes[meta.group], init=init, seed=seed, dtype=p.dtype,
                        device=p.device).data
 
@@ -154,7 +154,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     adapters = []
     for p in plans:                                     # build everything first; attach only if all succeeded
         facs = []
-        for meta, init, is_shared in ((p.A, "kaiming", p.shared[0]), (p.B, "zeros", p.shared[1])):
+        for meta, init, is_shared in ((p.A, cfg.a_init, p.shared[0]), (p.B, "zeros", p.shared[1])):
             if is_shared:
                 if meta.global_name not in shared:
                     shared[meta.global_name] = make_factor(meta, ranks[meta.group], sizes[meta.group], init=init,

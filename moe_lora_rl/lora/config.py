@@ -34,6 +34,9 @@ def expand(target: str) -> tuple[str, ...]:
     return GROUPS.get(target) or ALIASES.get(target) or (target,)
 
 
+A_INITS = ("kaiming", "xavier")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     rank: int = 16
@@ -54,6 +57,9 @@ class LoRAConfig:
     """Adapter parameter dtype."""
     init_seed: int = 0
     """Seed for A's initialisation; A is drawn per adapter from its global name, so init is layout-independent."""
+    a_init: str = "kaiming"
+    """A's initialisation: kaiming (uniform, a=sqrt(5): PEFT's and nn.Linear's) or xavier (uniform over
+    fan_in + rank: Megatron-Bridge's lora_A_init_method="xavier", verl's default). B starts at zero either way."""
     explicit: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self):
@@ -67,6 +73,8 @@ class LoRAConfig:
             raise ValueError(f"adapter_layout={self.adapter_layout!r}; choose one of {LAYOUTS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {DTYPES}")
+        if self.a_init not in A_INITS:
+            raise ValueError(f"a_init={self.a_init!r}; choose one of {A_INITS}")
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         if not targets:
             raise ValueError("LoRA targets is empty")

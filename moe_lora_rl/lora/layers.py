@@ -49,9 +49,14 @@ def make_factor(meta: FactorMeta, rank: int, size: int, *, init: str, seed: int,
     the CPU, then placed on `device`, the base weights' device)."""
     if init == "zeros":
         full = torch.zeros(meta.global_shape)
-    else:  # kaiming-uniform(a=sqrt(5)) on fan_in, as nn.Linear / PEFT's LoRA A
+    elif init == "kaiming":  # kaiming-uniform(a=sqrt(5)) on fan_in, as nn.Linear / PEFT's LoRA A
         fan_in = meta.global_shape[-1]
         full = seeded_uniform(meta.global_shape, 1.0 / math.sqrt(fan_in), seed, meta.global_name)
+    elif init == "xavier":   # xavier-uniform of one [r, in] A, as Megatron-Bridge's lora_A_init_method="xavier"
+        fan_out, fan_in = meta.global_shape[-2], meta.global_shape[-1]
+        full = seeded_uniform(meta.global_shape, math.sqrt(6.0 / (fan_in + fan_out)), seed, meta.global_name)
+    else:
+        raise ValueError(f"init={init!r}: choose zeros, kaiming or xavier")
     if meta.shard_dim is not None:
         full = full.chunk(size, dim=meta.shard_dim)[rank]
     local = full.reshape(meta.local_shape(size)).contiguous()

@@ -71,7 +71,7 @@ def test_a_row_taken_out_is_named(configs, monkeypatch):
     ("actor.megatron.context_parallel_size", 2, "context parallelism is not supported"),
     ("actor.megatron.param_offload", True, "remove it"),
     ("model.lora.dropout_position", "post", "pre"),
-    ("model.lora.lora_A_init_method", "normal", "Kaiming"),
+    ("model.lora.lora_A_init_method", "normal", "kaiming"),
     ("model.lora.dtype", "bfloat16", "fp32"),
     ("actor.optim.optimizer", "muon", "AdamW"),
     ("model.override_config.attention_dropout", 0.1, "config.json"),

@@ -155,7 +155,8 @@ def lora_config(lora: Mapping | None) -> LoRAConfig:
     try:
         return LoRAConfig(rank=rank, alpha=float(lora.get("alpha", 2 * rank)), dropout=float(lora.get("dropout", 0.0)),
                           targets=targets, adapter_layout=lora.get("adapter_layout", "per_expert"),
-                          init_seed=int(lora.get("init_seed", 0)))
+                          init_seed=int(lora.get("init_seed", 0)),
+                          a_init=lora.get("lora_A_init_method") or "kaiming")
     except ValueError as e:
         raise ValueError(f"{LORA}: {e}") from None
 

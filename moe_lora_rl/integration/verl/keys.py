@@ -84,8 +84,9 @@ TABLE: tuple[Key, ...] = (
           "+model.lora.adapter_layout)"),
     _only("model.lora.merge", False, "our replica serves the adapters unmerged (LoRA-only refit)"),
     _only("model.lora.dropout_position", "pre", "our LoRA applies dropout to the adapter input (pre), as PEFT does"),
-    _only("model.lora.lora_A_init_method", ("xavier", "kaiming"), "our A init is Kaiming-uniform (PEFT's); 'xavier' "
-          "is verl's default and is read as ours: other methods are not implemented"),
+    _only("model.lora.lora_A_init_method", ("xavier", "kaiming"), "A's init: xavier-uniform (verl's default, as "
+          "Megatron-Bridge draws it) or kaiming-uniform (PEFT's; our recipe config's); other methods are not "
+          "implemented"),
     _only("model.lora.lora_B_init_method", "zero", "B starts at zero (the adapted model equals the base at step 0)"),
     _only("model.lora.a2a_experimental", False, "Megatron-Bridge's experimental all-to-all LoRA: remove it"),
     _only("model.lora.dtype", (None, "float32", "fp32"), "adapters and their AdamW state are kept in fp32 whatever "
