@@ -118,7 +118,7 @@ def reference(path, arch, b, adv) -> dict:
     return out
 
 
-def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None) -> dict:
+def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None, resume_from=None) -> dict:
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import EngineRouterReplayConfig, HFModelConfig, TrainingWorkerConfig
@@ -192,6 +192,11 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None) -> di
     got = gather(None if res is None else (tu.get(res, "metrics")["loss"], tu.get(res, "metrics")["grad_norm"]))
     out["loss_vanilla"], out["grad_norm"] = next(v for _, v in got if v is not None)
     out.update(checkpoint_replay(w, lambda: verl_batch(b, old, adv, rows, routes=False), ckpt_dir))
+    if resume_from:                          # another layout's checkpoint, loaded here: the same adapters, byte for byte
+        out["ckpt_before_cross_digest"] = stream_check(w.engine)["stream_digests"][0]
+        w.engine.load_checkpoint(resume_from)
+        out["ckpt_cross_digest"] = stream_check(w.engine)["stream_digests"][0]
+        out["ckpt_cross_version"] = w.engine.version
     return out
 
 
@@ -308,6 +313,7 @@ def checkpoint_replay(w, batch, ckpt_dir) -> dict:
     step()
     version = eng.version
     eng.save_checkpoint(ckpt_dir, global_step=1, max_ckpt_to_keep=1)
+    saved_digest = stream_check(eng)["stream_digests"][0]
     step(), step()
     want = params()
     eng.load_checkpoint(ckpt_dir)
@@ -324,7 +330,7 @@ def checkpoint_replay(w, batch, ckpt_dir) -> dict:
     eng.load_checkpoint(ckpt_dir)
     eng.lr_scheduler = sched
     step(), step()
-    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": no_opt,
+    return {"ckpt_replay_diff": replay, "ckpt_no_optimizer_diff": no_opt, "ckpt_saved_digest": saved_digest,
             "ckpt_no_schedule_diff": max_diff(params(), want), "ckpt_version_restored": loaded_version == version,
             "ckpt_lrs": lrs}
 
@@ -352,11 +358,13 @@ def main(argv=None):
     ref = reference(a.model, arch, b, adv)
     result = {"layouts": {}, "fp32_batch_shape_floor": ref["floor"]}
     work = os.path.dirname(a.result)
-    dirs = None
+    dirs, prev = None, None
     for name in a.layouts.split(","):
         teardown()
         got = engine_run(a.model, name, b, ref["old"], adv, os.path.join(work, f"ckpt-{name}"),
-                         adapters_to=Path(work) / "adapters" if dirs is None and a.adapter_layouts else None)
+                         adapters_to=Path(work) / "adapters" if dirs is None and a.adapter_layouts else None,
+                         resume_from=prev and os.path.join(work, f"ckpt-{prev}"))
+        prev = name
         dirs = dirs or got.get("adapter_dirs")
         mask = b["resp_mask"].bool()
         d = lambda k: float((got[k] - ref[k]).abs()[mask].max())  # noqa: E731
@@ -369,7 +377,9 @@ def main(argv=None):
             "loss_vanilla": got["loss_vanilla"], "loss_gspo": got["loss_gspo"],
             "grad_norm": got["grad_norm"], "grad_norm_ref": ref["grad_norm"],
             **{k: got[k] for k in ("ckpt_replay_diff", "ckpt_no_optimizer_diff", "ckpt_no_schedule_diff",
-                                   "ckpt_version_restored", "ckpt_lrs", "stream_tensors", "stream_digests")},
+                                   "ckpt_version_restored", "ckpt_lrs", "stream_tensors", "stream_digests",
+                                   "ckpt_saved_digest")},
+            **{k: got[k] for k in ("ckpt_cross_digest", "ckpt_cross_version", "ckpt_before_cross_digest") if k in got},
             **minibatch_result(got, ref, adv, mask)}
     if dirs:
         from .verl_adapter_path import check

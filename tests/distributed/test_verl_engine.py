@@ -71,6 +71,16 @@ def test_every_rank_streams_the_whole_adapter_version(res):
     assert len(digests) == 1, digests
 
 
+def test_checkpoint_saved_at_one_layout_resumes_at_another(res):
+    """tp2ep2's checkpoint (after one step) loaded by the pp2ep2 engine: the adapters it then streams are tp2ep2's
+    byte for byte, and the version continues. Control: the pp2ep2 engine's adapters just before the load (three
+    steps further) are not those bytes."""
+    a, b = res["tp2ep2"], res["pp2ep2"]
+    assert b["ckpt_cross_digest"] == a["ckpt_saved_digest"], (a, b)
+    assert b["ckpt_before_cross_digest"] != a["ckpt_saved_digest"]
+    assert b["ckpt_cross_version"] >= 1
+
+
 @pytest.mark.parametrize("layout", ["tp2ep2", "pp2ep2"])
 def test_reference_pass_is_the_base_model(res, layout):
     assert res[layout]["base_max_diff"] <= res[layout]["tol"], res[layout]
