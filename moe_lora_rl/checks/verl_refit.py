@@ -192,6 +192,10 @@ def main(argv=None):
     bad_base = [(n, torch.cat([t, t[:1]]) if n == "model.norm.weight" else t) for n, t in mail[0]]
     bad_base_refused = refused_sync(empty, iter(bad_base), base_sync_done=False)
     bad_base_got = prompt_logprobs(empty, seqs.tolist())
+    # a base stream missing one tensor: refused before vLLM finalizes (it would keep that layer's old weights)
+    short_base = [(n, t) for n, t in mail[0] if n != "model.norm.weight"]
+    short_base_refused = refused_sync(empty, iter(short_base), base_sync_done=False)
+    short_base_got = prompt_logprobs(empty, seqs.tolist())
     mail_sync1 = colocated_sync(empty, iter(mail[0]), base_sync_done=False)
     mail_got = prompt_logprobs(empty, seqs.tolist())
     mail_sync2 = colocated_sync(empty, iter(mail[1]), base_sync_done=False)
@@ -214,6 +218,8 @@ def main(argv=None):
         "base_backend_out2": base_out2, "base_backend_diff2": float((base_got2 - want2).abs().max()),
         "bad_base_refused": bad_base_refused, "bad_base_norm": any(n == "model.norm.weight" for n, _ in mail[0]),
         "bad_base_diff": float((bad_base_got - empty_before).abs().max()),
+        "short_base_refused": short_base_refused,
+        "short_base_diff": float((short_base_got - empty_before).abs().max()),
         "mailbox_names": [len(m) - 1 for m in mail], "mailbox_sync": [mail_sync1, mail_sync2],
         "mailbox_diff": float((mail_got - want).abs().max()), "mailbox_diff2": float((mail_got2 - want2).abs().max()),
     }

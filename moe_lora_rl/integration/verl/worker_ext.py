@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 from verl.workers.rollout.vllm_rollout.utils import monkey_patch_compute_logits, vLLMColocateWorkerExtension
 
-from ...vllm.reload_txn import Transaction
+from ...vllm.reload_txn import Transaction, check_loadable
 from ...vllm.worker_ext import MoELoRAWorkerExtension, entry
 from .colocated import ColocatedSync
 from .plugin import register
@@ -49,6 +49,7 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
         device = getattr(self, "device", None) or torch.device("cpu")
         errors: list[BaseException] = []
         reloading: list = []                             # the base's Transaction (vllm/reload_txn.py) once started
+        shapes: list = []                                # (name, shape, dtype) of every base tensor received
         model = self.model_runner.model
 
         def on_bucket(weights, is_last):
@@ -66,6 +67,7 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
                     if not reloading:
                         reloading.append(Transaction(model))     # what to put back if the stream fails
                         initialize_layerwise_reload(model)       # vLLM's in-place reload (repacked CPU kernels)
+                    shapes.extend((n, tuple(t.shape), t.dtype) for n, t in base)
                     model.load_weights([(n, t.clone() if t.device.type == "cpu" else t) for n, t in base])
             except Exception as e:  # noqa: BLE001
                 # keep no traceback: its frames would hold views into the receiver's buffer past its cleanup
@@ -76,6 +78,10 @@ class VerlMoELoRAWorkerExtension(MoELoRAWorkerExtension):
             on_bucket_received=on_bucket)
         if reloading and not errors:
             try:
+                # the whole stream, as meta stand-ins, dry-run before vLLM finalizes: a tensor the stream left out
+                # would otherwise leave its layer on the old weights (vLLM only warns) or half-loaded
+                check_loadable(model, [(n, torch.empty(sh, dtype=dt, device="meta")) for n, sh, dt in shapes],
+                               "verl's base stream")
                 finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
             except Exception as e:  # noqa: BLE001 - rolled back below, then raised
                 errors.append(e)
