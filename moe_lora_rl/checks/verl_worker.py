@@ -27,6 +27,7 @@ from .adapters import randomize_adapters
 from .verl_data import (GROUP, MICRO, N, TEMPERATURE, make_batch, real_tokens, response_entropy,  # noqa: F401
                         response_logprobs, response_logprobs_autograd, verl_batch)
 from .launch import finish_worker, worker_args
+from .verl_stream import stream_check
 
 VERL_CPU_ENV = {"VERL_PLATFORM": "moe_lora_cpu", "VERL_ENGINE_DEVICE": "cpu"}   # set by main(), never at import
 
@@ -198,25 +199,6 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None, resum
         out["ckpt_cross_digest"] = stream_check(w.engine)["stream_digests"][0]
         out["ckpt_cross_version"] = w.engine.version
     return out
-
-
-def stream_check(engine) -> dict:
-    """Every trainer rank's get_per_tensor_param stream (verl's colocated call): its tensor count and a digest of its
-    names and bytes, gathered from every rank. verl hands each rank's stream to its own rollout worker, so every rank
-    must yield the same whole version (the digest is also compared across layouts by the test)."""
-    import hashlib
-
-    import torch.distributed as dist
-
-    gen, _ = engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)
-    tensors = {name: t for name, t in gen if name != "moe_lora.meta"}   # bucket order follows the layout's plan
-    h, n = hashlib.sha256(), len(tensors)
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().to(torch.float32).contiguous().numpy().tobytes())
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (n, h.hexdigest()))
-    return {"stream_tensors": [c for c, _ in got], "stream_digests": [d for _, d in got]}
 
 
 def minibatch_check(w, batch_of, rows: list[int]) -> dict:
