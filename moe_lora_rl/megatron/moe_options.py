@@ -48,7 +48,8 @@ REFUSED = {
     "moe_pad_expert_input_to_capacity": (False, "capacity padding is not supported; leave it false"),
     "moe_apply_probs_on_input": (False, "probabilities on the expert input change the model against its checkpoint; "
                                         "leave it false"),
-    "moe_layer_recompute": (False, "activation recomputation is not checked with adapters; leave it false"),
+    "moe_layer_recompute": (False, "megatron-core's legacy MoE recompute switch: use recompute_granularity=selective "
+                                   "with recompute_modules=['moe'] (honoured, with router replay)"),
 }
 
 

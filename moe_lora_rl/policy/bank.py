@@ -54,7 +54,7 @@ class AdapterBank:
                 raise ValueError(f"policy {name!r}: lr={spec.lr!r} must be >= 0")
         self.core = core
         self.adapters = [m for m in core.model.modules() if isinstance(m, LoRAAdapter)]
-        self.slots = {name: _Slot(spec, [pad_factor(initial_factor(p, spec.lora.init_seed), p.lora_meta, spec.lora)
+        self.slots = {name: _Slot(spec, [pad_factor(initial_factor(p, spec.lora.init_seed, spec.lora.a_init), p.lora_meta, spec.lora)
                                          for p in core.params])
                       for name, spec in policies.items()}
         self.active: str | None = None

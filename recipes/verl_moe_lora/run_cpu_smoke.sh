@@ -7,7 +7,7 @@
 # Data: the built-in sort task (python -m moe_lora_rl.data sort), or your verl-format files with verl's own keys
 # data.train_files=FILE data.val_files=FILE (a file or [a,b]). Reward: verl's reward.custom_reward_function.path= /
 # .name= (default pkg://moe_lora_rl.rl.rewards compute_score: the main job's default reward, a built-in task's
-# scorer, else verl's default_compute_score). Lengths: data.max_prompt_length is the data's longest prompt
+# scorer, else integration/verl/reward_score: verl's scorers, with gsm8k and the math sources read whole). Lengths: data.max_prompt_length is the data's longest prompt
 # (tokens, chat template; at least 32) unless PROMPT_LEN is set; data.max_response_length is RESPONSE_LEN (default
 # 16 on the sort task, 64 on your files); rollout.max_model_len their sum. Overrides given here win over all three.
 # R3 on (R3=off turns it off): verl's routed_experts come from our replica's capture (vLLM's own return stays off);

@@ -99,8 +99,10 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         return None
 
     async def send_weights(self, weights, global_steps: int | None = None):
+        if not trainer_lead():                 # the trainer's rank 0 delivers the version, once: the others leave
+            return {}                          # their streams unread (no base read from the checkpoint files)
         meta, tensors = read_stream(weights)
-        if not meta or not trainer_lead():     # the trainer's rank 0 delivers the version, once
+        if not meta:
             return {}
         if not self.transports:
             return await self._post(meta, tensors, global_steps)
@@ -182,8 +184,10 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
         from ...weight_sync.shm_sender import send_store
         from ...weight_sync.store import BaseStore
 
+        if not trainer_lead():                 # the trainer's rank 0 delivers the version, once (streams unread)
+            return {}
         meta, base, tensors = split_stream(weights)
-        if not meta or not trainer_lead():     # the trainer's rank 0 delivers the version, once
+        if not meta:
             return {}
         if not self.transports:
             return await self._post(meta, tensors, global_steps, base)

@@ -218,6 +218,11 @@ def check_trainer(cfg) -> None:
 def check_reward_manager(cfg) -> None:
     """verl's plain naive reward manager passes a NaN reward on to the advantages (a skipped step, silently): ours is
     the same manager with non-finite rewards refused (reward_manager.py). Another manager the user named is theirs."""
+    legacy = _get(cfg, "reward_model")
+    for key in ("reward_manager", "reward_loop_source"):
+        if _get(legacy, key) is not None:
+            raise ValueError(f"reward_model.{key}={_get(legacy, key)!r}: verl's legacy key replaces "
+                             "reward.reward_manager (ours refuses NaN rewards); remove it")
     rm = _get(_get(cfg, "reward"), "reward_manager")
     if rm is not None and _get(rm, "source", "register") == "register" and _get(rm, "name", "naive") == "naive":
         raise ValueError("reward.reward_manager.name=naive passes NaN rewards into the advantages (the step is then "

@@ -189,7 +189,8 @@ TABLE: tuple[Key, ...] = (
           "supported: remove it"),
     _only("actor.megatron.context_parallel_size", 1, "context parallelism is not supported by our engine: set 1 "
           "(shorter sequences per rank come from TP with sequence parallelism)"),
-    Key("actor.megatron.sequence_parallel", OURS, "sequence parallelism with TP > 1 (off at TP 1)"),
+    _only("actor.megatron.sequence_parallel", True, "our engine runs sequence parallelism whenever TP > 1 (and none "
+          "at TP 1): keep verl's default"),
     Key("actor.megatron.use_distributed_optimizer", VERL, "accepted: the adapters' optimizer state is replicated "
         "per shard either way (it is small)"),
     _only("actor.megatron.use_dist_checkpointing", False, "our checkpoints are layout-independent already: remove it"),
@@ -276,8 +277,10 @@ TABLE: tuple[Key, ...] = (
     _only("rollout.disaggregation.enabled", False, "prefill/decode disaggregation is not served by our replica"),
     _only("rollout.over_sample_rate", 0, "verl's over-sampling aborts requests whose routes our capture drops: "
           "remove it"),
-    _only("rollout.mtp", (None,), "MTP is not served by our replica"),
-    _only("rollout.qat", (None,), "quantization-aware training is not supported"),
+    _only("rollout.mtp.enable", False, "MTP is not served by our replica (model.mtp.enable)"),
+    _only("rollout.mtp.enable_rollout", False, "speculative decoding with MTP is not served by our replica"),
+    _only("rollout.mtp.enable_train", False, "MTP layers are not trained by our engine"),
+    _only("rollout.qat.enable", False, "quantization-aware training is not supported (actor.megatron.qat.enable)"),
     Key("rollout.engine_kwargs.*", VERL, "passed to vLLM by verl (vLLM's own LoRA and route keys refused)"),
 )
 

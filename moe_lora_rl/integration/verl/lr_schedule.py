@@ -6,8 +6,9 @@ param_groups of our torch AdamW (it sets each group's lr and weight_decay).
 
     check_lr_schedule(optim)          one-line ValueError for a setting megatron-core's scheduler cannot run; no
                                       total step count needed (verl's trainer sets total_training_steps later)
-    build_lr_scheduler(opt, optim)    the scheduler, or None where the lr and weight decay never change (style
-                                      constant, no warmup): verl's would hold them at optim.lr / weight_decay too
+    build_lr_scheduler(opt, optim)    verl's scheduler on our AdamW whenever the config has the Megatron keys and a
+                                      step count (verl's trainer sets total_training_steps); None only without
+                                      them and with no schedule asked (a constant lr)
 
 verl's config with no Megatron schedule keys (its base OptimizerConfig) runs at a constant lr; a warmup asked of it
 is refused (those keys are read by verl's Megatron schedule only).
