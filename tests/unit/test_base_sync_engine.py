@@ -65,6 +65,9 @@ def test_a_new_base_that_serves_tells_the_worker_and_a_refused_one_does_not(engi
                                          state_dict=lambda keep_vars: {n: t.clone() for n, t in tensors.items()})
     monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: None)
     monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, cfg: None)
+    from moe_lora_rl.vllm import reload_txn           # the dry run and the transaction need a real model: the
+    monkeypatch.setattr(reload_txn, "check_loadable", lambda model, weights, what: None)   # fake loads directly
+    monkeypatch.setattr(reload_txn, "reload", lambda model, cfg, weights, after=None: model.load_weights(weights) or 0.0)
     calls = []
     engine.on_served = lambda: calls.append(engine.served)
     engine.start_weight_update()
