@@ -35,17 +35,9 @@ def configs():
 
 
 def refusals(cfg) -> list[str]:
-    from moe_lora_rl.integration.verl.config import _leaves, engine_sections
+    from moe_lora_rl.integration.verl.config import engine_sections, key_refusals
 
-    secs = engine_sections(cfg)
-    actor_megatron = dict(_leaves(secs["actor"]["megatron"], "megatron"))
-    out = []
-    for sec, node in secs.items():
-        for path, value in _leaves(node, sec):
-            bad = keys.refusal(path, value, actor_megatron.get(path[len("ref."):]))
-            if bad:
-                out.append(bad)
-    return out
+    return key_refusals(engine_sections(cfg))
 
 
 def test_every_key_of_verls_config_has_a_row_and_its_defaults_pass(configs):

@@ -44,6 +44,17 @@ def engine_layout(tp: int, ep: int, etp: int | None, pp: int) -> Layout:
     return Layout(tp=tp, ep=ep, etp=tp if etp is None else etp, pp=pp)
 
 
+def megatron_overrides(override, layout: Layout, rc: RunConfig) -> dict:
+    """actor.megatron.override_transformer_config read into our model builder's arguments
+    (megatron/moe_options.transformer_overrides), its one-line refusals prefixed with the key's path."""
+    from ...megatron.moe_options import transformer_overrides
+
+    try:
+        return transformer_overrides(override or {}, layout, rc)
+    except ValueError as e:
+        raise ValueError(f"actor_rollout_ref.actor.megatron.{e}") from None
+
+
 @dataclass
 class MoELoRAEngineConfig(McoreEngineConfig):
     """verl's Megatron engine config, selecting our engine (strategy moe_lora) and allowing fp32 on CPU."""
@@ -81,12 +92,7 @@ class MoELoRAEngineConfig(McoreEngineConfig):
     def transformer_overrides(self) -> dict:
         """override_transformer_config read into our model builder's arguments (megatron/moe_options.py): each
         megatron-core option honoured or refused in one line."""
-        from ...megatron.moe_options import transformer_overrides
-
-        try:
-            return transformer_overrides(self.override_transformer_config, self.layout(), self.run_config())
-        except ValueError as e:
-            raise ValueError(f"actor_rollout_ref.actor.megatron.{e}") from None
+        return megatron_overrides(self.override_transformer_config, self.layout(), self.run_config())
 
     def layout(self) -> Layout:
         return engine_layout(self.tensor_model_parallel_size, self.expert_model_parallel_size,
@@ -191,18 +197,25 @@ def engine_sections(cfg) -> dict:
     return out
 
 
-def check_keys(cfg) -> None:
-    """Every key of actor_rollout_ref.{model,actor,ref,rollout} against the key table (keys.py): the first key the
-    table refuses (an unknown key, a value we do not honour, a ref.megatron value that differs from the actor's) is
-    a one-line ValueError naming it and what to do."""
-    sections = engine_sections(cfg)
+def key_refusals(sections: dict) -> list[str]:
+    """Every refusal of the key table (keys.py) over engine_sections' leaves: an unknown key, a value we do not
+    honour, a ref.megatron value that differs from the actor's; one line each."""
     actor_megatron = dict(_leaves(sections.get("actor", {}).get("megatron", {}), "megatron"))
+    out = []
     for sec, node in sections.items():
         for path, value in _leaves(node, sec):
             other = actor_megatron.get(path[len("ref."):]) if path.startswith("ref.megatron.") else None
             bad = keys.refusal(path, value, other)
             if bad:
-                raise ValueError(bad)
+                out.append(bad)
+    return out
+
+
+def check_keys(sections: dict) -> None:
+    """The first refusal of key_refusals as a one-line ValueError naming the key and what to do."""
+    bad = key_refusals(sections)
+    if bad:
+        raise ValueError(bad[0])
 
 
 def check_trainer(cfg) -> None:
@@ -237,7 +250,8 @@ def check_config(cfg) -> None:
     check_verl_version()
     check_trainer(cfg)
     check_reward_manager(cfg)
-    check_keys(cfg)
+    sections = engine_sections(cfg)
+    check_keys(sections)
     arr = _get(cfg, "actor_rollout_ref")
     model, actor, rollout = _get(arr, "model"), _get(arr, "actor"), _get(arr, "rollout")
     target = _get(_get(actor, "megatron"), "_target_")
@@ -270,33 +284,18 @@ def check_config(cfg) -> None:
     from ...vllm.compat import check_vllm_version
 
     check_vllm_version(f"actor_rollout_ref.rollout.name={REPLICA}")
-    check_engine(actor)
+    check_engine(sections.get("actor", {}).get("megatron", {}))
     check_rollout(rollout, _get(_get(actor, "megatron"), "router_replay"))
     check_loss(actor)
 
 
-def check_engine(actor) -> None:
-    """The engine config's own checks (layout, dtype, device, override_transformer_config) before Ray starts, on the
-    composed config (what verl's workers will instantiate)."""
-    megatron = _get(actor, "megatron")
-    mc = {k: _get(megatron, k) for k in ("tensor_model_parallel_size", "expert_model_parallel_size",
-                                        "expert_tensor_parallel_size", "pipeline_model_parallel_size",
-                                        "override_transformer_config", "dtype")}
-    try:
-        from omegaconf import OmegaConf
-
-        mc = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in mc.items()}
-    except ImportError:
-        pass
-    layout = engine_layout(mc["tensor_model_parallel_size"], mc["expert_model_parallel_size"],
-                           mc["expert_tensor_parallel_size"], mc["pipeline_model_parallel_size"])
-    from ...megatron.moe_options import transformer_overrides
-
-    try:
-        transformer_overrides(mc["override_transformer_config"] or {}, layout,
-                              RunConfig(device=_get(megatron, "device", "cuda"), dtype=DTYPES.get(mc["dtype"], "bf16")))
-    except ValueError as e:
-        raise ValueError(f"actor_rollout_ref.actor.megatron.{e}") from None
+def check_engine(megatron: Mapping) -> None:
+    """The engine config's layout and override_transformer_config checks before Ray starts, on the composed and
+    resolved actor.megatron section (what verl's workers will instantiate)."""
+    layout = engine_layout(megatron.get("tensor_model_parallel_size", 1), megatron.get("expert_model_parallel_size", 1),
+                           megatron.get("expert_tensor_parallel_size"), megatron.get("pipeline_model_parallel_size", 1))
+    megatron_overrides(megatron.get("override_transformer_config"), layout,
+                       RunConfig(device=megatron.get("device", "cuda"), dtype=DTYPES.get(megatron.get("dtype"), "bf16")))
 
 
 def check_loss(actor) -> None:

@@ -1,5 +1,5 @@
 """Every key of verl 0.9.1's actor_rollout_ref sections (model, actor, ref, rollout) and what our override does with
-it: one table, read by `config.check_keys` before Ray starts and printed in docs/verl.md (`python -m
+it: one table, read by `config.check_keys` (over `key_refusals`) before Ray starts and printed in docs/verl.md (`python -m
 moe_lora_rl.integration.verl.keys` writes the Markdown). No key is dropped without a word: a key is honoured (by our
 engine or replica, or by verl's own code that runs unchanged around them), honoured for some values only (others are
 refused in one line naming the key and what to do), or, for a key verl's Megatron path does not read either, held to
