@@ -66,6 +66,10 @@ SPECS: dict[tuple[str, str], dict] = {
 SPECS[("glm4_moe", "wide")] = {    # the RL default: 128 fine-grained experts, top-8 in 4 of 8 groups (DeepSeek-V3's
     **SPECS[("glm4_moe", "small")],  # routing at a small scale); as many active routed parameters per token as small
     "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 64}
+SPECS[("qwen3_moe", "wide")] = {   # glm4_moe wide's widths and expert count on Qwen3-MoE (softmax top-8 of 128, every
+    **SPECS[("qwen3_moe", "tiny")],  # layer MoE, q/k norms): the verl user's Qwen3-30B-A3B script learns on it
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "head_dim": 64, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 64}
 # DeepseekV3ForCausalLM. vLLM's CPU MLA decode kernel takes only kv_lora_rank 512 and qk_rope_head_dim 64 (a 576-wide
 # head), so every spec uses those; qk_nope/v head dims and q_lora_rank are free. HF's config class does not write
 # topk_method / scoring_func, which vLLM needs: MLA_CONFIG_EXTRA is written into config.json after saving.

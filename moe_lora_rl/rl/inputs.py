@@ -34,8 +34,8 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     if d.train_files is not None and d.reference_key is None:     # nothing to learn the answer format from
         return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
     t0 = time.perf_counter()
-    spec = task_warm_spec(cfg.model.size, d.task_spec()) if d.train_files is None else \
-        data_warm_spec(cfg.model.size, d.train_files, d.prompt_key, d.reference_key)
+    spec = task_warm_spec(cfg.model.size, d.task_spec(), cfg.model.family) if d.train_files is None else \
+        data_warm_spec(cfg.model.size, d.train_files, d.prompt_key, d.reference_key, cfg.model.family)
     if cfg.model.warm_steps is not None:
         spec = replace(spec, steps=cfg.model.warm_steps)
     path = warm_started(cfg.model.family, cfg.model.size, spec)

@@ -227,9 +227,14 @@ load-balanced trained router's, where bf16 rounding in the rollout flips decisio
 models (training the routers on this task sharpens them until almost nothing flips)."""
 
 
-def default_spec(size: str) -> WarmStartSpec:
-    """The warm start of a built-in size (SIZE_WARM_STARTS)."""
-    return WarmStartSpec(**SIZE_WARM_STARTS.get(size, {}))
+FAMILY_WARM_STARTS = {"qwen3_moe": dict(router_lr_scale=1.0, bias_update=0.0)}
+"""Per family, how its warm start differs (after the size's): Qwen3-MoE's softmax routers carry no expert bias to
+balance a frozen router with, so they train with the rest, as in the model's own training."""
+
+
+def default_spec(size: str, family: str | None = None) -> WarmStartSpec:
+    """The warm start of a built-in size (SIZE_WARM_STARTS), and family (FAMILY_WARM_STARTS) when given."""
+    return WarmStartSpec(**{**SIZE_WARM_STARTS.get(size, {}), **FAMILY_WARM_STARTS.get(family, {})})
 
 
 TASK_WARM_STARTS = {"sort_trace": dict(steps=300, window=32, window_frac=0.5),
@@ -241,19 +246,19 @@ sort_long's answers run from 70 to 400 tokens: batches of 16 in 4 length-sorted 
 batch), on both cores (the warm start runs before any engine or trainer)."""
 
 
-def task_warm_spec(size: str, task: TaskSpec) -> WarmStartSpec:
+def task_warm_spec(size: str, task: TaskSpec, family: str | None = None) -> WarmStartSpec:
     """The warm start of a built-in size on `task` (the size's default_spec, trained on that task)."""
-    base = default_spec(size)
+    base = default_spec(size, family)
     if task == base.task:
         return base
     return replace(base, task=task, **TASK_WARM_STARTS.get(task.kind, {}))
 
 
-def data_warm_spec(size: str, files, prompt_key: str, reference_key: str) -> WarmStartSpec:
+def data_warm_spec(size: str, files, prompt_key: str, reference_key: str, family: str | None = None) -> WarmStartSpec:
     """The warm start of a built-in size on a dataset: the size's default_spec, learning each training row's
     reference answer (rows read like the run's, rl/dataset.py)."""
     files = tuple(str(f) for f in files)
-    return replace(default_spec(size), data=files, data_digest=data_digest(files), prompt_key=prompt_key,
+    return replace(default_spec(size, family), data=files, data_digest=data_digest(files), prompt_key=prompt_key,
                    reference_key=reference_key)
 
 
@@ -298,7 +303,7 @@ def warm_started(family: str = "glm4_moe", size: str = "wide", spec: WarmStartSp
     first if needed; its moe_lora_rl_warm_start.json records the spec and the measured training time."""
     import transformers
 
-    spec = default_spec(size) if spec is None else spec
+    spec = default_spec(size, family) if spec is None else spec
     base = get_model(family, size, model_seed)
     root = cache_root()
     out = root / f"{spec_key(family, size, model_seed)}-warm-{spec.key()}"
