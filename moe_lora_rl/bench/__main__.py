@@ -15,6 +15,7 @@ BENCHES = {
     "e2e": "moe_lora_rl.bench.e2e",
     "rollout": "moe_lora_rl.bench.rollout",
     "verl": "moe_lora_rl.bench.verl",
+    "verl_user": "moe_lora_rl.bench.verl_user",
     "async": "moe_lora_rl.bench.async_rl",
     "r3_ab": "moe_lora_rl.bench.r3_ab",
     "sparse": "moe_lora_rl.bench.sparse",

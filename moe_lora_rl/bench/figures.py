@@ -31,14 +31,15 @@ def save(fig, title: str, png: Path) -> Path:
     return png
 
 
-def verl_learning_png(png, curve: dict, curve_lr0: dict, main_job_dir=None) -> Path:
+def verl_learning_png(png, curve: dict, curve_lr0: dict, main_job_dir=None, *, lr: str = "1e-3",
+                      title: str = "The sort task, warm-started glm4_moe wide, GRPO 8x8, LoRA r8, R3") -> Path:
     """verl's held-out success (greedy) of the learning run and its lr=0 control; beside it, our main job's held-out
     success (its own evaluation: samples at temperature 1) read from its metrics.jsonl, when given."""
     import json
 
     fig, axes = panels(1, 2 if main_job_dir else 1, size=(10 if main_job_dir else 5.5, 4))
     ax = axes[0]
-    for c, label in ((curve, "lr 1e-3"), (curve_lr0, "lr 0 (control)")):
+    for c, label in ((curve, f"lr {lr}"), (curve_lr0, "lr 0 (control)")):
         steps = sorted(int(k) for k in c)
         ax.plot(steps, [c[k] if k in c else c[str(k)] for k in steps], marker="o", label=label)
     style(ax, "verl main_ppo + our override: held-out (greedy)")
@@ -49,7 +50,7 @@ def verl_learning_png(png, curve: dict, curve_lr0: dict, main_job_dir=None) -> P
         pts = [(r["step"], r[EVAL_SUCCESS]) for r in rows if EVAL_SUCCESS in r]
         axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color="C2", label="main job")
         style(axes[1], "our main job: held-out (temperature 1, 4 samples)")
-    return save(fig, "The sort task, warm-started glm4_moe wide, GRPO 8x8, LoRA r8, R3", Path(png))
+    return save(fig, title, Path(png))
 
 
 def peers_png(png: Path, rewards: dict, evals: dict, result: dict) -> Path:

@@ -82,6 +82,34 @@ def parse_r3(path: Path) -> dict:
             "max_abs_diff_free": max(l["max_abs_diff_free"] for l in lines)}
 
 
+def parse_r3_by_rank(path: Path) -> dict[int, dict]:
+    """parse_r3's figures per data-parallel rank ({dp_rank: {...}}; every rank writes its own lines)."""
+    lines = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    if not lines:
+        raise RuntimeError(f"{path}: no R3 check lines (was R3 on and the rollout's log-probs recorded?)")
+    out = {}
+    for rank in sorted({l["dp_rank"] for l in lines}):
+        mine = [l for l in lines if l["dp_rank"] == rank]
+        mean = lambda k: sum(l[k] for l in mine) / len(mine)          # noqa: E731
+        out[rank] = {"k3_replay": mean("k3_replay"), "k3_free": mean("k3_free"), "recomputes": len(mine),
+                     "k3_shifted": mean("k3_shifted") if all("k3_shifted" in l for l in mine) else None}
+    return out
+
+
+def run_script(script: Path, out: Path, overrides: list[str], env: dict, script_args: tuple = ()) -> float:
+    """Run a recipe script into OUT with ENV added (the wall written to OUT/wall_s); RuntimeError with the end of its
+    output if it fails."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides],
+                       env={**os.environ, "PYTHON": sys.executable, **env}, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"verl run in {out} failed (rc {p.returncode}): {p.stdout[-1500:]}")
+    (out / "wall_s").write_text(f"{wall:.1f}\n")
+    return wall
+
+
 def probe_tokens() -> str:
     """The probe the async trainers' script gives the servers (comma separated)."""
     return PROBE_RE.search(ASYNC.read_text()).group(1)
@@ -94,17 +122,10 @@ def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: s
     next step and not the last one: its runs are counted by the versions they sync instead)."""
     log = out / "run.log"
     if not reuse:
-        env = {**os.environ, "PYTHON": sys.executable, "STEPS": str(steps), "TEST_FREQ": str(test_freq),
-               "TIMEOUT": str(timeout_s)}
+        env = {"STEPS": str(steps), "TEST_FREQ": str(test_freq), "TIMEOUT": str(timeout_s)}
         if model:
             env["MODEL"] = model
-        t0 = time.perf_counter()
-        p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides], env=env, capture_output=True,
-                           text=True)
-        wall = time.perf_counter() - t0
-        (out / "wall_s").write_text(f"{wall:.1f}\n")
-        if p.returncode != 0:
-            raise RuntimeError(f"verl run in {out} failed (rc {p.returncode}): {p.stdout[-1500:]}")
+        run_script(script, out, overrides, env, script_args)
     if not log.exists():
         raise RuntimeError(f"{log} does not exist (run without --reuse first)")
     text = log.read_text()

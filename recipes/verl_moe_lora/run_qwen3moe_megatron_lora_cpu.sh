@@ -11,6 +11,8 @@
 #   refused    CP=2 (context parallelism is refused up front by our key table: CP=1 here);
 #              actor.megatron.grad_offload is not a key of verl 0.9.1's config (hydra refuses it): left out
 #   data       the smoke's sort task (your files: data.train_files=... data.val_files=..., see run_cpu_smoke.sh)
+#   trainer    TRAINER=main_ppo (default) or one_step_off: verl's one-step-off-policy trainer, the rollout on its own
+#              pool of ROLLOUT_WORKERS (default 1) fed by our checkpoint backend (config/verl_moe_lora_one_step_off.yaml)
 #   recipes/verl_moe_lora/run_qwen3moe_megatron_lora_cpu.sh [OUT_DIR] [extra verl overrides...]
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -23,6 +25,13 @@ CP=1
 EP=${EP:-2}
 ETP=${ETP:-1}
 WORKERS=${WORKERS:-$(( TP * PP * (EP * ETP > TP ? EP * ETP / TP : 1) ))}
+TRAINER=${TRAINER:-main_ppo}
+case "$TRAINER" in
+  main_ppo) POOL=0; SEPARATE=() ;;
+  one_step_off) POOL=${ROLLOUT_WORKERS:-1}; export CONFIG_NAME=verl_moe_lora_one_step_off
+    SEPARATE=(rollout.nnodes=1 rollout.n_gpus_per_node="$POOL") ;;
+  *) echo "run_qwen3moe_megatron_lora_cpu.sh: TRAINER=$TRAINER is not main_ppo or one_step_off" >&2; exit 2 ;;
+esac
 MODEL=${MODEL:-$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("qwen3_moe", "tiny"))')}
 
 ALL_OFFLOAD=${ALL_OFFLOAD:-False}
@@ -32,7 +41,7 @@ ACTOR_PARAM_OFFLOAD=${ACTOR_PARAM_OFFLOAD:-$COMMON_PARAM_OFFLOAD}
 ACTOR_OPTIMIZER_OFFLOAD=${ACTOR_OPTIMIZER_OFFLOAD:-$COMMON_OPTIMIZER_OFFLOAD}
 REF_PARAM_OFFLOAD=${REF_PARAM_OFFLOAD:-$COMMON_PARAM_OFFLOAD}
 
-MODEL=$MODEL RESPONSE_LEN=${RESPONSE_LEN:-16} PROMPT_LEN=${PROMPT_LEN:-32} RAY_GPUS=$WORKERS RAY_CPUS=${RAY_CPUS:-$((4 * WORKERS))} \
+MODEL=$MODEL RESPONSE_LEN=${RESPONSE_LEN:-16} PROMPT_LEN=${PROMPT_LEN:-32} RAY_GPUS=$((WORKERS + POOL)) RAY_CPUS=${RAY_CPUS:-$((4 * (WORKERS + POOL) + 4 * (POOL > 0)))} \
   bash "$HERE/run_cpu_smoke.sh" "$OUT" \
     algorithm.adv_estimator=grpo \
     trainer.val_before_train=False \
@@ -85,4 +94,4 @@ MODEL=$MODEL RESPONSE_LEN=${RESPONSE_LEN:-16} PROMPT_LEN=${PROMPT_LEN:-32} RAY_G
     trainer.nnodes=1 \
     trainer.save_freq=-1 \
     trainer.test_freq=-1 \
-    trainer.total_epochs=15 "$@"
+    trainer.total_epochs=15 "${SEPARATE[@]}" "$@"

@@ -38,6 +38,10 @@ from moe_lora_rl.megatron.layout import Layout
     (["verl", "--learn-steps", "0"], "--learn-steps 0 / --test-freq 10 / --async-steps 4: each must be >= 1"),
     (["verl", "--no-runs", "--png", "x.png"], "--no-runs runs no main_ppo"),
     (["verl", "--main-job", "/nonexistent"], "--main-job '/nonexistent': no metrics.jsonl there"),
+    (["verl_user", "--steps", "7", "--test-freq", "2"], "--steps 7 / --test-freq 2: both >= 1, steps a multiple"),
+    (["verl_user", "--lr", "0"], "--lr 0.0: must be > 0 (the control runs at 0)"),
+    (["verl_user", "--reuse"], "--reuse reads the runs of --out: give --out DIR"),
+    (["verl_user", "--no-learn", "--png", "x.png"], "--png plots the learning run: leave out --no-learn"),
     (["sync", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
     (["sync", "--model", "/nonexistent"], "/nonexistent: no *.safetensors files to send"),
 ])

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from moe_lora_rl.checks.verl_runs import parse_curve, parse_r3, parse_steps, parse_timing, parse_val
+from moe_lora_rl.checks.verl_runs import parse_curve, parse_r3, parse_r3_by_rank, parse_steps, parse_timing, parse_val
 
 LOG = """(MoELoRATaskRunner pid=1) step:0 - val-core/moe_lora_rl/addition/acc/mean@1:np.float64(0.30859375) - \
 val-aux/moe_lora_rl/addition/reward/mean@1:np.float64(0.30859375)
@@ -37,3 +37,17 @@ def test_r3_check_means_and_a_missing_file(tmp_path):
     assert got["recomputes"] == 2 and got["max_abs_diff_free"] == 0.4
     with pytest.raises(RuntimeError, match="no R3 check lines"):
         parse_r3(tmp_path / "missing.jsonl")
+
+
+def test_r3_check_per_data_parallel_rank(tmp_path):
+    """bench verl_user: each dp rank's own means (a rank whose routes were wrong must not hide in the average)."""
+    f = tmp_path / "r3_check.jsonl"
+    rows = [{"dp_rank": 0, "k3_replay": 1e-11, "k3_free": 3e-6, "k3_shifted": 2.0},
+            {"dp_rank": 1, "k3_replay": 0.5, "k3_free": 1e-6, "k3_shifted": 3.0},
+            {"dp_rank": 0, "k3_replay": 3e-11, "k3_free": 1e-6, "k3_shifted": 4.0}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = parse_r3_by_rank(f)
+    assert sorted(got) == [0, 1] and got[0]["recomputes"] == 2 and got[1]["k3_replay"] == 0.5
+    assert got[0]["k3_replay"] == pytest.approx(2e-11) and got[0]["k3_shifted"] == pytest.approx(3.0)
+    with pytest.raises(RuntimeError, match="no R3 check lines"):
+        parse_r3_by_rank(tmp_path / "missing.jsonl")
