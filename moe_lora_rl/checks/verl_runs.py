@@ -96,14 +96,24 @@ def parse_r3_by_rank(path: Path) -> dict[int, dict]:
     return out
 
 
+RAY_START_TIMEOUT = "The current node timed out during startup"
+RAY_START_TRIES = 3
+"""Ray waits 30 s (hard-coded) for its raylet to register: on a loaded machine a run can die there, before anything
+of ours starts; such a run is started again, at most RAY_START_TRIES times in all."""
+
+
 def run_script(script: Path, out: Path, overrides: list[str], env: dict, script_args: tuple = ()) -> float:
     """Run a recipe script into OUT with ENV added (the wall written to OUT/wall_s); RuntimeError with the end of its
     output if it fails."""
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides],
-                       env={**os.environ, "PYTHON": sys.executable, **env}, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    for _ in range(RAY_START_TRIES):
+        t0 = time.perf_counter()
+        p = subprocess.run(["bash", str(script), *script_args, str(out), *overrides],
+                           env={**os.environ, "PYTHON": sys.executable, **env}, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        log = out / "run.log"
+        if p.returncode == 0 or not log.is_file() or RAY_START_TIMEOUT not in log.read_text():
+            break
     if p.returncode != 0:
         raise RuntimeError(f"verl run in {out} failed (rc {p.returncode}): {p.stdout[-1500:]}")
     (out / "wall_s").write_text(f"{wall:.1f}\n")
