@@ -126,3 +126,38 @@ def test_k3_check_and_its_negative_control():
     assert s["k3"] == pytest.approx(float(torch.exp(d) - 1 - d) / 16) and s["max_abs_diff"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="no response tokens"):
         k3_stats(rollout, rollout, torch.zeros(3, 6))
+
+
+def test_r3_check_records_the_actors_recomputes_and_not_the_references(monkeypatch, tmp_path):
+    """With a KL loss verl recomputes the reference policy (adapters disabled) through the same engine: that
+    policy is not the one that sampled, so the check records the actor's recomputes only (a trained adapter made the
+    reference's lines read as k3 0.05 beside the actor's 2e-12)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from moe_lora_rl.integration.verl import engine as eng_mod, r3_check
+
+    recorded = []
+    monkeypatch.setattr(r3_check, "record", lambda *a, **k: recorded.append(a))
+    eng = eng_mod.MoELoRAEngine.__new__(eng_mod.MoELoRAEngine)
+    eng.engine_config = SimpleNamespace(router_replay=SimpleNamespace(mode="R3"), r3_check_log=str(tmp_path / "x"))
+    eng.core = SimpleNamespace(adapters=lambda on: nullcontext())
+    eng.reference_scope, eng.version = False, 3
+    eng._run_batch = lambda data, loss_fn, forward_only, replay: {"model_output": {}}
+    monkeypatch.setattr(r3_check, "shifted_routes", lambda d: d)
+
+    def batch():
+        d = TensorDict({"rollout_log_probs": torch.zeros(2, 3)}, batch_size=[2])
+        tu.assign_non_tensor(d, enable_routing_replay=True)
+        return d
+
+    eng.forward_backward_batch(batch(), None, forward_only=True)
+    assert len(recorded) == 1                                    # the actor's recompute: checked
+    with eng.disable_adapter():
+        eng.forward_backward_batch(batch(), None, forward_only=True)
+    assert len(recorded) == 1 and eng.reference_scope is False   # the reference's: left out, and the scope closed
+    eng.forward_backward_batch(batch(), None, forward_only=True)
+    assert len(recorded) == 2

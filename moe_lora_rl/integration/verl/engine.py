@@ -21,6 +21,7 @@ once per mini-step (tests/distributed/test_verl_engine.py).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -77,6 +78,7 @@ class MoELoRAEngine(BaseEngine):
         self.core = None
         self.lr_scheduler = None
         self.adapter_path = None
+        self.reference_scope = False            # inside disable_adapter: the reference policy's recomputes
         self.mode = None
         self.base_sync_done = False
 
@@ -136,9 +138,16 @@ class MoELoRAEngine(BaseEngine):
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         super().to(device, model, optimizer, grad)       # the model stays where it was built
 
+    @contextlib.contextmanager
     def disable_adapter(self):
-        """The reference policy: every adapter's contribution scaled by 0 (exactly the base model's output)."""
-        return self.core.adapters(False)
+        """The reference policy: every adapter's contribution scaled by 0 (exactly the base model's output). Its
+        recomputes are not the rollout policy's: the in-run R3 check leaves them out."""
+        with self.core.adapters(False):
+            self.reference_scope = True
+            try:
+                yield
+            finally:
+                self.reference_scope = False
 
     # -- parallel info ---------------------------------------------------------------------------------------------
     def get_data_parallel_rank(self):
@@ -196,7 +205,8 @@ class MoELoRAEngine(BaseEngine):
         replay = self.engine_config.router_replay.mode == "R3" and \
             tu.get_non_tensor_data(data, "enable_routing_replay", False)
         out = self._run_batch(data, loss_function, forward_only, replay)
-        if forward_only and replay and self.engine_config.r3_check_log and "rollout_log_probs" in data.keys() and out:
+        if forward_only and replay and self.engine_config.r3_check_log and "rollout_log_probs" in data.keys() and out \
+                and not self.reference_scope:
             from .r3_check import record, shifted_routes
 
             free = self._run_batch(data, None, True, False)
