@@ -4,7 +4,7 @@ main_ppo read alike:
     python -m moe_lora_rl.data NAME OUT_DIR [--seed S] [--n-eval N] [--format parquet|jsonl]
         -> OUT_DIR/train.parquet, OUT_DIR/val.parquet
 
-NAME: the built-in sorting tasks (sort, sort_trace, sort_long: their own scorer, rl/reward.py) or gsm8k_arith
+NAME: the built-in sorting tasks (sort, sort_trace, sort_long: their own scorer, data/reward.py) or gsm8k_arith
 (arithmetic word problems in gsm8k's format, scored by the default reward's gsm8k scorer; data/arith.py). A dataset
 is a table entry: a function of the options returning {"train": rows, "val": rows}.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 def _sorting(kind: str):
     def rows(seed: int = 0, n_eval: int | None = None, length: int | None = None, mix: str | None = None):
-        from ..rl.dataset import task_rows
-        from ..rl.task import TaskSpec
+        from .dataset import task_rows
+        from .task import TaskSpec
 
         kw = {k: v for k, v in (("n_eval", n_eval), ("length", length), ("mix", mix)) if v is not None}
         spec = TaskSpec(seed=seed, kind=kind, **kw)
@@ -49,7 +49,7 @@ docs/your_data.md)."""
 
 def write(name: str, out_dir: str | Path, *, fmt: str = "parquet", **options) -> dict[str, Path]:
     """Write dataset `name`'s train and val files; ValueError naming an unknown dataset or a bad option."""
-    from ..rl.dataset import write_rows
+    from .dataset import write_rows
 
     if name not in DATASETS:
         raise ValueError(f"dataset {name!r} is not one of {sorted(DATASETS)}")
