@@ -1,5 +1,8 @@
-"""Datasets in verl's row format, written to files the main job (data.train_files / data.val_files) and verl's
-main_ppo read alike:
+"""Data and reward, below the RL run (imports nothing of rl/; docs/data.md): the built-in tasks (task.py) and their
+scorer (reward.py), gsm8k-format problems (arith.py), the reader of verl's row format (dataset.py), the run's reward
+in worker processes (rewards.py), prompts as ids (prompting.py), the warm start (warm_start.py) and plain HF
+sampling (hf_sampling.py). Datasets in verl's row format, written to files the main job (data.train_files /
+data.val_files) and verl's main_ppo read alike:
 
     python -m moe_lora_rl.data NAME OUT_DIR [--seed S] [--n-eval N] [--format parquet|jsonl]
         -> OUT_DIR/train.parquet, OUT_DIR/val.parquet
@@ -44,7 +47,7 @@ JOB_OVERRIDES = {"gsm8k_arith": ["algo.max_response_tokens=16"],
 """The main job's settings a dataset needs (its answers' length: the longest reference answer, "23 + 28 = 51\n####
 51", is 16 tokens on the built-in tokenizer; preflight.check_answer_length refuses fewer) and its warm start
 (gsm8k_add1: 150 steps, from which GRPO lifts held-out success by +0.23; after the default 60 nothing is learnt:
-docs/your_data.md)."""
+docs/data.md)."""
 
 
 def write(name: str, out_dir: str | Path, *, fmt: str = "parquet", **options) -> dict[str, Path]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 DEFAULT = ("pkg://moe_lora_rl.integration.verl.reward_score", "default_compute_score")
 """verl's default_compute_score, with openai/gsm8k and the math_dapo sources read in full (not the last 300
-characters): what each data source's default scorer reads is listed in docs/your_data.md."""
+characters): what each data source's default scorer reads is listed in docs/data.md."""
 BUILTIN = {src: ("pkg://moe_lora_rl.data.reward", "compute_score")
            for src in ("moe_lora_rl/addition", "moe_lora_rl/sort_trace", "moe_lora_rl/sort_long")}
 """data_source -> the scorer of a built-in task (data/reward.py), used by the default reward before verl's."""

@@ -1,7 +1,7 @@
 """What the default reward reads (data/rewards.compute_score: the main job's reward.path=null and the verl route's
 pkg://moe_lora_rl.data.rewards): every built-in data source and every verl scorer it hands to, on a correct answer
 followed by a tail (a 300-character cut paid it 0), with a second answer after it, and in other number formats.
-CASES is docs/your_data.md's table: `old` is verl 0.9.1's default_compute_score (the default before), asserted too,
+CASES is docs/data.md's table: `old` is verl 0.9.1's default_compute_score (the default before), asserted too,
 so each row where old != new is a case today's verl-only default fails."""
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_builtin_tasks_keep_their_scorer():
 def test_docs_table_is_the_cases():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "your_data.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
     for source, case, _, _, old, new in CASES:
         row = f"| `{source}` | {case} | {old:g} | {new:g} |"
         assert row in text, row

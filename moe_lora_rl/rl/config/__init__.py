@@ -3,9 +3,12 @@ value), composed by hydra from recipes/train.yaml with strict keys (see ``load``
 
     load(["layout.tp=2", "lora.rank=16", "replay=r2"]) -> TrainConfig
 
-Checks that need the model or the world size (does the layout divide the experts, does the model have MoE layers
-for replay) belong to the driver, before any process group starts; everything checkable from the config alone is
-checked here.
+The package: TrainConfig, AlgoSettings and load here; the sections in model_settings.py (model, layout, runtime,
+LoRA), rollout_settings.py (rollout engines, delays, and the value checks every section uses), data_settings.py
+(data, reward; their values checked against data/'s task, prompting and reader) and policy_settings.py (the
+`policies` list). Checks that need the model or the world size (does the layout divide the experts, does the model
+have MoE layers for replay, the tokenizer against the prompts) are preflight.py's, run before any process group
+starts; everything checkable from the config alone is checked here.
 """
 from __future__ import annotations
 
