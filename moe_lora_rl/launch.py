@@ -3,8 +3,8 @@ any rank starts, then torch's elastic launcher starts the ranks in-process (what
 
     moe-lora-rl train [--nproc-per-node N] [--config-name NAME] [key=value ...]
 
-    1. the configuration (strict keys, every value; rl/config.py)
-    2. the layout, the model and its tokenizer (rl/preflight.py)
+    1. the configuration (strict keys, every value; rl/config/)
+    2. the layout, the model and its tokenizer (rl/config/preflight.py)
     3. the data files, the prompts' lengths (data.max_prompt_length, data.truncation, filtering: the first
        preflight.MEASURED_ROWS of a split) and the answers' (algo.max_response_tokens), in the same tokenizer load
     4. the reward: its file or module imports, the function takes verl's arguments, and one call per data_source
@@ -45,7 +45,8 @@ def parse(argv: list[str]) -> tuple[int, list[str]]:
 
 def check(train_args: list[str], world: int):
     """Steps 1-4 above; the config. ValueError (one line) on the first thing wrong."""
-    from .rl import config, preflight
+    from .rl import config
+    from .rl.config import preflight
 
     name, overrides = config.split_config_name(train_args)
     cfg = config.load(overrides, config_name=name)
@@ -55,8 +56,8 @@ def check(train_args: list[str], world: int):
 
 
 def check_reward(cfg) -> None:
-    from .rl.dataset import examples_from_rows, load_examples, task_rows
-    from .rl.rewards import RewardWorkers, load_function
+    from .data.dataset import examples_from_rows, load_examples, task_rows
+    from .data.rewards import RewardWorkers, load_function
 
     r, d = cfg.reward, cfg.data
     if r.path is not None:

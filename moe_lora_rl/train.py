@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 -m moe_lora_rl.train [--config-name NAME] [key=value ...]
 
 Configuration: recipes/train.yaml, or recipes/NAME.yaml with --config-name NAME (long: the long-reasoning job)
-(hydra, strict keys; schema and help in moe_lora_rl/rl/config.py), e.g.
+(hydra, strict keys; schema and help in moe_lora_rl/rl/config/), e.g.
 layout.tp=2 layout.ep=2 lora.rank=16 replay=r2 serving=merged algo.lr=0 steps=10. A bad key or value, a layout
 that does not fit the world size or the model, or a data file that does not parse is a one-line error before any
 process group or engine starts. The console shows our lines, the progress bar and real errors; dependencies'
@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
     route_warnings()                  # dependencies' noise to out_dir's log only (rl/console.py)
     quiet_progress()
-    from .rl import config, preflight
+    from .rl import config
+    from .rl.config import preflight
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -133,7 +133,8 @@ def data_overrides(name: str, where: Path) -> list[str]:
 def _preflight(overrides: list[str], nproc: int):
     """The job's own checks, here, so a bad value is refused before anything starts (a --config-name among the
     overrides picks the recipe, as the driver does); returns the job's config."""
-    from ..rl import config, preflight
+    from ..rl import config
+    from ..rl.config import preflight
 
     name, rest = config.split_config_name(overrides)
     cfg = config.load(rest, config_name=name)

@@ -50,9 +50,9 @@ def run(a) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from ..algos import PolicyLossSettings, grpo_advantages, policy_loss
-    from ..rl.hf_sampling import evaluate, generate, prompt_ids, response_logprobs, score
-    from ..rl.task import make_split
-    from ..rl.warm_start import WarmStartSpec, warm_started
+    from ..data.hf_sampling import evaluate, generate, prompt_ids, response_logprobs, score
+    from ..data.task import make_split
+    from ..data.warm_start import WarmStartSpec, warm_started
 
     torch.set_num_threads(a.threads)
     spec = WarmStartSpec()

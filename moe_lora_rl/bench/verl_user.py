@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
 
 def _default_model() -> str:
     from ..rl.config import TrainConfig
-    from ..rl.config_model import ModelSettings
+    from ..rl.config.model_settings import ModelSettings
     from ..rl.inputs import model_dir
 
     return str(model_dir(TrainConfig(model=ModelSettings(family="qwen3_moe", size="wide")))[0])

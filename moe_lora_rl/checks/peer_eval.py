@@ -16,8 +16,8 @@ def evaluate(model_dir: str | Path, adapter_dir: str | Path | None, *, n_eval: i
              seed: int = 0, threads: int = 2, task: str = "sort") -> dict:
     import transformers
 
-    from ..rl.hf_sampling import generate, prompt_ids, score
-    from ..rl.task import make_split
+    from ..data.hf_sampling import generate, prompt_ids, score
+    from ..data.task import make_split
     from .peer_task import peer_task
 
     old = torch.get_num_threads()

@@ -5,7 +5,7 @@ tokens a peer samples, and our main job's overrides for it.
 """
 from __future__ import annotations
 
-from ..rl.task import TaskSpec
+from ..data.task import TaskSpec
 
 TRACE_OVERRIDES = ("data.task=sort_trace", "data.length=10", "data.eval_samples=1", "algo.max_response_tokens=96")
 """The main job on the written selection sort of 10 digits (85-token answers, up to 96 sampled), every held-out

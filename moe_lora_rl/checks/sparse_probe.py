@@ -65,8 +65,8 @@ def main(argv=None) -> dict:
     import transformers
     from vllm import SamplingParams
 
-    from ..rl.hf_sampling import prompt_ids, score
-    from ..rl.task import TaskSpec, make_split
+    from ..data.hf_sampling import prompt_ids, score
+    from ..data.task import TaskSpec, make_split
     from ..rollout.kv_compression import engine_kwargs, install_method, verify
 
     cfg = json.loads(open(f"{a.model}/config.json").read())

@@ -19,7 +19,7 @@ RANK, ALPHA = 4, 8.0
 def hf_response_logprobs(hf, tokens: list[int], n_prompt: int, window: int | None) -> list[float]:
     import torch
 
-    from ..rl.warm_start import window_mask
+    from ..data.warm_start import window_mask
 
     ids = torch.tensor([tokens])
     with torch.no_grad():
@@ -37,8 +37,8 @@ def sample_with_adapter(llm, model: str, requests: int, max_tokens: int) -> dict
 
     from ..models.arch import load_arch
     from ..refit.transports import InprocTransport
-    from ..rl.hf_sampling import prompt_ids
-    from ..rl.task import TaskSpec, make_split
+    from ..data.hf_sampling import prompt_ids
+    from ..data.task import TaskSpec, make_split
     from ..rollout.generate import captured_generate, start_capture
     from .route_reference import random_expert_adapter
 

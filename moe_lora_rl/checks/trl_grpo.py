@@ -44,9 +44,9 @@ def main(argv=None) -> int:
     import transformers
     import trl
 
-    from ..rl.prompting import encode_prompts
-    from ..rl.reward import compute_score
-    from ..rl.task import make_split
+    from ..data.prompting import encode_prompts
+    from ..data.reward import compute_score
+    from ..data.task import make_split
     from .peer_task import peer_task
 
     torch.set_num_threads(a.threads)

@@ -1,3 +1,4 @@
-"""The RL run on top of the training core (policy/) and the rollout engine (rollout/): the synthetic task and its
-scorer, verl-format data, the warm start, the run config schema (recipes/train.yaml), batch assembly, diagnostics,
-metrics and the GRPO driver (run.py; entry point moe_lora_rl/train.py). Nothing below rl/ imports it."""
+"""The RL run on top of the training core (policy/), the rollout engine (rollout/) and the data and reward (data/):
+the run config (config/: the schema of recipes/train.yaml and the preflight), what a run starts from (inputs.py),
+batch assembly, diagnostics, metrics and the GRPO driver (run.py; entry point moe_lora_rl/train.py). Nothing below
+rl/ imports it."""

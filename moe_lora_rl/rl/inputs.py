@@ -28,7 +28,7 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
     dataset's answer format from its data.reference_key column (none without one); model.path takes none."""
     if cfg.model.path is not None or not cfg.model.warm_start:
         return base_model_dir(cfg), {"warmup_s": 0.0, "warmup_cached": False, "warm_start": False}
-    from .warm_start import data_warm_spec, task_warm_spec, warm_started
+    from ..data.warm_start import data_warm_spec, task_warm_spec, warm_started
 
     d = cfg.data
     if d.train_files is not None and d.reference_key is None:     # nothing to learn the answer format from
@@ -46,11 +46,11 @@ def model_dir(cfg: TrainConfig) -> tuple[Path, dict]:
 
 
 def load_problems(cfg: TrainConfig, tokenizer=None, template: str = "chat"):
-    """The training and held-out Examples (rl/dataset.py): data.train_files / data.val_files, or the built-in task's
+    """The training and held-out Examples (data/dataset.py): data.train_files / data.val_files, or the built-in task's
     splits as rows, read the same way. With data.filter_overlong_prompts (and a tokenizer) the rows whose prompt is
     over data.max_prompt_length are left out (ValueError when none remain); the count is returned too:
     (train, held, {"train": left out, "val": left out})."""
-    from .dataset import examples_from_rows, load_examples, task_rows
+    from ..data.dataset import examples_from_rows, load_examples, task_rows
 
     d = cfg.data
     out, dropped = [], {}
@@ -62,7 +62,7 @@ def load_problems(cfg: TrainConfig, tokenizer=None, template: str = "chat"):
         else:
             ex = load_examples(files, d.prompt_key, d.reference_key)
         if d.filter_overlong_prompts and tokenizer is not None:
-            from .prompting import prompt_lengths
+            from ..data.prompting import prompt_lengths
 
             n = len(ex)
             ex = [e for e, k in zip(ex, prompt_lengths(tokenizer, ex, template)) if k <= d.max_prompt_length]

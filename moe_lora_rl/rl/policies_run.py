@@ -1,4 +1,4 @@
-"""Several policies on one base and one engine pool (the run config's `policies`, rl/config_policies.py).
+"""Several policies on one base and one engine pool (the run config's `policies`, rl/config/policy_settings.py).
 
 One Megatron base holds every policy's adapters in its adapter bank (policy/bank.py: one active at a time, swapped
 in place); one set of engines holds every policy's newest version at once (inflight=pin, each commit naming its
@@ -119,7 +119,7 @@ class PoliciesRun:
     def setup(self) -> None:
         """The shared pieces once (base, tokenizer, the engines' producer), the bank, then each policy's own."""
         from ..policy.bank import AdapterBank, PolicyAdapter
-        from .config_policies import module_lora, policy_configs
+        from .config.policy_settings import module_lora, policy_configs
         from .inputs import load_problems
         from .producer import Producer
 

@@ -7,7 +7,7 @@ the asynchronous one (rl/pipeline.py) streams groups while the trainer works.
     samples = prod.generate(plans, keep); problems, group_ids = prod.labels(plans)   # plans: group_plan(...)
     prod.evaluate(version=None) -> held-out success;  prod.score(samples, problems) -> (rewards, extras)
 
-Rewards run in rank 0's reward workers (rl/rewards.py): a step's calls start as soon as its samples are generated
+Rewards run in rank 0's reward workers (data/rewards.py): a step's calls start as soon as its samples are generated
 (prod.submit), and the trainer collects them (prod.score). A sample that will not be trained on (its group dropped
 as stale, lost with a dead engine, left at the loop's end) has its call released (prod.release): its entry goes,
 its result is never read (a multiprocessing pool cannot cancel a started call; it finishes in the worker).
@@ -18,14 +18,14 @@ from pathlib import Path
 
 from ..rollout.kv_meter import STEP_SUMS, step_fit
 from .groups import GroupPlan
-from .rewards import RewardWorkers
+from ..data.rewards import RewardWorkers
 from .schedule import eval_seed
 
 
 class Producer:
     def __init__(self, cfg, tok, path, train_problems, eval_problems, out_dir, template: str = "chat"):
         self.cfg, self.tok, self.path = cfg, tok, Path(path)
-        self.template = template            # rl/prompting.py: chat or plain
+        self.template = template            # data/prompting.py: chat or plain
         self.train_problems, self.eval_problems = train_problems, eval_problems
         self.out = Path(out_dir)
         self.engines = None                 # rollout/replicas.py's Replicas
@@ -80,9 +80,9 @@ class Producer:
         return self._prompt_cache[problem]
 
     def encode(self, problems) -> list[list[int]]:
-        """Prompt ids, data.truncation applied over data.max_prompt_length (rl/prompting.fit_prompt)."""
-        from .hf_sampling import prompt_ids
-        from .prompting import fit_prompt
+        """Prompt ids, data.truncation applied over data.max_prompt_length (data/prompting.fit_prompt)."""
+        from ..data.hf_sampling import prompt_ids
+        from ..data.prompting import fit_prompt
 
         d = self.cfg.data
         return [fit_prompt(ids, d.max_prompt_length, d.truncation, f"data row {p.index} (data_source "
@@ -149,7 +149,7 @@ class Producer:
     def release(self, samples) -> int:
         """Rank 0: forget the reward calls of samples that will not be scored (any thread); the number released."""
         calls = [c for s in samples if s is not None and (c := self._pending.pop(id(s), None)) is not None]
-        self.rewarder.drop([call for _, call in calls])      # one still running is ended (rl/rewards.py)
+        self.rewarder.drop([call for _, call in calls])      # one still running is ended (data/rewards.py)
         return len(calls)
 
     def pending(self) -> int:

@@ -19,8 +19,8 @@ from ..megatron.parallel import from_rank0, init_distributed
 from ..megatron.run_config import prepare_host
 from .batch import policy_batch
 from .config import TrainConfig
-from .preflight import run_config
-from .prompting import resolve_template
+from .config.preflight import run_config
+from ..data.prompting import resolve_template
 from .groups import group_plan
 from .inputs import load_problems, model_dir
 from .recovery import EngineRecovery, broadcast
@@ -137,7 +137,7 @@ class GRPORun(RunCheckpoints, EngineRecovery):
                 **({"skipped": True} if skipped else {})}, batch, proximal
 
     def scored(self, samples, problems) -> tuple[list[float], dict]:
-        """Every rank: the samples' rewards (rank 0's reward workers, rl/rewards.py) and their figures: the mean of
+        """Every rank: the samples' rewards (rank 0's reward workers, data/rewards.py) and their figures: the mean of
         each extra key a dict reward returns (reward_extra/KEY) and, when the batch mixes data sources, the mean
         reward per source (reward/SOURCE). A bad reward call: ValueError (one line) on every rank."""
         from .metrics import reward_figures

@@ -6,7 +6,7 @@
 #   recipes/verl_moe_lora/run_cpu_smoke.sh [OUT_DIR] [extra verl overrides...]
 # Data: the built-in sort task (python -m moe_lora_rl.data sort), or your verl-format files with verl's own keys
 # data.train_files=FILE data.val_files=FILE (a file or [a,b]). Reward: verl's reward.custom_reward_function.path= /
-# .name= (default pkg://moe_lora_rl.rl.rewards compute_score: the main job's default reward, a built-in task's
+# .name= (default pkg://moe_lora_rl.data.rewards compute_score: the main job's default reward, a built-in task's
 # scorer, else integration/verl/reward_score: verl's scorers, with gsm8k and the math sources read whole). Lengths: data.max_prompt_length is the data's longest prompt
 # (tokens, chat template; at least 32) unless PROMPT_LEN is set; data.max_response_length is RESPONSE_LEN (default
 # 16 on the sort task, 64 on your files); rollout.max_model_len their sum. Overrides given here win over all three.
@@ -45,8 +45,8 @@ VAL=${VAL:-$TRAIN}
 # the longest prompt in tokens through the model's chat template (as verl's RLHFDataset applies it); 10k rows a file
 PROMPT_LEN=${PROMPT_LEN:-$("$PY" -c 'import sys
 from transformers import AutoTokenizer
-from moe_lora_rl.rl.dataset import load_examples
-from moe_lora_rl.rl.hf_sampling import prompt_ids
+from moe_lora_rl.data.dataset import load_examples
+from moe_lora_rl.data.hf_sampling import prompt_ids
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 files = [f for a in sys.argv[2:] for f in a.strip("[]").split(",") if f]
 n = max(max(map(len, prompt_ids(tok, load_examples(f)[:10000], "chat"))) for f in files)
@@ -84,7 +84,7 @@ start=$(date +%s)
   data.train_files="$TRAIN" data.val_files="$VAL" \
   data.train_max_samples=16 data.val_max_samples=4 data.train_batch_size=2 \
   data.max_prompt_length="$PROMPT_LEN" data.max_response_length="$RESPONSE_LEN" data.dataloader_num_workers=0 \
-  reward.custom_reward_function.path=pkg://moe_lora_rl.rl.rewards reward.custom_reward_function.name=compute_score \
+  reward.custom_reward_function.path=pkg://moe_lora_rl.data.rewards reward.custom_reward_function.name=compute_score \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false \
   actor_rollout_ref.model.path="$MODEL" \
   actor_rollout_ref.model.lora.rank=4 actor_rollout_ref.model.lora.alpha=8 \

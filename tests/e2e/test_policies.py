@@ -34,8 +34,8 @@ def long_prompts(path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from moe_lora_rl.rl.dataset import to_row
-    from moe_lora_rl.rl.task import Problem
+    from moe_lora_rl.data.dataset import to_row
+    from moe_lora_rl.data.task import Problem
 
     pq.write_table(pa.Table.from_pylist([to_row(Problem(tuple(i % 10 for i in range(600 + k)), k), "train")
                                          for k in range(4)]), path)
@@ -45,8 +45,8 @@ def long_prompts(path):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("policies")
-    from moe_lora_rl.rl.dataset import write_parquet
-    from moe_lora_rl.rl.task import TaskSpec
+    from moe_lora_rl.data.dataset import write_parquet
+    from moe_lora_rl.data.task import TaskSpec
 
     bad = long_prompts(out / "long.parquet")
     held = write_parquet(TaskSpec(n_eval=16), "eval", out / "eval.parquet")     # data.val_files goes with train_files

@@ -44,7 +44,7 @@ ADAPTER_LAYOUTS = ("tp2ep2", "pp2ep2")
 
 def models() -> list[str]:
     from moe_lora_rl.models import get_model
-    from moe_lora_rl.rl.warm_start import warm_started
+    from moe_lora_rl.data.warm_start import warm_started
 
     return [str(get_model("qwen3_moe", "tiny")), str(warm_started("glm4_moe", "wide"))]
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_evicting_sampler_matches_hf_with_the_held_tokens(tmp_path):
-    from moe_lora_rl.rl.warm_start import warm_started
+    from moe_lora_rl.data.warm_start import warm_started
 
     res = run_process("moe_lora_rl.checks.sparse_evict", ["--model", str(warm_started("glm4_moe", "wide"))],
                       cwd=tmp_path)

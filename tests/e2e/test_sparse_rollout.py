@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _model():
-    from moe_lora_rl.rl.warm_start import warm_started
+    from moe_lora_rl.data.warm_start import warm_started
 
     return str(warm_started("glm4_moe", "wide"))
 

@@ -59,7 +59,7 @@ class ScriptedEngine:
 
 
 class InlineRewarder:
-    """rl/rewards.RewardWorkers' submit/collect without worker processes: a call's score is its response's length."""
+    """data/rewards.RewardWorkers' submit/collect without worker processes: a call's score is its response's length."""
 
     def submit(self, items):
         return [float(len(text)) for _, text in items]

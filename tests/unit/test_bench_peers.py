@@ -105,7 +105,7 @@ def test_the_long_task_is_the_same_for_every_peer_and_the_evaluator():
     evaluator's held-out lists, which are a prefix of the task's held-out set whatever --n-eval."""
     from moe_lora_rl.checks.peer_task import peer_task
     from moe_lora_rl.rl import config
-    from moe_lora_rl.rl.task import make_split
+    from moe_lora_rl.data.task import make_split
 
     spec, max_tokens, over = peer_task("sort_trace")
     cfg = config.load(over)

@@ -1,9 +1,9 @@
-"""The run config's `policies` (rl/config_policies.py), without a model: each policy's own run config (the one it
+"""The run config's `policies` (rl/config/policy_settings.py), without a model: each policy's own run config (the one it
 would be trained with alone), and every bad list refused with one line naming the value."""
 import pytest
 
 from moe_lora_rl.rl.config import load
-from moe_lora_rl.rl.config_policies import module_lora, policy_configs
+from moe_lora_rl.rl.config.policy_settings import module_lora, policy_configs
 
 TWO = "policies=[{name: a, seed: 1}, {name: b, seed: 2, lr: 3e-3, alpha: 4, task: sort_trace, length: 9}]"
 

@@ -1,4 +1,4 @@
-"""The main job's data and reward path (rl/dataset.py, rl/rewards.py, moe_lora_rl.data): verl's row format from
+"""The main job's data and reward path (data/dataset.py, data/rewards.py, moe_lora_rl.data): verl's row format from
 parquet and JSONL for any task, rewards with verl's signature in worker processes, and every bad input refused in
 one line naming the file, the column, the row or the function. The reward checks share one spawned worker pool."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_lora_rl.rl.dataset import Example, examples_from_rows, load_examples, read_rows, write_rows
-from moe_lora_rl.rl.rewards import RewardWorkers, check_result, load_function
+from moe_lora_rl.data.dataset import Example, examples_from_rows, load_examples, read_rows, write_rows
+from moe_lora_rl.data.rewards import RewardWorkers, check_result, load_function
 
 pytest.importorskip("pyarrow")
 
@@ -73,7 +73,7 @@ def test_bad_files_one_line(tmp_path):
 
 
 def test_prompt_length_verl_semantics(tmp_path):
-    from moe_lora_rl.rl.prompting import fit_prompt
+    from moe_lora_rl.data.prompting import fit_prompt
 
     ids = list(range(10))
     assert fit_prompt(ids, 4, "left", "r") == [6, 7, 8, 9] and fit_prompt(ids, 4, "right", "r") == [0, 1, 2, 3]
@@ -137,7 +137,7 @@ from reward_files import REWARDS  # noqa: E402  (tests/unit: one reward file for
 
 @pytest.fixture(scope="module")
 def pool():
-    from moe_lora_rl.rl.rewards import BUILTIN, DEFAULT, make_pool
+    from moe_lora_rl.data.rewards import BUILTIN, DEFAULT, make_pool
 
     p = make_pool([DEFAULT, next(iter(BUILTIN.values()))])      # verl's import is not a call's time
     yield p
@@ -149,8 +149,8 @@ def test_rewards_in_workers(tmp_path, pool):
     """verl's default scorer (gsm8k's strict "####" answer), a built-in task's source scored by its own scorer, a
     user's file with a dict result (its extra keys returned), and each bad reward refused in one line naming the
     data source and the row: raises, None, NaN, an unknown data_source (verl's NotImplementedError)."""
-    from moe_lora_rl.rl.dataset import task_rows
-    from moe_lora_rl.rl.task import TaskSpec
+    from moe_lora_rl.data.dataset import task_rows
+    from moe_lora_rl.data.task import TaskSpec
 
     gsm = examples_from_rows([GSM])[0]
     sort = examples_from_rows(task_rows(TaskSpec(n_eval=8), "eval")[:1])[0]
@@ -177,10 +177,10 @@ def test_rewards_in_workers(tmp_path, pool):
 
 def test_same_scores_as_verls_reward_manager(tmp_path, pool):
     """The same responses (token ids, an EOS at the end) to gsm8k-format rows get the same scores through our path
-    (rl/producer.py's decode, rl/rewards.py's workers) and through verl 0.9.1's own: load_reward_manager (its
+    (rl/producer.py's decode, data/rewards.py's workers) and through verl 0.9.1's own: load_reward_manager (its
     custom_reward_function loading, else default_compute_score) and the reward loop's NaiveRewardManager.run_single
     on a DataProto as main_ppo builds it. With verl's default (gsm8k's strict "####"), the verl recipe's default
-    (rl/rewards.compute_score) and a reward file; control: another function of the file gives other scores. (verl
+    (data/rewards.compute_score) and a reward file; control: another function of the file gives other scores. (verl
     adds num_turns and rollout_reward_scores to extra_info; ours hands the row's extra_info as it is.)"""
     import numpy as np
     import torch
@@ -231,7 +231,7 @@ def test_same_scores_as_verls_reward_manager(tmp_path, pool):
     default = ours(None, "compute_score")
     assert default == verls(None, "compute_score") == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     # the verl recipe's default reward (run_cpu_smoke.sh): our default's dispatch as verl's custom_reward_function
-    assert verls("pkg://moe_lora_rl.rl.rewards", "compute_score") == default
+    assert verls("pkg://moe_lora_rl.data.rewards", "compute_score") == default
     custom = ours(str(f), "good")
     assert custom == verls(str(f), "good") and custom != default         # the file's function, not verl's default
     assert verls(str(f), "lenient") != custom                             # control: another name, other scores
@@ -242,7 +242,7 @@ def test_reward_loading_refusals(tmp_path):
     f = tmp_path / "rewards.py"
     f.write_text(REWARDS)
     assert load_function(str(f), "good")("s", "5", "5") == {"score": 1.0, "length": 1}
-    assert load_function("pkg://moe_lora_rl.rl.reward", "compute_score") is not None
+    assert load_function("pkg://moe_lora_rl.data.reward", "compute_score") is not None
     for path, name, text in ((str(tmp_path / "nope.py"), "good", "no such file"),
                              ("pkg://no_such_module_x", "f", "does not import: ModuleNotFoundError"),
                              (str(f), "missing", "has no function reward.name='missing'"),

@@ -1,8 +1,8 @@
 """The HF reference loop's response log-probs: a left-padded batch gives each row's unpadded log-probs."""
 import torch
 
-from moe_lora_rl.rl.hf_sampling import generate, prompt_ids, response_logprobs
-from moe_lora_rl.rl.task import Problem
+from moe_lora_rl.data.hf_sampling import generate, prompt_ids, response_logprobs
+from moe_lora_rl.data.task import Problem
 
 
 def test_padded_batch_logprobs_match_unpadded_rows():

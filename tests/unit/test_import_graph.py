@@ -34,13 +34,14 @@ ALLOWED = {
     "rollout": {"models", "procs", "refit", "router_replay", "vllm", "weight_sync"},
     "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
                     "procs", "weight_sync"},
-    "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
+    "data": {"models"},                                            # task, rows, reward, warm start: below rl/
+    "rl": {"algos", "checkpoint", "data", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay",
+           "procs"},
     "train": {"rl"},
-    "data": {"rl"},                                                # datasets written in verl's row format
-    "launch": {"rl"},                                              # moe-lora-rl train: checks, then the ranks
+    "launch": {"data", "rl"},                                      # moe-lora-rl train: checks, then the ranks
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
-    "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
-               "rollout", "router_replay", "vllm", "weight_sync"},
+    "checks": {"algos", "checkpoint", "data", "integration", "lora", "megatron", "models", "policy", "procs", "refit",
+               "rl", "rollout", "router_replay", "vllm", "weight_sync"},
     "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "models", "plan", "policy",
               "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
 }

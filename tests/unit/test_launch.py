@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from moe_lora_rl.launch import main
-from moe_lora_rl.rl.dataset import write_rows
+from moe_lora_rl.data.dataset import write_rows
 
 pytest.importorskip("pyarrow")
 

@@ -4,9 +4,10 @@ are one line before anything starts."""
 
 import pytest
 
-from moe_lora_rl.rl import config, preflight
-from moe_lora_rl.rl.reward import LONG_SOURCE, compute_score
-from moe_lora_rl.rl.task import MIXES, Problem, TaskSpec, make_split, parse_mix
+from moe_lora_rl.rl import config
+from moe_lora_rl.rl.config import preflight
+from moe_lora_rl.data.reward import LONG_SOURCE, compute_score
+from moe_lora_rl.data.task import MIXES, Problem, TaskSpec, make_split, parse_mix
 
 
 @pytest.fixture(scope="module")

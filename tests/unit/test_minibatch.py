@@ -112,7 +112,8 @@ def test_staleness_counts_pushes_not_versions():
 
 
 def check(overrides, world):
-    from moe_lora_rl.rl import config, preflight
+    from moe_lora_rl.rl import config
+    from moe_lora_rl.rl.config import preflight
 
     return preflight.check(config.load(overrides), world)
 

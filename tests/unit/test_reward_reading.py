@@ -1,7 +1,7 @@
-"""What the default reward reads (rl/rewards.compute_score: the main job's reward.path=null and the verl route's
-pkg://moe_lora_rl.rl.rewards): every built-in data source and every verl scorer it hands to, on a correct answer
+"""What the default reward reads (data/rewards.compute_score: the main job's reward.path=null and the verl route's
+pkg://moe_lora_rl.data.rewards): every built-in data source and every verl scorer it hands to, on a correct answer
 followed by a tail (a 300-character cut paid it 0), with a second answer after it, and in other number formats.
-CASES is docs/your_data.md's table: `old` is verl 0.9.1's default_compute_score (the default before), asserted too,
+CASES is docs/data.md's table: `old` is verl 0.9.1's default_compute_score (the default before), asserted too,
 so each row where old != new is a case today's verl-only default fails."""
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _score(value):
 def _verls(source, response, truth):
     from verl.utils.reward_score import default_compute_score
 
-    from moe_lora_rl.rl.reward import compute_score as builtin
+    from moe_lora_rl.data.reward import compute_score as builtin
 
     if source.startswith("moe_lora_rl/"):       # the built-in tasks: their own scorer, before and after
         return builtin(source, response, truth)
@@ -70,7 +70,7 @@ def _verls(source, response, truth):
 
 @pytest.mark.parametrize("source, case, response, truth, old, new", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_default_reward_reads_the_whole_response(source, case, response, truth, old, new):
-    from moe_lora_rl.rl.rewards import compute_score
+    from moe_lora_rl.data.rewards import compute_score
 
     assert _score(compute_score(source, response, truth)) == new
     assert _score(_verls(source, response, truth)) == old          # what the default paid before (control)
@@ -87,14 +87,14 @@ def test_gsm8k_first_answer_and_refusal():
 
 
 def test_builtin_tasks_keep_their_scorer():
-    """The default task's data source (sort: moe_lora_rl/addition) and the other built-in tasks' go to rl/reward.py,
-    not to the default: their scores on the task's own rows (right, wrong, right with a tail) are rl/reward.py's."""
-    from moe_lora_rl.rl import reward
-    from moe_lora_rl.rl.dataset import task_rows
-    from moe_lora_rl.rl.rewards import BUILTIN, compute_score, function_keys
-    from moe_lora_rl.rl.task import TaskSpec
+    """The default task's data source (sort: moe_lora_rl/addition) and the other built-in tasks' go to data/reward.py,
+    not to the default: their scores on the task's own rows (right, wrong, right with a tail) are data/reward.py's."""
+    from moe_lora_rl.data import reward
+    from moe_lora_rl.data.dataset import task_rows
+    from moe_lora_rl.data.rewards import BUILTIN, compute_score, function_keys
+    from moe_lora_rl.data.task import TaskSpec
 
-    assert function_keys(None, "compute_score", ["moe_lora_rl/addition"]) == [("pkg://moe_lora_rl.rl.reward",
+    assert function_keys(None, "compute_score", ["moe_lora_rl/addition"]) == [("pkg://moe_lora_rl.data.reward",
                                                                             "compute_score")]
     rows = task_rows(TaskSpec(n_eval=16), "eval")
     for row in rows:
@@ -109,7 +109,7 @@ def test_builtin_tasks_keep_their_scorer():
 def test_docs_table_is_the_cases():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "your_data.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
     for source, case, _, _, old, new in CASES:
         row = f"| `{source}` | {case} | {old:g} | {new:g} |"
         assert row in text, row

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moe_lora_rl.algos import SparseCorrection, sparse_correction
-from moe_lora_rl.rl.reward import TRACE_SOURCE, compute_score
-from moe_lora_rl.rl.task import TaskSpec, make_split, trace
+from moe_lora_rl.data.reward import TRACE_SOURCE, compute_score
+from moe_lora_rl.data.task import TaskSpec, make_split, trace
 from moe_lora_rl.rollout.kv_compression import check_compression, engine_kwargs
 from moe_lora_rl.rollout.kv_meter import per_seq_bytes
 
@@ -38,7 +38,7 @@ def test_trace_score_is_exact_match():
 
 
 def test_warm_start_keys_of_the_short_task_unchanged():
-    from moe_lora_rl.rl.warm_start import WarmStartSpec, default_spec, task_warm_spec
+    from moe_lora_rl.data.warm_start import WarmStartSpec, default_spec, task_warm_spec
 
     assert WarmStartSpec().key() == "09ae454a10"
     assert task_warm_spec("wide", TaskSpec()) == default_spec("wide")

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from moe_lora_rl.rl.dataset import examples_from_rows, read_rows, write_parquet
-from moe_lora_rl.rl.reward import DATA_SOURCE, compute_score, extract_answer
-from moe_lora_rl.rl.task import Problem, TaskSpec, make_split
+from moe_lora_rl.data.dataset import examples_from_rows, read_rows, write_parquet
+from moe_lora_rl.data.reward import DATA_SOURCE, compute_score, extract_answer
+from moe_lora_rl.data.task import Problem, TaskSpec, make_split
 
 
 def test_splits_deterministic_disjoint_and_complete():
@@ -31,7 +31,7 @@ def test_every_problem_tokenizes_to_the_same_length():
     from transformers import AutoTokenizer
 
     from moe_lora_rl.models import get_model
-    from moe_lora_rl.rl.hf_sampling import prompt_ids
+    from moe_lora_rl.data.hf_sampling import prompt_ids
 
     tok = AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
     spec = TaskSpec(length=5, n_eval=64)
@@ -129,7 +129,7 @@ def test_verl_rlhf_dataset_and_reward_manager(tmp_path):
     assert item["raw_prompt"] == [{"role": "user", "content": problems[5].question}] and item["index"] == 5
     assert item["reward_model"]["ground_truth"] == problems[5].answer
 
-    cfg = OmegaConf.create({"reward": {"custom_reward_function": {"path": "pkg://moe_lora_rl.rl.reward",
+    cfg = OmegaConf.create({"reward": {"custom_reward_function": {"path": "pkg://moe_lora_rl.data.reward",
                                                                   "name": "compute_score", "reward_kwargs": {}},
                                        "reward_manager": {"source": "register", "name": "naive"}}})
     mgr = load_reward_manager(cfg, tok)

@@ -69,8 +69,8 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
 
 def test_dataset_files_parsed_at_load(tmp_path):
     pytest.importorskip("pyarrow")
-    from moe_lora_rl.rl.dataset import write_parquet
-    from moe_lora_rl.rl.task import TaskSpec
+    from moe_lora_rl.data.dataset import write_parquet
+    from moe_lora_rl.data.task import TaskSpec
 
     good = write_parquet(TaskSpec(n_eval=16), "eval", tmp_path / "eval.parquet")
     cfg = C.load([f"data.train_file={good}", f"data.eval_file={good}"]).data     # the aliases of verl's names
@@ -97,7 +97,7 @@ def test_warm_steps_choose_the_warm_start(tmp_path, monkeypatch):
         (tmp_path / "moe_lora_rl_warm_start.json").write_text(json.dumps({"train_wall_s": 1.0}))
         return tmp_path
 
-    monkeypatch.setattr("moe_lora_rl.rl.warm_start.warm_started", fake)
+    monkeypatch.setattr("moe_lora_rl.data.warm_start.warm_started", fake)
     inputs.model_dir(C.load([], config_name="long"))
     inputs.model_dir(C.load(["model.warm_steps=500"], config_name="long"))
     default, longer = seen

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from moe_lora_rl.rl import config, preflight
+from moe_lora_rl.rl import config
+from moe_lora_rl.rl.config import preflight
 
 
 def check(overrides, world):
@@ -105,8 +106,8 @@ def test_plain_prompt_template():
     import transformers
 
     from moe_lora_rl.models import get_model
-    from moe_lora_rl.rl.prompting import encode_prompts, plain_text, resolve_template
-    from moe_lora_rl.rl.task import TaskSpec, make_split
+    from moe_lora_rl.data.prompting import encode_prompts, plain_text, resolve_template
+    from moe_lora_rl.data.task import TaskSpec, make_split
 
     tok = transformers.AutoTokenizer.from_pretrained(get_model("glm4_moe", "tiny"))
     problems = make_split(TaskSpec(length=5, n_eval=4), "eval")[:2]

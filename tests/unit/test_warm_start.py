@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_rl.rl.task import Problem, TaskSpec
-from moe_lora_rl.rl.warm_start import WarmStartSpec, sft_batch, train
+from moe_lora_rl.data.task import Problem, TaskSpec
+from moe_lora_rl.data.warm_start import WarmStartSpec, sft_batch, train
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_frozen_routers_and_bias_balancing(tiny):
 
 
 def test_balance_moves_bias_against_load():
-    from moe_lora_rl.rl.warm_start import _balance
+    from moe_lora_rl.data.warm_start import _balance
 
     class Router(torch.nn.Module):
         def __init__(self):
@@ -101,7 +101,7 @@ def test_balance_moves_bias_against_load():
 
 def test_default_spec_keys_are_stable():
     """Adding the router options did not change the cache key of the former default's warm start."""
-    from moe_lora_rl.rl.warm_start import default_spec
+    from moe_lora_rl.data.warm_start import default_spec
 
     assert WarmStartSpec().key() == "09ae454a10" == default_spec("small").key()
     wide = default_spec("wide")

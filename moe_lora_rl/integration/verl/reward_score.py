@@ -13,7 +13,7 @@ wrong replaced:
   a boxed plain number equal to a plain-number ground truth.
 
 Every other source goes to verl's scorer unchanged (prime_math, geo3k, search-R1 and the code scorers read the whole
-response). What each source reads, and the measured differences: docs/your_data.md.
+response). What each source reads, and the measured differences: docs/data.md.
 
     default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 """

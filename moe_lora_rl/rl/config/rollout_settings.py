@@ -1,5 +1,5 @@
 """The run config's engine-side settings (rollout engines, deliberate delays) and the value checks every settings
-dataclass of rl/config.py uses (ValueError naming the value)."""
+dataclass of rl/config/ uses (ValueError naming the value)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -99,9 +99,9 @@ class RolloutSettings:
         return {k: v for k, v in dataclasses.asdict(ev).items() if v != getattr(default, k)}
 
     def __post_init__(self):
-        from ..rollout.client import DEFAULT_MAX_MODEL_LEN
-        from ..rollout.kv_compression import check_compression
-        from ..rollout.placement import plan_placements
+        from ...rollout.client import DEFAULT_MAX_MODEL_LEN
+        from ...rollout.kv_compression import check_compression
+        from ...rollout.placement import plan_placements
 
         check_compression(self.kv_compression, self.kv_budget, DEFAULT_MAX_MODEL_LEN, evict=self.evict())
         if not isinstance(self.kv_replay, bool):
@@ -121,7 +121,7 @@ class RolloutSettings:
             raise ValueError(f"rollout.threads={self.threads!r} must be an integer >= 1 (or null)")
         _choice("rollout.base_from", self.base_from, ("disk", "trainer", "peer"))
         _positive("rollout.base_bucket_mb", self.base_bucket_mb)
-        from ..rollout.base import BASE_TRANSPORTS, check_base_transport
+        from ...rollout.base import BASE_TRANSPORTS, check_base_transport
 
         _choice("rollout.base_transport", self.base_transport, BASE_TRANSPORTS)
         for p in placements:                    # the engines' own refusals, before anything starts

@@ -27,10 +27,10 @@ from pathlib import Path
 
 DEFAULT = ("pkg://moe_lora_rl.integration.verl.reward_score", "default_compute_score")
 """verl's default_compute_score, with openai/gsm8k and the math_dapo sources read in full (not the last 300
-characters): what each data source's default scorer reads is listed in docs/your_data.md."""
-BUILTIN = {src: ("pkg://moe_lora_rl.rl.reward", "compute_score")
+characters): what each data source's default scorer reads is listed in docs/data.md."""
+BUILTIN = {src: ("pkg://moe_lora_rl.data.reward", "compute_score")
            for src in ("moe_lora_rl/addition", "moe_lora_rl/sort_trace", "moe_lora_rl/sort_long")}
-"""data_source -> the scorer of a built-in task (rl/reward.py), used by the default reward before verl's."""
+"""data_source -> the scorer of a built-in task (data/reward.py), used by the default reward before verl's."""
 ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
@@ -158,7 +158,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     """The main job's default reward (reward.path=null) as one function with verl's signature: a built-in task's
     source scored by its own scorer (BUILTIN), any other by DEFAULT (verl's default_compute_score, gsm8k and
     math_dapo read in full). For verl's
-    reward.custom_reward_function (path=pkg://moe_lora_rl.rl.rewards, name=compute_score:
+    reward.custom_reward_function (path=pkg://moe_lora_rl.data.rewards, name=compute_score:
     recipes/verl_moe_lora/run_cpu_smoke.sh's default), so that both routes score every dataset alike."""
     return _function(None, None, data_source)(data_source=data_source, solution_str=solution_str,
                                               ground_truth=ground_truth, extra_info=extra_info)

@@ -9,7 +9,7 @@ from .task import Problem
 
 
 def prompt_ids(tokenizer, problems: list[Problem], template: str = "chat") -> list[list[int]]:
-    """The prompts' token ids (rl/prompting.py: the chat template, or plain)."""
+    """The prompts' token ids (data/prompting.py: the chat template, or plain)."""
     from .prompting import encode_prompts
 
     return encode_prompts(tokenizer, problems, template)

@@ -104,7 +104,7 @@ def policy_configs(cfg) -> list[tuple[str, object]]:
 def module_lora(cfg):
     """The lora section of the shared base's adapter modules: the largest of the policies' ranks, every policy's
     targets (cfg.lora itself when there are no policies)."""
-    from ..lora.padding import module_shape
+    from ...lora.padding import module_shape
 
     if not cfg.policies:
         return cfg.lora

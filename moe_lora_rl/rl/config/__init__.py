@@ -3,9 +3,12 @@ value), composed by hydra from recipes/train.yaml with strict keys (see ``load``
 
     load(["layout.tp=2", "lora.rank=16", "replay=r2"]) -> TrainConfig
 
-Checks that need the model or the world size (does the layout divide the experts, does the model have MoE layers
-for replay) belong to the driver, before any process group starts; everything checkable from the config alone is
-checked here.
+The package: TrainConfig, AlgoSettings and load here; the sections in model_settings.py (model, layout, runtime,
+LoRA), rollout_settings.py (rollout engines, delays, and the value checks every section uses), data_settings.py
+(data, reward; their values checked against data/'s task, prompting and reader) and policy_settings.py (the
+`policies` list). Checks that need the model or the world size (does the layout divide the experts, does the model
+have MoE layers for replay, the tokenizer against the prompts) are preflight.py's, run before any process group
+starts; everything checkable from the config alone is checked here.
 """
 from __future__ import annotations
 
@@ -13,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List
 
-from ..algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
-from ..rollout.expert_precision import check_expert_precision
-from .config_model import LayoutSettings, LoRASettings, ModelSettings, RuntimeSettings
-from .config_policies import PolicySettings, check_policies, policy_config
-from .config_data import DataSettings, RewardSettings
-from .config_rollout import DelaySettings, RolloutSettings
-from .config_rollout import _choice, _positive
+from ...algos import LOSS_AGG_MODES, LOSS_MODES, PolicyLossSettings
+from ...rollout.expert_precision import check_expert_precision
+from .model_settings import LayoutSettings, LoRASettings, ModelSettings, RuntimeSettings
+from .policy_settings import PolicySettings, check_policies, policy_config
+from .data_settings import DataSettings, RewardSettings
+from .rollout_settings import DelaySettings, RolloutSettings
+from .rollout_settings import _choice, _positive
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 REPLAY_MODES = ("r3", "r2", "off")
 SERVING_MODES = ("unmerged", "merged")
 ROLLOUT_IS = ("token", "sequence", "mis", "sparse", "off")
@@ -113,7 +116,7 @@ class AlgoSettings:
         self.sparse_settings()
 
     def sparse_settings(self):
-        from ..algos import SparseCorrection
+        from ...algos import SparseCorrection
 
         try:
             return SparseCorrection(veto=self.sparse_veto, lower=self.sparse_lower, upper=self.sparse_upper)
@@ -181,7 +184,7 @@ class TrainConfig:
     """If the rollout engine process dies, restart it (and repeat the interrupted rollout) up to this many times."""
     out_dir: str = "outputs/train"
     policies: List[PolicySettings] = field(default_factory=list)
-    """Several policies trained together on one base and one engine pool (rl/config_policies.py): each a name and
+    """Several policies trained together on one base and one engine pool (rl/config/policy_settings.py): each a name and
     the settings it changes (seed, lr, alpha, task, data files, max_staleness); empty: the one policy of this
     config."""
     policies_rollout: str = "turns"

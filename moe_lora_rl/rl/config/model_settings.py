@@ -1,17 +1,17 @@
 """The run config's model-side settings: which checkpoint (and its warm start), the parallel layout, the runtime
 (device, dtypes, expert kernels) and the LoRA adapters; each validated in __post_init__ (ValueError naming the
-value). Composed into rl/config.py's TrainConfig."""
+value). Composed into rl/config/'s TrainConfig."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..lora.config import DTYPES as LORA_DTYPES
-from ..lora.config import LAYOUTS as LORA_LAYOUTS
-from ..lora.config import LoRAConfig
-from ..megatron.layout import Layout
-from .config_rollout import _choice
+from ...lora.config import DTYPES as LORA_DTYPES
+from ...lora.config import LAYOUTS as LORA_LAYOUTS
+from ...lora.config import LoRAConfig
+from ...megatron.layout import Layout
+from .rollout_settings import _choice
 
 DEVICES = ("cpu", "cuda")
 EXPERTS = ("sequential", "grouped")
@@ -30,11 +30,11 @@ class ModelSettings:
     warm_start: bool = True
     """Start from the cached supervised warm start of the built-in model on the task."""
     warm_steps: Optional[int] = None
-    """Supervised steps of that warm start (None: the task's, rl/warm_start.py TASK_WARM_STARTS); each count is its
+    """Supervised steps of that warm start (None: the task's, data/warm_start.py TASK_WARM_STARTS); each count is its
     own cached checkpoint."""
 
     def __post_init__(self):
-        from ..models.tiny import SPECS
+        from ...models.tiny import SPECS
 
         if self.warm_steps is not None and (isinstance(self.warm_steps, bool) or not isinstance(self.warm_steps, int)
                                             or self.warm_steps < 1):

@@ -3,14 +3,14 @@ legacy_data.yaml, reward.custom_reward_function), validated in __post_init__ (Va
 
     data.train_files / data.val_files: a file or a list (parquet, JSONL) in verl's row format; null: the built-in
     task data.task, generated as rows and read like any file.  reward.path / reward.name: a function with verl's
-    signature; null: verl's default_compute_score with gsm8k and math_dapo read in full (rl/rewards.py).
+    signature; null: verl's default_compute_score with gsm8k and math_dapo read in full (data/rewards.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config_rollout import _choice, _positive
+from .rollout_settings import _choice, _positive
 
 TRUNCATION = ("error", "left", "right", "middle")
 
@@ -27,12 +27,12 @@ def _files(key: str, value) -> list[str] | None:
 @dataclass
 class DataSettings:
     task: str = "sort"
-    """The built-in task trained on when no data.train_files are given (moe_lora_rl.rl.task): sort (answer the
+    """The built-in task trained on when no data.train_files are given (moe_lora_rl.data.task): sort (answer the
     sorted list), sort_trace (write the selection sort out: a long response, 8-12 digits), sort_long (the
     long-reasoning task: the written selection sort of a list whose size comes from data.mix, rewarded on the sorted
     result it writes; responses of 60-400 tokens). `python -m moe_lora_rl.data NAME OUT_DIR` writes it as files."""
     length: int = 5
-    """Digits per list of the sorting task (moe_lora_rl.rl.task); sort_long draws its sizes from data.mix."""
+    """Digits per list of the sorting task (moe_lora_rl.data.task); sort_long draws its sizes from data.mix."""
     mix: Optional[str] = None
     """sort_long: the list-size mix, a name (long: 70% of 8-13 digits, 30% of 14-25) or 'lo-hi:weight,...'; null:
     long. Refused for the fixed-length tasks."""
@@ -42,7 +42,7 @@ class DataSettings:
     """Responses per held-out problem at each evaluation (sampled at the training temperature, seeds fixed for the
     run); success is their mean."""
     prompt_template: str = "auto"
-    """How prompts become ids (rl/prompting.py): chat (the tokenizer's chat template), plain (the messages' contents
+    """How prompts become ids (data/prompting.py): chat (the tokenizer's chat template), plain (the messages' contents
     and a newline, for checkpoints without a chat template), auto (chat if the tokenizer has one, else plain)."""
     train_files: Any = None
     """verl's data.train_files: a file or a list of files (.parquet, .jsonl) in verl's row format (data_source,
@@ -66,10 +66,10 @@ class DataSettings:
     last tokens), right (its first), middle (both ends)."""
     reference_key: Optional[str] = None
     """The column (dotted: extra_info.answer) holding a worked reference answer: the built-in model's warm start
-    learns the dataset's answer format from it (rl/warm_start.py). null with train_files: no warm start."""
+    learns the dataset's answer format from it (data/warm_start.py). null with train_files: no warm start."""
 
     def task_spec(self):
-        from .task import TaskSpec
+        from ...data.task import TaskSpec
 
         return TaskSpec(length=self.length, n_eval=self.n_eval, kind=self.task, mix=self.mix)
 
@@ -79,7 +79,7 @@ class DataSettings:
 
     def __post_init__(self):
         self.task_spec()
-        from .prompting import TEMPLATES
+        from ...data.prompting import TEMPLATES
 
         _choice("data.prompt_template", self.prompt_template, TEMPLATES)
         _choice("data.truncation", self.truncation, TRUNCATION)
@@ -93,7 +93,7 @@ class DataSettings:
                 raise ValueError(f"data.{new} and data.{old} are both given; {old} is an alias of {new}: use one")
             setattr(self, new, _files(f"data.{new}", a if a is not None else b))
             setattr(self, old, None)              # folded in: one spelling from here on
-        from .dataset import load_examples
+        from ...data.dataset import load_examples
 
         for split in ("train", "val"):        # parsed now: a bad file fails before any process group starts
             if self.files(split) is not None:
@@ -108,7 +108,7 @@ class RewardSettings:
     path: Optional[str] = None
     """verl's reward.custom_reward_function.path: a Python file or pkg://module holding the reward function; null:
     verl's default_compute_score (by data_source; gsm8k and math_dapo read in full, the built-in tasks' sources by
-    their own scorer: rl/rewards.py)."""
+    their own scorer: data/rewards.py)."""
     name: str = "compute_score"
     """The function's name: compute_score(data_source, solution_str, ground_truth, extra_info) -> float or a dict
     with 'score' (its other numeric keys logged as metrics)."""

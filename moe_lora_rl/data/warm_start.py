@@ -256,7 +256,7 @@ def task_warm_spec(size: str, task: TaskSpec, family: str | None = None) -> Warm
 
 def data_warm_spec(size: str, files, prompt_key: str, reference_key: str, family: str | None = None) -> WarmStartSpec:
     """The warm start of a built-in size on a dataset: the size's default_spec, learning each training row's
-    reference answer (rows read like the run's, rl/dataset.py)."""
+    reference answer (rows read like the run's, data/dataset.py)."""
     files = tuple(str(f) for f in files)
     return replace(default_spec(size, family), data=files, data_digest=data_digest(files), prompt_key=prompt_key,
                    reference_key=reference_key)

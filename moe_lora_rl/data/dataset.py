@@ -157,7 +157,7 @@ def load_examples(files, prompt_key: str = "prompt", reference_key: str | None =
 
 # -- the built-in tasks as rows -----------------------------------------------------------------------------------
 def to_row(problem, split: str) -> dict:
-    """A built-in task's problem (rl/task.py) as a verl row; its reference is the ground truth itself."""
+    """A built-in task's problem (data/task.py) as a verl row; its reference is the ground truth itself."""
     return {"data_source": problem.data_source, "prompt": problem.messages, "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": problem.answer},
             "extra_info": {"split": split, "index": problem.index, "digits": list(problem.digits)}}

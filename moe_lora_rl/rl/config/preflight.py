@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..megatron.build import check_layout
-from ..models.arch import load_arch
-from ..megatron.run_config import RunConfig
-from .config import TrainConfig
-from .inputs import base_model_dir
+from ...megatron.build import check_layout
+from ...models.arch import load_arch
+from ...megatron.run_config import RunConfig
+from . import TrainConfig
+from ..inputs import base_model_dir
 
 TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -29,7 +29,7 @@ def check(cfg: TrainConfig, world_size: int, prompt_rows: int = 0):
     if arch.tie_embeddings and layout.pp > 1:
         raise ValueError(f"layout.pp={layout.pp}: the model ties its input and output embeddings; use pp=1")
     if cfg.runtime.experts == "grouped":
-        from ..megatron.cpu_support import mcore_version
+        from ...megatron.cpu_support import mcore_version
 
         if not mcore_version().startswith("0.16."):
             raise ValueError(f"runtime.experts=grouped: megatron-core {mcore_version()} has no legacy GroupedMLP; "
@@ -40,8 +40,8 @@ def check(cfg: TrainConfig, world_size: int, prompt_rows: int = 0):
     if cfg.rollout.kv_compression != "none":          # the model's attention must be one the engine can window
         import json
 
-        from ..rollout.client import DEFAULT_MAX_MODEL_LEN
-        from ..rollout.kv_compression import check_compression
+        from ...rollout.client import DEFAULT_MAX_MODEL_LEN
+        from ...rollout.kv_compression import check_compression
 
         check_compression(cfg.rollout.kv_compression, cfg.rollout.kv_budget, DEFAULT_MAX_MODEL_LEN,
                           json.loads((base_model_dir(cfg) / "config.json").read_text()), cfg.rollout.evict())
@@ -60,7 +60,7 @@ def check(cfg: TrainConfig, world_size: int, prompt_rows: int = 0):
         raise ValueError(f"algo.mini_batches={m}: a mini-batch of {n // m} responses (batch {n} / {m}) does not split "
                          f"over data-parallel size {dp} into microbatches of micro_batch_size={mbs}")
     check_prompts(cfg, prompt_rows)
-    from .config_policies import policy_configs
+    from .policy_settings import policy_configs
 
     for name, pcfg in policy_configs(cfg) or [(None, cfg)]:   # each policy's answers fit, its checkpoints exist
         where = "" if name is None else f"policies: {name!r}: "
@@ -91,7 +91,7 @@ def check_resumable(cfg: TrainConfig, lora: bool = True) -> None:
     settings (checkpoint/load.py's check_resume_lora: refused before any policy is built)."""
     if not cfg.resume:
         return
-    from ..checkpoint.store import check_resume_lora, resumable_step
+    from ...checkpoint.store import check_resume_lora, resumable_step
 
     root = Path(cfg.out_dir) / "checkpoints"
     if cfg.resume is True and resumable_step(root) is None:
@@ -106,7 +106,7 @@ def check_engine_cores(cfg: TrainConfig) -> None:
     import os
     import socket
 
-    from ..rollout.placement import plan_placements
+    from ...rollout.placement import plan_placements
 
     here = [p for p in plan_placements(cfg.rollout.engines, nodes=cfg.rollout.node, gpus=cfg.rollout.gpus,
                                        this_host=socket.gethostname()) if p.transport == "shm"]
@@ -123,13 +123,13 @@ over the limit stops the run with the same line (rl/producer.py)."""
 
 
 def check_prompts(cfg: TrainConfig, rows: int = 0) -> None:
-    """The tokenizer can make the prompts asked for and stop responses (rl/prompting.py), the answers fit
+    """The tokenizer can make the prompts asked for and stop responses (data/prompting.py), the answers fit
     algo.max_response_tokens (check_answer_length) and, with rows > 0, the first `rows` prompts of each split fit
     data.max_prompt_length or are truncated or filtered as configured (rl/inputs.py: filtering measures every row).
     One tokenizer load for all of it."""
     import transformers
 
-    from .prompting import check_tokenizer, resolve_template
+    from ...data.prompting import check_tokenizer, resolve_template
 
     where = str(base_model_dir(cfg))
     tok = transformers.AutoTokenizer.from_pretrained(where)
@@ -143,8 +143,8 @@ def check_prompts(cfg: TrainConfig, rows: int = 0) -> None:
 def check_prompt_lengths(cfg: TrainConfig, tokenizer, template: str, rows: int = MEASURED_ROWS) -> None:
     """Every prompt of the first `rows` of a split fits data.max_prompt_length (data.truncation=error without
     filtering; ValueError naming the split, the row and its data_source), else nothing to measure here."""
-    from .inputs import load_problems
-    from .prompting import fit_prompt, prompt_lengths
+    from ..inputs import load_problems
+    from ...data.prompting import fit_prompt, prompt_lengths
 
     d = cfg.data
     for split, examples in zip(("train", "val"), load_problems(cfg, tokenizer, template)[:2]):
@@ -166,7 +166,7 @@ def check_answer_length(cfg: TrainConfig, tokenizer) -> None:
     if d.train_files is not None:
         if d.reference_key is None or cfg.model.path is not None or not cfg.model.warm_start:
             return
-        from .dataset import load_examples
+        from ...data.dataset import load_examples
 
         examples = load_examples(d.files("train"), d.prompt_key, d.reference_key)[:MEASURED_ROWS]
         ids = tokenizer([e.reference for e in examples], add_special_tokens=False)["input_ids"]
@@ -177,7 +177,7 @@ def check_answer_length(cfg: TrainConfig, tokenizer) -> None:
                              f"answer the warm start teaches (data.reference_key={d.reference_key!r}, train row "
                              f"{examples[k].index}: {need} tokens)")
         return
-    from .task import Problem
+    from ...data.task import Problem
 
     spec = d.task_spec()
     n = spec.sizes()[1]

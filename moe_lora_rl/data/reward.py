@@ -1,5 +1,5 @@
 """The task's scorer, with verl's reward-function signature. Self-contained (no package imports), so verl can load
-it as ``custom_reward_function.path`` either as ``pkg://moe_lora_rl.rl.reward`` or by file path."""
+it as ``custom_reward_function.path`` either as ``pkg://moe_lora_rl.data.reward`` or by file path."""
 from __future__ import annotations
 
 import re
