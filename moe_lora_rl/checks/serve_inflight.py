@@ -71,7 +71,7 @@ def _window(loop, seconds: float, during=None) -> tuple[float, dict]:
 
 def inflight_pushes(loop, adapter: dict, rank: int, alpha: float, prompts, gen_len: int, window_s: float,
                     push_every_s: float, first_version: int) -> dict:
-    from ..refit import shm
+    from ..transfer import shm
 
     pool = shm.SegmentPool()
     version = [first_version]

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from ..procs import free_port
-from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
+from ..transfer.interface import RefitError, TransportBase
+from ..transfer.transports import HttpTransport, ShmTransport
 from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from .engine import engine_env
 from .expert_precision import check_expert_precision
@@ -106,21 +107,21 @@ class _EngineTransport(ShmTransport):
         finally:
             self._engine.push_s += time.perf_counter() - t0
 
-    def _call(self, method: str, *args):
-        return self._timed(super()._call, method, *args)
+    def call(self, method: str, *args):
+        return self._timed(super().call, method, *args)
 
-    def _reset_prefix_cache(self) -> None:
-        self._timed(super()._reset_prefix_cache)
+    def reset_prefix_cache(self) -> None:
+        self._timed(super().reset_prefix_cache)
 
 
 class _EngineHttpTransport(_EngineTransport):
     """An engine on another host: the adapter travels inside the RPC (no shared memory across hosts)."""
 
     def push(self, version, tensors, rank, alpha):
-        return _Base.push(self, version, tensors, rank, alpha)
+        return TransportBase.push(self, version, tensors, rank, alpha)
 
-    def _send_bucket(self, version: int, index: int, tensors: dict):
-        HttpTransport._send_bucket(self, version, index, tensors)
+    def send_bucket(self, version: int, index: int, tensors: dict):
+        HttpTransport.send_bucket(self, version, index, tensors)
 
 
 DEFAULT_MAX_MODEL_LEN = 512          # tokens of context of an engine the driver starts

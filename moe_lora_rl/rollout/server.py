@@ -123,7 +123,7 @@ class Engine:
             self.has_base = self.loop.rpc("moe_lora_base_status")["served"] is not None
             if not self.has_base:
                 raise ValueError("this engine started empty (load_format=dummy) and has no base weights yet: "
-                                 "sync the base first (weight_sync/shm_sender.py)")
+                                 "sync the base first (transfer/shm_sender.py)")
 
         if not isinstance(body, dict):
             raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
@@ -332,7 +332,7 @@ def parse_args(argv=None):
                     help="KV block size (the CPU attention backend needs a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                    help="dummy: start empty; nothing is served until the base was synced (weight_sync/)")
+                    help="dummy: start empty; nothing is served until the base was synced (transfer/)")
     ap.add_argument("--kv-compression", default="none",
                     help="KV compression of the rollouts (rollout/kv_compression.py): none, window or snapkv")
     ap.add_argument("--kv-evict", type=json.loads, default={},
