@@ -23,7 +23,7 @@ def _params(gen_len: int, seed: int):
 
 
 def loop_vs_batch_call(llm, loop, prompts, gen_len: int, repeats: int) -> dict:
-    from ..rollout.loop import Request
+    from ..rollout.tickets import Request
 
     sp = _params(gen_len, 0)
     batch_s = loop_s = 0.0
@@ -47,7 +47,7 @@ class _Feeder(threading.Thread):
         self.halt = threading.Event()
 
     def run(self):
-        from ..rollout.loop import Request
+        from ..rollout.tickets import Request
 
         seed = 0
         tickets = []

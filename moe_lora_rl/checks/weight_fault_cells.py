@@ -191,9 +191,10 @@ def loop_cells(m, which: str) -> None:
     after it are held, then admitted once the loop aborts the update (base_timeout_s)."""
     from vllm import SamplingParams
 
-    from ..rollout.loop import EngineLoop, Request
-    from ..transfer.shm_sender import send_base
+    from ..rollout.loop import EngineLoop
+    from ..rollout.tickets import Request
     from ..transfer.base_store import BaseStore
+    from ..transfer.shm_sender import send_base
 
     def rpcs(method, *args):
         return m.llm.collective_rpc(method, args=args)
