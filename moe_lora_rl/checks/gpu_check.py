@@ -240,7 +240,7 @@ class PipeEngine:
         if method == "moe_lora_bucket_ipc" and self.perturb_next:
             import torch
 
-            w = self.transport._alive[-1]          # the GPU copy whose IPC handle is in `args`
+            w = self.transport.alive[-1]          # the GPU copy whose IPC handle is in `args`
             w.view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
             torch.cuda.synchronize()
             self.perturb_next = False

@@ -138,7 +138,7 @@ class CudaIpcTransport(TransportBase):
     def __init__(self, llm):
         if not torch.cuda.is_available():
             raise RefitError("CudaIpcTransport needs CUDA (CUDA IPC handles); use ShmTransport on a CPU host")
-        self.llm, self._alive = llm, []
+        self.llm, self.alive = llm, []               # the GPU copies of this push, kept to its end
 
     def call(self, method: str, *args):
         return InprocTransport.call(self, method, *args)
@@ -147,7 +147,7 @@ class CudaIpcTransport(TransportBase):
         try:
             return super().push(version, tensors, rank, alpha)
         finally:
-            self._alive = []
+            self.alive = []
 
     def send_bucket(self, version: int, index: int, tensors: dict):
         from torch.multiprocessing.reductions import reduce_tensor
@@ -156,7 +156,7 @@ class CudaIpcTransport(TransportBase):
         info = {"names": [], "dtype_names": [], "shapes": [], "ipc_handles": []}
         for name, t in tensors.items():
             w = t.detach().cuda().contiguous()
-            self._alive.append(w)                  # reduce_tensor's args do not keep the storage alive
+            self.alive.append(w)                  # reduce_tensor's args do not keep the storage alive
             info["names"].append(name)
             info["dtype_names"].append(str(w.dtype).split(".")[-1])
             info["shapes"].append(list(w.shape))
