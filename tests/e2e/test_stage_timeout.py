@@ -2,7 +2,7 @@
 on the tiny glm4_moe (fp32) with stage_timeout_s=3:
 
 - version 1 is pushed and served;
-- version 2's stage is opened over HTTP without a sender pid (refit's HttpTransport: a begin of 2 buckets and
+- version 2's stage is opened over HTTP without a sender pid (transfer's HttpTransport: a begin of 2 buckets and
   bucket 0), then abandoned, as by a trainer on another host that died mid-push;
 - negative control: while that stage is fresh, a push of version 3 is refused naming version 2 (status: staged 2);
 - with no further push, the engine aborts the stage once it had no progress for the timeout: one line in its log
