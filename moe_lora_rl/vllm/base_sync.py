@@ -90,9 +90,8 @@ def _dtype(name: str) -> torch.dtype:
 
 class PeerExport:
     """The base this engine was synced with, for a peer that starts empty: the checkpoint tensors it kept (views of
-    the segments it mapped, which stay valid after their sender removed them), written into a store
-    (transfer/base_store.py) bucket by bucket as the peer asks for them, so that serving pauses for one bucket's copy
-    at a time."""
+    the segments it mapped, still valid after their sender removed them), written into a store (transfer/base_store.py)
+    bucket by bucket as the peer asks for them, so that serving pauses for one bucket's copy at a time."""
 
     def __init__(self, weights: dict[str, torch.Tensor], bucket_bytes: int, version: int):
         from ..transfer.base_store import BaseStore
