@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     if a.calc and a.transports_only:
         raise ValueError("--calc and --transports-only exclude each other")
     if a.calc:
-        from ..refit.calc import KIMI_K2_BUCKET, KIMI_K2_LAYOUT, SPECS, refit_report, streaming_report
+        from ..plan.refit_calc import KIMI_K2_BUCKET, KIMI_K2_LAYOUT, SPECS, refit_report, streaming_report
 
         name = a.model or "kimi-k2"
         if name not in SPECS:

@@ -27,7 +27,7 @@ import time
 def transport_timings(model: str, rank: int, repeats: int = 5) -> dict:
     from ..models.arch import load_arch
     from ..rollout.openai_server import start_server
-    from ..refit.transports import HttpTransport, ShmTransport
+    from ..transfer.transports import HttpTransport, ShmTransport
     from ..procs import free_port
     from ..checks.route_reference import random_expert_adapter
 

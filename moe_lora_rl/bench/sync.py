@@ -1,5 +1,5 @@
 """sync: the base model into a rollout engine, from disk against from the trainer (the engine started empty and the
-checkpoint sent over shared memory through vLLM's weight-transfer calls: weight_sync/, vllm/base_sync.py), side by
+checkpoint sent over shared memory through vLLM's weight-transfer calls: transfer/, vllm/base_sync.py), side by
 side in one run, with the calculator's figures at scale.
 
     python -m moe_lora_rl.bench sync --json [--model DIR] [--bucket-mb 64] [--dtype float32]
@@ -20,12 +20,12 @@ Figures (one engine server process each, on this host):
   serving (against disk_start_s); peer_tokens_per_s_ratio: the live engine's tokens/s while it gives the base (the
   sync) over its rate before; peer_tokens_per_s_ratio_restart: the same over the whole restart (the new engine's
   own start, which competes for the same cores here, included);
-- gloo_*: then the base to both engines at once over one gloo group (weight_sync/gloo_sender.py) as version 2:
+- gloo_*: then the base to both engines at once over one gloo group (transfer/gloo_sender.py) as version 2:
   gloo_broadcast_gbps over gloo_move_s (the broadcasts with their agreements, the store written before), the
   engines' load beside it (gloo_load_s), gloo_served (each engine's served version after it);
 - exact: both engines sample the same tokens with the same logprobs (fixed seeds, temperature 1) after the sync,
   and the restarted one too (restart_exact), and the one that joined from its peer (peer_exact);
-- calc_error_max and kimi_k2_bf16_128_s: weight_sync/calc.py against checkpoint-engine's published figures, and
+- calc_error_max and kimi_k2_bf16_128_s: plan/sync_calc.py against checkpoint-engine's published figures, and
   Kimi-K2 bf16 on 128 GPUs shard-aware (calculated, not measured).
 - http_*: then the same bytes as version 2 into the restarted engine inline (base_transport=http, each bucket base64
   in its call: the path of an engine on another host), the store written before: http_gbps over http_move_s (the
@@ -50,14 +50,14 @@ def _time_copy(tensors: dict, into: dict) -> float:
 def _http(eng, tensors: dict, bucket_mb: float, prompts, sample: dict) -> dict:
     """The same bytes again as base version 2, inline (transport http: each bucket base64 in its call, the path of an
     engine on another host), from a store written before the timing; then the engine's samples."""
-    from ..weight_sync.shm_sender import send_store
-    from ..weight_sync.store import BaseStore
+    from ..transfer.shm_sender import send_store
+    from ..transfer.base_store import BaseStore
 
     store = BaseStore(tensors, int(bucket_mb * (1 << 20)), version=2)
     try:
         for i in range(len(store.buckets)):
             store.data(i)
-        t = send_store(eng.transport._call, store, transport="http")
+        t = send_store(eng.transport.call, store, transport="http")
     finally:
         store.close()
     out = eng.generate(prompts, **sample)
@@ -78,8 +78,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"--bucket-mb {a.bucket_mb}: must be > 0")
     from ..models import get_model
     from ..rollout.client import RolloutEngine
-    from ..weight_sync.calc import kimi_k2_bf16, published_check
-    from ..weight_sync.shm_sender import checkpoint_tensors
+    from ..plan.sync_calc import kimi_k2_bf16, published_check
+    from ..transfer.shm_sender import checkpoint_tensors
     from .sync_peer import peer_join
 
     model = a.model or str(get_model("glm4_moe", "medium"))

@@ -1,7 +1,7 @@
 """bench sync's two-engine figures: two engines get the base from the trainer's store (rollout.base_from=peer),
 engine A generates without a pause while engine B is SIGKILLed and restarted, taking the base from A (A's tokens per
 second while it gives B the base, against its rate before); then the base broadcast to both at once over gloo as a
-new version (weight_sync/gloo_sender.py).
+new version (transfer/gloo_sender.py).
 
     figures = peer_join(model, log_dir, prompts, sample, dtype=..., bucket_mb=..., before_s=6.0)
 """
@@ -79,9 +79,9 @@ def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_
 
 def _gloo(reps, model: str, bucket_mb: float) -> dict:
     """The checkpoint to both engines at once over one gloo group, as base version 2 (the same bytes)."""
-    from ..weight_sync.gloo_sender import GlooBroadcast
-    from ..weight_sync.shm_sender import checkpoint_tensors
-    from ..weight_sync.store import BaseStore
+    from ..transfer.gloo_sender import GlooBroadcast
+    from ..transfer.shm_sender import checkpoint_tensors
+    from ..transfer.base_store import BaseStore
 
     store = BaseStore(checkpoint_tensors(model), int(bucket_mb * (1 << 20)), version=2)
     try:
@@ -89,9 +89,9 @@ def _gloo(reps, model: str, bucket_mb: float) -> dict:
         for i in range(len(store.buckets)):
             store.data(i)                           # written before the timing: the broadcast reads them
         store_s = time.perf_counter() - store_s
-        with GlooBroadcast([e.transport._call for e in reps]) as cast:
+        with GlooBroadcast([e.transport.call for e in reps]) as cast:
             t = cast.send(store)
-            served = [e.transport._call("moe_lora_base_status")["served"] for e in reps]
+            served = [e.transport.call("moe_lora_base_status")["served"] for e in reps]
     finally:
         store.close()
     return {"gloo_engines": t["engines"], "gloo_init_s": cast.init_s, "gloo_sync_s": t["total_s"],

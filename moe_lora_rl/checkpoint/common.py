@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..lora.state import _slice_bounds, group_rank_size
+from ..lora.state import group_rank_size, slice_bounds
 from .plan import CRASH_ENV, LATEST, crash_action, step_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -114,7 +114,7 @@ def _optimizer_params(optimizer) -> list[list[torch.nn.Parameter]]:
 def _local_slice(meta) -> tuple[int, int]:
     """[start, stop) of this rank's slice along the factor's shard dim (the whole dim 0 when replicated)."""
     rank, size = group_rank_size(meta.group)
-    return _slice_bounds(meta, size, rank)
+    return slice_bounds(meta, size, rank)
 
 
 def _read_pointer(pointer: Path) -> str:

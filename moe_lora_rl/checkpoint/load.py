@@ -10,7 +10,7 @@ import torch
 
 from ..lora.config import LoRAConfig
 from ..lora.layers import adapter_factors
-from ..lora.state import _META_KEY
+from ..lora.state import META_KEY
 from .attempts import FAILED, failed_steps
 from .common import (MOMENTS, OPTIMIZER_FILE, _gather, _line, _local_slice, _optimizer_params, _rank_world,
                      _read_pointer)
@@ -98,7 +98,7 @@ def _pieces(ckpt: Path, files: list[str]) -> dict[tuple[str, str], list[Piece]]:
     out: dict[tuple[str, str], list[Piece]] = {}
     for name in files:
         with safe_open(str(ckpt / name), "pt") as s:
-            index = json.loads((s.metadata() or {}).get(_META_KEY, "{}"))
+            index = json.loads((s.metadata() or {}).get(META_KEY, "{}"))
         for key, info in index.items():
             piece = Piece(name, key, tuple(info["global_shape"]), info["dim"], info["start"], info["stop"])
             out.setdefault((info.get("kind", "param"), info["name"]), []).append(piece)

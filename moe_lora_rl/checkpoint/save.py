@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..lora.layers import adapter_factors
-from ..lora.state import _META_KEY, is_owner
+from ..lora.state import META_KEY, is_owner
 from .common import (MOMENTS, OPTIMIZER_FILE, _barrier, _crash_point, _fsync, _gather, _jsonable, _local_slice,
                      _optimizer_params, _raise_shared, _rank_world, _read_pointer, _write, _write_error, latest_step)
 from .plan import (FORMAT, LATEST, LATEST_TMP, MANIFEST, OLD_PREFIX, TMP_PREFIX, plan_cleanup, sha256_file,
@@ -44,7 +44,7 @@ def _write_rank_files(tmp: Path, rank: int, model, optimizer, groups, state: dic
     from safetensors.torch import save_file
 
     def safetensors(tensors, index):
-        return lambda f: save_file(tensors, str(f), metadata={_META_KEY: json.dumps(index)})
+        return lambda f: save_file(tensors, str(f), metadata={META_KEY: json.dumps(index)})
 
     mine = [tmp / f"adapter-{rank:05d}.safetensors"]
     _write(mine[0], safetensors(*_owned_slices([p for _, p in adapter_factors(model)], None, lambda p: p)))

@@ -1,4 +1,4 @@
-"""An engine started empty (load_format=dummy) gets the base over shared memory (weight_sync/shm_sender.py ->
+"""An engine started empty (load_format=dummy) gets the base over shared memory (transfer/shm_sender.py ->
 vllm/base_sync.py, through vLLM's weight-transfer calls) and must then serve exactly what the same engine loaded
 from disk serves: fp32 greedy tokens identical, prompt logprobs max |diff| 0. Then the refusals, each leaving the
 served weights as they were: a bucket with one byte flipped (its digest), a version with a bucket never sent, an
@@ -43,8 +43,8 @@ def main(argv=None) -> dict:
     import torch
     from vllm import SamplingParams
 
-    from ..refit.shm import ROOT
-    from ..weight_sync.shm_sender import checkpoint_tensors, send_base
+    from ..transfer.shm import ROOT
+    from ..transfer.shm_sender import checkpoint_tensors, send_base
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from ..rollout.generate import captured_generate, capturing
     from .route_reference import random_expert_adapter
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..refit.transports import _Base
+from ..transfer.interface import TransportBase
 from ..vllm.staging import Staging
 from ..vllm.versions import VersionTable, check_inflight_config
 
 
-class FakeEngine(_Base):
+class FakeEngine(TransportBase):
     def __init__(self, arch=None, folder: Path | None = None, bucket_bytes: int | None = None,
                  fail_bucket: int | None = None, *, inflight: str = "switch", max_versions: int | None = None,
                  on_full: str = "wait"):
@@ -40,14 +40,14 @@ class FakeEngine(_Base):
     # the client side: what rollout/loop.py asks the engine around each request's life
     def track(self, requests: list) -> list:
         """[[request id, version | None], ...] -> the version each runs on; all or nothing (moe_lora_track)."""
-        return self._call("moe_lora_track", requests)
+        return self.call("moe_lora_track", requests)
 
     def release(self, request_ids: list) -> dict:
         """The requests ended; {"freed": versions no longer held} (moe_lora_release; unknown ids are ignored)."""
-        return self._call("moe_lora_release", request_ids)
+        return self.call("moe_lora_release", request_ids)
 
     # the engine side: the worker extension's methods of the same names
-    def _call(self, method, *args):
+    def call(self, method, *args):
         handler = getattr(self, "_rpc_" + method.removeprefix("moe_lora_"), None)
         if not method.startswith("moe_lora_") or handler is None:
             raise AssertionError(f"FakeEngine: no method {method!r}")
@@ -113,7 +113,7 @@ class FakeEngine(_Base):
         for v in versions:
             self.adapters.pop(v, None)
 
-    def _send_bucket(self, version, index, tensors):
+    def send_bucket(self, version, index, tensors):
         if index == self.fail_bucket:
             raise ValueError("bucket lost")
         if self.folder is None:

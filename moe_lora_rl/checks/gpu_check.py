@@ -14,10 +14,10 @@ replay  two processes (checks/gpu_check_worker.py) run the same case at world si
         taken on them, must miss the same reference by more than 4x the tolerance (the step: a flipped sign).
 ipc     a receiver process (spawned) holds FakeEngine's staged push and the worker extension's own
         moe_lora_bucket_ipc; this process pushes a mixed-dtype payload in several buckets through
-        refit.transports.CudaIpcTransport. The staged tensors must equal the CPU payload byte for byte, with the
+        transfer.transports.CudaIpcTransport. The staged tensors must equal the CPU payload byte for byte, with the
         commit's digest equal to the CPU checksum. Control: a second push whose first bucket is changed by one bit
         after its CRC was taken must be refused by that CRC, and version 1 stays served.
-base_ipc the full-weight sync's `ipc` transport (weight_sync/cuda_ipc.py): the same payload as a base store's
+base_ipc the full-weight sync's `ipc` transport (transfer/cuda_ipc.py): the same payload as a base store's
         buckets, each copied to this GPU and shared as a JSON CUDA IPC handle; a spawned receiver opens each one,
         copies it and checks the store's digest on a host copy, as the engine does (vllm/base_sync.py). Every bucket
         must pass with the store's bytes. Control: a bucket whose device copy has one bit flipped after its digest was
@@ -240,7 +240,7 @@ class PipeEngine:
         if method == "moe_lora_bucket_ipc" and self.perturb_next:
             import torch
 
-            w = self.transport._alive[-1]          # the GPU copy whose IPC handle is in `args`
+            w = self.transport.alive[-1]          # the GPU copy whose IPC handle is in `args`
             w.view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
             torch.cuda.synchronize()
             self.perturb_next = False
@@ -271,9 +271,9 @@ def _spawned(target):
 
 
 def run_ipc(a: argparse.Namespace) -> dict:
-    from ..refit.plan import plan_buckets
-    from ..refit.transports import CudaIpcTransport
-    from ..refit.wire import checksum
+    from ..transfer.push_plan import plan_buckets
+    from ..transfer.transports import CudaIpcTransport
+    from ..transfer.wire import checksum
     from .gpu_check_worker import serve
 
     with _spawned(serve) as (mine, _):
@@ -310,8 +310,8 @@ def _open_base_buckets(conn, dev: int) -> None:
 
     import torch
 
-    from ..refit.shm import check_digest, layout_entries
-    from ..weight_sync.cuda_ipc import open_shared
+    from ..transfer.shm import check_digest, layout_entries
+    from ..transfer.cuda_ipc import open_shared
 
     torch.cuda.set_device(dev)
     while (info := conn.recv()) is not None:
@@ -329,8 +329,8 @@ def run_base_ipc(a: argparse.Namespace) -> dict:
 
     import torch
 
-    from ..weight_sync.cuda_ipc import share
-    from ..weight_sync.store import BaseStore
+    from ..transfer.cuda_ipc import share
+    from ..transfer.base_store import BaseStore
 
     store = BaseStore(ipc_payload(), a.bucket_mib << 20, version=1)
     answers, t0 = [], time.perf_counter()

@@ -139,7 +139,7 @@ def serve(conn, device: int | None = 0) -> None:
             conn.send(("ok", None))
             return
         try:
-            conn.send(("ok", engine._call(method, *args)))
+            conn.send(("ok", engine.call(method, *args)))
         except Exception as e:  # noqa: BLE001 - the sender re-raises it (a ValueError stays a ValueError)
             conn.send(("err", type(e).__name__, str(e)))
 

@@ -102,7 +102,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
     import torch
 
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from ..vllm import rope_fix
     from .route_reference import agreement, hf_routes, merged_hf_model
 

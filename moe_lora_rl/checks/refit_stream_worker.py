@@ -19,9 +19,9 @@ from ..megatron.layout import Layout
 from ..policy.model import build_from_hf
 from ..refit.export import stream_to_peft
 from ..refit.gather import build_plan, local_reports, prepare, stream
+from ..refit.push import push_stream
 from ..refit.rename import to_peft_tensors
-from ..refit.transports import push_stream
-from ..refit.wire import checksum
+from ..transfer.wire import checksum
 from .adapters import randomize_adapters
 from .fakes import FakeEngine
 from .launch import each_model_at_layout, finish_worker, worker_args

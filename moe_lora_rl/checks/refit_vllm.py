@@ -31,7 +31,7 @@ def main(argv=None) -> dict:
 
     from ..refit.rename import to_peft_tensors
     from ..models.arch import arch_from_hf_config
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -81,12 +81,12 @@ def main(argv=None) -> dict:
         except ValueError as e:
             errors[what] = str(e)[:200]
     try:                                               # checksum mismatch: the payload changed after hashing
-        from ..refit.wire import checksum
+        from ..transfer.wire import checksum
 
         digest = checksum(tensors)
-        tr._call("moe_lora_begin", version + 1, digest, a.rank, a.alpha, 1)
-        tr._call("moe_lora_bucket", version + 1, 0, {**tensors, drop: tensors[drop] + 1})
-        tr._call("moe_lora_commit", version + 1)
+        tr.call("moe_lora_begin", version + 1, digest, a.rank, a.alpha, 1)
+        tr.call("moe_lora_bucket", version + 1, 0, {**tensors, drop: tensors[drop] + 1})
+        tr.call("moe_lora_commit", version + 1)
         errors["checksum"] = "accepted"
     except ValueError as e:
         errors["checksum"] = str(e)[:200]
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
     res["unchanged_after_bad"] = (prompt_logprobs(llm, seqs) - served_lp).abs().max().item()
     recovered = tr.push(version + 1, tensors, a.rank, a.alpha)   # the next good push recovers
     res["recovered_version"] = recovered.served["version"]
-    from ..refit.transports import MergedInprocTransport
+    from ..refit.merged import MergedInprocTransport
 
     merged = MergedInprocTransport(llm, a.model).push(1, tensors, a.rank, a.alpha)   # full-weight refit, same API
     res["merged_logprob_max_diff"] = (prompt_logprobs(llm, seqs) - want).abs().max().item()

@@ -16,7 +16,8 @@ def bench(argv=None) -> dict:
 
     from ..refit.rename import to_peft_tensors
     from ..models.arch import arch_from_hf_config
-    from ..refit.transports import InprocTransport, MergedInprocTransport
+    from ..refit.merged import MergedInprocTransport
+    from ..transfer.transports import InprocTransport
     import transformers
 
     ap = argparse.ArgumentParser()

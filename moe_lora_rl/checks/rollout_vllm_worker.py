@@ -28,7 +28,7 @@ def _adapter_rollouts(llm, model, prompts, sp, a) -> dict:
     --adapter-rank and --adapter-seed, alpha 2*rank, gate and up sharing A as Megatron's fused fc1 LoRA does), in
     each serving mode: tokens, routes and logprobs per mode."""
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .route_reference import random_expert_adapter
 
     rank = a.adapter_rank

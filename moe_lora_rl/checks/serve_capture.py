@@ -34,7 +34,7 @@ def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version:
     import numpy as np
     import torch
 
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .route_reference import agreement, hf_routes, merged_hf_model
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
@@ -71,7 +71,7 @@ def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: in
     import torch
     from vllm import SamplingParams
 
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .route_reference import agreement, hf_routes, merged_hf_model
 
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
@@ -99,7 +99,7 @@ def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: in
 
 def overflow_check(llm, arch, peft, rank: int, alpha: float, version: int) -> dict:
     """A merge that overflows the serving dtype is refused; the previous version keeps serving."""
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
 
     huge = {k: v * 1e36 for k, v in peft.items()}
     tr = InprocTransport(llm)

@@ -23,7 +23,7 @@ def _params(gen_len: int, seed: int):
 
 
 def loop_vs_batch_call(llm, loop, prompts, gen_len: int, repeats: int) -> dict:
-    from ..rollout.loop import Request
+    from ..rollout.tickets import Request
 
     sp = _params(gen_len, 0)
     batch_s = loop_s = 0.0
@@ -47,7 +47,7 @@ class _Feeder(threading.Thread):
         self.halt = threading.Event()
 
     def run(self):
-        from ..rollout.loop import Request
+        from ..rollout.tickets import Request
 
         seed = 0
         tickets = []
@@ -71,7 +71,7 @@ def _window(loop, seconds: float, during=None) -> tuple[float, dict]:
 
 def inflight_pushes(loop, adapter: dict, rank: int, alpha: float, prompts, gen_len: int, window_s: float,
                     push_every_s: float, first_version: int) -> dict:
-    from ..refit import shm
+    from ..transfer import shm
 
     pool = shm.SegmentPool()
     version = [first_version]

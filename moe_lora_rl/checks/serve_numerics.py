@@ -253,7 +253,7 @@ def kl_decomposition(llm, model: str, arch, peft, rank: int, alpha: float, promp
     import torch
     from vllm import SamplingParams
 
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from ..vllm import moe_torch
     from .route_reference import merged_hf_model
 
@@ -323,7 +323,7 @@ def main(argv=None) -> dict:
     import torch
 
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .route_reference import merged_hf_model, random_expert_adapter
     from .serve_capture import ENGINE
 

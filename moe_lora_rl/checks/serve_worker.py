@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     import torch
 
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .route_reference import random_expert_adapter
     from .serve_capture import ENGINE, fp32_check, generate_groups
 

@@ -36,7 +36,7 @@ def sample_with_adapter(llm, model: str, requests: int, max_tokens: int) -> dict
     from vllm import SamplingParams
 
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from ..data.hf_sampling import prompt_ids
     from ..data.task import TaskSpec, make_split
     from ..rollout.generate import captured_generate, start_capture

@@ -6,7 +6,7 @@ Megatron+LoRA's. Prints one line "RESULT <json>".
     colocated ("naive"): verl's BucketedWeightSender -> update_weights_from_ipc (base sync, then adapters, version 1)
     checkpoint-engine: MoELoRACheckpointEngine.send_weights -> moe_lora_begin / bucket / commit (version 2)
     base backend: MoELoRABaseCheckpointEngine.send_weights into a second engine started empty: the first stream's
-      base through vLLM's weight-transfer calls (weight_sync/), its adapters (version 1); then version 2
+      base through vLLM's weight-transfer calls (transfer/), its adapters (version 1); then version 2
     base backend, mailbox delivery: what a receiver yields (base + version 1, then version 2) into a third engine
       started empty, through verl's sender and update_weights_from_ipc
 """
@@ -107,7 +107,7 @@ def main(argv=None):
     import torch
 
     from ..integration.verl import plugin  # noqa: F401  (registers our engine and the CPU platform, as verl does)
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .adapters import randomize_adapters
     from ..rollout.engine import make_engine, set_engine_env
     from .logprobs import prompt_logprobs

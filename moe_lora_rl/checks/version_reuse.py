@@ -34,11 +34,11 @@ def _k3(ref, got) -> float:
 
 def version_reuse_check(llm, model: str, rank: int = 4) -> dict:
     from ..models.arch import load_arch
-    from ..refit.transports import InprocTransport
+    from ..transfer.transports import InprocTransport
     from .route_reference import random_expert_adapter
 
     class LoopPath(InprocTransport):           # the engine loop never resets the prefix cache per commit
-        def _reset_prefix_cache(self) -> None:
+        def reset_prefix_cache(self) -> None:
             pass
 
     arch = load_arch(model)

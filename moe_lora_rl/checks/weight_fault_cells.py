@@ -86,7 +86,7 @@ def _disarm(worker) -> None:
 
 
 def base_cells(m, which: str) -> None:
-    from ..weight_sync.shm_sender import send_base
+    from ..transfer.shm_sender import send_base
 
     def rpcs(method, *args):
         return m.llm.collective_rpc(method, args=args)
@@ -108,8 +108,8 @@ def base_cells(m, which: str) -> None:
         return inject
 
     def flipped(transport):
-        from ..weight_sync.shm_sender import send_store
-        from ..weight_sync.store import BaseStore
+        from ..transfer.shm_sender import send_store
+        from ..transfer.base_store import BaseStore
 
         def inject(v):
             store = BaseStore(m.bases[m.next_kind["base"]], BUCKET, v)
@@ -123,7 +123,7 @@ def base_cells(m, which: str) -> None:
     def died(v):
         """start and one bucket, then nothing (the sender died); the engine's expiry (moe_lora_expire, run
         periodically by the engine server) after stage_timeout_s."""
-        from ..weight_sync.store import BaseStore
+        from ..transfer.base_store import BaseStore
 
         store = BaseStore(m.bases[m.next_kind["base"]], BUCKET, v)
         try:
@@ -157,9 +157,9 @@ def base_cells(m, which: str) -> None:
 
 
 def gloo_cells(m) -> None:
-    """A gloo broadcast group of one engine (weight_sync/gloo_sender.py): the same faults at finish and in the load."""
-    from ..weight_sync.gloo_sender import GlooBroadcast
-    from ..weight_sync.store import BaseStore
+    """A gloo broadcast group of one engine (transfer/gloo_sender.py): the same faults at finish and in the load."""
+    from ..transfer.gloo_sender import GlooBroadcast
+    from ..transfer.base_store import BaseStore
 
     with GlooBroadcast([m.rpc]) as cast:
         def send(tensors, v):
@@ -191,9 +191,10 @@ def loop_cells(m, which: str) -> None:
     after it are held, then admitted once the loop aborts the update (base_timeout_s)."""
     from vllm import SamplingParams
 
-    from ..rollout.loop import EngineLoop, Request
-    from ..weight_sync.shm_sender import send_base
-    from ..weight_sync.store import BaseStore
+    from ..rollout.loop import EngineLoop
+    from ..rollout.tickets import Request
+    from ..transfer.base_store import BaseStore
+    from ..transfer.shm_sender import send_base
 
     def rpcs(method, *args):
         return m.llm.collective_rpc(method, args=args)
@@ -270,9 +271,9 @@ def _disarm_activate(worker) -> None:
 
 
 def adapter_cells(m, which: str) -> None:
-    from ..refit import shm
-    from ..refit.transports import InprocTransport
-    from ..refit.wire import checksum, encode_blob
+    from ..transfer import shm
+    from ..transfer.transports import InprocTransport
+    from ..transfer.wire import checksum, encode_blob
     from .route_reference import random_expert_adapter
 
     rank, alpha = 4, 8.0

@@ -54,7 +54,7 @@ class Matrix:
         import torch
 
         from ..models.arch import load_arch
-        from ..weight_sync.shm_sender import checkpoint_tensors
+        from ..transfer.shm_sender import checkpoint_tensors
 
         self.llm, self.model = llm, model
         self.arch = load_arch(model)

@@ -16,7 +16,7 @@ from .config import LoRAConfig
 from .grad_sync import process_group
 from .layers import adapter_factors
 
-_META_KEY = "moe_lora_rl"
+META_KEY = "moe_lora_rl"          # the safetensors metadata key of a shard file's index (also checkpoint/)
 
 
 def group_rank_size(name: str | None) -> tuple[int, int]:
@@ -26,7 +26,9 @@ def group_rank_size(name: str | None) -> tuple[int, int]:
     return dist.get_rank(g), dist.get_world_size(g)
 
 
-def _slice_bounds(meta, size: int, rank: int) -> tuple[int, int]:
+def slice_bounds(meta, size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) along meta.shard_dim of the slice rank `rank` of `size` holds (the whole first dim if the factor
+    is not sharded); an even split, as the LoRA layers shard (also read by checkpoint/ and refit/import_peft.py)."""
     if meta.shard_dim is None:
         return 0, meta.global_shape[0]
     n = meta.global_shape[meta.shard_dim] // size
@@ -90,12 +92,12 @@ def save_sharded(model, out_dir: str | Path) -> None:
         if not is_owner(meta):
             continue
         r, n = group_rank_size(meta.group)
-        start, stop = _slice_bounds(meta, n, r)
+        start, stop = slice_bounds(meta, n, r)
         key = f"{meta.global_name}@{start}"
         tensors[key] = meta.canonical(p.detach()).contiguous().clone()
         index[key] = {"name": meta.global_name, "global_shape": list(meta.global_shape), "dim": meta.shard_dim,
                       "start": start, "stop": stop}
-    save_file(tensors, str(out / f"adapter-{rank:05d}.safetensors"), metadata={_META_KEY: json.dumps(index)})
+    save_file(tensors, str(out / f"adapter-{rank:05d}.safetensors"), metadata={META_KEY: json.dumps(index)})
     if dist.is_initialized():
         dist.barrier()
 
@@ -112,7 +114,7 @@ def read_full(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig
     full: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt.glob("adapter-*.safetensors")):
         with safe_open(f, "pt") as s:
-            for key, info in json.loads(s.metadata()[_META_KEY]).items():
+            for key, info in json.loads(s.metadata()[META_KEY]).items():
                 t = s.get_tensor(key).float()
                 out = full.setdefault(info["name"], torch.full(info["global_shape"], float("nan")))
                 if info["dim"] is None:
@@ -141,7 +143,7 @@ def load_sharded(model, ckpt_dir: str | Path) -> int:
     pieces: dict[str, list] = {}
     for f in sorted(ckpt.glob("adapter-*.safetensors")):
         with safe_open(f, "pt") as s:
-            for key, info in json.loads(s.metadata()[_META_KEY]).items():
+            for key, info in json.loads(s.metadata()[META_KEY]).items():
                 pieces.setdefault(info["name"], []).append((f, key, info))
     staged = []
     for pname, p in adapter_factors(model):
@@ -153,7 +155,7 @@ def load_sharded(model, ckpt_dir: str | Path) -> int:
             raise ValueError(f"{ckpt}: adapter {meta.global_name} has global shape {have[0][2]['global_shape']}, "
                              f"the model expects {list(meta.global_shape)}")
         r, n = group_rank_size(meta.group)
-        start, stop = _slice_bounds(meta, n, r)
+        start, stop = slice_bounds(meta, n, r)
         target = torch.full(meta.canonical(p.detach()).shape, float("nan"), dtype=torch.float32)
         for f, key, info in have:
             with safe_open(f, "pt") as s:

@@ -1,6 +1,6 @@
 """Every formula the layout planner uses: one pure function each, with its source. Units: bytes, seconds, FLOPs,
 tokens, samples (one sample = one prompt + its response). Parameter and adapter counts are not here: they come from
-the refit calculator (moe_lora_rl/refit/calc.py), so both tools give the same numbers."""
+the refit calculator (moe_lora_rl/plan/refit_calc.py), so both tools give the same numbers."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import math
 
 def active_params(total: int, moe_layers: int, experts: int, top_k: int, hidden: int, expert_ffn: int) -> int:
     """Parameters a token touches. A GLU expert has 3*H*F weights and a token uses top_k of the E routed experts
-    (Shazeer et al. 2017, sparsely-gated MoE; the GLU shape as in calc.py's docstring)."""
+    (Shazeer et al. 2017, sparsely-gated MoE; the GLU shape as in refit_calc.py's docstring)."""
     return total - moe_layers * (experts - top_k) * 3 * hidden * expert_ffn
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..refit.calc import expert_adapter_params, other_adapter_params, refit_report
 from . import formulas as F
+from .refit_calc import expert_adapter_params, other_adapter_params, refit_report
 from .specs import Hardware, ModelSpec, RLSettings
 
 GB = 1e9

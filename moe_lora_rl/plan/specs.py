@@ -6,9 +6,9 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from ..refit.calc import SPECS, MoESpec, base_params
 from . import formulas as F
 from .lengths import LengthDist, parse_lengths
+from .refit_calc import SPECS, MoESpec, base_params
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`moe-lora-rl plan --sync MODE`: the full-weight sync calculator (weight_sync/calc.py) from the command line: the
+"""`moe-lora-rl plan --sync MODE`: the full-weight sync calculator (plan/sync_calc.py) from the command line: the
 model's base to every rollout GPU of --gpus, by broadcast and/or shard-aware transfer, with checkpoint-engine's
 published figures beside the calculator's predictions."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..weight_sync.calc import GB, Links, model_bytes, published_check, spec, sync_time
+from ..plan.sync_calc import GB, Links, model_bytes, published_check, spec, sync_time
 
 SYNC_ARGS = {"sync", "sync_dtype", "engine_gpus", "model", "gpus", "json", "memory_gb", "link_gbps", "nvlink_gbps",
              "apply_gbps"}

@@ -113,7 +113,8 @@ class TrainingCore:
         transport (the others may pass None); None: every rank holds one. Returns the PushResult on the committing
         rank, None elsewhere. owner: the policy whose version it is, when several share the engine."""
         from ..refit.gather import prepare
-        from ..refit.transports import BUCKET_BYTES, push_stream
+        from ..refit.push import push_stream
+        from ..transfer.interface import BUCKET_BYTES
 
         if self._stream is None:                # the model keeps its adapter parameters: planned once
             self._stream = prepare(self.model, self.arch, BUCKET_BYTES)

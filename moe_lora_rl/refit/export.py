@@ -18,8 +18,8 @@ import torch
 from ..lora.config import LoRAConfig
 from ..models.arch import MoEArch
 from ..models.naming import naming_for
+from ..transfer.wire import nbytes
 from .rename import to_peft_tensors
-from .wire import nbytes
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 # LoRA targets vLLM's own LoRA (--enable-lora) ignores, with the HF module it leaves unadapted: MLA's kv_b_proj is

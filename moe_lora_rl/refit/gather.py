@@ -21,9 +21,9 @@ from ..lora.grad_sync import process_group
 from ..lora.layers import adapter_factors
 from ..lora.state import is_owner
 from ..models.arch import MoEArch
+from ..transfer.wire import buffer_crcs, combine, unpack
 from .rename import place
 from .stream_plan import DTYPE, FactorReport, StreamBucket, StreamPlan, expected_factors, plan_stream
-from .wire import buffer_crcs, combine, unpack
 
 
 def _members(group: str | None) -> tuple[int, ...]:
@@ -139,7 +139,7 @@ def stream_buckets_to_all(model, plan: StreamPlan, arch: MoEArch, params: dict |
 def stream(model, arch: MoEArch, plan: StreamPlan, consume: Callable[[StreamBucket, torch.Tensor], None],
            collect_to: int | None = None, params: dict | None = None) -> str:
     """Collective: hand every bucket's buffer to `consume` on its consuming rank (`wire.unpack(buf,
-    bucket.entries())` gives its PEFT tensors as views). Returns the adapter checksum (refit/wire.py), the same on
+    bucket.entries())` gives its PEFT tensors as views). Returns the adapter checksum (transfer/wire.py), the same on
     every rank."""
     crcs: dict[str, int] = {}
     for bucket, buf in stream_buckets(model, plan, arch, collect_to, params):

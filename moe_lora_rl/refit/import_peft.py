@@ -61,7 +61,7 @@ def load_peft(model, arch: MoEArch, peft: dict[str, torch.Tensor]) -> int:
     """Copy a PEFT adapter into this rank's LoRA factors (the model built with apply_lora at any layout; the
     adapter's scale is the model's LoRAConfig alpha / rank). Returns the number of local factors set."""
     from ..lora.layers import adapter_factors
-    from ..lora.state import _slice_bounds, group_rank_size
+    from ..lora.state import group_rank_size, slice_bounds
 
     params = list(adapter_factors(model))
     shapes = {p.lora_meta.global_name: tuple(p.lora_meta.global_shape) for _, p in params}
@@ -73,7 +73,7 @@ def load_peft(model, arch: MoEArch, peft: dict[str, torch.Tensor]) -> int:
         t = full[meta.global_name]
         if meta.shard_dim is not None:
             r, n = group_rank_size(meta.group)
-            lo, hi = _slice_bounds(meta, n, r)
+            lo, hi = slice_bounds(meta, n, r)
             t = t.narrow(meta.shard_dim, lo, hi - lo)
         staged.append((p, t))
     for p, t in staged:

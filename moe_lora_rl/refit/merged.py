@@ -5,6 +5,8 @@
     save_merged(model_dir, adapter_dir, out)    a PEFT adapter directory merged into a copy of the HF checkpoint, file
                                                 by file (one safetensors shard in memory at a time, each tensor in its
                                                 own dtype): a checkpoint any server loads with no LoRA support
+    MergedInprocTransport(llm, model_dir)       the full-weight refit into a vLLM in this process: push() merges the
+                                                adapter and reloads every weight (reload_weights)
 
     python -m moe_lora_rl.refit.merged --model MODEL_DIR --adapter ADAPTER_DIR --out OUT_DIR
 
@@ -17,9 +19,12 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+from ..transfer.interface import PushResult, RefitError
 
 MERGEABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,6 +113,32 @@ def save_merged(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
             tensors[name] = t.contiguous()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
     return out
+
+
+class MergedInprocTransport:
+    """The push(version, tensors, rank, alpha) and status() of a transport (transfer/interface.py); moves the whole
+    model with the adapters merged."""
+
+    def __init__(self, llm, model_dir: str):
+        self.llm, self.model_dir, self.version = llm, model_dir, None
+
+    def push(self, version: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> PushResult:
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"stale weight version {version}: version {self.version} is served")
+        t0 = time.perf_counter()
+        weights = merged_state(self.model_dir, tensors, alpha / rank)
+        try:
+            self.llm.collective_rpc("moe_lora_clear")            # the merged weights already hold the adapter
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+        except Exception as e:  # noqa: BLE001
+            raise RefitError(f"full-weight reload failed: {e}") from e
+        self.version = version
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        return PushResult(version, nbytes, time.perf_counter() - t0, {"version": version})
+
+    def status(self) -> dict:
+        return {"version": self.version}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ import torch
 from ..lora.config import LoRAConfig
 from ..models.arch import MoEArch
 from ..models.naming import AdapterName, naming_for
-from .plan import layer_major
+from ..transfer.push_plan import layer_major
+from ..transfer.wire import nbytes
 from .rename import PeftOut, peft_outputs
-from .wire import nbytes
 
 DTYPE = torch.float32             # what travels (the full gather's dtype: bit-for-bit comparable)
 

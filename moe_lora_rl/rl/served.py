@@ -18,17 +18,20 @@ import torch
 
 
 class _Keeping:
-    """A transport that keeps a copy of every bucket it sends, by version."""
+    """A Transport (transfer/interface.py) that keeps a copy of every bucket it sends, by version."""
 
     def __init__(self, inner, owner: "ServedAdapters"):
         self._inner, self._owner = inner, owner
 
-    def _send_bucket(self, version: int, index: int, tensors: dict):
+    def send_bucket(self, version: int, index: int, tensors: dict):
         self._owner._add(version, {k: v.detach().clone() for k, v in tensors.items()})
-        return self._inner._send_bucket(version, index, tensors)
+        return self._inner.send_bucket(version, index, tensors)
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    def call(self, method: str, *args):
+        return self._inner.call(method, *args)
+
+    def reset_prefix_cache(self) -> None:
+        self._inner.reset_prefix_cache()
 
 
 class ServedAdapters:

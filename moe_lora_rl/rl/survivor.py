@@ -9,26 +9,26 @@ def _died(e: BaseException) -> tuple[str, tuple[str, int]]:
 
 
 class _Survivor:
-    """Rank 0's transport during a collective push: once the engine is found dead, the remaining buckets are not
-    sent (the other ranks still stream theirs to the end) and the commit raises EngineDied, so that every rank
-    leaves the push together and learns of it."""
+    """Rank 0's transport during a collective push (a Transport, transfer/interface.py, around the engines'): once
+    the engine is found dead, the remaining buckets are not sent (the other ranks still stream theirs to the end) and
+    the commit raises EngineDied, so that every rank leaves the push together and learns of it."""
 
     def __init__(self, inner):
         self._inner, self._died = inner, None
 
-    def _send_bucket(self, version, index, tensors):
+    def send_bucket(self, version, index, tensors):
         from ..rollout.client import EngineDied
 
         if self._died is None:
             try:
-                return self._inner._send_bucket(version, index, tensors)
+                return self._inner.send_bucket(version, index, tensors)
             except EngineDied as e:
                 self._died = e
 
-    def _call(self, method, *args):
+    def call(self, method, *args):
         if self._died is not None:
             raise self._died
-        return self._inner._call(method, *args)
+        return self._inner.call(method, *args)
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    def reset_prefix_cache(self) -> None:
+        self._inner.reset_prefix_cache()

@@ -1,10 +1,10 @@
 """How the base reaches rollout engines that start empty (rollout.base_from=trainer|peer): the transport for each
-engine by where it runs, and the thin movers over weight_sync/ (the trainer's store, a live peer's kept copy).
+engine by where it runs, and the thin movers over transfer/ (the trainer's store, a live peer's kept copy).
 
     rollout.base_transport   auto: shm for an engine on this host, http for one on another host
                              shm:  the engine maps the store's shared-memory segments (this host only)
-                             http: each bucket's bytes inside its call (weight_sync/inline.py), any host
-                             gloo: one broadcast to every engine at once (weight_sync/gloo_sender.py), any host
+                             http: each bucket's bytes inside its call (transfer/inline.py), any host
+                             gloo: one broadcast to every engine at once (transfer/gloo_sender.py), any host
                              nccl: the same broadcast over NCCL from this process's CUDA device to GPU engines
                                    (refused without CUDA; not run on the CPU machines that test this project)
                              ipc:  each bucket as a CUDA IPC handle on this process's GPU, for an engine on the
@@ -70,9 +70,9 @@ def gloo_host(placements) -> str:
 
 
 def base_store_of(model_dir, bucket_mb: float):
-    """The checkpoint's tensors (the trainer's base) as a BaseStore (weight_sync/store.py) of buckets of bucket_mb."""
-    from ..weight_sync.shm_sender import checkpoint_tensors
-    from ..weight_sync.store import BaseStore
+    """The checkpoint's tensors (the trainer's base) as a BaseStore (transfer/base_store.py) of buckets of bucket_mb."""
+    from ..transfer.shm_sender import checkpoint_tensors
+    from ..transfer.base_store import BaseStore
 
     return BaseStore(checkpoint_tensors(model_dir), int(bucket_mb * (1 << 20)), version=1)
 
@@ -80,7 +80,7 @@ def base_store_of(model_dir, bucket_mb: float):
 def sync_base(engine) -> dict:
     """The checkpoint this process holds (the trainer's base) into the engine, which started empty, through vLLM's
     weight-transfer calls over its transport; the timers. The base is read and written into shared memory once
-    (weight_sync/store.py); a restarted engine is sent the same buckets."""
+    (transfer/base_store.py); a restarted engine is sent the same buckets."""
     if engine.base_store is None:
         engine.base_store = base_store_of(engine.model_dir, engine.settings["base_bucket_mb"])
     keep = engine.settings["base_from"] == "peer"
@@ -88,9 +88,9 @@ def sync_base(engine) -> dict:
     if transport in GROUP_TRANSPORTS:
         t = broadcast_base([engine], engine.base_store, transport)
     else:
-        from ..weight_sync.shm_sender import send_store
+        from ..transfer.shm_sender import send_store
 
-        t = send_store(engine.transport._call, engine.base_store, keep=keep, transport=transport)
+        t = send_store(engine.transport.call, engine.base_store, keep=keep, transport=transport)
         engine.base_syncs.append(t)
     return t
 
@@ -98,10 +98,10 @@ def sync_base(engine) -> dict:
 def broadcast_base(engines: list, store, backend: str = "gloo") -> dict:
     """The store into every engine at once over one gloo (or nccl) group (each keeps the bytes under
     base_from=peer); the timers, recorded as each engine's sync."""
-    from ..weight_sync.gloo_sender import GlooBroadcast
+    from ..transfer.gloo_sender import GlooBroadcast
 
     keep = engines[0].settings["base_from"] == "peer"
-    with GlooBroadcast([e.transport._call for e in engines], host=gloo_host([e.placement for e in engines]),
+    with GlooBroadcast([e.transport.call for e in engines], host=gloo_host([e.placement for e in engines]),
                        keep=keep, backend=backend) as cast:
         t = {**cast.send(store), "transport": backend, "group_s": cast.init_s}
     for e in engines:
@@ -114,7 +114,7 @@ def sync_from_peer(engine) -> dict:
     empty and keeps it in turn: the first live peer that gives it; the timers, with the peer's port. Over shared
     memory when this process and both engines share a host (and the setting is not http), else inline through this
     process. ValueError when no peer is alive, or naming the last refusal when none gives it."""
-    from ..weight_sync.shm_sender import send_from_peer
+    from ..transfer.shm_sender import send_from_peer
 
     live = [p for p in engine.peers() if p is not engine and p.alive()]
     if not live:
@@ -122,7 +122,7 @@ def sync_from_peer(engine) -> dict:
                          f"{engine.port}, {len(engine.peers())} peers)")
     for k, peer in enumerate(live):
         try:
-            t = send_from_peer(engine.transport._call, peer.transport._call,
+            t = send_from_peer(engine.transport.call, peer.transport.call,
                                int(engine.settings["base_bucket_mb"] * (1 << 20)),
                                transport=resolve_peer_transport(engine.settings["base_transport"], engine.placement,
                                                                 peer.placement))

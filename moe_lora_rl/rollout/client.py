@@ -1,5 +1,6 @@
 """The rollout engine client: starts the engine process (rollout/server.py) on a free loopback port with its own
-log file, generates samples with per-token logprobs and captured routes, exposes a ShmTransport for adapter pushes,
+log file, generates samples with per-token logprobs and captured routes, exposes a Transport for adapter pushes
+(engine_transport.py: shared memory on this host, inline HTTP for an engine on another),
 and knows when the process died.
 
     engine = RolloutEngine.start(model_dir, dtype="float32", log_dir=run_dir)    # inflight="pin", max_versions=...
@@ -31,30 +32,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..procs import free_port
-from ..refit.transports import HttpTransport, RefitError, ShmTransport, _Base
 from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from .engine import engine_env
+from .engine_transport import EngineHttpTransport, EngineTransport
 from .expert_precision import check_expert_precision
-from .placement import Placement
 from .guard import TOKEN_ENV, auth_header, new_token
-from .protocol import check_request, decode_routes
-
-
-@dataclass
-class Sample:
-    prompt: list[int]
-    response: list[int]
-    logprobs: list[float]          # one per response token: log_softmax(logits / temperature) of the sampled token
-    routes: np.ndarray | None      # [len(prompt)+len(response)-1, n_moe_layers, topk] logical expert ids
-    finish_reason: str             # "stop" (a stop id or the model's EOS, included in response) or "length"
-    versions: list | None = None   # per response token: the adapter version that produced it (None: base model)
-    kv_kept: dict | None = None    # KV replay: the sampler's eviction record (policy/kv_masks.py)
+from .placement import Placement
+from .protocol import Sample, as_ints, check_request, decode_sample
 
 
 class EngineDied(RuntimeError):
@@ -68,59 +55,6 @@ def _signal_name(code: int) -> str:
         except ValueError:
             pass
     return str(code)
-
-
-def _ints(xs):
-    """A list of ints from a list / tuple / array of integers (numpy or torch scalars too); anything else unchanged,
-    for check_request to name it."""
-    import operator
-
-    if xs is None or isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
-        return xs
-    try:
-        return [operator.index(x) for x in xs]
-    except TypeError:
-        return list(xs)
-
-
-def _sample(prompt, s: dict) -> Sample:
-    return Sample(prompt, s["response"], s["logprobs"], decode_routes(s["routes"]), s["finish_reason"],
-                  s.get("versions"), s.get("kv_kept"))
-
-
-class _EngineTransport(ShmTransport):
-    """ShmTransport to the engine process: push time counts as engine busy time, and a dead engine is EngineDied."""
-
-    def __init__(self, engine: "RolloutEngine", base_url: str):
-        super().__init__(base_url, timeout=engine.request_timeout, token=engine.token)
-        self._engine = engine
-
-    def _timed(self, fn, *args):
-        self._engine._check_alive()
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        except RefitError:
-            self._engine._check_alive()
-            raise
-        finally:
-            self._engine.push_s += time.perf_counter() - t0
-
-    def _call(self, method: str, *args):
-        return self._timed(super()._call, method, *args)
-
-    def _reset_prefix_cache(self) -> None:
-        self._timed(super()._reset_prefix_cache)
-
-
-class _EngineHttpTransport(_EngineTransport):
-    """An engine on another host: the adapter travels inside the RPC (no shared memory across hosts)."""
-
-    def push(self, version, tensors, rank, alpha):
-        return _Base.push(self, version, tensors, rank, alpha)
-
-    def _send_bucket(self, version: int, index: int, tensors: dict):
-        HttpTransport._send_bucket(self, version, index, tensors)
 
 
 DEFAULT_MAX_MODEL_LEN = 512          # tokens of context of an engine the driver starts
@@ -190,7 +124,7 @@ class RolloutEngine:
         self.started_at = None
         self.port = port                     # None: a free port, chosen at the first start and kept on restarts
         self.proc: subprocess.Popen | None = None
-        self.transport: ShmTransport | None = None
+        self.transport: EngineTransport | None = None
         self.log_path: Path | None = None
         self.restarts = 0
 
@@ -247,7 +181,7 @@ class RolloutEngine:
         atexit.register(self.stop)
         url = f"http://{pl.connect_host}:{self.port}"
         if self.transport is None:
-            self.transport = (_EngineTransport if pl.transport == "shm" else _EngineHttpTransport)(self, url)
+            self.transport = (EngineTransport if pl.transport == "shm" else EngineHttpTransport)(self, url)
         self.transport.base_url = url
         t0 = time.time()
         while True:
@@ -374,9 +308,9 @@ class RolloutEngine:
                 self._no_answer(path, e)
 
     def _body(self, prompts, seeds, max_tokens, temperature, stop_token_ids, versions) -> dict:
-        prompts = [_ints(p) for p in prompts] if isinstance(prompts, (list, tuple)) else prompts
-        seeds, stop = _ints(seeds), _ints(stop_token_ids)
-        max_tokens = (_ints([max_tokens]) or [max_tokens])[0]
+        prompts = [as_ints(p) for p in prompts] if isinstance(prompts, (list, tuple)) else prompts
+        seeds, stop = as_ints(seeds), as_ints(stop_token_ids)
+        max_tokens = (as_ints([max_tokens]) or [max_tokens])[0]
         check_request(prompts, seeds, max_tokens, temperature, stop)
         if versions is not None:
             versions = list(versions)
@@ -397,7 +331,7 @@ class RolloutEngine:
             out = self._request("POST", "/generate", body)
         finally:
             self.generate_s += time.perf_counter() - t0
-        return [_sample(p, s) for p, s in zip(body["prompts"], out["samples"])]
+        return [decode_sample(p, s) for p, s in zip(body["prompts"], out["samples"])]
 
     def stream(self, prompts: list[list[int]], *, seeds: list[int] | None, max_tokens: int, temperature: float,
                stop_token_ids: list[int] | None = None, versions: list | None = None):
@@ -413,7 +347,7 @@ class RolloutEngine:
                         line = json.loads(raw)
                         if "error" in line:
                             raise RuntimeError(f"rollout engine: request {line['index']} failed: {line['error']}")
-                        yield line["index"], _sample(body["prompts"][line["index"]], line["sample"])
+                        yield line["index"], decode_sample(body["prompts"][line["index"]], line["sample"])
                 except (ConnectionError, TimeoutError) as e:
                     self._no_answer("/generate", e)
         finally:

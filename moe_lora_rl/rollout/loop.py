@@ -33,14 +33,13 @@ they finish: the same scheduling, seeds and tokens as `LLM.generate` on the same
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from .generate import Generated, finish_generated
+from .tickets import Live, Request, Ticket
 
 # worker-extension methods that change the served weights: they run behind the commit barrier
 COMMIT_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_shm", "moe_lora_push_blob",
@@ -53,54 +52,6 @@ ADDING_METHODS = frozenset({"moe_lora_commit", "moe_lora_push", "moe_lora_push_s
 # housekeeping skipped (answered None) while a commit waits behind the barrier or a full engine: the stage that commit
 # closes is not abandoned, however long it waits
 SKIPPED_WHILE_COMMITS_WAIT = frozenset({"moe_lora_expire"})
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    params: object                     # vllm.SamplingParams (output_kind is set to DELTA here)
-    version: int | None = None         # pin: the held version to serve it with (None: the newest)
-
-
-@dataclass
-class _Live:
-    ticket: "Ticket"
-    index: int
-    req: Request
-    version: int | None = None
-    response: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    versions: list = field(default_factory=list)
-    started: bool = False
-    finish_reason: str = ""
-
-
-class Ticket:
-    """The results of one submission: iterate for (index, Generated | Exception) as requests finish."""
-
-    def __init__(self, n: int):
-        self.n, self._q, self._given = n, queue.Queue(), 0
-        self.request_ids: list[str] = []
-
-    def _deliver(self, index: int, result) -> None:
-        self._q.put((index, result))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._given == self.n:
-            raise StopIteration
-        item = self._q.get()
-        self._given += 1
-        return item
-
-    def results(self) -> list:
-        out = [None] * self.n
-        for i, r in self:
-            out[i] = r
-        return out
 
 
 class _Command:
@@ -136,7 +87,7 @@ class EngineLoop:
         self._lock = threading.Condition()
         self._pending: list[tuple[Ticket, list[Request], bool]] = []
         self._commands: list[_Command] = []
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
         self._base_open = False           # a base update started and not finished or aborted: nothing is admitted
@@ -319,7 +270,7 @@ class EngineLoop:
             versions = self._rpc("moe_lora_track", [[rid, r.version] for rid, r in zip(ids, reqs)])
         except Exception as e:  # noqa: BLE001 - e.g. a version the engine does not hold: the whole submission
             for i in range(len(reqs)):
-                ticket._deliver(i, e)
+                ticket.deliver(i, e)
             return
         if reset and not self._live and self.engine.vllm_config.cache_config.enable_prefix_caching:
             self.engine.reset_prefix_cache()
@@ -330,12 +281,12 @@ class EngineLoop:
                 params.output_kind = RequestOutputKind.DELTA
                 self.engine.add_request(rid, {"prompt_token_ids": r.prompt, "cache_salt": cache_salt(v)}, params)
                 added.append(rid)
-                self._live[rid] = _Live(ticket, i, r, v)
+                self._live[rid] = Live(ticket, i, r, v)
         except Exception as e:  # noqa: BLE001
             self._abort(added)
             self._rpc("moe_lora_release", ids)
             for i in range(len(reqs)):
-                ticket._deliver(i, e)
+                ticket.deliver(i, e)
             return
         ticket.request_ids = ids
 
@@ -392,7 +343,7 @@ class EngineLoop:
             live = self._live.pop(rid)
             r = routes.get(rid)
             if isinstance(r, BaseException):
-                live.ticket._deliver(live.index, RuntimeError(f"routing capture: {r}"))
+                live.ticket.deliver(live.index, RuntimeError(f"routing capture: {r}"))
                 continue
             try:
                 g = finish_generated(rid, live.req.prompt, live.req.params, live.response, live.logprobs,
@@ -400,9 +351,9 @@ class EngineLoop:
                 g.versions = list(live.versions)
                 if self.kv_records is not None:
                     g.kv_kept = self.kv_records(rid)
-                live.ticket._deliver(live.index, g)
+                live.ticket.deliver(live.index, g)
             except Exception as e:  # noqa: BLE001
-                live.ticket._deliver(live.index, e if err is None else RuntimeError(f"routing capture: {err}"))
+                live.ticket.deliver(live.index, e if err is None else RuntimeError(f"routing capture: {err}"))
 
     def _abort(self, rids) -> None:
         rids = [r for r in rids if r in self._live]
@@ -430,7 +381,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             pass
         for live in lives.values():
-            live.ticket._deliver(live.index, err)
+            live.ticket.deliver(live.index, err)
 
     def _fail_all(self, err: BaseException) -> None:
         self._fail_live(err)
@@ -439,7 +390,7 @@ class EngineLoop:
             commands, self._commands = self._commands, []
         for ticket, reqs, _ in pending:
             for i in range(len(reqs)):
-                ticket._deliver(i, err)
+                ticket.deliver(i, err)
         for cmd in commands:
             if not cmd.future.done():
                 cmd.future.set_exception(err)

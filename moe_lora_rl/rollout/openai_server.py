@@ -1,5 +1,5 @@
 """vLLM's own OpenAI server as a separate process with our worker extension, bound to loopback, with vLLM's dev
-endpoints on: refit's HttpTransport pushes adapters to its /collective_rpc. start_server() waits until it is
+endpoints on: transfer's HttpTransport pushes adapters to its /collective_rpc. start_server() waits until it is
 healthy; ServerHandle.stop() ends it."""
 from __future__ import annotations
 

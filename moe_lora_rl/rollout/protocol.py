@@ -1,8 +1,24 @@
-"""The wire of the rollout engine's /generate (server.py and client.py): the request checks both sides run, and
-routes as base64 of the array's bytes with dtype and shape."""
+"""The wire of the rollout engine's /generate (server.py and client.py): the request checks both sides run, routes
+as base64 of the array's bytes with dtype and shape, and the Sample a client reads back."""
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass
+class Sample:
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]          # one per response token: log_softmax(logits / temperature) of the sampled token
+    routes: np.ndarray | None      # [len(prompt)+len(response)-1, n_moe_layers, topk] logical expert ids
+    finish_reason: str             # "stop" (a stop id or the model's EOS, included in response) or "length"
+    versions: list | None = None   # per response token: the adapter version that produced it (None: base model)
+    kv_kept: dict | None = None    # KV replay: the sampler's eviction record (policy/kv_masks.py)
 
 
 def encode_routes(arr) -> dict:
@@ -42,3 +58,22 @@ def check_request(prompts, seeds, max_tokens, temperature, stop_token_ids) -> No
     if stop_token_ids is not None and (not isinstance(stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids)):
         raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r:.80}")
+
+
+def as_ints(xs):
+    """A list of ints from a list / tuple / array of integers (numpy or torch scalars too); anything else unchanged,
+    for check_request to name it."""
+    import operator
+
+    if xs is None or isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+        return xs
+    try:
+        return [operator.index(x) for x in xs]
+    except TypeError:
+        return list(xs)
+
+
+def decode_sample(prompt, s: dict) -> Sample:
+    """A sample of /generate's answer (the server's sample_json) for `prompt`."""
+    return Sample(prompt, s["response"], s["logprobs"], decode_routes(s["routes"]), s["finish_reason"],
+                  s.get("versions"), s.get("kv_kept"))

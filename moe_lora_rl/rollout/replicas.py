@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from ..transfer.interface import Transport
 from .base import GROUP_TRANSPORTS, base_store_of, broadcast_base
 from .client import EngineDied, RolloutEngine
 
@@ -142,10 +143,11 @@ def _as_replica(i: int, e: BaseException) -> ReplicaDied:
 
 
 class FanOut:
-    """One push to several engines: each call and each bucket goes to every engine in order; a commit must leave
-    every engine serving the pushed version. A dead engine is ReplicaDied(its index)."""
+    """One push to several engines, a Transport (transfer/interface.py) around theirs: each call and each bucket goes
+    to every engine in order (call answers with the first engine's answer); a commit must leave every engine serving
+    the pushed version. A dead engine is ReplicaDied(its index)."""
 
-    def __init__(self, transports: list[tuple[int, object]]):
+    def __init__(self, transports: "list[tuple[int, Transport]]"):
         if not transports:
             raise ValueError("FanOut needs at least one engine transport")
         self.transports = transports
@@ -159,16 +161,16 @@ class FanOut:
                 raise _as_replica(i, e) from e
         return out
 
-    def _call(self, method: str, *args):
-        out = self._each(lambda t: t._call(method, *args))
+    def call(self, method: str, *args):
+        out = self._each(lambda t: t.call(method, *args))
         if method == "moe_lora_commit":
             served = {i: r.get("version") if isinstance(r, dict) else r for (i, _), r in zip(self.transports, out)}
             if len(set(served.values())) != 1 or args[0] not in served.values():
                 raise RuntimeError(f"version {args[0]} committed, but the engines serve {served}")
         return out[0]
 
-    def _send_bucket(self, version: int, index: int, tensors: dict):
-        self._each(lambda t: t._send_bucket(version, index, tensors))
+    def send_bucket(self, version: int, index: int, tensors: dict):
+        self._each(lambda t: t.send_bucket(version, index, tensors))
 
-    def _reset_prefix_cache(self) -> None:
-        self._each(lambda t: t._reset_prefix_cache())
+    def reset_prefix_cache(self) -> None:
+        self._each(lambda t: t.reset_prefix_cache())

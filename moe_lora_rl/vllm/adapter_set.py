@@ -13,7 +13,7 @@ import torch
 
 from ..models.arch import MoEArch
 from ..models.naming import naming_for
-from ..refit.wire import checksum
+from ..transfer.wire import checksum
 
 
 def module_shapes(arch: MoEArch, layer: int, module: str) -> tuple[int, int] | None:

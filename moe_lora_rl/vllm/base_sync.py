@@ -1,7 +1,7 @@
 """Full base weights into a running engine through vLLM's own weight-transfer API (vllm/distributed/weight_transfer:
 the worker's start_weight_update / update_weights / finish_weight_update), with our backend "moe_lora_shm":
-buckets in shared-memory segments (refit/shm.py), each mapped and checked against its digest where it lies,
-broadcast to several engines over a gloo group (refit/gloo_bucket.py: init_weight_transfer_engine joins it) or, on
+buckets in shared-memory segments (transfer/shm.py), each mapped and checked against its digest where it lies,
+broadcast to several engines over a gloo group (transfer/gloo_bucket.py: init_weight_transfer_engine joins it) or, on
 GPU, an NCCL group (the bucket received into device memory, its digest checked on a host copy), or handed over as a
 CUDA IPC handle on the sender's GPU (ipc: copied into the engine's memory, its digest checked on a host copy), or
 carried inside the call itself (http: base64 in the RPC's body, for an engine on another host).
@@ -43,13 +43,13 @@ BACKEND = "moe_lora_shm"
 @dataclass
 class InitInfo:
     """Shared memory needs nothing (segments are named per bucket). A gloo broadcast (several engines at once): the
-    sender's TCP store and this engine's rank in the group (refit/gloo_bucket.py)."""
+    sender's TCP store and this engine's rank in the group (transfer/gloo_bucket.py)."""
     master_addr: str = ""
     master_port: int = 0
     rank: int = 0
     world_size: int = 0
     timeout_s: float = 120.0
-    group_key: str = ""           # the group's rendezvous key (refit/gloo_bucket.join)
+    group_key: str = ""           # the group's rendezvous key (transfer/gloo_bucket.join)
     backend: str = "gloo"         # gloo (host memory) or nccl (this worker's CUDA device)
 
 
@@ -63,7 +63,7 @@ class UpdateInfo:
     digest: str
     pieces: list = field(default_factory=list)      # [name, dtype, shape, start, nbytes, part, parts, offset]
     transport: str = "shm"        # shm: the segment `handle`; gloo, nccl: the bytes broadcast over the group;
-    #                               http: `data`; ipc: `handle` is a CUDA IPC handle (weight_sync/cuda_ipc.py)
+    #                               http: `data`; ipc: `handle` is a CUDA IPC handle (transfer/cuda_ipc.py)
     data: str = ""                # http: the bucket's bytes, base64
 
 
@@ -90,11 +90,11 @@ def _dtype(name: str) -> torch.dtype:
 
 class PeerExport:
     """The base this engine was synced with, for a peer that starts empty: the checkpoint tensors it kept (views of
-    the segments it mapped, which stay valid after their sender removed them), written into a store (weight_sync/
-    store.py) bucket by bucket as the peer asks for them, so that serving pauses for one bucket's copy at a time."""
+    the segments it mapped, still valid after their sender removed them), written into a store (transfer/base_store.py)
+    bucket by bucket as the peer asks for them, so that serving pauses for one bucket's copy at a time."""
 
     def __init__(self, weights: dict[str, torch.Tensor], bucket_bytes: int, version: int):
-        from ..weight_sync.store import BaseStore
+        from ..transfer.base_store import BaseStore
 
         self.store = BaseStore(dict(weights), int(bucket_bytes), version)
 
@@ -102,8 +102,8 @@ class PeerExport:
         return {"version": self.store.version, "buckets": len(self.store.buckets), "bytes": self.store.nbytes}
 
     def bucket(self, i: int, inline: bool = False) -> dict:
-        """Bucket i's update info (written now); inline: its bytes in it (weight_sync/inline.py)."""
-        from ..weight_sync.inline import encode_inline
+        """Bucket i's update info (written now); inline: its bytes in it (transfer/inline.py)."""
+        from ..transfer.inline import encode_inline
 
         if not 0 <= i < len(self.store.buckets):
             raise ValueError(f"bucket {i}: this export has {len(self.store.buckets)}")
@@ -116,7 +116,7 @@ class PeerExport:
 
 class SharedExport:
     """The base this engine was synced with over shared memory, for a peer on this host, without a copy: the
-    segments it mapped and holds open, each handed out as a descriptor the peer maps (refit/shm.proc_handle), with
+    segments it mapped and holds open, each handed out as a descriptor the peer maps (transfer/shm.proc_handle), with
     the first sender's bucket plan and digests, so a peer checks the very bytes the trainer sent. Inline (a peer on
     another host): each bucket's bytes encoded from the mapping."""
 
@@ -128,8 +128,8 @@ class SharedExport:
                 "shared": True}
 
     def bucket(self, i: int, inline: bool = False) -> dict:
-        from ..refit.shm import proc_handle
-        from ..weight_sync.inline import encode_inline
+        from ..transfer.shm import proc_handle
+        from ..transfer.inline import encode_inline
 
         if not 0 <= i < len(self.buckets):
             raise ValueError(f"bucket {i}: this export has {len(self.buckets)}")
@@ -184,7 +184,7 @@ def engine_class():
 
         def init_transfer_engine(self, init_info) -> None:
             """A gloo (or nccl) group with the sender and the other engines (an empty master_addr: no group)."""
-            from ..refit.gloo_bucket import join, join_nccl
+            from ..transfer.gloo_bucket import join, join_nccl
 
             self.pg, self.pg_backend = None, None
             if init_info.master_addr:
@@ -210,9 +210,9 @@ def engine_class():
             return time.monotonic() - self.touched
 
         def receive_weights(self, u: UpdateInfo) -> None:
-            from ..refit import gloo_bucket
-            from ..refit.shm import MappedSegment, check_digest, layout_entries
-            from ..weight_sync.inline import decode_inline
+            from ..transfer import gloo_bucket
+            from ..transfer.shm import MappedSegment, check_digest, layout_entries
+            from ..transfer.inline import decode_inline
 
             try:
                 if u.transport in ("gloo", "nccl"):
@@ -230,9 +230,9 @@ def engine_class():
                 elif u.transport == "http":
                     self._check(u)
                     t0 = time.perf_counter()
-                    data = decode_inline(u)              # weight_sync/inline.py
+                    data = decode_inline(u)              # transfer/inline.py
                 elif u.transport == "ipc":
-                    from ..weight_sync.cuda_ipc import open_shared
+                    from ..transfer.cuda_ipc import open_shared
 
                     self._check(u)
                     t0 = time.perf_counter()

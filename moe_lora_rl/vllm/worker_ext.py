@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..refit.wire import decode_blob
+from ..transfer.wire import decode_blob
 from .adapter_set import build_adapter_set
 from .compat import check_vllm_version
 
@@ -201,10 +201,10 @@ class MoELoRAWorkerExtension:
         return self.moe_lora_bucket(version, index, decode_blob(blob_b64))
 
     def _moe_lora_recv(self):
-        """Receive buffers of shared-memory pushes (refit/shm.py); segments of dead senders removed once."""
+        """Receive buffers of shared-memory pushes (transfer/shm.py); segments of dead senders removed once."""
         bufs = getattr(self, "_moe_lora_recv_bufs", None)
         if bufs is None:
-            from ..refit import shm
+            from ..transfer import shm
 
             shm.remove_stale()
             bufs = self._moe_lora_recv_bufs = shm.RecvBuffers()
@@ -212,10 +212,10 @@ class MoELoRAWorkerExtension:
 
     @entry
     def moe_lora_bucket_shm(self, version: int, index: int, handle: str, entries: list, crc: str) -> dict:
-        """A bucket in a shared-memory segment of a process on this host (refit/shm.py): copied out, checked against
+        """A bucket in a shared-memory segment of a process on this host (transfer/shm.py): copied out, checked against
         its segment digest `crc`, staged (the adapter digest is checked at the commit); the sender may reuse the
         segment once this call returned."""
-        from ..refit import shm
+        from ..transfer import shm
 
         return self.moe_lora_bucket(version, index, shm.read_segment(handle, entries, crc,
                                                                      buffers=self._moe_lora_recv()))
@@ -230,7 +230,7 @@ class MoELoRAWorkerExtension:
         segment once this call returned."""
         import time
 
-        from ..refit import shm
+        from ..transfer import shm
 
         t = {}
 
@@ -248,7 +248,7 @@ class MoELoRAWorkerExtension:
         to this worker's device before staging (the sender frees its tensors after the commit)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        from ..refit.wire import checksum as crc_of
+        from ..transfer.wire import checksum as crc_of
 
         dev = torch.cuda.current_device()
         uuid = str(torch.cuda.get_device_properties(dev).uuid)

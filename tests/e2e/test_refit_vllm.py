@@ -72,9 +72,10 @@ def test_server_process_push_over_http(trained, tmp_path):
     from moe_lora_rl.refit.rename import to_peft_tensors
     from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.rollout.openai_server import prompt_logprobs_http, start_server
-    from moe_lora_rl.refit import shm
-    from moe_lora_rl.refit.transports import HttpTransport, RefitError, ShmTransport
-    from moe_lora_rl.refit.wire import encode_blob
+    from moe_lora_rl.transfer import shm
+    from moe_lora_rl.transfer.interface import RefitError
+    from moe_lora_rl.transfer.transports import HttpTransport, ShmTransport
+    from moe_lora_rl.transfer.wire import encode_blob
     from moe_lora_rl.procs import free_port
 
     models, work = trained
@@ -103,17 +104,17 @@ def test_server_process_push_over_http(trained, tmp_path):
         got2 = torch.tensor(prompt_logprobs_http(server.url, data["eval"].tolist()), dtype=torch.float64)
         assert (got2 - want).abs().max().item() <= REFIT_LOGPROBS
         # a second push while version 3 is in flight: refused naming both versions, version 2 keeps serving
-        tr._call("moe_lora_begin", 3, None, CFG.rank, CFG.alpha, 1)
+        tr.call("moe_lora_begin", 3, None, CFG.rank, CFG.alpha, 1)
         with pytest.raises(ValueError, match="cannot begin version 4: version 3 is staged"):
             st.push(4, peft, CFG.rank, CFG.alpha)
         with pytest.raises(ValueError, match="bucket 0 of version 4: version 3 is staged"):
-            tr._call("moe_lora_bucket_blob", 4, 0, encode_blob({}))
+            tr.call("moe_lora_bucket_blob", 4, 0, encode_blob({}))
         assert tr.status()["version"] == 2 and mine() == sorted(st.pool.handles())
-        tr._call("moe_lora_abort", 3)                   # the sender of version 3 gives up: the next push goes in
+        tr.call("moe_lora_abort", 3)                   # the sender of version 3 gives up: the next push goes in
         old = st.pool.handles()
         assert st.push(4, peft, CFG.rank, CFG.alpha).served["version"] == 4
         with pytest.raises(ValueError, match="stale shared-memory handle"):
-            tr._call("moe_lora_push_shm", 5, "seg-crc32:0:0", CFG.rank, CFG.alpha, old[0], [], os.getpid())
+            tr.call("moe_lora_push_shm", 5, "seg-crc32:0:0", CFG.rank, CFG.alpha, old[0], [], os.getpid())
         assert tr.status()["version"] == 4
         st.close()
         assert not mine()

@@ -2,7 +2,7 @@
 on the tiny glm4_moe (fp32) with stage_timeout_s=3:
 
 - version 1 is pushed and served;
-- version 2's stage is opened over HTTP without a sender pid (refit's HttpTransport: a begin of 2 buckets and
+- version 2's stage is opened over HTTP without a sender pid (transfer's HttpTransport: a begin of 2 buckets and
   bucket 0), then abandoned, as by a trainer on another host that died mid-push;
 - negative control: while that stage is fresh, a push of version 3 is refused naming version 2 (status: staged 2);
 - with no further push, the engine aborts the stage once it had no progress for the timeout: one line in its log
@@ -33,7 +33,7 @@ def engine(model, tmp_path_factory):
 
 def test_abandoned_stage_expires_and_the_next_push_commits(engine, arch):
     from moe_lora_rl.checks.route_reference import random_expert_adapter
-    from moe_lora_rl.refit.transports import HttpTransport
+    from moe_lora_rl.transfer.transports import HttpTransport
 
     adapters = {v: random_expert_adapter(arch, RANK, seed=60 + v) for v in (1, 2, 3)}
     st = engine.status()
@@ -44,8 +44,8 @@ def test_abandoned_stage_expires_and_the_next_push_commits(engine, arch):
     # a sender on another host: no pid at begin; it sends bucket 0 of 2 and is gone
     http = HttpTransport(f"http://127.0.0.1:{engine.port}", token=engine.token)
     names = sorted(adapters[2])
-    http._call("moe_lora_begin", 2, None, RANK, ALPHA, 2)
-    http._send_bucket(2, 0, {n: adapters[2][n] for n in names[:len(names) // 2]})
+    http.call("moe_lora_begin", 2, None, RANK, ALPHA, 2)
+    http.send_bucket(2, 0, {n: adapters[2][n] for n in names[:len(names) // 2]})
     abandoned_at = time.monotonic()
     with pytest.raises(ValueError, match="cannot begin version 3: version 2 is staged"):
         engine.transport.push(3, adapters[3], RANK, ALPHA)           # control: a fresh stage is still refused

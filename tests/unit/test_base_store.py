@@ -1,5 +1,5 @@
-"""The sender's base in shared memory (weight_sync/store.py) and the engine's mapped read of a bucket
-(refit/shm.MappedSegment): every tensor's bytes come back from the mappings at the planned offsets, an oversized
+"""The sender's base in shared memory (transfer/base_store.py) and the engine's mapped read of a bucket
+(transfer/shm.MappedSegment): every tensor's bytes come back from the mappings at the planned offsets, an oversized
 tensor in pieces; a bucket is written once, on first use; a flipped byte, a moved piece or a write after the check
 is refused by the digest; closing removes every segment."""
 import os
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from moe_lora_rl.refit.shm import MappedSegment, layout_entries
-from moe_lora_rl.weight_sync.store import BaseStore
+from moe_lora_rl.transfer.shm import MappedSegment, layout_entries
+from moe_lora_rl.transfer.base_store import BaseStore
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_held_segment_is_mapped_through_its_holders_descriptor(tmp_path, tenso
     """A peer's zero-copy export (vllm/base_sync.SharedExport): a segment mapped with keep_fd is mapped again through
     proc_handle(fd) after its sender removed it, with the same bytes and the sender's digest; a byte flipped in the
     held pages is refused; a descriptor that is not one of our segments, or is closed, is refused by name."""
-    from moe_lora_rl.refit.shm import proc_handle
+    from moe_lora_rl.transfer.shm import proc_handle
 
     store = BaseStore(dict(tensors), 16 << 10, 3, root=tmp_path)
     info = store.info(0)

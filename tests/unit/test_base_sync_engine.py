@@ -21,7 +21,7 @@ def engine():
 @pytest.fixture
 def bucket():
     from moe_lora_rl.vllm.base_sync import UpdateInfo
-    from moe_lora_rl.weight_sync.store import BaseStore
+    from moe_lora_rl.transfer.base_store import BaseStore
 
     tensors = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
     store = BaseStore(dict(tensors), 1 << 20, 1)

@@ -59,8 +59,8 @@ def test_ipc_needs_the_same_host_gpus_and_cuda():
     handle, refuse in one line (the IPC path itself runs only where a GPU is lent)."""
     import torch
 
-    from moe_lora_rl.weight_sync.cuda_ipc import open_shared
-    from moe_lora_rl.weight_sync.shm_sender import send_store
+    from moe_lora_rl.transfer.cuda_ipc import open_shared
+    from moe_lora_rl.transfer.shm_sender import send_store
 
     gpu = plan_placement(node=None, gpus=[0], this_host="h0")
     with pytest.raises(ValueError, match="base_transport='ipc' for an engine given no GPU"):
@@ -81,8 +81,8 @@ def test_nccl_needs_gpus_and_cuda():
     (this machine has none: the NCCL path itself runs only where a GPU is lent)."""
     import torch
 
-    from moe_lora_rl.refit import gloo_bucket
-    from moe_lora_rl.weight_sync.gloo_sender import GlooBroadcast
+    from moe_lora_rl.transfer import gloo_bucket
+    from moe_lora_rl.transfer.gloo_sender import GlooBroadcast
 
     with pytest.raises(ValueError, match="base_transport='nccl' for an engine given no GPU"):
         check_base_transport("trainer", "nccl", 64, HERE, None)

@@ -1,4 +1,4 @@
-"""The base's CUDA IPC handoff (weight_sync/cuda_ipc.py): a bucket shared as a JSON handle opens in another process
+"""The base's CUDA IPC handoff (transfer/cuda_ipc.py): a bucket shared as a JSON handle opens in another process
 on the same GPU with the same bytes; a handle for another GPU and a malformed one are refused. GPU only: skipped
 here (no machine that tests this project has CUDA; scripts/gpu_check.sh's ipc part runs the adapters' handoff)."""
 import pytest
@@ -8,7 +8,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC 
 
 
 def _open_and_copy(handle, q):
-    from moe_lora_rl.weight_sync.cuda_ipc import open_shared
+    from moe_lora_rl.transfer.cuda_ipc import open_shared
 
     # plain bytes: a CPU tensor put on the queue would be shared through this process's resource sharer, which is
     # gone once it exits
@@ -20,7 +20,7 @@ def test_a_bucket_opens_in_another_process_with_its_bytes():
 
     import torch.multiprocessing as mp
 
-    from moe_lora_rl.weight_sync.cuda_ipc import open_shared, share
+    from moe_lora_rl.transfer.cuda_ipc import open_shared, share
 
     data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     dev = data.cuda()

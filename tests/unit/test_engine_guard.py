@@ -98,7 +98,7 @@ class _StubEngine:
 def _serve(token):
     import threading
 
-    from moe_lora_rl.rollout.server import Server, make_handler
+    from moe_lora_rl.rollout.endpoints import Server, make_handler
 
     srv = Server(("127.0.0.1", 0), make_handler(), parent_pid=os.getppid(), token=token)
     srv.engine = _StubEngine()

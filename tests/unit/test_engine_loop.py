@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from moe_lora_rl.rollout.loop import EngineLoop, Request  # noqa: E402
+from moe_lora_rl.rollout.loop import EngineLoop  # noqa: E402
+from moe_lora_rl.rollout.tickets import Request  # noqa: E402
 
 
 class Params:

@@ -32,7 +32,7 @@ def test_every_method_of_the_fake_is_the_engines_with_its_parameters():
         assert name in real, f"FakeEngine serves {name}, which the engine does not have"
         assert params == real[name], (name, params, real[name])
     with pytest.raises(AssertionError, match="no method 'moe_lora_capture_pop'"):
-        FakeEngine()._call("moe_lora_capture_pop", ["r"])
+        FakeEngine().call("moe_lora_capture_pop", ["r"])
 
 
 def test_pin_requests_keep_their_version_and_free_it_when_they_end():
@@ -52,7 +52,7 @@ def test_pin_requests_keep_their_version_and_free_it_when_they_end():
     assert eng.release(["r1", "unknown"]) == {"freed": []}                # r2 still on 1
     assert eng.release(["r2"]) == {"freed": [1]} and sorted(eng.adapters) == [2]
     with pytest.raises(ValueError, match="versions \\[2\\] are in use"):
-        eng._call("moe_lora_clear")
+        eng.call("moe_lora_clear")
     assert eng.push(3, TENSORS, 4, 8.0).served["versions"] == [2, 3]
     assert eng.release(["r3", "base"]) == {"freed": [2]} and eng.status()["version"] == 3
 
@@ -70,7 +70,7 @@ def test_switch_serves_only_the_newest_and_refuses_a_stale_push():
     with pytest.raises(ValueError, match="stale adapter version 2"):
         eng.push(2, TENSORS, 4, 8.0)
     assert eng.release(["r1", "r2"]) == {"freed": []}
-    assert eng._call("moe_lora_clear")["version"] is None
+    assert eng.call("moe_lora_clear")["version"] is None
 
 
 def test_a_bad_policy_is_refused_as_the_engine_refuses_it():

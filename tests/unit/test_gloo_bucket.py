@@ -1,4 +1,4 @@
-"""The gloo bucket protocol (refit/gloo_bucket.py) with three parties in threads: every receiver gets the sender's
+"""The gloo bucket protocol (transfer/gloo_bucket.py) with three parties in threads: every receiver gets the sender's
 bytes; a receiver that refuses before the broadcast, or whose check fails after it, makes every party fail for that
 bucket (the sender and the other receiver too) instead of leaving anyone waiting, and the group stays usable. An
 engine that cannot join the group fails the broadcast at once. A member without the group's key cannot join it."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_lora_rl.procs import free_port
-from moe_lora_rl.refit import gloo_bucket
+from moe_lora_rl.transfer import gloo_bucket
 
 
 KEY = "k" * 32
@@ -84,7 +84,7 @@ def test_an_engine_that_cannot_join_fails_the_broadcast_at_once():
     group's timeout; the other engine never joins either."""
     import time
 
-    from moe_lora_rl.weight_sync.gloo_sender import GlooBroadcast
+    from moe_lora_rl.transfer.gloo_sender import GlooBroadcast
 
     def refuses(method, *args):
         if method == "moe_lora_base_init":
@@ -128,7 +128,7 @@ def test_a_member_without_the_key_does_not_join():
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="the NCCL bucket protocol needs 3 GPUs (a sender and two "
                     "receivers, one device each); the same protocol runs over gloo in the tests above")
 def test_nccl_group_carries_the_bucket_and_the_refusals():
-    """The gloo test's case bad_after over NCCL (refit/gloo_bucket.join_nccl): the bytes arrive on each receiver's
+    """The gloo test's case bad_after over NCCL (transfer/gloo_bucket.join_nccl): the bytes arrive on each receiver's
     device, a failed check on one receiver fails the bucket for every party, and the next bucket goes through."""
     pytest.importorskip("vllm.distributed.device_communicators.pynccl", reason="vLLM with NCCL support")
     port, data = free_port(), torch.arange(1000, dtype=torch.int32).view(torch.uint8)

@@ -112,8 +112,8 @@ def test_pipe_engine_and_receiver_process_without_cuda():
     import torch.multiprocessing as mp
 
     from moe_lora_rl.checks.gpu_check_worker import serve
-    from moe_lora_rl.refit.transports import InprocTransport
-    from moe_lora_rl.refit.wire import checksum
+    from moe_lora_rl.transfer.transports import InprocTransport
+    from moe_lora_rl.transfer.wire import checksum
 
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()

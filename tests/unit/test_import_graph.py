@@ -22,18 +22,18 @@ ALLOWED = {
     "procs": set(),
     "models": set(),
     "algos": set(),                                                # verl's pure functions, nothing of ours
-    "plan": {"models", "refit", "weight_sync"},                                     # models: the naming tables
-    "weight_sync": {"models", "procs", "refit"},                                    # full-weight sync: its planner and calculator
+    "plan": {"models"},                                            # models: the naming tables
+    "transfer": {"models", "procs"},                               # wire, buckets, transports: no LoRA, no Megatron
     "megatron": {"models"},
     "lora": {"megatron", "models"},
     "router_replay": {"megatron", "models"},
-    "refit": {"lora", "models", "procs"},
-    "vllm": {"models", "procs", "refit", "router_replay", "weight_sync"},   # weight_sync: a peer engine's export
+    "refit": {"lora", "models", "transfer"},
+    "vllm": {"models", "procs", "router_replay", "transfer"},      # transfer: the wire, segments, a peer's export
     "checkpoint": {"lora", "megatron", "models"},
-    "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay"},
-    "rollout": {"models", "procs", "refit", "router_replay", "vllm", "weight_sync"},
+    "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay", "transfer"},
+    "rollout": {"models", "procs", "router_replay", "transfer", "vllm"},
     "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
-                    "procs", "weight_sync"},
+                    "procs", "transfer"},
     "data": {"models"},                                            # task, rows, reward, warm start: below rl/
     "rl": {"algos", "checkpoint", "data", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay",
            "procs"},
@@ -41,16 +41,17 @@ ALLOWED = {
     "launch": {"data", "rl"},                                      # moe-lora-rl train: checks, then the ranks
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
     "checks": {"algos", "checkpoint", "data", "integration", "lora", "megatron", "models", "policy", "procs", "refit",
-               "rl", "rollout", "router_replay", "vllm", "weight_sync"},
+               "rl", "rollout", "router_replay", "transfer", "vllm"},
     "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "models", "plan", "policy",
-              "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
+              "procs", "rl", "rollout", "router_replay", "transfer", "vllm"},
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {
     "verl": {"integration", "algos", "checks.verl_worker", "checks.verl_refit", "checks.verl_compose",
              "checks.verl_async", "checks.verl_data", "checks.verl_adapter_path"},
 }
-FORBIDDEN = {"vllm": {"megatron"}, "lora": {"verl"}, "refit": {"verl"}, "router_replay": {"verl"}}
+FORBIDDEN = {"vllm": {"megatron"}, "lora": {"verl"}, "refit": {"verl"}, "router_replay": {"verl"},
+             "transfer": {"megatron", "verl"}}
 
 
 def _module_name(path: Path) -> str:

@@ -120,7 +120,7 @@ def test_experts_not_dividing_ep_refused():
 
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer", "shared"])
 def test_refit_calculator_counts_the_adapters_megatron_builds(qwen, layout):
-    from moe_lora_rl.refit.calc import MoESpec, expert_adapter_params, other_adapter_params
+    from moe_lora_rl.plan.refit_calc import MoESpec, expert_adapter_params, other_adapter_params
 
     m = qwen()
     apply_lora(m, LoRAConfig(rank=2, adapter_layout=layout))

@@ -3,8 +3,8 @@ attention_modules), not from constants: Kimi-K2's, DeepSeek-V3's and Moonlight's
 (in, out) the refit and weight-sync calculators state by hand, and each module's bytes are named in the output."""
 from moe_lora_rl.plan.specs import (DEEPSEEK_V3_CONFIG, KIMI_K2_CONFIG, MOONLIGHT_CONFIG, PRESETS, attention_modules,
                                     spec_from_config)
-from moe_lora_rl.refit.calc import SPECS
-from moe_lora_rl.weight_sync.calc import MORE_SPECS
+from moe_lora_rl.plan.refit_calc import SPECS
+from moe_lora_rl.plan.sync_calc import MORE_SPECS
 
 
 def test_mla_shapes_from_configs():

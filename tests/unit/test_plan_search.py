@@ -10,7 +10,7 @@ import pytest
 from moe_lora_rl.plan import Hardware, RLSettings, load_hardware, load_model, plan
 from moe_lora_rl.plan.search import rollout_memory, train_memory
 from moe_lora_rl.plan.specs import KIMI_K2_CONFIG, spec_from_config
-from moe_lora_rl.refit.calc import SPECS, expert_adapter_params, other_adapter_params
+from moe_lora_rl.plan.refit_calc import SPECS, expert_adapter_params, other_adapter_params
 
 TOY = spec_from_config("toy", {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
                                "num_key_value_heads": 2, "head_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_lora_rl.lora.config import LoRAConfig
-from moe_lora_rl.lora.state import _META_KEY, read_full
+from moe_lora_rl.lora.state import META_KEY, read_full
 
 
 def write(d, rank, slices):
@@ -15,7 +15,7 @@ def write(d, rank, slices):
     index = {f"{n}@{lo}": {"name": n, "global_shape": list(shape), "dim": dim, "start": lo,
                            "stop": lo + (t.shape[dim] if dim is not None else 0)}
              for n, lo, shape, dim, t in slices}
-    save_file(tensors, str(d / f"adapter-{rank:05d}.safetensors"), metadata={_META_KEY: json.dumps(index)})
+    save_file(tensors, str(d / f"adapter-{rank:05d}.safetensors"), metadata={META_KEY: json.dumps(index)})
 
 
 def test_slices_of_two_ranks_assemble_and_a_missing_one_is_refused(tmp_path):

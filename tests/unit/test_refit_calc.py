@@ -1,8 +1,9 @@
 """Refit calculator formulas against hand-computed cases and against adapters actually built in Megatron."""
 import pytest
 
-from moe_lora_rl.refit.calc import SPECS, MoESpec, base_params, expert_adapter_params, other_adapter_params, refit_report
-from moe_lora_rl.refit.plan import plan_buckets
+from moe_lora_rl.plan.refit_calc import (SPECS, MoESpec, base_params, expert_adapter_params, other_adapter_params,
+                                         refit_report)
+from moe_lora_rl.transfer.push_plan import plan_buckets
 
 TOY = MoESpec("toy", num_layers=2, moe_layers=1, experts=4, hidden=10, expert_ffn=3, shared_ffn=2, dense_ffn=5,
               vocab=7, attention=((10, 6), (6, 10)))
@@ -50,7 +51,7 @@ def test_bucket_plan():
 
 
 def test_streaming_hand_computed_toy():
-    from moe_lora_rl.refit.calc import streaming_report
+    from moe_lora_rl.plan.refit_calc import streaming_report
 
     rep = streaming_report(TOY, 2, "pp2ep2", bucket_bytes=1000, bytes_per_param=2)
     # one layer per stage, the MoE one: 2 of 4 experts * r(3H + 3F) = 2 * 2 * 39 = 156; attention 2*(16+16) = 64;
@@ -73,7 +74,7 @@ def test_streaming_formula_matches_the_plan():
     from moe_lora_rl.lora import LoRAConfig
     from moe_lora_rl.models.arch import arch_from_hf_config
     from moe_lora_rl.models.tiny import build_hf_config
-    from moe_lora_rl.refit.calc import streaming_report
+    from moe_lora_rl.plan.refit_calc import streaming_report
     from moe_lora_rl.refit.stream_plan import FactorReport, expected_factors, plan_stream
 
     a = arch_from_hf_config(build_hf_config("glm4_moe", "tiny"))

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from moe_lora_rl.refit import shm
-from moe_lora_rl.refit.wire import SEGMENT_HASHERS, segment_digest
+from moe_lora_rl.transfer import shm
+from moe_lora_rl.transfer.wire import SEGMENT_HASHERS, segment_digest
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_views_of_one_buffer_written_in_one_copy(tmp_path, monkeypatch):
     """A gathered bucket (wire.unpack's views of one buffer, in order, mixed dtypes) is written as one span: the same
     segment bytes and digest as the tensors written one by one (clones), in pieces smaller than the span. Views out
     of order, or of two buffers, are not a span."""
-    from moe_lora_rl.refit.wire import buffer_crcs, tensor_crc, unpack
+    from moe_lora_rl.transfer.wire import buffer_crcs, tensor_crc, unpack
 
     monkeypatch.setattr(shm, "HASH_PIECE", 64)
     g = torch.Generator().manual_seed(2)

@@ -56,7 +56,7 @@ class FakeTransport:
     def __init__(self, served=None, die_at=None):
         self.served, self.die_at, self.log = served, die_at, []
 
-    def _call(self, method, *args):
+    def call(self, method, *args):
         self.log.append(method)
         if method == self.die_at:
             raise EngineDied("gone")
@@ -64,31 +64,31 @@ class FakeTransport:
             return {"version": args[0] if self.served is None else self.served}
         return {}
 
-    def _send_bucket(self, version, index, tensors):
+    def send_bucket(self, version, index, tensors):
         self.log.append(("bucket", index))
 
-    def _reset_prefix_cache(self):
+    def reset_prefix_cache(self):
         self.log.append("reset")
 
 
 def test_fan_out_sends_everything_to_every_engine():
     a, b = FakeTransport(), FakeTransport()
     fo = FanOut([(0, a), (1, b)])
-    fo._call("moe_lora_begin", 3, None, 8, 16.0, 2)
-    fo._send_bucket(3, 0, {})
-    fo._send_bucket(3, 1, {})
-    assert fo._call("moe_lora_commit", 3, "d") == {"version": 3}
-    fo._reset_prefix_cache()
+    fo.call("moe_lora_begin", 3, None, 8, 16.0, 2)
+    fo.send_bucket(3, 0, {})
+    fo.send_bucket(3, 1, {})
+    assert fo.call("moe_lora_commit", 3, "d") == {"version": 3}
+    fo.reset_prefix_cache()
     assert a.log == b.log == ["moe_lora_begin", ("bucket", 0), ("bucket", 1), "moe_lora_commit", "reset"]
 
 
 def test_fan_out_refuses_engines_at_different_versions_and_names_a_dead_one():
     fo = FanOut([(0, FakeTransport()), (1, FakeTransport(served=2))])
     with pytest.raises(RuntimeError, match=r"version 3 committed, but the engines serve \{0: 3, 1: 2\}"):
-        fo._call("moe_lora_commit", 3, "d")
+        fo.call("moe_lora_commit", 3, "d")
     fo = FanOut([(0, FakeTransport()), (4, FakeTransport(die_at="moe_lora_begin"))])
     with pytest.raises(ReplicaDied, match="engine 4") as got:
-        fo._call("moe_lora_begin", 3, None, 8, 16.0, 1)
+        fo.call("moe_lora_begin", 3, None, 8, 16.0, 1)
     assert got.value.index == 4
     with pytest.raises(ValueError, match="at least one"):
         FanOut([])

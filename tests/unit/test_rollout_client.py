@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_lora_rl.rollout.protocol import check_request, decode_routes, encode_routes
-from moe_lora_rl.rollout.server import Server
+from moe_lora_rl.rollout.endpoints import Server
 
 OK = dict(prompts=[[1, 2, 3]], seeds=[7], max_tokens=4, temperature=1.0, stop_token_ids=None)
 

@@ -100,8 +100,8 @@ def test_commit_checks():
 
 
 def test_transport_aborts_its_stage_after_a_failed_bucket():
-    """_Base.push against a fake engine made of a Staging: a bucket that fails drops the sender's stage, so the next
-    push is accepted (without the abort it would be refused: version 1 still staged)."""
+    """TransportBase.push against a fake engine made of a Staging: a bucket that fails drops the sender's stage, so
+    the next push is accepted (without the abort it would be refused: version 1 still staged)."""
     import torch
 
     from moe_lora_rl.checks.fakes import FakeEngine

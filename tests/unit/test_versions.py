@@ -205,7 +205,7 @@ def test_a_version_number_is_never_admitted_twice_in_an_engine_life(pin):
     assert t.admit(5) == [] and t.held == [5]
     eng = FakeEngine()
     eng.push(3, tensors, 4, 8.0)
-    eng._call("moe_lora_clear")
+    eng.call("moe_lora_clear")
     with pytest.raises(ValueError, match=r"adapter version 3 was already passed"):
         eng.push(3, tensors, 4, 8.0)
     assert eng.st.version is None and eng.push(4, tensors, 4, 8.0).served["version"] == 4

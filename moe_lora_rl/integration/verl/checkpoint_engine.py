@@ -77,7 +77,7 @@ def read_stream(weights) -> tuple[dict, dict]:
 class MoELoRACheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int = 64 << 20, server_urls: list[str] | None = None, sync_log: str | None = None,
                  mailbox_timeout_s: float = 600.0, **_: Any):
-        from ...refit.transports import HttpTransport
+        from ...transfer.transports import HttpTransport
 
         self.bucket_size = bucket_size
         self.transports = [HttpTransport(u) for u in (server_urls or [])]
@@ -126,11 +126,11 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         buckets = split_buckets(tensors, self.bucket_size)
         served = []
         for tr in self.transports:
-            tr._call("moe_lora_begin", meta["version"], meta["checksum"], meta["rank"], meta["alpha"], len(buckets))
+            tr.call("moe_lora_begin", meta["version"], meta["checksum"], meta["rank"], meta["alpha"], len(buckets))
             for i, b in enumerate(buckets):
-                tr._send_bucket(meta["version"], i, b)
-            served.append(tr._call("moe_lora_commit", meta["version"], meta["checksum"]))
-            tr._reset_prefix_cache()
+                tr.send_bucket(meta["version"], i, b)
+            served.append(tr.call("moe_lora_commit", meta["version"], meta["checksum"]))
+            tr.reset_prefix_cache()
         self.last = {"version": meta["version"], "tensors": len(tensors), "buckets": len(buckets), "served": served}
         return {"moe_lora/refit_version": meta["version"], "moe_lora/refit_tensors": len(tensors)}
 
@@ -159,7 +159,7 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
       loads the base in place (vLLM's layerwise reload) before it stages the adapters. A base posted again (a
       restarted trainer's first stream) goes only to receivers that have none: the base never trains.
     - push (engine_kwargs.moe_lora.server_urls, or `transports` set by the caller): the base reaches each server
-      through vLLM's weight-transfer API (weight_sync/: one shared-memory store of buckets, each checked by its
+      through vLLM's weight-transfer API (transfer/: one shared-memory store of buckets, each checked by its
       digest, or each bucket inline for a server on another host), then its adapters as "moe_lora" pushes them.
       engine_kwargs.moe_lora.base_transport: auto (shared memory to a server on loopback, the bytes inline in each
       call to one on another host), shm or http."""
@@ -181,8 +181,8 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
         return "shm" if url is None or urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") else "http"
 
     async def send_weights(self, weights, global_steps: int | None = None):
-        from ...weight_sync.shm_sender import send_store
-        from ...weight_sync.store import BaseStore
+        from ...transfer.shm_sender import send_store
+        from ...transfer.base_store import BaseStore
 
         if not trainer_lead():                 # the trainer's rank 0 delivers the version, once (streams unread)
             return {}
@@ -196,7 +196,7 @@ class MoELoRABaseCheckpointEngine(MoELoRACheckpointEngine):
             self.base_version += 1
             store = BaseStore(base, self.bucket_size, self.base_version)
             try:
-                syncs = [send_store(tr._call, store, transport=self.transport_for(tr)) for tr in self.transports]
+                syncs = [send_store(tr.call, store, transport=self.transport_for(tr)) for tr in self.transports]
             finally:
                 store.close()
             out = {"moe_lora/base_version": self.base_version, "moe_lora/base_tensors": len(base),

@@ -29,9 +29,9 @@ def decode_meta(t: torch.Tensor) -> dict:
 
 def gather_adapters(model, arch) -> tuple[dict[str, torch.Tensor], str]:
     """Collective: every adapter tensor in PEFT naming on every rank (refit's gather, each bucket broadcast from its
-    sender), and the checksum (refit/wire.py's, over the whole version: the same on every rank)."""
+    sender), and the checksum (transfer/wire.py's, over the whole version: the same on every rank)."""
     from ...refit.gather import build_plan, stream_buckets_to_all
-    from ...refit.wire import buffer_crcs, combine, unpack
+    from ...transfer.wire import buffer_crcs, combine, unpack
 
     got: dict[str, torch.Tensor] = {}
     crcs: dict[str, int] = {}

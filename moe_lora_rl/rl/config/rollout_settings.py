@@ -77,7 +77,7 @@ class RolloutSettings:
     base_from: str = "disk"
     """Where an engine gets the base weights: disk (it loads the checkpoint); trainer (it starts empty,
     load_format=dummy, and rank 0 sends it the checkpoint it holds through vLLM's weight-transfer calls, at start
-    and at every restart: weight_sync/); peer (from the trainer at start, and after a restart from a live engine,
+    and at every restart: transfer/); peer (from the trainer at start, and after a restart from a live engine,
     which sends the checkpoint bytes it kept while it keeps serving; engines >= 2)."""
     base_bucket_mb: float = 64.0
     """base_from=trainer or peer: the sync's bucket size (MiB)."""

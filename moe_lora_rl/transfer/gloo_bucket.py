@@ -1,5 +1,5 @@
 """One bucket of bytes broadcast over a process group from rank 0, with an agreement before and after (used by the
-sender in weight_sync/ and the engine in vllm/base_sync.py):
+sender in transfer/gloo_sender.py and the engine in vllm/base_sync.py):
 
     agree(everyone ready) -> broadcast(bucket) -> every receiver checks the digest -> agree(everyone holds it)
 
@@ -57,7 +57,7 @@ def _keyed_store(host, port, rank, world, timeout_s, key, store, backend):
     import torch.distributed as dist
 
     if not isinstance(key, str) or len(key) < 16:
-        raise ValueError(f"a {backend} group needs a key of at least 16 characters (weight_sync/gloo_sender.py makes "
+        raise ValueError(f"a {backend} group needs a key of at least 16 characters (transfer/gloo_sender.py makes "
                          "one)")
     timeout = datetime.timedelta(seconds=float(timeout_s))
     if store is None:

@@ -1,11 +1,11 @@
 """The sender's copy of the base in shared memory: the bucket plan's buckets, one segment each (pieces at their
 planned offsets), each written once with its digest and then read by every sync that follows: an engine's start,
 its restarts after a crash, an engine added later. An engine maps a bucket and reads it where it lies
-(refit/shm.MappedSegment), so a sync from a written store copies nothing on the sending side.
+(transfer/shm.MappedSegment), so a sync from a written store copies nothing on the sending side.
 
     store = BaseStore(tensors, size=64 << 20, version=1)
     info = store.info(i)           # bucket i written on first use: the vllm/base_sync.py UpdateInfo fields
-    store.close()                  # the segments removed (also at exit; after a crash, refit/shm.remove_stale)
+    store.close()                  # the segments removed (also at exit; after a crash, transfer/shm.remove_stale)
 
 A written bucket is never written again (its engine may map it until its finish): a changed base is a new store.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..refit.shm import HASH_PIECE, ROOT, Segment, close_segments, layout_entries, segment_name
-from ..refit.wire import SegmentHash
-from .buckets import Bucket, TensorMeta, plan
+from .shm import HASH_PIECE, ROOT, Segment, close_segments, layout_entries, segment_name
+from .wire import SegmentHash
+from .base_buckets import Bucket, TensorMeta, plan
 
 
 def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:

@@ -1,4 +1,4 @@
-"""weight_sync/buckets.py: the bucket plan covers every kept byte once, within the bucket size and alignment, cuts
+"""transfer/base_buckets.py: the bucket plan covers every kept byte once, within the bucket size and alignment, cuts
 oversized tensors into whole-element pieces, sends each expert from its EP rank and interleaves the senders;
 check_covers catches a plan that drops or repeats a piece (control)."""
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_rl.weight_sync.buckets import (ALIGN, GIB, TensorMeta, bucket_bytes, check_covers, expert_of, owners,
+from moe_lora_rl.transfer.base_buckets import (ALIGN, GIB, TensorMeta, bucket_bytes, check_covers, expert_of, owners,
                                              plan)
 
 

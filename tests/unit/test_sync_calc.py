@@ -1,10 +1,10 @@
-"""weight_sync/calc.py: full-weight sync time by calculation, against checkpoint-engine's published broadcast figures
+"""plan/sync_calc.py: full-weight sync time by calculation, against checkpoint-engine's published broadcast figures
 (one fitted, three predicted) and by hand; Kimi-K2 bf16 on 128 GPUs shard-aware within 10 s."""
 import dataclasses
 
 import pytest
 
-from moe_lora_rl.weight_sync.calc import (GB, GIB, PUBLISHED, Links, fit_apply_gbps, kimi_k2_bf16, model_bytes,
+from moe_lora_rl.plan.sync_calc import (GB, GIB, PUBLISHED, Links, fit_apply_gbps, kimi_k2_bf16, model_bytes,
                                           published_check, spec, sync_time)
 
 

@@ -1,16 +1,16 @@
 """The base to several engines at once: one gloo process group (CPU; rank 0 this process, rank i + 1 engine i),
-each bucket of a BaseStore (store.py) broadcast to every engine through vLLM's weight-transfer calls, with an
-agreement before and after each bucket (refit/gloo_bucket.py): a bucket one engine refuses is refused by all, the
+each bucket of a BaseStore (base_store.py) broadcast to every engine through vLLM's weight-transfer calls, with an
+agreement before and after each bucket (transfer/gloo_bucket.py): a bucket one engine refuses is refused by all, the
 engines keep the weights they had, and nobody waits for a broadcast that will not come.
 
-    with GlooBroadcast([engine.transport._call for engine in engines]) as b:   # every engine joins the group
+    with GlooBroadcast([engine.transport.call for engine in engines]) as b:   # every engine joins the group
         timers = b.send(store)                                                # start, bucket i ..., finish
 
 Engines of one worker each (the group has one rank per engine). The engines' calls block until the broadcast
 reaches them, so each engine's call runs in its own thread while this one broadcasts.
 
 backend="nccl" (GPU engines, this process on a CUDA device): the same protocol over an NCCL group
-(refit/gloo_bucket.join_nccl), each bucket copied to this process's device and broadcast from there. Written against
+(transfer/gloo_bucket.join_nccl), each bucket copied to this process's device and broadcast from there. Written against
 vLLM's PyNcclCommunicator; refused without CUDA, and not run on the CPU machines that test this project.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import secrets
 import threading
 import time
 
-from ..refit import gloo_bucket
-from .store import BaseStore
+from . import gloo_bucket
+from .base_store import BaseStore
 
 
 class GlooBroadcast:

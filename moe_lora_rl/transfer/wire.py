@@ -3,7 +3,7 @@ refit/ never imports vllm/), pure: torch, zlib, safetensors.
 
     checksum    CRC-32 per tensor over name, dtype, shape and bytes; the adapter's digest chains the per-tensor
                 values in name order, so senders that each hold part of the adapter can compute it together
-    segment     one digest over a shared-memory segment's entries and bytes in one pass (refit/shm.py)
+    segment     one digest over a shared-memory segment's entries and bytes in one pass (transfer/shm.py)
     blob        a bucket as base64 safetensors, for JSON transports (/collective_rpc)
     buffer      a bucket as one flat uint8 tensor, tensors back to back in plan order (point-to-point sends);
                 `unpack` returns views into it, no copy

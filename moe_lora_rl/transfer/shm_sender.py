@@ -1,4 +1,4 @@
-"""The sending side of a full-weight sync to one engine: a BaseStore (store.py: the bucket plan's buckets in
+"""The sending side of a full-weight sync to one engine: a BaseStore (base_store.py: the bucket plan's buckets in
 segments) sent through vLLM's weight-transfer calls of the engine (vllm/base_sync.py), over shared memory (one host:
 the engine maps the segments) or inline (transport http: each bucket's bytes inside its call, inline.py, for an
 engine on another host).
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .store import BaseStore
+from .base_store import BaseStore
 
 
 def checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:

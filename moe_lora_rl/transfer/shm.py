@@ -291,7 +291,7 @@ def check_digest(data, entries, digest: str, what: str) -> None:
 class MappedSegment:
     """A segment mapped read-only into this process and checked against the sender's
     digest over all `total` bytes: the reader uses the bytes where they lie, without a private copy. For a sender
-    that does not write the segment again while it is mapped (weight_sync/store.py); verify() hashes it again
+    that does not write the segment again while it is mapped (transfer/base_store.py); verify() hashes it again
     before the bytes are used. ValueError as read_segment's. keep_fd: the file stays open (`fd`), so that another
     process can map the same pages through proc_handle(fd) after the sender removed its name."""
 

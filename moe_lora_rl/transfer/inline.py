@@ -24,7 +24,7 @@ def decode_inline(u) -> torch.Tensor:
     import base64
     import binascii
 
-    from ..refit.shm import check_digest, layout_entries
+    from .shm import check_digest, layout_entries
 
     try:
         raw = bytearray(base64.b64decode(u.data, validate=True))

@@ -15,9 +15,9 @@ The time of one update, buckets pipelined (a bucket staged while the previous on
 
 The apply rate and the fixed cost are the only fitted figures: apply_gbps fitted on one published figure
 (checkpoint-engine, Kimi-K2 FP8 on 16 H20: 14.36 s, broadcast), fixed_s and bucket_s set to stated guesses; the other
-published broadcast figures are then predictions (PUBLISHED, tests/unit/test_weight_sync_calc.py).
+published broadcast figures are then predictions (PUBLISHED, tests/unit/test_sync_calc.py).
 
-Model bytes from the architecture (refit/calc.py's parameter count): bf16 is 2 bytes per parameter; fp8 checkpoints
+Model bytes from the architecture (plan/refit_calc.py's parameter count): bf16 is 2 bytes per parameter; fp8 checkpoints
 (DeepSeek-V3 / Kimi-K2 style) hold every linear weight in 1 byte plus one fp32 scale per 128 x 128 block, and the
 embeddings, output head, norms and router in bf16.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..refit.calc import SPECS, MoESpec, base_params
+from .refit_calc import SPECS, MoESpec, base_params
 
 GIB = 1 << 30
 GB = 1e9
