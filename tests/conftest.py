@@ -40,3 +40,56 @@ def train_cli(monkeypatch, capsys):
         err = capsys.readouterr().err
         return rc, [line for line in err.splitlines() if line.strip()], err
     return run
+
+
+# -- shared torchrun launches (CI time) ----------------------------------------------------------------------------
+# A test module may declare LAUNCH = {name: {"nproc": N, "module": worker, "args": f(workdir) -> argv, "param": P}}
+# and read its worker's result with shared_launch(name) -> (result, workdir). Every job of the same world size that
+# the selected tests need (a test of its module selected, not skipped by a mark, and, with "param", parametrized
+# with P) runs in one launch (checks/jobs_worker.py): the ranks import torch, megatron-core and verl and meet once.
+# Running one file alone launches that file's jobs alone.
+_LAUNCH_JOBS = pytest.StashKey[dict]()
+_LAUNCH_WANTED = pytest.StashKey[list]()
+
+
+def _skipped(item) -> bool:
+    return any(m.name == "skip" or (m.name == "skipif" and m.args and m.args[0] is True) for m in item.iter_markers())
+
+
+def pytest_collection_finish(session):
+    jobs, wanted = {}, []
+    for item in session.items:
+        for name, job in (getattr(item.module, "LAUNCH", None) or {}).items():
+            assert jobs.setdefault(name, job) is job, f"two test modules declare the launch job {name!r}"
+            params = getattr(item, "callspec", None)
+            if name not in wanted and not _skipped(item) and (
+                    job.get("param") is None or (params and job["param"] in params.params.values())):
+                wanted.append(name)
+    session.config.stash[_LAUNCH_JOBS], session.config.stash[_LAUNCH_WANTED] = jobs, wanted
+
+
+@pytest.fixture(scope="session")
+def shared_launch(request, tmp_path_factory):
+    """shared_launch(name) -> (the job's result as run_torchrun returns it, its workdir); the first call of a world
+    size runs every wanted job of that size in one launch (a failed launch fails each of its jobs' tests)."""
+    from moe_lora_rl.checks.launch import run_torchrun_jobs
+
+    jobs, wanted = request.config.stash[_LAUNCH_JOBS], request.config.stash[_LAUNCH_WANTED]
+    done: dict = {}
+
+    def get(name: str):
+        if name not in done:
+            nproc = jobs[name]["nproc"]
+            names = [n for n in wanted if jobs[n]["nproc"] == nproc and n not in done]
+            names = names if name in names else [name]
+            dirs = {n: tmp_path_factory.mktemp(n) for n in names}
+            try:
+                got = run_torchrun_jobs(nproc, [(jobs[n]["module"], jobs[n]["args"](dirs[n])) for n in names],
+                                        timeout=sum(jobs[n].get("timeout", 900) for n in names))
+                done.update({n: (r, dirs[n]) for n, r in zip(names, got)})
+            except Exception as e:  # noqa: BLE001 - re-raised for each job of the launch
+                done.update({n: e for n in names})
+        if isinstance(done[name], Exception):
+            raise done[name]
+        return done[name]
+    return get

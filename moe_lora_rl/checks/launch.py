@@ -6,6 +6,8 @@ side of that protocol, the preamble every torchrun worker shares:
         ...
     finish_worker(result, a.result)     rank 0 writes the JSON; every rank leaves the process group together
 
+run_torchrun_jobs starts several workers' mains in one launch (jobs_worker.py): the ranks import and meet once.
+
 Environment set for every rank: OMP_NUM_THREADS=1 (2 cores, up to 4 ranks), TORCH_COMPILE_DISABLE=1 (megatron's
 jit_fuser is torch.compile, which costs 10-30 s per first call on CPU).
 """
@@ -57,14 +59,28 @@ def run_process(module: str, args: list[str], timeout: float = 1200, cwd=None, w
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def run_torchrun_jobs(nproc: int, jobs: list[tuple[str, list[str]]], timeout: float = 900) -> list[dict]:
+    """Several workers (module, its arguments) in one torchrun launch, in turn in the same ranks and process group
+    (jobs_worker.py): what each one's rank 0 reported, as run_torchrun would return it for that worker alone."""
+    with tempfile.TemporaryDirectory() as d:
+        spec = [[module, [*args, "--result", str(Path(d) / f"job{i}.json")]] for i, (module, args) in enumerate(jobs)]
+        run_torchrun("moe_lora_rl.checks.jobs_worker", nproc, ["--jobs", json.dumps(spec)], timeout)
+        return [json.loads((Path(d) / f"job{i}.json").read_text()) for i in range(len(jobs))]
+
+
+KEEP_GROUP = False          # set by jobs_worker while another job follows in this process group (finish_worker keeps it)
+
+
 def finish_worker(result: dict, path: str) -> None:
-    """Rank 0 writes the worker's JSON result; every rank then leaves the process group together."""
+    """Rank 0 writes the worker's JSON result; every rank then leaves the process group together (unless another
+    job of run_torchrun_jobs follows)."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    if not KEEP_GROUP:
+        dist.destroy_process_group()
 
 
 def worker_arg(rc: RunConfig) -> list[str]:

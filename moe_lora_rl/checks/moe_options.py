@@ -70,21 +70,30 @@ def compare(ref: dict, got: dict) -> dict:
 
 
 def run(models: list[str], variants: list[dict], cfg: LoRAConfig, workdir: Path, rc=None) -> dict:
+    return report(models, variants, workdir, run_torchrun("moe_lora_rl.checks.moe_options_worker", 2,
+                                                          worker_argv(models, variants, cfg, workdir, rc)))
+
+
+def worker_argv(models: list[str], variants: list[dict], cfg: LoRAConfig, workdir: Path, rc=None) -> list[str]:
+    """The data written to workdir and the worker's arguments (world size 2), for run or a shared launch."""
     from ..megatron.run_config import RunConfig
 
     if variants[0]["name"] != REFERENCE:
         raise ValueError(f"variants must start with the reference {REFERENCE!r}, got {variants[0]['name']!r}")
     workdir.mkdir(parents=True, exist_ok=True)
     make_data(models, workdir)
-    summary = run_torchrun("moe_lora_rl.checks.moe_options_worker", 2, [
-        "--models", ",".join(models), "--variants", json.dumps(variants), "--data", str(workdir / "data.pt"),
-        "--lora", json.dumps(cfg.to_dict()), "--out", str(workdir), *worker_arg(rc or RunConfig())])
+    return ["--models", ",".join(models), "--variants", json.dumps(variants), "--data", str(workdir / "data.pt"),
+            "--lora", json.dumps(cfg.to_dict()), "--out", str(workdir), *worker_arg(rc or RunConfig())]
+
+
+def report(models: list[str], variants: list[dict], workdir: Path, summary: dict) -> dict:
+    """The worker's summary with each variant compared to the reference (the tensors it saved in workdir)."""
     names = [v["name"] for v in variants] + [f"{v['name']}+{c}" for v in variants for c in v.get("controls", ())]
-    report: dict = {}
+    out: dict = {}
     for mi, m in enumerate(models):
         ref = torch.load(workdir / f"{REFERENCE}-m{mi}.pt")
         for name in names:
             rec = dict(summary[name][m])
             rec.update(compare(ref, torch.load(workdir / f"{name}-m{mi}.pt")))
-            report.setdefault(name, {})[m] = rec
-    return report
+            out.setdefault(name, {})[m] = rec
+    return out

@@ -12,8 +12,6 @@ Negative control at both layouts: the same checkpoint loaded without the optimiz
 """
 import pytest
 
-from moe_lora_rl.checks.launch import run_torchrun
-
 pytestmark = pytest.mark.dist
 
 
@@ -22,13 +20,22 @@ CASES = {"glm4_moe": ("glm4_moe/tiny", "tp2ep2", ("tp1ep1pp1", "pp2")),
          "deepseek_v3": ("deepseek_v3/tiny", "tp1ep1pp1", ("tp2ep2", "pp2"))}
 
 
+def _argv(case):
+    model, save, others = CASES[case]
+    return lambda out: ["--out", str(out), "--model", model, "--save-layout", save,
+                        "--load-layouts", ",".join((save, *others))]
+
+
+# each case in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {f"ckpt_{case}": {"nproc": 2, "module": "moe_lora_rl.checks.checkpoint_worker", "param": case,
+                           "args": _argv(case)} for case in CASES}
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def report(request, tmp_path_factory):
-    model, save, others = CASES[request.param]
-    out = tmp_path_factory.mktemp("ckpt")
-    rep = run_torchrun("moe_lora_rl.checks.checkpoint_worker", 2,
-                       ["--out", str(out), "--model", model, "--save-layout", save,
-                        "--load-layouts", ",".join((save, *others))])
+def report(request, shared_launch):
+    _, save, others = CASES[request.param]
+    got, out = shared_launch(f"ckpt_{request.param}")
+    rep = dict(got)
     rep.update(root=out / "ckpt", save=save, others=others)
     return rep
 

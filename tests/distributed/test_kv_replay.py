@@ -9,7 +9,6 @@ differ by > 1e-2.
 """
 import pytest
 
-from moe_lora_rl.checks.launch import run_torchrun
 from moe_lora_rl.checks.tolerances import PARITY_FP32
 
 pytestmark = [pytest.mark.dist]
@@ -17,11 +16,18 @@ pytestmark = [pytest.mark.dist]
 LAYOUTS = ("tp1ep1pp1", "tp2", "pp2")
 
 
-def test_trainer_replaying_the_eviction_matches_hf_with_the_held_tokens_at_every_layout():
+def _argv(workdir):
     from moe_lora_rl.models import get_model
 
-    rep = run_torchrun("moe_lora_rl.checks.kv_replay_worker", 2,
-                       ["--model", str(get_model("glm4_moe", "tiny")), "--layouts", ",".join(LAYOUTS)])
+    return ["--model", str(get_model("glm4_moe", "tiny")), "--layouts", ",".join(LAYOUTS)]
+
+
+# in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {"kv_replay": {"nproc": 2, "module": "moe_lora_rl.checks.kv_replay_worker", "args": _argv}}
+
+
+def test_trainer_replaying_the_eviction_matches_hf_with_the_held_tokens_at_every_layout(shared_launch):
+    rep, _ = shared_launch("kv_replay")
     assert sorted(rep["layouts"]) == sorted(LAYOUTS)
     assert min(rep["events_per_row"]) >= 2, rep
     for key, d in rep["layouts"].items():

@@ -20,12 +20,19 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("ver
                                                     reason="verl is not installed (the policy loss is verl's)")]
 
 
-@pytest.fixture(scope="module")
-def rep():
-    from moe_lora_rl.checks.launch import run_torchrun
+def _argv(workdir):
     from moe_lora_rl.models import get_model
 
-    return run_torchrun("moe_lora_rl.checks.minibatch_worker", 2, ["--model", str(get_model("glm4_moe", "tiny"))])
+    return ["--model", str(get_model("glm4_moe", "tiny"))]
+
+
+# in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {"minibatch": {"nproc": 2, "module": "moe_lora_rl.checks.minibatch_worker", "args": _argv}}
+
+
+@pytest.fixture(scope="module")
+def rep(shared_launch):
+    return shared_launch("minibatch")[0]
 
 
 def test_one_mini_batch_one_epoch_is_todays_update(rep):

@@ -16,16 +16,27 @@ import pytest
 from moe_lora_rl.checks.tolerances import GRAD_SPLIT, LAYOUT_LOGITS_REL
 from moe_lora_rl.megatron.cpu_support import mcore_version
 
-pytestmark = pytest.mark.dist
+# the legacy GroupedMLP is megatron-core 0.16's (a mark, not a skip in the fixture: the job then joins no launch)
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_version().startswith("0.16."),
+                                                    reason="grouped GEMM on the local spec needs megatron-core 0.16")]
+CFG = {"rank": 4, "alpha": 8.0}
 
 
-def _run(tmp_path_factory, variants):
-    from moe_lora_rl.checks.moe_options import run
-    from moe_lora_rl.lora import LoRAConfig
+def _models():
     from moe_lora_rl.models import get_model
 
-    models = [str(get_model("glm4_moe", "tiny"))]
-    return run(models, variants, LoRAConfig(rank=4, alpha=8.0), tmp_path_factory.mktemp("moe_options"))
+    return [str(get_model("glm4_moe", "tiny"))]
+
+
+def _argv(workdir):
+    from moe_lora_rl.checks.moe_options import VARIANTS, worker_argv
+    from moe_lora_rl.lora import LoRAConfig
+
+    return worker_argv(_models(), VARIANTS, LoRAConfig(**CFG), workdir)
+
+
+# in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {"moe_options": {"nproc": 2, "module": "moe_lora_rl.checks.moe_options_worker", "args": _argv}}
 
 
 def _check_equal(report, names):
@@ -38,12 +49,11 @@ def _check_equal(report, names):
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    from moe_lora_rl.checks.moe_options import VARIANTS
+def report(shared_launch):
+    from moe_lora_rl.checks.moe_options import VARIANTS, report as compared
 
-    if not mcore_version().startswith("0.16."):     # the legacy GroupedMLP is megatron-core 0.16's
-        pytest.skip("grouped GEMM on the local spec needs megatron-core 0.16")
-    return _run(tmp_path_factory, VARIANTS)
+    summary, workdir = shared_launch("moe_options")
+    return compared(_models(), VARIANTS, workdir, summary)
 
 
 def test_moe_options_equal_plain_layout(report):
@@ -68,9 +78,9 @@ def test_controls_fail(report):
 @pytest.mark.slow
 def test_more_moe_options_equal_plain_layout(tmp_path_factory):
     """tp2, tp2etp2 with overlap, ep2 with overlap, the allgather dispatcher at tp2 and etp2, etp2 grouped GEMM."""
-    from moe_lora_rl.checks.moe_options import MORE_VARIANTS, REFERENCE
+    from moe_lora_rl.checks.moe_options import MORE_VARIANTS, REFERENCE, run
+    from moe_lora_rl.lora import LoRAConfig
 
-    if not mcore_version().startswith("0.16."):
-        pytest.skip("grouped GEMM on the local spec needs megatron-core 0.16")
-    report = _run(tmp_path_factory, [{"name": REFERENCE, "layout": "tp1"}] + MORE_VARIANTS)
+    report = run(_models(), [{"name": REFERENCE, "layout": "tp1"}] + MORE_VARIANTS, LoRAConfig(**CFG),
+                 tmp_path_factory.mktemp("moe_options"))
     _check_equal(report, [v["name"] for v in MORE_VARIANTS])

@@ -23,17 +23,20 @@ import importlib.util
 
 import pytest
 
-from moe_lora_rl.checks.launch import run_torchrun
-
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("verl") is None,
                                                     reason="verl is not installed (the policy loss is verl's)")]
 
 LAYOUTS = ("tp1ep1pp1", "tp2ep2", "pp2ep2")
 
 
+# in one launch with the other 4-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {"policy_update": {"nproc": 4, "module": "moe_lora_rl.checks.policy_update_worker",
+                            "args": lambda workdir: ["--layouts", ",".join(LAYOUTS)]}}
+
+
 @pytest.fixture(scope="module")
-def rep():
-    return run_torchrun("moe_lora_rl.checks.policy_update_worker", 4, ["--layouts", ",".join(LAYOUTS)])
+def rep(shared_launch):
+    return shared_launch("policy_update")[0]
 
 
 def _each(rep):

@@ -29,10 +29,18 @@ MOE_LAYERS = ("1", "2", "3")
 RUNS = {"ci": (2, ("tp2ep2",)), "slow": (4, ("tp1ep1pp1", "pp2ep2"))}
 
 
+# CI's run in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {"recompute": {"nproc": RUNS["ci"][0], "module": "moe_lora_rl.checks.recompute_worker", "param": "ci",
+                        "args": lambda workdir: ["--layouts", ",".join(RUNS["ci"][1])]}}
+
+
 @pytest.fixture(scope="module", params=[pytest.param("ci"), pytest.param("slow", marks=pytest.mark.slow)])
-def rep(request):
+def rep(request, shared_launch):
     nproc, layouts = RUNS[request.param]
-    got = run_torchrun("moe_lora_rl.checks.recompute_worker", nproc, ["--layouts", ",".join(layouts)])
+    if request.param == "ci":
+        got, _ = shared_launch("recompute")
+    else:
+        got = run_torchrun("moe_lora_rl.checks.recompute_worker", nproc, ["--layouts", ",".join(layouts)])
     assert tuple(got) == layouts
     return got
 

@@ -1,6 +1,7 @@
 """Our engine inside verl: verl's real TrainingWorker (infer_batch / train_batch, ppo_loss, no_lora_adapter,
 routed_experts) at tp2ep2 and pp2ep2 on the tiny GLM-4.5-style model, against a tp1ep1pp1 reference computed
-without our engine (build_from_hf, forward_logits, verl's policy losses via algos). One torchrun launch of 4 ranks.
+without our engine (build_from_hf, forward_logits, verl's policy losses via algos). 4 ranks, in the torchrun launch
+of the other 4-rank workers (tests/conftest.py's shared_launch).
 
 Tolerances: losses within 1e-5. Log-probs within 1e-5 or twice the fp32 floor, whichever is larger: the floor is
 the unsharded model against itself on the same rows run in microbatches of a different shape (the tiny model's
@@ -17,14 +18,20 @@ pytestmark = [pytest.mark.dist, pytest.mark.verl]
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def out():
+def _argv(workdir):
     from moe_lora_rl.models import get_model
-    from moe_lora_rl.checks.launch import run_torchrun
 
-    return run_torchrun("moe_lora_rl.checks.verl_worker", 4, ["--model", str(get_model("glm4_moe", "tiny")),
-                                                              "--layouts", "tp2ep2,pp2ep2",
-                                                              "--adapter-layouts", "tp1,tp2ep2"])
+    return ["--model", str(get_model("glm4_moe", "tiny")), "--layouts", "tp2ep2,pp2ep2",
+            "--adapter-layouts", "tp1,tp2ep2"]
+
+
+# in one launch with the other 4-rank workers on the tiny models (tests/conftest.py)
+LAUNCH = {"verl_engine": {"nproc": 4, "module": "moe_lora_rl.checks.verl_worker", "args": _argv}}
+
+
+@pytest.fixture(scope="module")
+def out(shared_launch):
+    return shared_launch("verl_engine")[0]
 
 
 @pytest.fixture(scope="module")
