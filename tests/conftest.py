@@ -7,18 +7,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def _trained_run(workdir):
+    from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
+    from moe_lora_rl.lora import LoRAConfig
+
+    return dict(models=resolve_models(None), layouts=DEFAULT_LAYOUTS, cfg=LoRAConfig(rank=4, alpha=8.0),
+                workdir=workdir)
+
+
 @pytest.fixture(scope="session")
-def lora_trained(tmp_path_factory):
+def lora_trained(lora_runs):
     """Expert LoRA (rank 4, alpha 8) trained 3 steps at every default layout, both models, once per session:
     tests/distributed/test_lora_layouts.py compares the layouts, tests/e2e/test_refit_vllm.py pushes the adapters
     trained at tp2ep2 and pp2ep2 to vLLM. Returns (models, report, workdir: blobs LAYOUT-mI.pt and data.pt, the LoRAConfig)."""
-    from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
-    from moe_lora_rl.checks.lora_layouts import run
-    from moe_lora_rl.lora import LoRAConfig
-
-    work = tmp_path_factory.mktemp("lora")
-    models, cfg = resolve_models(None), LoRAConfig(rank=4, alpha=8.0)
-    return models, run(models, DEFAULT_LAYOUTS, cfg, work), work, cfg
+    report, work = lora_runs("lora_trained")
+    run = _trained_run(work)
+    return run["models"], report, work, run["cfg"]
 
 
 @pytest.fixture
@@ -47,9 +51,12 @@ def train_cli(monkeypatch, capsys):
 # and read its worker's result with shared_launch(name) -> (result, workdir). Every job of the same world size that
 # the selected tests need (a test of its module selected, not skipped by a mark, and, with "param", parametrized
 # with P) runs in one launch (checks/jobs_worker.py): the ranks import torch, megatron-core and verl and meet once.
+# Likewise LORA_RUNS = {name: {"fixture": F, "run": f(workdir) -> checks.lora_layouts.run's keyword arguments}}, read
+# with lora_runs(name) -> (report, workdir), needed by the selected tests that use fixture F: those runs go in
+# lockstep (lora_layouts.run_many: one launch for every reference, then one per world size).
 # Running one file alone launches that file's jobs alone.
-_LAUNCH_JOBS = pytest.StashKey[dict]()
-_LAUNCH_WANTED = pytest.StashKey[list]()
+_WANTED = pytest.StashKey[dict]()
+LORA_RUNS = {"lora_trained": {"fixture": "lora_trained", "run": _trained_run}}
 
 
 def _skipped(item) -> bool:
@@ -57,15 +64,19 @@ def _skipped(item) -> bool:
 
 
 def pytest_collection_finish(session):
-    jobs, wanted = {}, []
+    tables = {"LAUNCH": ({}, []), "LORA_RUNS": ({}, [])}
     for item in session.items:
-        for name, job in (getattr(item.module, "LAUNCH", None) or {}).items():
-            assert jobs.setdefault(name, job) is job, f"two test modules declare the launch job {name!r}"
-            params = getattr(item, "callspec", None)
-            if name not in wanted and not _skipped(item) and (
-                    job.get("param") is None or (params and job["param"] in params.params.values())):
-                wanted.append(name)
-    session.config.stash[_LAUNCH_JOBS], session.config.stash[_LAUNCH_WANTED] = jobs, wanted
+        for attr, (jobs, wanted) in tables.items():
+            declared = dict(getattr(item.module, attr, None) or {})
+            declared.update(LORA_RUNS if attr == "LORA_RUNS" else {})
+            for name, job in declared.items():
+                assert jobs.setdefault(name, job) is job, f"two test modules declare the {attr} job {name!r}"
+                params, uses = getattr(item, "callspec", None), job.get("fixture")
+                if name in wanted or _skipped(item) or (uses and uses not in item.fixturenames):
+                    continue
+                if job.get("param") is None or (params and job["param"] in params.params.values()):
+                    wanted.append(name)
+    session.config.stash[_WANTED] = tables
 
 
 @pytest.fixture(scope="session")
@@ -74,20 +85,38 @@ def shared_launch(request, tmp_path_factory):
     size runs every wanted job of that size in one launch (a failed launch fails each of its jobs' tests)."""
     from moe_lora_rl.checks.launch import run_torchrun_jobs
 
-    jobs, wanted = request.config.stash[_LAUNCH_JOBS], request.config.stash[_LAUNCH_WANTED]
+    jobs, wanted = request.config.stash[_WANTED]["LAUNCH"]
+
+    def launch(names, dirs):
+        nproc = jobs[names[0]]["nproc"]
+        return run_torchrun_jobs(nproc, [(jobs[n]["module"], jobs[n]["args"](dirs[n])) for n in names])
+    return _batches(tmp_path_factory, jobs, wanted, launch, lambda a, b: a["nproc"] == b["nproc"])
+
+
+@pytest.fixture(scope="session")
+def lora_runs(request, tmp_path_factory):
+    """lora_runs(name) -> (its checks.lora_layouts report, its workdir); the first call runs every wanted run."""
+    from moe_lora_rl.checks.lora_layouts import run_many
+
+    jobs, wanted = request.config.stash[_WANTED]["LORA_RUNS"]
+    def run(names, dirs):
+        return run_many([jobs[n]["run"](dirs[n]) for n in names])
+    return _batches(tmp_path_factory, jobs, wanted, run, lambda a, b: True)
+
+
+def _batches(tmp_path_factory, jobs, wanted, run, together):
+    """get(name) -> (result, workdir); its first call runs, through run(names, workdirs) -> results, every wanted job
+    not run yet that goes together with it (just it when it is not wanted); a failure fails each of those jobs."""
     done: dict = {}
 
     def get(name: str):
         if name not in done:
-            nproc = jobs[name]["nproc"]
-            names = [n for n in wanted if jobs[n]["nproc"] == nproc and n not in done]
+            names = [n for n in wanted if n not in done and together(jobs[n], jobs[name])]
             names = names if name in names else [name]
             dirs = {n: tmp_path_factory.mktemp(n) for n in names}
             try:
-                got = run_torchrun_jobs(nproc, [(jobs[n]["module"], jobs[n]["args"](dirs[n])) for n in names],
-                                        timeout=sum(jobs[n].get("timeout", 900) for n in names))
-                done.update({n: (r, dirs[n]) for n, r in zip(names, got)})
-            except Exception as e:  # noqa: BLE001 - re-raised for each job of the launch
+                done.update({n: (r, dirs[n]) for n, r in zip(names, run(names, dirs))})
+            except Exception as e:  # noqa: BLE001 - re-raised for each job of the batch
                 done.update({n: e for n in names})
         if isinstance(done[name], Exception):
             raise done[name]

@@ -61,10 +61,14 @@ def run_process(module: str, args: list[str], timeout: float = 1200, cwd=None, w
 
 def run_torchrun_jobs(nproc: int, jobs: list[tuple[str, list[str]]], timeout: float = 900) -> list[dict]:
     """Several workers (module, its arguments) in one torchrun launch, in turn in the same ranks and process group
-    (jobs_worker.py): what each one's rank 0 reported, as run_torchrun would return it for that worker alone."""
+    (jobs_worker.py): what each one's rank 0 reported, as run_torchrun would return it for that worker alone.
+    timeout: per job. One job is launched alone."""
+    if len(jobs) == 1:
+        module, args = jobs[0]
+        return [run_torchrun(module, nproc, args, timeout)]
     with tempfile.TemporaryDirectory() as d:
         spec = [[module, [*args, "--result", str(Path(d) / f"job{i}.json")]] for i, (module, args) in enumerate(jobs)]
-        run_torchrun("moe_lora_rl.checks.jobs_worker", nproc, ["--jobs", json.dumps(spec)], timeout)
+        run_torchrun("moe_lora_rl.checks.jobs_worker", nproc, ["--jobs", json.dumps(spec)], timeout * len(jobs))
         return [json.loads((Path(d) / f"job{i}.json").read_text()) for i in range(len(jobs))]
 
 

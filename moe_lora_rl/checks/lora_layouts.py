@@ -2,6 +2,7 @@
 
 reference layout tp1ep1pp1 (world 1) first; every other layout (one torchrun launch per world size) also loads the
 reference's sharded checkpoint into fresh adapters, so save-at-one-layout / load-at-another is checked too.
+run_many: several such runs in lockstep (every run's reference in one launch, then one launch per world size).
 peft_diff: a trained adapter exported to PEFT and loaded into HF transformers + peft, against Megatron+LoRA.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..lora import LoRAConfig
-from .launch import run_torchrun, worker_arg
+from .launch import run_torchrun_jobs, worker_arg
 from .layouts import dp_batch, group_by_world
 
 REFERENCE = "tp1ep1pp1"
@@ -41,21 +42,40 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
     controls: per non-reference layout, "controls": {"drop:TARGET" | "perturb:TARGET": max |logit diff| against
     the reference} with that target's adapters dropped or one factor perturbed (each must exceed the tolerance).
     peft: every layout also exports its trained adapter as the main job does (workdir/peft-LAYOUT-mI)."""
+    return run_many([dict(models=models, layouts=layouts, cfg=cfg, workdir=workdir, steps=steps, lr=lr,
+                          grouped=grouped, rc=rc, controls=controls, peft=peft)])[0]
+
+
+def run_many(runs: list[dict]) -> list[dict]:
+    """Each run's report (runs: run's keyword arguments); the runs in lockstep: every reference in one launch of one
+    rank, then per world size every run's layouts of that size in one launch (launch.run_torchrun_jobs)."""
     from ..megatron.layout import Layout
     from ..megatron.run_config import RunConfig
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    names = [n.strip() for n in layouts.split(",") if n.strip() and n.strip() != REFERENCE]
-    n = dp_batch([Layout.parse(x) for x in [REFERENCE] + names], 4)    # the same batch splits at every layout
-    load_info = make_data(models, workdir, n=n)
-    common = ["--models", ",".join(models), "--data", str(workdir / "data.pt"), "--lora", json.dumps(cfg.to_dict()),
-              "--steps", str(steps), "--lr", str(lr), "--out", str(workdir), *worker_arg(rc or RunConfig())]
-    common += ["--peft"] if peft else []
-    summary = run_torchrun("moe_lora_rl.checks.lora_worker", 1, common + ["--layouts", REFERENCE])
-    for world, group in group_by_world(",".join(names)).items():
-        summary.update(run_torchrun("moe_lora_rl.checks.lora_worker", world,
-                                    common + ["--layouts", ",".join(group), "--load-from", REFERENCE]
-                                    + (["--grouped"] if grouped else []) + (["--controls"] if controls else [])))
+    worker, plans = "moe_lora_rl.checks.lora_worker", []
+    for r in runs:
+        workdir = r["workdir"]
+        workdir.mkdir(parents=True, exist_ok=True)
+        names = [n.strip() for n in r["layouts"].split(",") if n.strip() and n.strip() != REFERENCE]
+        n = dp_batch([Layout.parse(x) for x in [REFERENCE] + names], 4)    # the same batch splits at every layout
+        load_info = make_data(r["models"], workdir, n=n)
+        common = ["--models", ",".join(r["models"]), "--data", str(workdir / "data.pt"),
+                  "--lora", json.dumps(r["cfg"].to_dict()), "--steps", str(r.get("steps", 3)),
+                  "--lr", str(r.get("lr", 1e-4)), "--out", str(workdir), *worker_arg(r.get("rc") or RunConfig())]
+        common += ["--peft"] if r.get("peft") else []
+        groups = {world: common + ["--layouts", ",".join(group), "--load-from", REFERENCE]
+                  + (["--grouped"] if r.get("grouped") else []) + (["--controls"] if r.get("controls") else [])
+                  for world, group in group_by_world(",".join(names)).items()}
+        plans.append((r["models"], workdir, names, load_info, common + ["--layouts", REFERENCE], groups))
+    summaries = run_torchrun_jobs(1, [(worker, p[4]) for p in plans])
+    for world in sorted({w for p in plans for w in p[5]}):
+        idx = [i for i, p in enumerate(plans) if world in p[5]]
+        for i, got in zip(idx, run_torchrun_jobs(world, [(worker, plans[i][5][world]) for i in idx])):
+            summaries[i].update(got)
+    return [_report(*p[:4], summary) for p, summary in zip(plans, summaries)]
+
+
+def _report(models: list[str], workdir: Path, names: list[str], load_info: dict, summary: dict) -> dict:
     report: dict = {"per_layout": {}, "expert_load": load_info}
     for mi, m in enumerate(models):
         ref = torch.load(workdir / f"{REFERENCE}-m{mi}.pt")

@@ -33,7 +33,7 @@ max |logit diff| 0.70 / 0.43; shuffled 1.47 / 1.43.
 import pytest
 
 from moe_lora_rl.checks.layouts import resolve_models
-from moe_lora_rl.checks.lora_layouts import REFERENCE, run as run_lora
+from moe_lora_rl.checks.lora_layouts import REFERENCE
 from moe_lora_rl.checks.parity import run as run_parity, token_errors
 from moe_lora_rl.checks.replay import run as run_replay
 from moe_lora_rl.checks.tolerances import BF16_UNIT_ROUNDOFF, FIDELITY_TOL, PARITY_BF16 as TARGET_BF16, TRAINED_BF16
@@ -87,17 +87,24 @@ def test_parity_bf16():
             assert r["control"] > 4 * TARGET_BF16, (layout, m, r)     # the metric against shifted logits fails
 
 
+def _lora_run(layouts, **kw):
+    return lambda workdir: dict(models=resolve_models(None), layouts=",".join(layouts),
+                                cfg=LoRAConfig(rank=4, alpha=8.0), workdir=workdir, lr=LR, **kw)
+
+
+# in lockstep with the other LoRA layout runs (tests/conftest.py's lora_runs)
+LORA_RUNS = {"lora_fp32_reference": {"fixture": "lora", "run": _lora_run((REFERENCE,))},
+             "lora_bf16": {"fixture": "lora", "run": _lora_run((REFERENCE,) + LAYOUTS, rc=BF16)}}
+
+
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory):
+def lora(lora_runs):
     import torch
 
     models = resolve_models(None)
-    work = tmp_path_factory.mktemp("lora_bf16")
-    cfg = LoRAConfig(rank=4, alpha=8.0)
-    run_lora(models, REFERENCE, cfg, work / "fp32", lr=LR)
-    rep = run_lora(models, ",".join((REFERENCE,) + LAYOUTS), cfg, work / "bf16", lr=LR, rc=BF16)
-    blobs = {(d, lay, m): torch.load(work / d / f"{lay}-m{i}.pt") for i, m in enumerate(models)
-             for d, lays in (("fp32", (REFERENCE,)), ("bf16", (REFERENCE,) + LAYOUTS)) for lay in lays}
+    (_, fp32), (rep, bf16) = lora_runs("lora_fp32_reference"), lora_runs("lora_bf16")
+    blobs = {(d, lay, m): torch.load(work / f"{lay}-m{i}.pt") for i, m in enumerate(models)
+             for d, work, lays in (("fp32", fp32, (REFERENCE,)), ("bf16", bf16, (REFERENCE,) + LAYOUTS)) for lay in lays}
     return models, rep, blobs
 
 

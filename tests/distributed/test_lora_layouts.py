@@ -160,10 +160,31 @@ def test_mla_lora_layout_invariant_all_variants(tmp_path_factory):
     _check_mla(models, report, MLA_LAYOUTS, sizes)
 
 
-def test_mla_lora_layout_invariant_smoke(tmp_path_factory, capsys):
-    """CI smoke of the above: both q_lora_rank variants at tp2ep2 and pp2ep2 (one launch of two ranks); the PEFT
-    export of the tp2ep2 run in HF transformers + peft."""
-    sizes, layouts = ("tiny", "tiny_lite"), "tp2ep2,pp2ep2"
-    models, report, work = _mla_run(tmp_path_factory, sizes, layouts)
+SMOKE_SIZES, SMOKE_LAYOUTS = ("tiny", "tiny_lite"), "tp2ep2,pp2ep2"
+
+
+def _smoke_run(workdir):
+    from moe_lora_rl.lora import LoRAConfig
+    from moe_lora_rl.models import get_model
+
+    return dict(models=[str(get_model("deepseek_v3", s)) for s in SMOKE_SIZES], layouts=SMOKE_LAYOUTS,
+                cfg=LoRAConfig(rank=4, alpha=8.0), workdir=workdir, controls=True, peft=True)
+
+
+# in lockstep with the other LoRA layout runs (tests/conftest.py's lora_runs)
+LORA_RUNS = {"lora_mla_smoke": {"fixture": "mla_smoke", "run": _smoke_run}}
+
+
+@pytest.fixture(scope="module")
+def mla_smoke(lora_runs):
+    report, work = lora_runs("lora_mla_smoke")
+    return _smoke_run(work)["models"], report, work
+
+
+def test_mla_lora_layout_invariant_smoke(mla_smoke, capsys):
+    """CI smoke of the above: both q_lora_rank variants at tp2ep2 and pp2ep2; the PEFT export of the tp2ep2 run in HF
+    transformers + peft."""
+    sizes, layouts = SMOKE_SIZES, SMOKE_LAYOUTS
+    models, report, work = mla_smoke
     _check_mla(models, report, layouts, sizes)
     _check_mla_peft(models, work, "tp2ep2", capsys)
