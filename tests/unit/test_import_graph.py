@@ -22,6 +22,7 @@ ALLOWED = {
     "procs": set(),
     "models": set(),
     "algos": set(),                                                # verl's pure functions, nothing of ours
+    "mismatch": set(),                                             # log-prob mismatch statistics, torch only
     "plan": {"models", "refit", "weight_sync"},                                     # models: the naming tables
     "weight_sync": {"models", "procs", "refit"},                                    # full-weight sync: its planner and calculator
     "megatron": {"models"},
@@ -32,17 +33,18 @@ ALLOWED = {
     "checkpoint": {"lora", "megatron", "models"},
     "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay"},
     "rollout": {"models", "procs", "refit", "router_replay", "vllm", "weight_sync"},
-    "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
-                    "procs", "weight_sync"},
-    "rl": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay", "procs"},
+    "integration": {"algos", "checkpoint", "lora", "megatron", "mismatch", "models", "policy", "refit", "router_replay",
+                    "vllm", "procs", "weight_sync"},
+    "rl": {"algos", "checkpoint", "lora", "megatron", "mismatch", "models", "policy", "refit", "rollout", "router_replay",
+           "procs"},
     "train": {"rl"},
     "data": {"rl"},                                                # datasets written in verl's row format
     "launch": {"rl"},                                              # moe-lora-rl train: checks, then the ranks
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
-    "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "models", "policy", "procs", "refit", "rl",
-               "rollout", "router_replay", "vllm", "weight_sync"},
-    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "models", "plan", "policy",
-              "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
+    "checks": {"algos", "checkpoint", "integration", "lora", "megatron", "mismatch", "models", "policy", "procs", "refit",
+               "rl", "rollout", "router_replay", "vllm", "weight_sync"},
+    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "mismatch", "models", "plan",
+              "policy", "procs", "refit", "rl", "rollout", "router_replay", "vllm", "weight_sync"},
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {

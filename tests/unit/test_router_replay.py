@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moe_lora_rl.router_replay.align import align_microbatch, spread_pad
-from moe_lora_rl.router_replay.metrics import k3_kl, ratio_below, ratio_exceeds, router_disagreement
+from moe_lora_rl.mismatch import k3_kl, ratio_below, ratio_exceeds
+from moe_lora_rl.router_replay.disagreement import router_disagreement
 from moe_lora_rl.router_replay.replay import Mode, RouteReplay
 from moe_lora_rl.router_replay.routes import RoutesBatch
 
@@ -265,7 +266,7 @@ def test_token_flags_or_over_a_stages_layers():
 
 
 def test_routes_disagreement_decisions_and_tokens():
-    from moe_lora_rl.router_replay.metrics import routes_disagreement
+    from moe_lora_rl.router_replay.disagreement import routes_disagreement
 
     g = torch.Generator().manual_seed(0)
     samples = [torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(n * 2)]).reshape(n, 2, 4).numpy()
