@@ -42,7 +42,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
+from ..vllm.staged_push import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from . import guard
 from .engine import make_engine, set_engine_env
 from .generate import start_capture
