@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ..checks.peer_task import TRACE_OVERRIDES
-from ..rl.diagnostics import LOW_TAIL_KEYS
+from ..mismatch import LOW_TAIL_KEYS
 from ..rl.metrics import read_jsonl
 from .async_rl import _ints
 from . import figures

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..lora.state import group_rank_size, slice_bounds
-from .plan import CRASH_ENV, LATEST, crash_action, step_of
+from .directory import CRASH_ENV, LATEST, crash_action, step_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 OPTIMIZER_FILE = "optimizer.json"

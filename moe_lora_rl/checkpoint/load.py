@@ -1,5 +1,5 @@
 """Reading a checkpoint (all ranks): the candidates in order (latest, then older complete ones), each verified
-before anything is copied, the same choice on every rank (checkpoint/store.py describes the format)."""
+before anything is copied, the same choice on every rank (checkpoint/api.py describes the format)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,9 @@ from ..lora.state import META_KEY
 from .attempts import FAILED, failed_steps
 from .common import (MOMENTS, OPTIMIZER_FILE, _gather, _line, _local_slice, _optimizer_params, _rank_world,
                      _read_pointer)
-from .plan import (FORMAT, LATEST, MANIFEST, OLD_PREFIX, IntegrityError, Piece, check_file, check_run_meta,
-                   plan_candidates, plan_reads, step_dir_name, step_of)
+from .directory import (FORMAT, LATEST, MANIFEST, OLD_PREFIX, IntegrityError, check_file, plan_candidates,
+                        step_dir_name, step_of)
+from .reshard_plan import Piece, check_run_meta, plan_reads
 
 
 

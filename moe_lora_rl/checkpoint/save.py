@@ -1,5 +1,5 @@
 """Writing a checkpoint (all ranks): this rank's shards, the manifest last, the commit by rename; debris of a
-crashed save tidied first (checkpoint/store.py describes the format and the guarantees)."""
+crashed save tidied first (checkpoint/api.py describes the format and the guarantees)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +14,8 @@ from ..lora.layers import adapter_factors
 from ..lora.state import META_KEY, is_owner
 from .common import (MOMENTS, OPTIMIZER_FILE, _barrier, _crash_point, _fsync, _gather, _jsonable, _local_slice,
                      _optimizer_params, _raise_shared, _rank_world, _read_pointer, _write, _write_error, latest_step)
-from .plan import (FORMAT, LATEST, LATEST_TMP, MANIFEST, OLD_PREFIX, TMP_PREFIX, plan_cleanup, sha256_file,
-                   step_dir_name, step_of)
+from .directory import (FORMAT, LATEST, LATEST_TMP, MANIFEST, OLD_PREFIX, TMP_PREFIX, plan_cleanup, sha256_file,
+                        step_dir_name, step_of)
 
 
 

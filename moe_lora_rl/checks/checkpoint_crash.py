@@ -106,8 +106,8 @@ def _two_ranks(out: Path) -> dict:
     import safetensors.torch
     import torch.distributed as dist
 
-    from ..checkpoint import store as ck
-    from ..checkpoint.plan import CRASH_ENV, MANIFEST
+    from ..checkpoint import api as ck
+    from ..checkpoint.directory import CRASH_ENV, MANIFEST
 
     rank = dist.get_rank()
     root = out / "ckpt"

@@ -19,7 +19,7 @@ from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..megatron.train_step import lm_train_step
 from ..models import get_model
-from ..checkpoint.store import describe_run, load_checkpoint, rng_state, save_checkpoint
+from ..checkpoint.api import describe_run, load_checkpoint, rng_state, save_checkpoint
 from .launch import finish_worker, worker_args
 
 

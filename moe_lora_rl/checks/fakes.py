@@ -2,7 +2,7 @@
 our worker extension (vllm/worker_ext.py) that hold no vLLM state, served by the plugin's own pure parts, so the fake
 answers what the engine answers:
 
-    moe_lora_begin / bucket / commit / abort / expire   the staged push (vllm/staging.py); begin refuses a version
+    moe_lora_begin / bucket / commit / abort / expire   the staged push (vllm/staged_push.py); begin refuses a version
                                                          not newer than the served one, commit is admitted by the
                                                          version table before the adapter is validated
     moe_lora_track / release / clear / status            the request versions (vllm/versions.py's VersionTable)
@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..transfer.interface import TransportBase
-from ..vllm.staging import Staging
+from ..vllm.staged_push import Staging
 from ..vllm.versions import VersionTable, check_inflight_config
 
 

@@ -108,7 +108,7 @@ def _to_cpu(obj):
 
 
 class IpcEngine(FakeEngine):
-    """The engine end of the handoff: FakeEngine's staged push (vllm/staging.py: begin, buckets, digest checked at
+    """The engine end of the handoff: FakeEngine's staged push (vllm/staged_push.py: begin, buckets, digest checked at
     commit) plus the worker extension's moe_lora_bucket_ipc itself (handles rebuilt on this device, copied, checked
     against the bucket's CRC), without its vLLM version check; `received` returns what the commit staged, on the
     CPU, for the byte comparison."""

@@ -67,7 +67,7 @@ def run_ours(out: Path, model: str | None, steps: int, seed: int, mode: str, rol
 
 def _ours_points(out: Path, model: str) -> list[list]:
     """[step, loop seconds, PEFT adapter] of each checkpoint before the last step (refit/export.checkpoint_to_peft)."""
-    from ..checkpoint.plan import step_of
+    from ..checkpoint.directory import step_of
     from ..refit.export import checkpoint_to_peft
 
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r}

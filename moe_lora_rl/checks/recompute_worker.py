@@ -28,7 +28,7 @@ from ..megatron.layout import Layout
 from ..megatron.parallel import init_distributed, teardown
 from ..models import get_model
 from ..policy.core import Policy
-from ..router_replay.replay import _in_backward
+from ..router_replay.replayer import in_backward
 from .adapters import randomize_adapters
 from .launch import finish_worker, worker_args
 from .policy_update_worker import make_batch, rel_diff
@@ -76,7 +76,7 @@ def _free_recompute(pol: Policy) -> None:
         replay = r.get_replay_topk
 
         def free(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None, _replay=replay):
-            if _in_backward():
+            if in_backward():
                 return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             return _replay(scores, topk, num_groups, group_topk, default_compute_topk)
 

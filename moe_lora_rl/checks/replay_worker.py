@@ -20,8 +20,9 @@ import torch.distributed as dist
 from ..megatron.forward import forward_logits, packed_inputs
 from ..policy.model import build_from_hf
 from ..router_replay.align import align_microbatch
-from ..router_replay.metrics import k3_kl, router_disagreement
-from ..router_replay.replay import Mode, RouterReplayer
+from ..mismatch import k3_kl
+from ..router_replay.disagreement import router_disagreement
+from ..router_replay.replayer import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
 from .dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
 from .launch import each_model_at_layout, finish_worker, worker_args

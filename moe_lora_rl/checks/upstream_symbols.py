@@ -130,7 +130,7 @@ HOOK_ROWS = [
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", (), "replaced", "megatron/cpu_support.py"),
     ("megatron.core.transformer.multi_latent_attention", "HAVE_TE", (), "set to False", "megatron/cpu_support.py"),
     ("megatron.core.transformer.moe.router", "TopKRouter.router_replay", (), "set per instance",
-     "router_replay/replay.py"),
+     "router_replay/replayer.py"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.dispatch_preprocess",
      ("hidden_states", "routing_map", "probs"), "wrapped per instance (checks)", "checks/dispatch_capture.py"),
 ]

@@ -51,7 +51,7 @@ def reference(path, arch, b, adv) -> dict:
     from ..megatron.parallel import init_distributed
     from ..megatron.run_config import RunConfig
     from ..router_replay.align import align_microbatch
-    from ..router_replay.replay import Mode, RouterReplayer
+    from ..router_replay.replayer import Mode, RouterReplayer
     from ..algos import GlobalBatch, policy_loss
     from ..integration.verl.config import lora_config
     from ..integration.verl.routes import routes_from_verl

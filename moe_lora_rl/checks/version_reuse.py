@@ -22,10 +22,10 @@ def _generate(llm, prompt: list[int], version: int, n: int = 8):
 
 
 def _k3(ref, got) -> float:
-    """k3 over the sampled tokens (router_replay.metrics.k3_kl); inf when the tokens themselves differ."""
+    """k3 over the sampled tokens (mismatch.k3_kl); inf when the tokens themselves differ."""
     import torch
 
-    from ..router_replay.metrics import k3_kl
+    from ..mismatch import k3_kl
 
     if ref[0] != got[0]:
         return float("inf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models.naming import MEGATRON
-from ..models.naming.base import ROUTER_TARGET
+from ..models.naming.tables import ROUTER_TARGET
 
 # target names (the linears of models/naming, plus "router" so that naming it gives a clear error)
 TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0],)

@@ -9,7 +9,7 @@ for the whole section: MoE options there) hands its recompute keys here. Every k
 HONOURED (passed to megatron-core 0.16.1's TransformerConfig), ACCEPTED (taken and not passed, with the reason), or
 refused as unknown. Activation recompute is the one memory option that matters for LoRA RL: the frozen
 base's activations are most of a training step's memory, and recomputing them in backward leaves the adapters'
-gradients exact (the router replays the same routes in the recompute: router_replay/replay.py).
+gradients exact (the router replays the same routes in the recompute: router_replay/replayer.py).
 """
 from __future__ import annotations
 

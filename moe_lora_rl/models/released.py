@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .naming import deepseek_v3
-from .naming.base import Offsets, owner, split_mtp
+from .naming.offsets import Offsets, owner, split_mtp
 
 MTP_EXTRA = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
               "embed_tokens.weight")

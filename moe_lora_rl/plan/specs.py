@@ -98,7 +98,7 @@ def attention_modules(cfg: dict) -> tuple[tuple[str, ...], tuple[tuple[int, int]
     from types import SimpleNamespace
 
     from ..models.naming import deepseek_v3, glm4_moe
-    from ..models.naming.base import dims
+    from ..models.naming.tables import dims
 
     H, heads = _g(cfg, "hidden_size"), _g(cfg, "num_attention_heads")
     if cfg.get("kv_lora_rank"):

@@ -181,7 +181,7 @@ class Policy:
         Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (no step, the version unchanged: a
         non-finite grad norm, policy/step.py, or every token rejected by "mis"), "pg_clipfrac", "kl" (verl's
         low-variance KL to ref_logprobs aggregated like the loss; 0 without them), "lr", "rollout_rejected_frac",
-        and with batch.rollout_logprobs "update_rollout_kl": the k3 (router_replay.metrics.k3_kl) between this
+        and with batch.rollout_logprobs "update_rollout_kl": the k3 (mismatch.k3_kl) between this
         forward's logprobs and the rollout's over the loss_mask tokens, before any rejection (the engine-vs-trainer
         check of the update pass itself)}, the same on every rank.
 
@@ -281,7 +281,7 @@ class Policy:
                 if kl_coef > 0:
                     total = pg + kl_coef * kl_loss
             k3 = 0.0
-            if rollout is not None:                 # router_replay.metrics.k3_kl's (r - 1) - log r, summed
+            if rollout is not None:                 # mismatch.k3_kl's (r - 1) - log r, summed
                 with torch.no_grad():
                     log_r = (lp.detach().cpu() - rollout[ids].float()).double()
                     k3 = float(((torch.expm1(log_r) - log_r) * valid[ids]).sum())

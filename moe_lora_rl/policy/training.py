@@ -23,7 +23,7 @@ from ..megatron.forward import run_schedule
 from ..megatron.layout import Layout
 from ..megatron.moe_options import transformer_overrides
 from ..megatron.run_config import RunConfig
-from ..router_replay.replay import Mode, RouterReplayer
+from ..router_replay.replayer import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
 from ..router_replay.staging import (check_routes, disagreement, gather_recorded, queue_routes, stage_view,
                                      token_disagreement)

@@ -157,7 +157,7 @@ class SafetensorsWriter:
 
 
 def checkpoint_to_peft(ckpt_dir: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
-    """A training checkpoint's adapters (a step directory of checkpoint/store.py, saved at any layout: the main job's
+    """A training checkpoint's adapters (a step directory of checkpoint/api.py, saved at any layout: the main job's
     or verl's through our engine) as a PEFT adapter of the HF checkpoint MODEL_DIR."""
     from ..lora.state import read_full
     from ..models.arch import load_arch

@@ -114,7 +114,7 @@ class AsyncGRPORun(GRPORun):
             return [0.0] * len(self.engines)
 
     def step_metrics(self, samples, dropped: int, version: int, batch, proximal, wait_s: float) -> dict:
-        from ..router_replay.metrics import k3_kl
+        from ..mismatch import k3_kl
         from .samples import token_versions
         from .step import effective_sample_size
 

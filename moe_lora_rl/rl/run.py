@@ -385,7 +385,7 @@ class GRPORun(RunCheckpoints, EngineRecovery):
     def stepped(self, step: int) -> None:
         """A step finished: the first after a resume clears the resume's mark (checkpoint/attempts.py)."""
         if self.resuming and step == self.start and self.rank == 0:
-            from ..checkpoint.store import resume_succeeded
+            from ..checkpoint.api import resume_succeeded
 
             resume_succeeded(self.out / "checkpoints")
 

@@ -14,13 +14,13 @@ class RunCheckpoints:
         """What must not change across a resume (the layout may: adapters and optimizer state reshard)."""
         from dataclasses import asdict
 
-        from ..checkpoint.store import describe_run
+        from ..checkpoint.api import describe_run
 
         return describe_run(self.path, self.policy.lora, seed=self.cfg.seed, algo=asdict(self.cfg.algo),
                             data=asdict(self.cfg.data), replay=self.cfg.replay)
 
     def save(self, step: int, history: list, evals: dict, **extra) -> None:
-        from ..checkpoint.store import rng_state, save_checkpoint
+        from ..checkpoint.api import rng_state, save_checkpoint
 
         save_checkpoint(self.out / "checkpoints", step, self.policy.model, self.policy.optimizer,
                         run_meta=self.run_meta(), state={"step": step, "version": self.policy.version,
@@ -31,7 +31,7 @@ class RunCheckpoints:
         """resume=true, or resume=auto with a checkpoint to load (rank 0 looks; every rank learns). First, a
         checkpoint the previous start resumed from and failed on is recorded, never to be loaded again
         (checkpoint/attempts.py); resume=auto with checkpoints but none left to load is refused, not a fresh start."""
-        from ..checkpoint.store import failed_steps, record_failed_resume, resumable_step
+        from ..checkpoint.api import failed_steps, record_failed_resume, resumable_step
 
         root = self.out / "checkpoints"
         found = failed = None
@@ -54,7 +54,7 @@ class RunCheckpoints:
     def resume(self) -> tuple[int, list, dict, dict]:
         """Load the latest checkpoint (before the engine starts: a refusal starts nothing); the engine then gets
         that adapter version. Returns (step, history, evals, the whole saved state)."""
-        from ..checkpoint.store import load_checkpoint, mark_resuming, set_rng_state
+        from ..checkpoint.api import load_checkpoint, mark_resuming, set_rng_state
 
         state = load_checkpoint(self.out / "checkpoints", self.policy.model, self.policy.optimizer,
                                 run_meta=self.run_meta())

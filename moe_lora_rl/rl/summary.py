@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .diagnostics import LOW_TAIL_KEYS
+from ..mismatch import LOW_TAIL_KEYS
 from .samples import _numel
 
 

@@ -19,7 +19,7 @@ connection error. restart() starts a fresh process on the same port with the sam
 model (push the current adapter again). Bad arguments are a ValueError before anything is sent.
 
 stage_timeout_s: an adapter stage with no begin or bucket for that long (its sender died mid-push) is aborted by the
-engine itself, so later pushes are not refused forever (vllm/staging.py; default DEFAULT_STAGE_TIMEOUT_S, 600 s).
+engine itself, so later pushes are not refused forever (vllm/staged_push.py; default DEFAULT_STAGE_TIMEOUT_S, 600 s).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from ..procs import free_port
-from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
+from ..vllm.staged_push import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from .engine import engine_env
 from .engine_transport import EngineHttpTransport, EngineTransport
 from .expert_precision import check_expert_precision

@@ -52,7 +52,7 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
             raise ValueError(f"serving={serving!r}: expected one of {SERVING_MODES}")
         llm_kw["additional_config"] = {**llm_kw.get("additional_config", {}), "moe_lora_serving": serving}
     if stage_timeout_s is not None:
-        from ..vllm.staging import check_stage_timeout
+        from ..vllm.staged_push import check_stage_timeout
 
         llm_kw["additional_config"] = {**llm_kw.get("additional_config", {}),
                                        "moe_lora_stage_timeout_s": check_stage_timeout(stage_timeout_s)}

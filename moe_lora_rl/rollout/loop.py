@@ -61,8 +61,8 @@ class _Command:
 
 
 def _base_timeout(llm, value: float | None) -> float:
-    """base_timeout_s: the value given, else the engine's moe_lora_stage_timeout_s (vllm/staging.py's default)."""
-    from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
+    """base_timeout_s: the value given, else the engine's moe_lora_stage_timeout_s (vllm/staged_push.py's default)."""
+    from ..vllm.staged_push import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 
     if value is None:
         extra = getattr(getattr(llm.llm_engine, "vllm_config", None), "additional_config", None) or {}

@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 
-from ..vllm.staging import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
+from ..vllm.staged_push import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from . import guard
 from .endpoints import Server, make_handler
 from .engine import make_engine, set_engine_env

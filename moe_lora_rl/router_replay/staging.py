@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .align import align_microbatch, real_token_mask, unalign_microbatch
-from .replay import RouterReplayer
+from .replayer import RouterReplayer
 from .routes import RoutesBatch
 
 

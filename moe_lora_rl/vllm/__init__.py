@@ -5,6 +5,14 @@ it changes nothing. Everything we change in vLLM is applied by the worker extens
 moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension (pass it as worker_extension_cls) on its first moe_lora_* call,
 after checking the vLLM version it was written for (compat.check_vllm_version): on another version our calls fail
 with that error and vLLM stays untouched. This package imports nothing from Megatron.
+
+What it holds: the worker extension (worker_ext.py: adapter pushes, request versions, route capture; entry.py: the
+first-call hook; base_entries.py: the base weights' entries), the staged-push state machine (staged_push.py), the
+expert-LoRA runtime (runtime.py, token_groups.py: several versions per step; merge.py, mla_merge.py, moe_torch.py;
+versions.py: the version table), route capture (capture.py, prefix_routes.py, step_hooks.py), the full-base sync
+(base_sync.py, base_export.py: a peer's base; reload_txn.py), adapter validation (adapter_set.py), KV compression
+(kv_select.py, kv_evict.py), what an MLA checkpoint needs before an engine starts (mla_config.py), and the vLLM
+fixes the extension applies (reload_fix.py, rope_fix.py; compat.py: the version check).
 """
 
 # the one spelling of the extension's class path (engines are built by moe_lora_rl.rollout.engine.make_engine)

@@ -19,9 +19,9 @@ under expert parallelism):
 Adapter versions (versions.py holds the policy): `switch` holds one version, the newest, for every token;
 `pin` (unmerged only) holds up to max_versions versions at once and serves each request on the version it was
 tracked with. A step with several versions is planned once, before its forward (a step_hooks.py listener): the
-tokens grouped by version; each linear hook adds every group's own delta to its rows, and the routed experts route
-all tokens once and run the expert MLP per group with that version's factors (Punica / S-LoRA style multi-LoRA
-batching). A step whose tokens all run on one version takes the single-version code, no index copies.
+tokens grouped by version (token_groups.py); each linear hook adds every group's own delta to its rows, and the
+routed experts route all tokens once and run the expert MLP per group with that version's factors (Punica / S-LoRA
+style multi-LoRA batching). A step whose tokens all run on one version takes the single-version code, no index copies.
 
 A new version is swapped in by reference after it was fully validated (and, merged, after every layer was staged),
 so a failed push leaves the served versions as they were. Supports vLLM tensor parallel size 1 (the CPU engine's
@@ -32,7 +32,6 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..models.arch import MoEArch, arch_from_hf_config
@@ -43,6 +42,7 @@ from .merge import MergedExperts
 from .mla_merge import KV_B, KvBMerge
 from .moe_torch import (EXPERT_PRECISION, BaseExperts, ExpertLoRA, load_base_experts, routed_experts,
                         stack_expert_lora)
+from .token_groups import TokenGroups, linear_delta
 from .versions import (UNTRACKED_SALT, VersionTable, cache_salt, check_inflight_config, check_mode,
                        external_id)
 
@@ -62,42 +62,6 @@ def _router(block):
         if router is not None and hasattr(router, "set_capture_fn"):
             return router
     raise ValueError(f"no MoE router with a capture hook in {type(block).__name__}")
-
-
-def linear_delta(x: torch.Tensor, mods: dict, parts: tuple[str, ...], sizes: list[int], scale: float) -> torch.Tensor:
-    """s * B(A(x)) of one (fused) linear in fp32 [rows, sum(sizes)]: one slice per part, zeros for parts the
-    adapter does not have."""
-    deltas = []
-    for p, n in zip(parts, sizes):
-        if p in mods:
-            A, B = mods[p]
-            deltas.append(((x.to(A.dtype) @ A.t()) @ B.t()) * scale)
-        else:
-            deltas.append(x.new_zeros(*x.shape[:-1], n, dtype=torch.float32))
-    return torch.cat(deltas, dim=-1)
-
-
-class TokenGroups:
-    """The adapter version of every token of one step, grouped: [(version, token indices), ...]. Tokens past the
-    step's own (padding the forward adds) join the last request's version. One version: [(version, None)]."""
-
-    def __init__(self, versions: list, query_start_loc: np.ndarray):
-        self.versions = list(dict.fromkeys(versions))                        # distinct, first appearance order
-        code = {v: c for c, v in enumerate(self.versions)}
-        self.codes = np.repeat([code[v] for v in versions], np.diff(query_start_loc)).astype(np.int64)
-        self._cache: dict = {}
-
-    def groups(self, num_tokens: int, device) -> list:
-        if len(self.versions) == 1:
-            return [(self.versions[0], None)]
-        key = (num_tokens, str(device))
-        if key not in self._cache:
-            n = len(self.codes)
-            assert num_tokens >= n, f"a forward of {num_tokens} tokens in a step of {n} planned tokens"
-            codes = np.concatenate([self.codes, np.full(num_tokens - n, self.codes[-1] if n else 0)])
-            self._cache[key] = [(v, torch.from_numpy(np.flatnonzero(codes == c)).to(device))
-                                for c, v in enumerate(self.versions) if (codes == c).any()]
-        return self._cache[key]
 
 
 def _check_precision(p: str) -> str:

@@ -2,64 +2,30 @@
 pushes reach the worker through collective_rpc, in process or over the server's /collective_rpc endpoint.
 
 vLLM 0.32 mixes the extension into its worker class as an extra base and never calls its __init__, so the first
-moe_lora_* call is the hook: every entry point checks the vLLM version first (ValueError, nothing changed) and then
-applies our fixes to vLLM once per worker process (reload_fix) and to its loaded model once per worker (rope_fix);
-make_engine calls moe_lora_prepare right after the engine is built, so they are in place before any request.
+moe_lora_* call is the hook (entry.py): every entry point checks the vLLM version first (ValueError, nothing changed)
+and then applies our fixes to vLLM once per worker process (reload_fix) and to its loaded model once per worker
+(rope_fix); make_engine calls moe_lora_prepare right after the engine is built, so they are in place before any
+request. Here: adapter pushes (one-shot, staged, shared memory, CUDA IPC), request versions and route capture; the
+base weights' entries and a peer's base export are base_entries.py's, mixed in.
 
 Engine settings come from vLLM's additional_config: moe_lora_serving ("unmerged" | "merged"), moe_lora_inflight
 ("switch" | "pin"), moe_lora_max_versions, moe_lora_on_full ("wait" | "refuse"); checked by
 versions.check_inflight_config on the first moe_lora_* call that needs them. With pin, the engine loop tracks each
 request's version before adding it (moe_lora_track) and releases it when it ended (moe_lora_release).
-moe_lora_stage_timeout_s (default staging.DEFAULT_STAGE_TIMEOUT_S): an open stage with no begin or bucket for that
+moe_lora_stage_timeout_s (default staged_push.DEFAULT_STAGE_TIMEOUT_S): an open stage with no begin or bucket for that
 long is aborted by the engine (moe_lora_expire, called periodically by the engine server, or the next begin), with
 one line in the engine's log.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..transfer.wire import decode_blob
 from .adapter_set import build_adapter_set
-from .compat import check_vllm_version
+from .base_entries import BaseWeightEntries
+from .entry import ensure_model_ready, entry
 
-_FIXES_APPLIED = False
-
-
-def _ensure_ready() -> None:
-    """The version check and the fixes, once per process (every push calls several entries)."""
-    global _FIXES_APPLIED
-    if _FIXES_APPLIED:
-        return
-    check_vllm_version()
-    from . import reload_fix
-
-    reload_fix.apply()
-    _FIXES_APPLIED = True
-
-
-def _ensure_model_ready(worker) -> dict:
-    """The fixes that act on the loaded model's modules (rope_fix), once per worker."""
-    done = getattr(worker, "_moe_lora_model_fixes", None)
-    if done is None:
-        from . import rope_fix
-
-        done = worker._moe_lora_model_fixes = {"mla_rope_routed": rope_fix.apply(worker.model_runner.model)}
-    return done
-
-
-def entry(method):
-    """An extension method callable through collective_rpc: version check and fixes before its body."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        _ensure_ready()
-        _ensure_model_ready(self)
-        return method(self, *args, **kwargs)
-    return wrapper
-
-
-class MoELoRAWorkerExtension:
+class MoELoRAWorkerExtension(BaseWeightEntries):
     def _moe_lora_config(self) -> dict:
         """The engine's moe_lora_* settings, checked (ValueError naming a bad value)."""
         from .versions import check_inflight_config
@@ -101,7 +67,7 @@ class MoELoRAWorkerExtension:
     def moe_lora_prepare(self) -> dict:
         """Apply the fixes (version check, reload_fix, rope_fix) before the first request: make_engine calls it on
         every engine it builds. Returns what the model fixes changed."""
-        return dict(_ensure_model_ready(self))
+        return dict(ensure_model_ready(self))
 
     @entry
     def moe_lora_push(self, version: int, checksum: str, tensors: dict, rank: int, alpha: float) -> dict:
@@ -145,7 +111,7 @@ class MoELoRAWorkerExtension:
     def _moe_lora_staging(self):
         st = getattr(self, "_moe_lora_stage", None)
         if st is None:
-            from .staging import DEFAULT_STAGE_TIMEOUT_S, Staging
+            from .staged_push import DEFAULT_STAGE_TIMEOUT_S, Staging
 
             extra = getattr(self.vllm_config, "additional_config", None) or {}
             timeout = extra.get("moe_lora_stage_timeout_s", DEFAULT_STAGE_TIMEOUT_S)
@@ -171,7 +137,7 @@ class MoELoRAWorkerExtension:
     @entry
     def moe_lora_begin(self, version: int, checksum: str, rank: int, alpha: float, num_buckets: int,
                        sender_pid: int | None = None, owner: str | None = None) -> dict:
-        """Open the stage of `version`; refused while another version's push is in flight (vllm/staging.py).
+        """Open the stage of `version`; refused while another version's push is in flight (vllm/staged_push.py).
         sender_pid: a sender on this host, whose stage may be replaced once that process is gone. owner: the
         policy whose version it is, when several share the engine (vllm/versions.py)."""
         return self._moe_lora_begin(version, checksum, rank, alpha, num_buckets, sender_pid, owner)
@@ -344,101 +310,3 @@ class MoELoRAWorkerExtension:
             cap.stop()
             self._moe_lora_capture = None
         return {"stopped": True}
-
-    # -- the base weights (vllm/base_sync.py): sent through vLLM's start/update/finish_weight_update ----------------
-    @entry
-    def moe_lora_base_init(self, keep: bool = False) -> dict:
-        """Our full-weight backend as this worker's weight-transfer engine; the base comes before any adapter. keep:
-        the version that serves next keeps its checkpoint bytes for a peer (moe_lora_base_export_begin)."""
-        from .base_sync import BACKEND, install
-
-        rt = getattr(self, "_moe_lora_rt", None)
-        if rt is not None and rt.table.held:
-            raise ValueError(f"adapter versions {rt.table.held} are served: the base is synced before any adapter")
-        eng = install(self)
-        self._moe_lora_base_expire(eng, refuse=True)
-        eng.set_keep(keep)
-        eng.on_served = self._moe_lora_base_served
-        return {"backend": BACKEND, "served": eng.served}
-
-    def _moe_lora_base_served(self) -> None:
-        """A new base serves: every stored prompt route was computed under the old base (the base salt and the
-        untracked one alike), so the route store keeps only the held adapter versions' (none: the base is synced
-        before any adapter)."""
-        from .versions import cache_salt
-
-        cap = getattr(self, "_moe_lora_capture", None)
-        if cap is not None:
-            rt = getattr(self, "_moe_lora_rt", None)
-            cap.new_weights({cache_salt(v) for v in (rt.table.held if rt is not None else ())})
-
-    def _moe_lora_base_expire(self, eng, refuse: bool = False) -> bool:
-        """An open base update (start_weight_update without finish or abort) idle for stage_timeout_s is aborted,
-        with one line in the log (its sender died between start and finish); refuse: a younger one is refused
-        (ValueError) rather than left to a second sender. True when one was aborted."""
-        if not getattr(self, "_weight_update_active", False):
-            return False
-        timeout, idle = self._moe_lora_staging().timeout_s, eng.idle_s()
-        if idle < timeout:
-            if refuse:
-                raise ValueError(f"a base update is open on this engine (version {eng.version}, idle {idle:.1f} s): "
-                                 f"finish it, moe_lora_base_abort, or let it expire ({timeout:g} s without progress)")
-            return False
-        print(f"moe_lora: base update of version {eng.version} aborted: no bucket for {idle:.1f} s (stage_timeout_s "
-              f"{timeout:g}); base version {eng.served} stays served", flush=True)
-        self.moe_lora_base_abort()
-        return True
-
-    @entry
-    def moe_lora_base_abort(self) -> dict:
-        """Drop an open base update (what arrived of it is discarded; the weights were not touched)."""
-        from .base_sync import install
-
-        eng = install(self)
-        eng.abort()
-        if getattr(self, "_weight_update_active", False):
-            eng.reset_weight_update_target()
-            self._weight_update_active = False
-        return {"served": eng.served}
-
-    # -- a peer's base: an engine that starts empty gets the checkpoint bytes a live engine kept -----------------
-    @entry
-    def moe_lora_base_export_begin(self, bucket_bytes: int) -> dict:
-        """Open an export of the base this engine keeps (synced with keep) for a peer: {version, buckets, bytes}.
-        ValueError when it keeps none."""
-        from .base_sync import engine_class
-
-        eng = getattr(self, "weight_transfer_engine", None)
-        if eng is None or type(eng) is not engine_class():
-            raise ValueError("this engine keeps no copy of its base to give a peer (it was loaded from disk, "
-                             "never synced, or synced without keep)")
-        self.moe_lora_base_export_end()
-        self._moe_lora_export = eng.export(int(bucket_bytes))
-        return self._moe_lora_export.begin()
-
-    @entry
-    def moe_lora_base_export_bucket(self, index: int, inline: bool = False) -> dict:
-        """Bucket `index` of the open export (written now), as the peer's update_weights takes it; inline: with its
-        bytes (transport http, for a peer on another host)."""
-        exp = getattr(self, "_moe_lora_export", None)
-        if exp is None:
-            raise ValueError("no base export is open on this engine (moe_lora_base_export_begin first)")
-        return exp.bucket(int(index), bool(inline))
-
-    @entry
-    def moe_lora_base_export_end(self) -> dict:
-        """Close the export (its shared-memory segments removed); idempotent."""
-        exp, self._moe_lora_export = getattr(self, "_moe_lora_export", None), None
-        if exp is not None:
-            exp.close()
-        return {"closed": exp is not None}
-
-    @entry
-    def moe_lora_base_status(self) -> dict:
-        """served: the base version these weights are (None: never synced), and the receiver's timers."""
-        from .base_sync import engine_class
-
-        eng = getattr(self, "weight_transfer_engine", None)
-        if eng is None or type(eng) is not engine_class():
-            return {"served": None}
-        return {"served": eng.served, **eng.timers}

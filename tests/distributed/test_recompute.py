@@ -1,4 +1,4 @@
-"""Activation recompute with R3 replay (megatron/transformer_options.py, router_replay/replay.py's recompute queue,
+"""Activation recompute with R3 replay (megatron/transformer_options.py, router_replay/replayer.py's recompute queue,
 build.frozen_base_recompute), checks/recompute_worker.py on the tiny GLM4-MoE: in CI one torchrun launch of 2 ranks
 at tp2ep2 (sequence parallel, experts split); marked slow, 4 ranks at tp1ep1pp1 (dp4) and pp2ep2 (two stages, 1F1B
 over 4 microbatches). Random R3 routes (the router would choose otherwise in ~3/4 of the decisions).

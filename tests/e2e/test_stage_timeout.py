@@ -1,4 +1,4 @@
-"""Stages that expire (vllm/staging.py, moe_lora_expire run by the engine server between steps), one engine process
+"""Stages that expire (vllm/staged_push.py, moe_lora_expire run by the engine server between steps), one engine process
 on the tiny glm4_moe (fp32) with stage_timeout_s=3:
 
 - version 1 is pushed and served;

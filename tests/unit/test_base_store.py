@@ -74,7 +74,7 @@ def test_flipped_byte_moved_piece_and_later_write_are_refused(tmp_path, tensors)
 
 
 def test_a_held_segment_is_mapped_through_its_holders_descriptor(tmp_path, tensors):
-    """A peer's zero-copy export (vllm/base_sync.SharedExport): a segment mapped with keep_fd is mapped again through
+    """A peer's zero-copy export (vllm/base_export.SharedExport): a segment mapped with keep_fd is mapped again through
     proc_handle(fd) after its sender removed it, with the same bytes and the sender's digest; a byte flipped in the
     held pages is refused; a descriptor that is not one of our segments, or is closed, is refused by name."""
     from moe_lora_rl.transfer.shm import proc_handle

@@ -12,9 +12,9 @@ import torch
 
 from moe_lora_rl.lora.config import LoRAConfig
 from moe_lora_rl.lora.layers import FactorMeta
-from moe_lora_rl.checkpoint import store as ck
+from moe_lora_rl.checkpoint import api as ck
 from moe_lora_rl.checks.checkpoint_crash import make, step
-from moe_lora_rl.checkpoint.plan import Piece, plan_reads
+from moe_lora_rl.checkpoint.reshard_plan import Piece, plan_reads
 
 
 @pytest.fixture

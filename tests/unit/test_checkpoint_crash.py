@@ -1,4 +1,4 @@
-"""Crash-consistent checkpoints (checkpoint/store.py): a kill (os._exit in a forked child) at every named crash point
+"""Crash-consistent checkpoints (checkpoint/api.py): a kill (os._exit in a forked child) at every named crash point
 of a save leaves the previous checkpoint as the one loaded, bit for bit, until the commit; the next save tidies the
 debris. A damaged latest falls back to the previous one with one line on stderr; a refusal never falls back; a full
 disk is one OSError naming the file with the previous checkpoint intact. 2 gloo ranks agree on both (torchrun).
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lora_rl.checkpoint import store as ck
-from moe_lora_rl.checkpoint.plan import (CRASH_ENV, CRASH_POINTS, IntegrityError, MANIFEST, crash_action,
-                                         plan_candidates, plan_cleanup)
+from moe_lora_rl.checkpoint import api as ck
+from moe_lora_rl.checkpoint.directory import (CRASH_ENV, CRASH_POINTS, IntegrityError, MANIFEST, crash_action,
+                                              plan_candidates, plan_cleanup)
 from moe_lora_rl.checks.checkpoint_crash import adapters, equal, flip_byte, in_child, make, step
 
 # where a kill has committed the save: a new step at the `latest` rename, the same step again at the step-N rename

@@ -22,6 +22,7 @@ ALLOWED = {
     "procs": set(),
     "models": set(),
     "algos": set(),                                                # verl's pure functions, nothing of ours
+    "mismatch": set(),                                             # log-prob mismatch statistics, torch only
     "plan": {"models"},                                            # models: the naming tables
     "transfer": {"models", "procs"},                               # wire, buckets, transports: no LoRA, no Megatron
     "megatron": {"models"},
@@ -32,18 +33,18 @@ ALLOWED = {
     "checkpoint": {"lora", "megatron", "models"},
     "policy": {"algos", "lora", "megatron", "models", "refit", "router_replay", "transfer"},
     "rollout": {"models", "procs", "router_replay", "transfer", "vllm"},
-    "integration": {"algos", "checkpoint", "lora", "megatron", "models", "policy", "refit", "router_replay", "vllm",
-                    "procs", "transfer"},
+    "integration": {"algos", "checkpoint", "lora", "megatron", "mismatch", "models", "policy", "refit", "router_replay",
+                    "vllm", "procs", "transfer"},
     "data": {"models"},                                            # task, rows, reward, warm start: below rl/
-    "rl": {"algos", "checkpoint", "data", "lora", "megatron", "models", "policy", "refit", "rollout", "router_replay",
-           "procs"},
+    "rl": {"algos", "checkpoint", "data", "lora", "megatron", "mismatch", "models", "policy", "refit", "rollout",
+           "router_replay", "procs"},
     "train": {"rl"},
     "launch": {"data", "rl"},                                      # moe-lora-rl train: checks, then the ranks
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
-    "checks": {"algos", "checkpoint", "data", "integration", "lora", "megatron", "models", "policy", "procs", "refit",
-               "rl", "rollout", "router_replay", "transfer", "vllm"},
-    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "models", "plan", "policy",
-              "procs", "rl", "rollout", "router_replay", "transfer", "vllm"},
+    "checks": {"algos", "checkpoint", "data", "integration", "lora", "megatron", "mismatch", "models", "policy",
+               "procs", "refit", "rl", "rollout", "router_replay", "transfer", "vllm"},
+    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "mismatch", "models", "plan",
+              "policy", "procs", "rl", "rollout", "router_replay", "transfer", "vllm"},
 }
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {

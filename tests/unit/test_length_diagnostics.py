@@ -1,4 +1,4 @@
-"""The per-step diagnostics that grow with response length (rl/diagnostics.py over router_replay/metrics.py), on
+"""The per-step diagnostics that grow with response length (rl/diagnostics.py over mismatch.py and router_replay/disagreement.py), on
 batches small enough to work out by hand: per-sequence ratio and log-ratio, KL and free router disagreement per
 half of each response, and the control that mirroring every response swaps the halves' figures."""
 import math
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moe_lora_rl.rl.diagnostics import step_diagnostics
-from moe_lora_rl.router_replay.metrics import halves, masked_disagreement, routes_differs
+from moe_lora_rl.mismatch import halves
+from moe_lora_rl.router_replay.disagreement import masked_disagreement, routes_differs
 from moe_lora_rl.router_replay.routes import RoutesBatch
 
 # Right-padded rows as rl/batch.py builds them: a response of R tokens after a prompt of P owns label positions

@@ -19,8 +19,9 @@ from moe_lora_rl.models.tiny import build_hf_config
 from moe_lora_rl.vllm.adapter_set import build_adapter_set
 from moe_lora_rl.vllm.merge import merge_fp32
 from moe_lora_rl.vllm.moe_torch import BaseExperts, route, routed_experts, stack_expert_lora
-from moe_lora_rl.vllm.runtime import LoRARuntime, TokenGroups
+from moe_lora_rl.vllm.runtime import LoRARuntime
 from moe_lora_rl.vllm.step_hooks import StepInfo
+from moe_lora_rl.vllm.token_groups import TokenGroups
 from moe_lora_rl.vllm.versions import InflightConfig, VersionTable
 
 ARCH = arch_from_hf_config(build_hf_config("qwen3_moe", "tiny"))   # H 128, 8 experts top-2, I 64, both layers MoE

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from moe_lora_rl.router_replay.align import align_microbatch, spread_pad
-from moe_lora_rl.router_replay.metrics import k3_kl, ratio_below, ratio_exceeds, router_disagreement
-from moe_lora_rl.router_replay.replay import Mode, RouteReplay
+from moe_lora_rl.mismatch import k3_kl, ratio_below, ratio_exceeds
+from moe_lora_rl.router_replay.disagreement import router_disagreement
+from moe_lora_rl.router_replay.replayer import Mode, RouteReplay
 from moe_lora_rl.router_replay.routes import RoutesBatch
 
 
@@ -147,7 +148,7 @@ def test_r2_record_then_replay_in_megatron(qwen):
     """R2: routes recorded in one pass replay bit-exactly in the next; gradients still reach the router; a
     perturbed router does not change the replayed routes."""
     from moe_lora_rl.megatron.forward import forward_logits
-    from moe_lora_rl.router_replay.replay import RouterReplayer
+    from moe_lora_rl.router_replay.replayer import RouterReplayer
 
     m = qwen()
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -197,7 +198,7 @@ def test_replay_keeps_routes_only_when_asked():
 
 
 def test_replay_measures_disagreement_on_real_tokens_only():
-    from moe_lora_rl.router_replay.replay import RouterReplayer
+    from moe_lora_rl.router_replay.replayer import RouterReplayer
 
     rp = RouteReplay(layer=2, num_experts=8, topk=2, recompute=False)
     rp.mode = Mode.REPLAY
@@ -243,7 +244,7 @@ def test_real_token_mask_and_unalign_invert_align():
 
 
 def test_token_flags_or_over_a_stages_layers():
-    from moe_lora_rl.router_replay.replay import RouterReplayer
+    from moe_lora_rl.router_replay.replayer import RouterReplayer
 
     a, b = (RouteReplay(layer=l, num_experts=8, topk=2, recompute=False) for l in (1, 2))
     rr = RouterReplayer.__new__(RouterReplayer)
@@ -265,7 +266,7 @@ def test_token_flags_or_over_a_stages_layers():
 
 
 def test_routes_disagreement_decisions_and_tokens():
-    from moe_lora_rl.router_replay.metrics import routes_disagreement
+    from moe_lora_rl.router_replay.disagreement import routes_disagreement
 
     g = torch.Generator().manual_seed(0)
     samples = [torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(n * 2)]).reshape(n, 2, 4).numpy()

@@ -108,7 +108,7 @@ def test_vllm_engine_args_through_replica_hooks(compose):
                          "actor_rollout_ref.rollout.enforce_eager": False,
                          "actor_rollout_ref.rollout.checkpoint_engine.backend": backend})
         ours = _launch_args(MoELoRAvLLMHttpServer, cfg)
-        assert ours["worker_extension_cls"] == "moe_lora_rl.integration.verl.worker_ext.VerlMoELoRAWorkerExtension"
+        assert ours["worker_extension_cls"] == "moe_lora_rl.integration.verl.vllm_extension.VerlMoELoRAWorkerExtension"
         # colocated syncs and moe_lora_base carry the base once (dummy start is fine); moe_lora carries adapters only
         assert ours["load_format"] == ("auto" if backend == "moe_lora" else "dummy"), (backend, ours["load_format"])
         assert not ours.get("enable_lora") and not ours.get("fully_sharded_loras")

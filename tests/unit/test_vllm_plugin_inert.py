@@ -80,10 +80,10 @@ def test_snapshot_detects_a_patch(result):
 def test_unknown_vllm_version_fails_our_calls_and_changes_nothing(monkeypatch):
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
 
-    from moe_lora_rl.vllm import compat, reload_fix, worker_ext
+    from moe_lora_rl.vllm import compat, entry, reload_fix, worker_ext
 
     monkeypatch.setattr(compat.importlib.metadata, "version", lambda dist: "0.99.1")
-    monkeypatch.setattr(worker_ext, "_FIXES_APPLIED", False)
+    monkeypatch.setattr(entry, "_FIXES_APPLIED", False)
     before = dict(vars(m.UnquantizedFusedMoEMethod))
     ext = worker_ext.MoELoRAWorkerExtension()                # vLLM mixes it into its worker; no engine needed here
     for call in (lambda: ext.moe_lora_status(), lambda: ext.moe_lora_capture_start(),
@@ -91,7 +91,7 @@ def test_unknown_vllm_version_fails_our_calls_and_changes_nothing(monkeypatch):
         with pytest.raises(ValueError, match=r"^vLLM 0\.99\.1: .* is written for vLLM 0\.32\.x; nothing was changed"):
             call()
     assert dict(vars(m.UnquantizedFusedMoEMethod)) == before
-    assert not worker_ext._FIXES_APPLIED and reload_fix._ORIG is None
+    assert not entry._FIXES_APPLIED and reload_fix._ORIG is None
 
 
 def test_worker_modules_set_no_environment_at_import():

@@ -1,5 +1,5 @@
 """What the rollout side does with one colocated weight sync (verl's update_weights_from_ipc), as a pure state
-machine over the received buckets; worker_ext.py moves the bytes and applies the result.
+machine over the received buckets; vllm_extension.py moves the bytes and applies the result.
 
 verl's colocated sync sends our engine's stream (weight_sync.py) in buckets, each a list of (name, tensor) views
 into a reused buffer, the last one flagged:

@@ -309,7 +309,7 @@ def check_loss(actor) -> None:
                          "set it to data.max_response_length")
 
 
-WORKER_EXTENSION = "moe_lora_rl.integration.verl.worker_ext.VerlMoELoRAWorkerExtension"
+WORKER_EXTENSION = "moe_lora_rl.integration.verl.vllm_extension.VerlMoELoRAWorkerExtension"
 
 
 def rollout_load_format(rollout) -> str:

@@ -285,7 +285,7 @@ class MoELoRAEngine(BaseEngine):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def _run_meta(self) -> dict:
-        from ...checkpoint.store import describe_run
+        from ...checkpoint.api import describe_run
 
         return describe_run(self.model_config.local_path, self.lora, self.layout)
 
@@ -293,7 +293,7 @@ class MoELoRAEngine(BaseEngine):
         """Adapters and the AdamW state (our layout-independent checkpoint, rl/checkpoint.py) under LOCAL_PATH/step-N,
         with the adapter version and the lr scheduler's state; loadable at any layout. max_ckpt_to_keep: older steps
         under LOCAL_PATH removed."""
-        from ...checkpoint.store import prune, save_checkpoint
+        from ...checkpoint.api import prune, save_checkpoint
 
         if hdfs_path:
             raise ValueError(f"hdfs_path={hdfs_path!r}: our engine saves to local_path only")
@@ -310,7 +310,7 @@ class MoELoRAEngine(BaseEngine):
         model or the LoRA config differ); the adapter version and the lr schedule continue from the saved ones (the
         schedule's position always; its settings from the config unless optim.use_checkpoint_opt_param_scheduler,
         megatron-core's rule. verl's own Megatron engine restores the schedule only with that key set)."""
-        from ...checkpoint.store import load_checkpoint
+        from ...checkpoint.api import load_checkpoint
 
         state = load_checkpoint(local_path, self.model, self.optimizer, run_meta=self._run_meta())
         self.version = int(state["version"])

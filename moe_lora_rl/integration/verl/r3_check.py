@@ -20,7 +20,7 @@ import torch
 
 def k3_stats(lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict:
     """lp, rollout_lp, mask: [bsz, response_len] -> k3 and the largest |d| over the masked tokens."""
-    from ...router_replay.metrics import k3_kl
+    from ...mismatch import k3_kl
 
     m = mask.bool()
     if not m.any():

@@ -5,7 +5,7 @@
     _init_config         eager mode (route capture needs the uncompiled forward); prefix caching as configured;
                          load_format=dummy becomes auto unless the sync is colocated ("naive"): our checkpoint-engine
                          backend carries adapters only, so there the server reads the (never trained) base itself
-    _get_worker_extension_cls   integration.verl.worker_ext.VerlMoELoRAWorkerExtension (staged commit, capture, and
+    _get_worker_extension_cls   integration.verl.vllm_extension.VerlMoELoRAWorkerExtension (staged commit, capture, and
                          verl's colocated update_weights_from_ipc)
     _resolve_sleep_level 1: base weights stay resident, only adapters are refitted after the first sync
     _preprocess_engine_kwargs   what the checkpoint needs, as make_engine gives it (vllm/mla_config.engine_args):

@@ -1,5 +1,6 @@
 """Per model family, one naming module (HF, Megatron, canonical adapter, PEFT and vLLM names; offsets), chosen from
-one table. Adding a family: a module here building its `Naming`, and a row below (and its config reader in
+one table; every family builds its `Naming` (translate.py) from the shared rows of tables.py, with the layer / expert
+offsets of offsets.py. Adding a family: a module here building its `Naming`, and a row below (and its config reader in
 models/arch.py). A family whose names depend on the architecture (deepseek_v3: q_lora_rank set or null) has a row in
 BY_ARCH as well; `naming_for(family)` then gives its default variant."""
 from __future__ import annotations
@@ -7,9 +8,10 @@ from __future__ import annotations
 from typing import Callable
 
 from . import deepseek_v3, glm4_moe, qwen3_moe
-from .base import (ATTENTION_LINEARS, COMMON_PARAMS, DENSE_LINEARS, EXPERT_BIAS_PARAMS, EXPERT_LINEARS,
-                   QK_NORM_PARAMS, SHARED_EXPERT_LINEARS, SHARED_EXPERT_PARAMS, AdapterName, Linear, Naming, Offsets,
-                   ParamRow, Resolved, VllmName, layer_of, owner, split_mtp)
+from .offsets import Offsets, layer_of, owner, split_mtp
+from .tables import (ATTENTION_LINEARS, COMMON_PARAMS, DENSE_LINEARS, EXPERT_BIAS_PARAMS, EXPERT_LINEARS, QK_NORM_PARAMS,
+                     SHARED_EXPERT_LINEARS, SHARED_EXPERT_PARAMS, Linear, ParamRow)
+from .translate import AdapterName, Naming, Resolved, VllmName
 
 FAMILIES: dict[str, Naming] = {
     "qwen3_moe": qwen3_moe.NAMING,

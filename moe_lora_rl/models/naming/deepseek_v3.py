@@ -22,14 +22,15 @@ Norms (not adaptable): q_a_layernorm -> self_attention.q_layernorm (local spec) 
 self_attention.linear_q_up_proj.layer_norm_weight (TE spec), kv_a_layernorm -> kv_layernorm or
 linear_kv_up_proj.layer_norm_weight. The down projections are column-parallel (rows split over TP, output gathered) or
 whole (duplicated: both in the TE spec, linear_kv_down_proj in our local spec too): shard kind "down". MTP layers
-(num_nextn_predict_layers, tensors model.layers.{num_hidden_layers + i}.*) have no row here: see base.split_mtp.
+(num_nextn_predict_layers, tensors model.layers.{num_hidden_layers + i}.*) have no row here: see offsets.split_mtp.
 
 `naming(q_lora_rank)` picks the variant; NAMING is DeepSeek-V3's / Kimi-K2's (q_lora_rank set).
 """
 from __future__ import annotations
 
-from .base import (COMMON_PARAMS, DENSE_LINEARS, EXPERT_BIAS_PARAMS, EXPERT_LINEARS, HF_LAYER, MEGATRON_LAYER,
-                   SHARED_EXPERT_LINEARS, SHARED_EXPERT_PARAMS, Linear, Naming, ParamRow)
+from .tables import (COMMON_PARAMS, DENSE_LINEARS, EXPERT_BIAS_PARAMS, EXPERT_LINEARS, HF_LAYER, MEGATRON_LAYER,
+                     SHARED_EXPERT_LINEARS, SHARED_EXPERT_PARAMS, Linear, ParamRow)
+from .translate import Naming
 
 _ATT = MEGATRON_LAYER + "self_attention."
 

@@ -91,7 +91,7 @@ def check_resumable(cfg: TrainConfig, lora: bool = True) -> None:
     settings (checkpoint/load.py's check_resume_lora: refused before any policy is built)."""
     if not cfg.resume:
         return
-    from ...checkpoint.store import check_resume_lora, resumable_step
+    from ...checkpoint.api import check_resume_lora, resumable_step
 
     root = Path(cfg.out_dir) / "checkpoints"
     if cfg.resume is True and resumable_step(root) is None:

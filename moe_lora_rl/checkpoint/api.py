@@ -1,12 +1,12 @@
-"""Training checkpoints (the API; writer in save.py, reader in load.py, shared pieces in common.py, pure plans in
-plan.py) of a LoRA policy: sharded adapters, their AdamW state sharded the same way, and the caller's
+"""Training checkpoints (the API; writer in save.py, reader in load.py, shared pieces in common.py, pure rules in
+directory.py and reshard_plan.py) of a LoRA policy: sharded adapters, their AdamW state sharded the same way, and the caller's
 run state (step, adapter version, data position, RNG states, scheduler), loadable at any other layout.
 
     save:  rank 0 tidies debris -> all ranks write into ROOT/.tmp-step-N/ and hash their files -> exchange success
            -> rank 0 writes manifest.json last and .latest.tmp -> (same step again: step-N -> .old-step-N) ->
            .tmp-step-N -> step-N -> .latest.tmp -> latest (the commit) -> .old-step-N removed -> share the verdict
     load:  latest -> manifest -> run identity and LoRA config -> sha256 of every file -> plan the reads of this
-           rank's slices (ckpt_plan.plan_reads) -> only when every rank found everything: copy into the model and
+           rank's slices (reshard_plan.plan_reads) -> only when every rank found everything: copy into the model and
            the optimizer; an integrity error (missing, incomplete, corrupted) tries the next candidate
 
 Crash consistency: a kill anywhere in a save leaves the previous complete checkpoint as the one loaded, until the
@@ -54,7 +54,7 @@ from .common import CRASH_EXIT, MOMENTS, OPTIMIZER_FILE, _crash_point  # noqa: F
 from .attempts import failed_steps, mark_resuming, record_failed_resume, resume_succeeded  # noqa: F401
 from .load import check_resume_lora, load_checkpoint, resumable_step  # noqa: F401
 from .common import latest_step  # noqa: F401
-from .plan import sha256_file
+from .directory import sha256_file
 from .save import non_finite, prune, save_checkpoint  # noqa: F401
 
 

@@ -25,7 +25,8 @@ from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedW
 from verl.workers.rollout.vllm_rollout.utils import monkey_patch_compute_logits, vLLMColocateWorkerExtension
 
 from ...vllm.reload_txn import Transaction, check_loadable
-from ...vllm.worker_ext import MoELoRAWorkerExtension, entry
+from ...vllm.entry import entry
+from ...vllm.worker_ext import MoELoRAWorkerExtension
 from .colocated import ColocatedSync
 from .plugin import register
 

@@ -1,16 +1,10 @@
-"""Pure parts of the training checkpoint: directory names, the manifest's checks, which directories a load tries
-and a save cleans, the crash-injection spec, and the reshard read plan.
-
-A checkpoint stores each adapter factor (and each of its Adam moments, which have the factor's shape and sharding)
-as slices of its global canonical tensor: (global_shape, dim, start, stop), one owner per replica set. Loading at
-another layout reads, for the slice [lo, hi) along `dim` that this rank needs, the overlapping part of every stored
-slice: `plan_reads` says which, and refuses when the stored slices do not cover the need.
-"""
+"""The checkpoint directory's rules (pure): the names under ROOT (step-N, latest, .tmp-, .old-), the manifest's
+file checks, which directories a load tries and a save cleans, and the crash-injection spec. What is read from a
+step directory at another layout is reshard_plan.py's."""
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = "moe_lora_rl.train_checkpoint/1"
@@ -22,10 +16,8 @@ OLD_PREFIX = ".old-"                             # .old-step-N: step-N's previou
 CRASH_ENV = "MOE_LORA_RL_CKPT_CRASH"
 CRASH_POINTS = ("before_shards", "between_shards", "after_shards", "before_manifest", "before_rename",
                 "mid_replace", "before_latest", "before_cleanup")
-"""Where save_checkpoint calls its crash hook, in order (store.py's docstring says what each leaves on disk)."""
+"""Where save_checkpoint calls its crash hook, in order (api.py's docstring says what each leaves on disk)."""
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-RESHARDABLE_META = ("layout", "world_size")
-"""run_meta keys that may differ between save and load (adapters and optimizer state reshard)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -126,90 +118,3 @@ def crash_action(spec: str | None, point: str, rank: int) -> str | None:
         else:
             raise ValueError(f"{CRASH_ENV}={spec!r}: option {o!r} is none of exit, raise, rankN")
     return mode if name == point and only in (None, rank) else None
-
-
-def check_run_meta(saved: dict, current: dict, where: str) -> None:
-    """The run identity must match, except the keys in RESHARDABLE_META. The model is identified by its path and
-    the hash of its config; LoRA configs are compared by what changes the adapters' shapes or function."""
-    from ..lora.config import LoRAConfig
-
-    for key in sorted(set(saved) | set(current)):
-        if key in RESHARDABLE_META:
-            continue
-        if key not in saved or key not in current:
-            have = "the checkpoint" if key in saved else "this run"
-            raise ValueError(f"{where}: run_meta key {key!r} is only in {have}")
-        a, b = saved[key], current[key]
-        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    raise ValueError(f"{where}: checkpoint of another model: {k} {a.get(k)!r}, this run has "
-                                     f"{b.get(k)!r}")
-        elif key == "lora" and isinstance(a, dict) and isinstance(b, dict):
-            LoRAConfig.from_dict(b).check_compatible(LoRAConfig.from_dict(a), where)
-        elif a != b:
-            raise ValueError(f"{where}: run_meta {key!r} mismatch: checkpoint {a!r}, this run {b!r}")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One stored slice of a global tensor: entries [start, stop) along dim (dim None: the whole tensor)."""
-
-    file: str
-    key: str
-    global_shape: tuple[int, ...]
-    dim: int | None
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class Read:
-    """Copy src.narrow(dim, src_lo, n) into dst.narrow(dim, dst_lo, n) (dst: the slice this rank needs, or the
-    whole tensor); dim None: copy the whole stored tensor."""
-
-    file: str
-    key: str
-    dim: int | None
-    src_lo: int
-    dst_lo: int
-    n: int
-
-
-def plan_reads(name: str, pieces: list[Piece], global_shape: tuple[int, ...], dim: int | None, lo: int,
-               hi: int) -> list[Read]:
-    """Reads assembling [lo, hi) along `dim` of `name` (dim None: the whole tensor) from stored pieces.
-    ValueError when a piece's global shape or shard dim disagrees, or the pieces leave part of the need uncovered."""
-    if not pieces:
-        raise ValueError(f"{name} is missing from the checkpoint")
-    for p in pieces:
-        if tuple(p.global_shape) != tuple(global_shape):
-            raise ValueError(f"{name} has global shape {list(p.global_shape)} in the checkpoint, the model expects "
-                             f"{list(global_shape)}")
-    whole = [p for p in pieces if p.dim is None]
-    if whole:                                         # a replicated tensor: one copy holds everything
-        p = whole[0]
-        if dim is None:
-            return [Read(p.file, p.key, None, 0, 0, global_shape[0])]
-        return [Read(p.file, p.key, dim, lo, 0, hi - lo)]
-    d = pieces[0].dim
-    if any(p.dim != d for p in pieces):
-        raise ValueError(f"{name}: stored slices disagree on the shard dim")
-    if dim is not None and dim != d:
-        raise ValueError(f"{name} is sharded on dim {d} in the checkpoint, the model shards dim {dim}")
-    need_lo, need_hi = (lo, hi) if dim is not None else (0, global_shape[d])
-    reads, covered = [], []
-    for p in sorted(pieces, key=lambda p: p.start):
-        a, b = max(need_lo, p.start), min(need_hi, p.stop)
-        if a < b and not any(x <= a and b <= y for x, y in covered):
-            reads.append(Read(p.file, p.key, d, a - p.start, a - need_lo, b - a))
-            covered.append((a, b))
-    pos = need_lo
-    for a, b in sorted(covered):
-        if a > pos:
-            break
-        pos = max(pos, b)
-    if pos < need_hi:
-        raise ValueError(f"{name} is only partly present in the checkpoint (entries [{pos}, {need_hi}) of dim {d} "
-                         "are missing)")
-    return reads

@@ -1,5 +1,5 @@
-"""Names of one model family's tensors in every system that touches them, and the offsets between local and global
-layer / expert numbers (pure: no torch, megatron or vLLM import).
+"""Naming: one model family's tensor names translated between every system that touches them (pure: no torch,
+megatron or vLLM import).
 
     HF          model.layers.{L}.mlp.experts.{E}.gate_proj.weight          (checkpoint, transformers)
     Megatron    decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1 (this rank's stage and experts)
@@ -7,170 +7,17 @@ layer / expert numbers (pure: no torch, megatron or vLLM import).
     PEFT        base_model.model.model.layers.{L}.mlp.experts.{E}.gate_proj.lora_A.weight
     vLLM        model.layers.{L}.mlp.experts.w13_weight, expert E, slice 0   (fused modules: slice = output part)
 
-{L} / {E}: global layer and expert; {l} / {e}: local to a pipeline stage / expert-parallel rank. A family module
-builds one `Naming` from the tables below (adding a family = one module + one registry row). Every lookup that
-fails raises ValueError naming the tensor.
+{L} / {E}: global layer and expert; {l} / {e}: local to a pipeline stage / expert-parallel rank (offsets.py). A
+family module builds one `Naming` from the rows of tables.py (adding a family = one module + one registry row). Every
+lookup that fails raises ValueError naming the tensor.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-PEFT_PREFIX = "base_model.model.model."
-HF_LAYER = "model.layers.{L}."
-MEGATRON_LAYER = "decoder.layers.{l}."
-
-
-@dataclass(frozen=True)
-class ParamRow:
-    """A Megatron parameter (local name, {l}/{e}) and the HF tensors it is assembled from ({L}/{E}), with the shard
-    kind that says how (see megatron/load.py): replicated, vocab, column, row, glu, qkv, grouped_glu, grouped_row."""
-    megatron: str
-    hf: tuple[str, ...]
-    kind: str
-    expert: bool = False
-
-
-@dataclass(frozen=True)
-class Linear:
-    """An adaptable linear. Module names are under the layer prefix of their system."""
-    target: str                   # LoRA target name (lora/config.py groups them)
-    part: str                     # "attention" | "dense" | "shared" | "expert"
-    megatron: str                 # local Megatron module, {e} = local expert
-    hf: tuple[str, ...]           # HF modules in output order ({E} = global expert); fused Megatron outputs split
-    vllm: str                     # vLLM module holding all of `hf` as output slices (experts: the fused parameter)
-    parallel: str                 # base linear kind in Megatron: "column" | "row"
-    io: tuple[str, str]           # (in, out) dimension names per HF module, resolved by `dims`
-    vllm_slice: int = 0           # output slice of `vllm` where hf[0] starts (another linear may own the others)
-
-    @property
-    def canonical(self) -> str:
-        return self.megatron.replace("local_experts.{e}", "{E}")
-
-
-def _hf(p: str) -> str:
-    return HF_LAYER + p
-
-
-_ATT = MEGATRON_LAYER + "self_attention."
-COMMON_PARAMS: tuple[ParamRow, ...] = (
-    ParamRow("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    ParamRow("output_layer.weight", ("lm_head.weight",), "vocab"),
-    ParamRow("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-    ParamRow(MEGATRON_LAYER + "input_layernorm.weight", (_hf("input_layernorm.weight"),), "replicated"),
-    ParamRow(MEGATRON_LAYER + "pre_mlp_layernorm.weight", (_hf("post_attention_layernorm.weight"),), "replicated"),
-    ParamRow(_ATT + "linear_qkv.weight", tuple(_hf(f"self_attn.{p}_proj.weight") for p in "qkv"), "qkv"),
-    ParamRow(_ATT + "linear_qkv.bias", tuple(_hf(f"self_attn.{p}_proj.bias") for p in "qkv"), "qkv"),
-    ParamRow(_ATT + "linear_proj.weight", (_hf("self_attn.o_proj.weight"),), "row"),
-    ParamRow(MEGATRON_LAYER + "mlp.linear_fc1.weight", (_hf("mlp.gate_proj.weight"), _hf("mlp.up_proj.weight")), "glu"),
-    ParamRow(MEGATRON_LAYER + "mlp.linear_fc2.weight", (_hf("mlp.down_proj.weight"),), "row"),
-    ParamRow(MEGATRON_LAYER + "mlp.router.weight", (_hf("mlp.gate.weight"),), "replicated"),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc1.weight",
-             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "glu", expert=True),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc2.weight",
-             (_hf("mlp.experts.{E}.down_proj.weight"),), "row", expert=True),
-    # legacy GroupedMLP: all local experts in one tensor, per expert [hidden, 2*ffn/etp] and [ffn/etp, hidden]
-    ParamRow(MEGATRON_LAYER + "mlp.experts.weight1",
-             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "grouped_glu",
-             expert=True),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.weight2", (_hf("mlp.experts.{E}.down_proj.weight"),), "grouped_row",
-             expert=True),
-)
-QK_NORM_PARAMS = (ParamRow(_ATT + "q_layernorm.weight", (_hf("self_attn.q_norm.weight"),), "replicated"),
-                  ParamRow(_ATT + "k_layernorm.weight", (_hf("self_attn.k_norm.weight"),), "replicated"))
-EXPERT_BIAS_PARAMS = (ParamRow(MEGATRON_LAYER + "mlp.router.expert_bias",
-                               (_hf("mlp.gate.e_score_correction_bias"),), "replicated"),)
-SHARED_EXPERT_PARAMS = (
-    ParamRow(MEGATRON_LAYER + "mlp.shared_experts.linear_fc1.weight",
-             (_hf("mlp.shared_experts.gate_proj.weight"), _hf("mlp.shared_experts.up_proj.weight")), "glu"),
-    ParamRow(MEGATRON_LAYER + "mlp.shared_experts.linear_fc2.weight", (_hf("mlp.shared_experts.down_proj.weight"),),
-             "row"),
-)
-
-_X = "mlp.experts.{E}."
-ATTENTION_LINEARS = (
-    Linear("qkv", "attention", "self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj",
-           "self_attn.v_proj"), "self_attn.qkv_proj", "column", ("hidden", "q|kv|kv")),
-    Linear("proj", "attention", "self_attention.linear_proj", ("self_attn.o_proj",), "self_attn.o_proj", "row",
-           ("q", "hidden")),
-)
-DENSE_LINEARS = (
-    Linear("dense_fc1", "dense", "mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj", "column",
-           ("hidden", "ffn")),
-    Linear("dense_fc2", "dense", "mlp.linear_fc2", ("mlp.down_proj",), "mlp.down_proj", "row", ("ffn", "hidden")),
-)
-SHARED_EXPERT_LINEARS = (
-    Linear("shared_fc1", "shared", "mlp.shared_experts.linear_fc1",
-           ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), "mlp.shared_experts.gate_up_proj",
-           "column", ("hidden", "shared_ffn")),
-    Linear("shared_fc2", "shared", "mlp.shared_experts.linear_fc2", ("mlp.shared_experts.down_proj",),
-           "mlp.shared_experts.down_proj", "row", ("shared_ffn", "hidden")),
-)
-EXPERT_LINEARS = (
-    Linear("expert_fc1", "expert", "mlp.experts.local_experts.{e}.linear_fc1", (_X + "gate_proj", _X + "up_proj"),
-           "mlp.experts.w13_weight", "column", ("hidden", "moe_ffn")),
-    Linear("expert_fc2", "expert", "mlp.experts.local_experts.{e}.linear_fc2", (_X + "down_proj",),
-           "mlp.experts.w2_weight", "row", ("moe_ffn", "hidden")),
-)
-# the router is a target name only so that asking for it gives a clear error (lora/apply.py)
-ROUTER_TARGET = ("router", "mlp.router")
-
-
-def dims(arch) -> dict[str, int]:
-    """Dimension names used by Linear.io, for an architecture (models.arch.MoEArch). With MLA, "q" is the output
-    projection's input (heads x v_head_dim, arch.head_dim = v_head_dim) and the MLA widths are added."""
-    out = {"hidden": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
-           "ffn": arch.ffn_hidden_size, "moe_ffn": arch.moe_ffn_hidden_size, "shared_ffn": arch.shared_expert_ffn}
-    if getattr(arch, "kv_lora_rank", None) is not None:
-        out.update(q_rank=arch.q_lora_rank or 0, kv_rank=arch.kv_lora_rank,
-                   kv_a=arch.kv_lora_rank + arch.qk_rope_head_dim,
-                   q_heads=arch.num_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim),
-                   kv_heads=arch.num_heads * (arch.qk_nope_head_dim + arch.v_head_dim))
-    return out
-
-
-def split_mtp(names, num_layers: int) -> tuple[list[str], list[str]]:
-    """(backbone, MTP) tensor names of a checkpoint: DeepSeek-V3's multi-token-prediction layers are stored as
-    model.layers.{num_layers + i}.* (num_nextn_predict_layers of them); no builder maps them onto a layer."""
-    backbone, mtp = [], []
-    for n in names:
-        layer = layer_of(n)
-        (mtp if layer is not None and layer >= num_layers else backbone).append(n)
-    return backbone, mtp
-
-
-@dataclass(frozen=True)
-class Offsets:
-    """Local -> global numbering on one rank: global layer = local + layer, global expert = local + expert."""
-    layer: int = 0
-    expert: int = 0
-
-    @staticmethod
-    def for_rank(first_layer: int, ep_rank: int, ep_size: int, num_experts: int) -> "Offsets":
-        """first_layer: the stage's first global layer (0-based); experts are split evenly over EP ranks."""
-        if num_experts and num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by expert parallel size {ep_size}")
-        return Offsets(first_layer, ep_rank * (num_experts // ep_size if num_experts else 0))
-
-
-def owner(global_layer: int, global_expert: int | None, *, num_layers: int, pp: int, num_experts: int,
-          ep: int) -> tuple[int, int, Offsets]:
-    """(pipeline stage, EP rank, that rank's offsets) holding a global layer / expert under an even split."""
-    if num_layers % pp:
-        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline parallel size {pp}")
-    per_stage = num_layers // pp
-    stage = global_layer // per_stage
-    ep_rank = 0 if global_expert is None else global_expert // (num_experts // ep)
-    return stage, ep_rank, Offsets.for_rank(stage * per_stage, ep_rank, ep, num_experts)
-
-
-_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def layer_of(name: str) -> int | None:
-    """The layer number in any of the systems' names (HF, Megatron, canonical, PEFT, vLLM modules), or None."""
-    m = _LAYER_NUMBER.search(name)
-    return int(m.group(1)) if m else None
+from .offsets import Offsets
+from .tables import HF_LAYER, MEGATRON_LAYER, PEFT_PREFIX, Linear, ParamRow, dims
 
 
 def _template_regex(template: str) -> re.Pattern:

@@ -1,4 +1,4 @@
-"""The staged-push state machine of one engine worker (pure: no torch, no vLLM; used by worker_ext).
+"""The staged-push state machine of one engine worker (pure: no torch, no vLLM; used by worker_ext.py).
 
     idle --begin(v)--> staging v --bucket(v, i)*--> staging v --commit(v)--> idle (the adapter goes to activation)
                                  \\--abort(v)--> idle

@@ -1,37 +1,9 @@
-"""Train-inference mismatch diagnostics (pure torch)."""
+"""Router disagreement between two routings of the same tokens (pure torch): per decision (token x top-k slot),
+over RoutesBatch (decisions and tokens, the R3 paper's router- and token-level figures), and restricted to a mask of
+label positions. The log-prob statistics live in moe_lora_rl/mismatch.py."""
 from __future__ import annotations
 
 import torch
-
-
-def k3_kl(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """k3 estimator of KL(pi_infer || pi_train) from tokens sampled by the inference engine:
-    mean of (r - 1) - log r with r = pi_train / pi_infer."""
-    log_r = (logp_train - logp_infer).double()
-    k3 = torch.expm1(log_r) - log_r
-    if mask is not None:
-        return float((k3 * mask).sum() / mask.sum().clamp(min=1))
-    return float(k3.mean())
-
-
-def ratio_exceeds(logp_train: torch.Tensor, logp_infer: torch.Tensor, tau: float,
-                  mask: torch.Tensor | None = None) -> float:
-    """Fraction of tokens whose probability ratio (either way) exceeds tau."""
-    bad = ((logp_train - logp_infer).abs() > torch.log(torch.tensor(float(tau)))).double()
-    if mask is not None:
-        return float((bad * mask).sum() / mask.sum().clamp(min=1))
-    return float(bad.mean())
-
-
-def ratio_below(logp_train: torch.Tensor, logp_infer: torch.Tensor, tau: float,
-                mask: torch.Tensor | None = None) -> float:
-    """Fraction of tokens whose ratio pi_train / pi_infer is below tau (the lower tail: tokens the sampler drew that
-    the trained policy finds far less likely)."""
-    floor = torch.log(torch.tensor(float(tau), dtype=torch.float64))
-    low = ((logp_train - logp_infer).double() < floor).double()
-    if mask is not None:
-        return float((low * mask).sum() / mask.sum().clamp(min=1))
-    return float(low.mean())
 
 
 def router_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,32 +39,6 @@ def routes_disagreement(a, b) -> dict:
         bad_tokens += int(differs.flatten(1).any(-1).sum())
     decisions = tokens * len(a.layer_ids) * a.topk
     return {"decisions": bad / decisions if decisions else 0.0, "tokens": bad_tokens / tokens if tokens else 0.0}
-
-
-# -- per sequence and per half of each response: how the mismatch grows with length --------------------------------
-def halves(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's True positions split at its midpoint: the first floor(n/2) of its n in the first half, the rest
-    in the second (a response of one token has only a second half)."""
-    if mask.dtype != torch.bool or mask.dim() != 2:
-        raise ValueError(f"mask must be a 2-D bool tensor, got {mask.dtype} of shape {tuple(mask.shape)}")
-    rank = mask.long().cumsum(-1)                                       # 1-based rank of each True position
-    first = mask & (rank <= mask.sum(-1, keepdim=True) // 2)
-    return first, mask & ~first
-
-
-def seq_ratio_exceeds(logp_train: torch.Tensor, logp_infer: torch.Tensor, tau: float, mask: torch.Tensor) -> float:
-    """Fraction of sequences (rows with a True position) with at least one token whose probability ratio (either
-    way) exceeds tau, by ratio_exceeds' rule; 0.0 when no row has one."""
-    bad = ((logp_train - logp_infer).abs() > torch.log(torch.tensor(float(tau)))) & mask
-    rows = mask.any(-1)
-    return float(bad.any(-1)[rows].double().mean()) if rows.any() else 0.0
-
-
-def seq_log_ratio_max(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor) -> float:
-    """The largest |sum of log pi_train - log pi_infer| of a sequence over its True positions (its log sequence
-    ratio); 0.0 for an empty batch. Positions outside mask never enter (torch.where, not a product: no 0 * inf)."""
-    log_r = torch.where(mask, (logp_train - logp_infer).double(), 0.0)
-    return float(log_r.sum(-1).abs().max()) if log_r.numel() else 0.0
 
 
 def routes_differs(a, b) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ class Mode(str, Enum):
     REPLAY = "replay"      # use queued routes (R2 later mini-batches, R3 rollout routes)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
@@ -62,10 +62,10 @@ class RouteReplay:
             return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.mode is Mode.RECORD:
             probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            if not _in_backward():
+            if not in_backward():
                 self.recorded.append(idx.detach().clone())
             return probs, idx
-        if self.recompute and _in_backward():
+        if self.recompute and in_backward():
             if not self.recompute_queue:
                 raise ValueError(f"layer {self.layer}: activation recompute found no replayed route to reuse")
             idx = self.recompute_queue.popleft()
@@ -85,7 +85,7 @@ class RouteReplay:
             if self.recompute and self.backward and _in_checkpointed_forward():
                 self.recompute_queue.append(idx)
         idx = idx.to(scores.device)
-        if self.keep_replayed and not _in_backward():
+        if self.keep_replayed and not in_backward():
             self.recorded.append(idx)
         return scores.gather(1, idx), idx
 

@@ -1,9 +1,9 @@
-"""The staged-push state machine (vllm/staging.py) without an engine: one version staged at a time; a second begin
+"""The staged-push state machine (vllm/staged_push.py) without an engine: one version staged at a time; a second begin
 is refused naming both versions unless it restarts the same version, the open stage's sender is gone, or the stage
 was aborted; buckets, commits and aborts of another version name the staged one and leave it intact."""
 import pytest
 
-from moe_lora_rl.vllm.staging import Staging
+from moe_lora_rl.vllm.staged_push import Staging
 
 
 def _stage(st, version, n=2, pid=None, served=None):
@@ -204,7 +204,7 @@ def test_expired_stage_replaced_by_another_version_fresh_one_refused():
 
 @pytest.mark.parametrize("bad", [0, -1.5, float("nan"), "600", None, True])
 def test_stage_timeout_must_be_a_positive_number(bad):
-    from moe_lora_rl.vllm.staging import check_stage_timeout
+    from moe_lora_rl.vllm.staged_push import check_stage_timeout
 
     with pytest.raises(ValueError, match=r"^stage_timeout_s must be > 0, got "):
         Staging(timeout_s=bad)
