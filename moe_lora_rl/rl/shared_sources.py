@@ -39,7 +39,7 @@ class PolicySource(SyncSource):
         super().__init__(run)
         self.shared = shared
 
-    def take(self, step: int, started=None) -> Rollout:
+    def take(self, step: int) -> Rollout:
         return self.shared.take(step, self)
 
 
@@ -63,7 +63,7 @@ class Turns(_Shared):
     def take(self, step: int, src: PolicySource) -> Rollout:
         """src's step (begun ahead, or now); once it is in, the next turn's is begun when it is another policy's
         (the same policy's next step would need this turn's version). Decided alike on every rank."""
-        got = SyncSource.take(src, step, self.started.pop((step, src.run.owner), None))
+        got = src.rollout(step, self.started.pop((step, src.run.owner), None))
         turns = self.job.turns()
         nxt = next((t for t in turns[turns.index((step, src.run)) + 1:] if t[1].owner not in self.job.failed), None)
         if nxt is not None and nxt[1] is not src.run:
@@ -96,7 +96,7 @@ class Batched(_Shared):
                 live[0].log.note(f"the batched rollout of step {step + 1} failed ({' '.join(str(e).split())}); "
                                  "generating each policy's step alone")
         got = self.got.pop(src.run.owner, None)
-        return SyncSource.take(src, step) if got is None else got
+        return src.rollout(step) if got is None else got
 
     def batched(self, step: int, live: list):
         """Rank 0: a function generating every live policy's groups of `step` in one engine call per engine, each

@@ -81,7 +81,10 @@ class SyncSource(RolloutSource):
     """mode=sync: each step's groups generated when the loop asks, with the version the last step pushed; the
     engines' KV figures reported with them."""
 
-    def take(self, step: int, started=None) -> Rollout:
+    def take(self, step: int) -> Rollout:
+        return self.rollout(step)
+
+    def rollout(self, step: int, started=None) -> Rollout:
         """The step's samples on every rank. started (given on every rank or on none): a generation begun earlier
         (rl/shared_sources.py: while another policy trained), rank 0's future of it (any other rank: True); if it
         failed, the rollout runs again here, with the engines' recovery."""

@@ -108,3 +108,49 @@ def test_policies_take_turns_and_a_failing_one_stops_alone():
     assert list(job.failed) == ["b"] and job.failed["b"].startswith("step 2: non-finite loss")
     assert [len(opened[n][1]) for n in "abc"] == [3, 1, 1]
     assert calls.count("close") == 4 and calls.count("open") == 3        # b's source closed when it stopped
+
+
+class Gen:
+    """A policy's run as the shared sync sources see it (rank 0, an engine that returns the plans it is asked)."""
+
+    def __init__(self, name, calls, job):
+        self.owner, self.calls, self.job, self.rank, self.busy = name, calls, job, 0, {"rollout": 0.0}
+        self.log = types.SimpleNamespace(note=lambda text: calls.append(("note", text)))
+        self.prod = types.SimpleNamespace(generate=self.generate, kv_step=lambda: {}, submit=lambda out, labels: None,
+                                          labels=lambda plans: (plans, None), release=lambda s: calls.append(
+                                              ("release", self.owner, s)))
+
+    def plans(self, step):
+        return [step]
+
+    def serving_version(self):
+        return 0
+
+    def generate(self, plans, keep, version=None):
+        self.calls.append(("generate", self.owner, plans[0]))
+        return [(self.owner, plans[0])]
+
+    def _on_engine(self, what, fn, after_restart=None):
+        return fn()
+
+
+def test_turns_begin_the_next_policys_rollout_while_one_trains(monkeypatch):
+    from moe_lora_rl.rl import source as source_mod
+    from moe_lora_rl.rl.shared_sources import Turns
+
+    monkeypatch.setattr(source_mod, "broadcast", lambda obj, src=0: obj)
+    calls = []
+    job = types.SimpleNamespace(rank=0, failed={})
+    a, b = Gen("a", calls, job), Gen("b", calls, job)
+    job.turns = lambda: [(0, a), (0, b), (1, a), (1, b)]
+    with Turns(job) as turns:
+        src = {r.owner: turns.source(r) for r in (a, b)}
+        got = [src["a"].take(0).samples, src["b"].take(0).samples]
+        turns.started[(1, "a")].result()                   # begun while b trains
+        job.failed["a"] = "step 2: stopped"                # a stops (in its training) before its turn
+        got += [src["b"].take(1).samples]
+    assert got == [[("a", 0)], [("b", 0)], [("b", 1)]]
+    # a's first step generated in its turn, each next turn's begun ahead once the one before it was in
+    assert [c for c in calls if c[0] == "generate"] == [("generate", "a", 0), ("generate", "b", 0),
+                                                        ("generate", "a", 1), ("generate", "b", 1)]
+    assert ("release", "a", [("a", 1)]) in calls        # begun for a, which stopped before its turn: released
