@@ -48,7 +48,7 @@ PANELS = (("Reward (train)", (REWARD,), False), ("Held-out success", (EVAL_SUCCE
 """plot's panels: (title, keys, log scale)."""
 ASYNC_PANELS = (("Staleness (versions)", ("staleness_max", "staleness_mean"), False),
                 ("Dropped, ESS, idle", ("dropped_frac", "ess", "rollout_idle_frac", "train_idle_frac"), False))
-"""plot's extra row for a mode=async run (rl/async_run.py's per-step keys)."""
+"""plot's extra row for a mode=async run (rl/async_source.py's per-step keys)."""
 LABELS = {REWARD: "reward", EVAL_SUCCESS: "held-out success", KL_R3: "with R3", KL_NO_R3: "without R3",
           DISAGREEMENT: "decisions, on replayed routes", TOKEN_DISAGREEMENT: "tokens (>= 1 layer), on replayed routes",
           "free_disagreement": "decisions", "free_token_disagreement": "tokens (>= 1 layer)",

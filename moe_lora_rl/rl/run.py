@@ -1,9 +1,10 @@
 """The GRPO run on every torchrun rank: rollout (rank 0 holds the vLLM engine, its own process; rl/producer.py),
 rewards, the trainer step (rl/step.py), the LoRA-only refit; held-out evaluation every `eval_every` steps;
-checkpoints. Here the synchronous loop: rollout and training take turns, and each side's busy time is reported.
-mode=async runs rl/async_run.py's loop on the same pieces; rl/modes.py picks the loop:
+checkpoints. One loop for every mode (GRPORun.loop): each step takes its groups from a rollout source
+(rl/source.py: mode=sync generates them now; rl/async_source.py: mode=async's producer keeps generating ahead),
+trains on them, pushes the new version and records the step; rl/modes.py gives the run its mode's source:
 
-    summary = run_class(cfg)(cfg, world_size).run()
+    summary = GRPORun(cfg, world_size, source=SyncSource).run()        # run_class(cfg)(cfg, world_size).run()
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ from .inputs import load_problems, model_dir
 from .recovery import EngineRecovery, broadcast
 from .run_checkpoints import RunCheckpoints
 from .samples import samples_digest, token_versions
+from .source import SyncSource
 from .summary import length_percentiles
 from .survivor import _Survivor, _died
 
 
 class GRPORun(RunCheckpoints, EngineRecovery):
-    """The pieces both loops share (set-up, the engine and its recovery, the trainer step, the push, evaluation,
-    checkpoints, the summary) and the synchronous loop; rl/async_run.py's AsyncGRPORun has the other loop."""
+    """A run of one policy: its pieces (set-up, the engine and its recovery, the trainer step, the push, evaluation,
+    checkpoints, the summary) and the loop over its rollout source."""
 
     owner: str | None = None          # the policy's name on an engine several policies share (rl/policies_run.py)
 
@@ -44,8 +46,9 @@ class GRPORun(RunCheckpoints, EngineRecovery):
         """The version requests are pinned to (None: the engine's newest, a run of one policy)."""
         return None
 
-    def __init__(self, cfg: TrainConfig, world_size: int):
-        self.cfg, self.world = cfg, world_size
+    def __init__(self, cfg: TrainConfig, world_size: int, source=SyncSource):
+        """source: the rollout source's class, called as source(run, the resumed state) once the engines serve."""
+        self.cfg, self.world, self.source_class = cfg, world_size, source
         self.rank = int(os.environ.get("RANK", "0"))
         self.out = Path(cfg.out_dir)
         self.busy = {"rollout": 0.0, "train": 0.0}
@@ -154,58 +157,6 @@ class GRPORun(RunCheckpoints, EngineRecovery):
             raise ValueError(value)
         return value
 
-    def sync_step(self, step: int) -> dict:
-        t0 = time.perf_counter()
-        out = self.rollout(step)
-        took = time.perf_counter() - t0
-        return {**self.train_push(*out), "time_rollout_s": took}
-
-    def generation(self, step: int, keep: dict | None = None):
-        """Rank 0: a function generating the step's groups (with the version requests are pinned to, read now)
-        and the engines' KV figures; keep: the finished engines' groups, kept if another engine dies."""
-        plans, version = self.plans(step), self.serving_version()
-
-        def generate():
-            t0 = time.perf_counter()
-            out = self.prod.generate(plans, keep, version=version)
-            kv = self.prod.kv_step()      # first: nothing may raise once the rewards are submitted (a lost
-            #                               rollout's calls would stay pending)
-            self.prod.submit(out, self.prod.labels(plans)[0])     # rewards start now, in the reward workers
-            self.busy["rollout"] += time.perf_counter() - t0
-            return out, kv
-        return generate
-
-    def rollout(self, step: int, started=None) -> tuple[list, dict, list]:
-        """The step's samples, KV figures and plans on every rank. started (given on every rank or on none): a
-        generation begun earlier (rl/policies_run.py: while another policy trained), rank 0's future of it (any
-        other rank: True); if it failed, the rollout runs again here, with the engines' recovery."""
-        plans = self.plans(step)
-        if started is not None:
-            res = None
-            if self.rank == 0:
-                try:
-                    res = ("ok", started.result())
-                except Exception as e:  # noqa: BLE001 - every rank must learn it; the rollout is repeated below
-                    res = ("again", f"{type(e).__name__}: {e}")
-            kind, value = broadcast(res)
-            if kind == "ok":
-                return (*value, plans)
-            self.log.note(f"the rollout of step {step + 1} begun ahead failed ({value}); generating it again")
-        samples, kv = self._on_engine(f"the rollout of step {step + 1}", self.generation(step, {}))
-        return samples, kv, plans
-
-    def train_push(self, samples: list, kv: dict, plans: list) -> dict:
-        """Train on a step's samples and push the new version; the step's metrics."""
-        t0 = time.perf_counter()
-        m, _, _ = self.train(samples, plans)
-        if self.served is not None:
-            self.served.record(plans[-1].step + 1, samples)
-        t1 = time.perf_counter()
-        pushed = 0 if m.get("skipped") else self.push()    # the engine already serves this version
-        return {**m, **kv, "refit_bytes": pushed, "version": self.policy.version, "time_train_s": t1 - t0,
-                "time_push_s": time.perf_counter() - t1,
-                "samples_sha256": samples_digest(samples), "rollout_versions": token_versions(samples)}
-
     def push(self, restarts: bool = True, after_restart=None, engines=None) -> int:
         """LoRA-only refit of the current version to every engine (or those listed), collective; the bytes sent
         per engine, on every rank. An engine that dies during the push is restarted and the version pushed to every
@@ -268,7 +219,8 @@ class GRPORun(RunCheckpoints, EngineRecovery):
                 self.log.note("data.filter_overlong_prompts: left out " + ", ".join(
                     f"{n} {k} prompts" for k, n in self.filtered.items()) + f" over data.max_prompt_length="
                     f"{self.cfg.data.max_prompt_length} tokens")
-            self.loop(start, history, evals, state)
+            self.source = self.source_class(self, state)
+            self.loop(self.source, start, history, evals)
             wall = time.perf_counter() - self.t_rl
             return self.finish(history, evals, wall)
         finally:                              # a refused input stops the engines and the reward workers too
@@ -363,15 +315,35 @@ class GRPORun(RunCheckpoints, EngineRecovery):
         cfg = self.cfg
         return bool(cfg.checkpoint_every) and (step % cfg.checkpoint_every == 0 or step == cfg.steps)
 
-    def loop(self, start: int, history: list, evals: dict, state: dict) -> None:
-        """Synchronous: each step rolls out its groups, trains on them and pushes the new version."""
-        for step in range(start, self.cfg.steps):
-            self.record(step, self.sync_step(step), history, evals)
+    def loop(self, source, start: int, history: list, evals: dict) -> None:
+        """Every mode's loop: each step trains on the source's groups, pushes the new version and is recorded."""
+        with source:
+            for step in range(start, self.cfg.steps):
+                self.record(step, self.update(step, source), history, evals, source)
 
-    def record(self, step: int, m: dict, history: list, evals: dict) -> None:
-        """A finished step: the evaluation if due, the clocks, the metrics line, the checkpoint if due."""
+    def update(self, step: int, source) -> dict:
+        """One step: the source's groups, the update on them (every rank), the push; the step's metrics."""
+        t0 = time.perf_counter()
+        got = source.take(step)
+        t1 = time.perf_counter()
+        m, batch, proximal = self.train(got.samples, got.plans)
+        if self.served is not None:
+            self.served.record(step + 1, got.samples)
+        t2 = time.perf_counter()
+        pushed = 0
+        if not m.get("skipped"):              # else the engine already serves this version
+            pushed = self.push(after_restart=source.recover)    # async: in flight, the engine keeps generating
+            source.pushed()
+        return {**m, **source.figures(got, batch, proximal), "refit_bytes": pushed, "version": self.policy.version,
+                "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_push_s": time.perf_counter() - t2,
+                "samples_sha256": samples_digest(got.samples), "rollout_versions": token_versions(got.samples)}
+
+    def record(self, step: int, m: dict, history: list, evals: dict, source) -> None:
+        """A finished step (every mode): the evaluation if due, the clocks, the metrics line, the checkpoint if due."""
+        if step + 1 == self.cfg.steps:
+            source.last()
         if self.eval_due(step + 1):
-            evals[step + 1] = m["eval"] = self.evaluate()
+            evals[step + 1] = m["eval"] = self.evaluate(source.eval_version(), after_restart=source.recover)
             m.update(self.eval_sources())
             m.update(length_percentiles(self.eval_lens, "eval_len_"))
         m["wall_s"] = time.perf_counter() - self.t_rl
@@ -380,7 +352,7 @@ class GRPORun(RunCheckpoints, EngineRecovery):
         self.log.log(step + 1, m)
         self.stepped(step)
         if self.checkpoint_due(step + 1):
-            self.save(step + 1, history, evals)
+            self.save(step + 1, history, evals, **source.state())
 
     def stepped(self, step: int) -> None:
         """A step finished: the first after a resume clears the resume's mark (checkpoint/attempts.py)."""
@@ -392,4 +364,4 @@ class GRPORun(RunCheckpoints, EngineRecovery):
     def summary(self, history: list[dict], evals: dict, wall: float) -> dict:
         from .summary import run_summary
 
-        return run_summary(self, history, evals, wall)
+        return {**run_summary(self, history, evals, wall), **self.source.summary(history)}

@@ -149,7 +149,7 @@ class TrainConfig:
     """unmerged: vLLM serves base + LoRA, refit sends adapters only; merged: refit sends merged weights."""
     mode: str = "sync"
     """sync: rollout and training take turns; async: the engine keeps generating the next steps' groups while the
-    trainer consumes finished ones, each update pushed in flight (rl/async_run.py)."""
+    trainer consumes finished ones, each update pushed in flight (rl/async_source.py)."""
     max_staleness: int = 1
     """mode=async: the most pushes a trained sample may lag (the pushes between the version of its oldest token and
     the trainer's version at its update: one per rollout batch, however many optimizer steps algo.mini_batches and
