@@ -11,7 +11,7 @@ def panels(rows: int, cols: int, size=(10, 7)):
 
     fig = Figure(figsize=size, dpi=100)
     FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(rows, cols).ravel())
+    return fig, list(fig.subplots(rows, cols, squeeze=False).ravel())
 
 
 def style(ax, title: str, log: bool = False) -> None:

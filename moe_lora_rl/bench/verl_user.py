@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
         from .figures import verl_learning_png
 
         verl_learning_png(a.png, res["learn_curve"], res["learn_curve_lr0"], None,
-                          title=f"verl user's Qwen3-MoE LoRA script, {learn_layout.name}")
+                          title=f"verl's Qwen3-MoE LoRA script, {learn_layout.name}")
         res["png"] = a.png
     res["runs_dir"] = str(out)
     emit(res, a.json)
