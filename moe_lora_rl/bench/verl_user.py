@@ -162,7 +162,10 @@ def _resume(a, out: Path, model: str, layout, others) -> dict:
         log = f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.moe_lora.sync_log={d}/sync.jsonl"
         _run(d, _env(lay, model, 3), ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}", log],
              a.reuse, 1)
-        first = _served(d / "sync.jsonl")[0]
+        # verl syncs once before it loads the checkpoint (version 0, the fresh adapters): the version it serves after
+        first = next((l for l in _served(d / "sync.jsonl") if l["version"] != 0), None)
+        if first is None:
+            raise RuntimeError(f"{d}: the resumed run served no version other than 0 (was the checkpoint loaded?)")
         same = first["version"] == 2 and first["checksum"] == saved[2]
         equal &= same
         per[lay.name] = {"first_served_version": first["version"], "checksum_equal": same, **_r3(d)}
