@@ -70,11 +70,16 @@ def parse_steps(log: str) -> int:
     return len({int(m.group(1)) for m in found if m and "training/global_step" in m.group(2)})
 
 
-def parse_r3(path: Path) -> dict:
-    """Mean k3 with and without replay over the recomputes in r3_check.jsonl, and their largest |log-prob diff|."""
+def _r3_lines(path: Path) -> list[dict]:
     lines = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
     if not lines:
         raise RuntimeError(f"{path}: no R3 check lines (was R3 on and the rollout's log-probs recorded?)")
+    return lines
+
+
+def parse_r3(path: Path) -> dict:
+    """Mean k3 with and without replay over the recomputes in r3_check.jsonl, and their largest |log-prob diff|."""
+    lines = _r3_lines(path)
     mean = lambda k: sum(l[k] for l in lines) / len(lines)          # noqa: E731
     return {"k3_replay": mean("k3_replay"), "k3_free": mean("k3_free"), "recomputes": len(lines),
             "k3_shifted": mean("k3_shifted") if all("k3_shifted" in l for l in lines) else None,
@@ -84,9 +89,7 @@ def parse_r3(path: Path) -> dict:
 
 def parse_r3_by_rank(path: Path) -> dict[int, dict]:
     """parse_r3's figures per data-parallel rank ({dp_rank: {...}}; every rank writes its own lines)."""
-    lines = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-    if not lines:
-        raise RuntimeError(f"{path}: no R3 check lines (was R3 on and the rollout's log-probs recorded?)")
+    lines = _r3_lines(path)
     out = {}
     for rank in sorted({l["dp_rank"] for l in lines}):
         mine = [l for l in lines if l["dp_rank"] == rank]
