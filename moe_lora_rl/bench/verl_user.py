@@ -98,6 +98,8 @@ def _run(out: Path, env: dict, overrides: list[str], reuse: bool, steps: int) ->
     from ..checks.verl_runs import parse_steps, parse_val, run_script
 
     if not (reuse and (out / "wall_s").is_file()):
+        shutil.rmtree(out / "ckpt", ignore_errors=True)         # what an earlier, unfinished attempt left
+        (out / "sync.jsonl").unlink(missing_ok=True)
         run_script(SCRIPT, out, overrides, env)
     text = (out / "run.log").read_text()
     done = parse_steps(text)
@@ -146,8 +148,6 @@ def _served(path: Path) -> list[dict]:
 def _resume(a, out: Path, model: str, layout, others) -> dict:
     save = out / "save"
     sync = [f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.moe_lora.sync_log={save}/sync.jsonl"]
-    if not (a.reuse and (save / "wall_s").is_file()):
-        (save / "sync.jsonl").unlink(missing_ok=True)
     _run(save, _env(layout, model, 3), ["trainer.save_freq=2", *sync], a.reuse, 3)
     saved = {l["version"]: l["checksum"] for l in _served(save / "sync.jsonl")}
     ckpt = save / "ckpt" / "global_step_2"
@@ -156,9 +156,6 @@ def _resume(a, out: Path, model: str, layout, others) -> dict:
     per, equal = {}, True
     for lay in others:
         d = out / f"resume_{lay.name}"
-        if not (a.reuse and (d / "wall_s").is_file()):
-            shutil.rmtree(d / "ckpt", ignore_errors=True)
-            (d / "sync.jsonl").unlink(missing_ok=True)
         log = f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.moe_lora.sync_log={d}/sync.jsonl"
         _run(d, _env(lay, model, 3), ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}", log],
              a.reuse, 1)
@@ -178,8 +175,6 @@ def _resume(a, out: Path, model: str, layout, others) -> dict:
 def _one_step_off(a, out: Path, model: str, layout) -> dict:
     d = out / "one_step_off"
     log = f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.moe_lora.sync_log={d}/sync.jsonl"
-    if not (a.reuse and (d / "wall_s").is_file()):
-        (d / "sync.jsonl").unlink(missing_ok=True)
     r = _run(d, _env(layout, model, 2, TRAINER="one_step_off"), [log], a.reuse, 2)
     served = _served(d / "sync.jsonl")
     return {"one_step_off_versions_served": sorted({l["version"] for l in served}),
