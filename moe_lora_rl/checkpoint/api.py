@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import os  # noqa: F401 - tests patch os.rename through this module
 import random
-from pathlib import Path
-
 import torch
 
 from ..lora.config import LoRAConfig
@@ -54,7 +52,8 @@ from .common import CRASH_EXIT, MOMENTS, OPTIMIZER_FILE, _crash_point  # noqa: F
 from .attempts import failed_steps, mark_resuming, record_failed_resume, resume_succeeded  # noqa: F401
 from .load import check_resume_lora, load_checkpoint, resumable_step  # noqa: F401
 from .common import latest_step  # noqa: F401
-from .directory import sha256_file
+from .directory import sha256_file  # noqa: F401 - tests hash configs through this module
+from .model_identity import model_identity
 from .save import non_finite, prune, save_checkpoint  # noqa: F401
 
 
@@ -64,13 +63,10 @@ from .save import non_finite, prune, save_checkpoint  # noqa: F401
 # ---- run identity and RNG state -------------------------------------------------------------------------------
 
 def describe_run(model_path, lora: LoRAConfig, layout=None, **extra) -> dict:
-    """run_meta for save/load: the model (resolved path + sha256 of its config.json), the LoRA config and the
-    layout (recorded, not checked: a checkpoint loads at any layout). Extra keys must match exactly on load."""
-    path = Path(model_path).resolve()
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        raise ValueError(f"model path {str(model_path)!r} has no config.json")
-    meta = {"model": {"path": str(path), "config_sha256": sha256_file(cfg)}, "lora": lora.to_dict()}
+    """run_meta for save/load: the model by content (model_identity.py: config and weights digests; its path is
+    recorded, not checked), the LoRA config and the layout (recorded, not checked: a checkpoint loads at any
+    layout). Extra keys must match exactly on load. ValueError: no config.json under model_path."""
+    meta = {"model": model_identity(model_path), "lora": lora.to_dict()}
     if layout is not None:
         meta["layout"] = getattr(layout, "name", str(layout))
     return {**meta, **extra}

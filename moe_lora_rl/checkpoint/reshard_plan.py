@@ -14,9 +14,10 @@ RESHARDABLE_META = ("layout", "world_size")
 
 
 def check_run_meta(saved: dict, current: dict, where: str) -> None:
-    """The run identity must match, except the keys in RESHARDABLE_META. The model is identified by its path and
-    the hash of its config; LoRA configs are compared by what changes the adapters' shapes or function."""
+    """The run identity must match, except the keys in RESHARDABLE_META. The model is identified by its content
+    (model_identity.py), not its path; LoRA configs are compared by what changes the adapters' shapes or function."""
     from ..lora.config import LoRAConfig
+    from .model_identity import check_same_model
 
     for key in sorted(set(saved) | set(current)):
         if key in RESHARDABLE_META:
@@ -26,10 +27,7 @@ def check_run_meta(saved: dict, current: dict, where: str) -> None:
             raise ValueError(f"{where}: run_meta key {key!r} is only in {have}")
         a, b = saved[key], current[key]
         if key == "model" and isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    raise ValueError(f"{where}: checkpoint of another model: {k} {a.get(k)!r}, this run has "
-                                     f"{b.get(k)!r}")
+            check_same_model(a, b, where)
         elif key == "lora" and isinstance(a, dict) and isinstance(b, dict):
             LoRAConfig.from_dict(b).check_compatible(LoRAConfig.from_dict(a), where)
         elif a != b:

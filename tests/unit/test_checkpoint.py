@@ -6,6 +6,7 @@ crash point, corruption fallbacks and full disks: test_checkpoint_crash.py.
 The model is a stand-in holding adapter factors with their sharding metadata (what the checkpoint reads); the
 Megatron model at several layouts is tests/distributed/test_checkpoint_resume.py."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ def model_dir(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"hidden_size": 6}))
+    (d / "model.safetensors").write_bytes(bytes(range(256)) * 64)   # identity by content: its bytes are hashed
     return d
 
 
@@ -158,17 +160,48 @@ def test_refuses_state_file_corruption(saved):
     assert str(f) in refused(path.parent, *trained(), meta, "truncated or altered")
 
 
-def test_refuses_another_model(saved, tmp_path):
+def test_model_identity_is_its_content_not_its_path(saved, model_dir, tmp_path):
+    """A copy of the same model elsewhere (a resume from another output folder, a moved model) loads; another
+    config or other weights under the same config are refused, naming the key and both paths."""
     _, _, meta, path = saved
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({"hidden_size": 6}))
+    copy = tmp_path / "elsewhere" / "model"
+    shutil.copytree(model_dir, copy)
     m, opt = trained()
-    msg = refused(path.parent, m, opt, ck.describe_run(other, m.lora_config), "another model: path")
-    assert str(path) in msg
-    (other / "config.json").write_text(json.dumps({"hidden_size": 7}))
-    moved = {**meta, "model": {**meta["model"], "config_sha256": ck.sha256_file(other / "config.json")}}
-    refused(path.parent, m, opt, moved, "another model: config_sha256")
+    assert ck.describe_run(copy, m.lora_config)["model"]["path"] != meta["model"]["path"]
+    assert ck.load_checkpoint(path.parent, *make(), run_meta=ck.describe_run(copy, m.lora_config))["step"] == 3
+    b = bytearray((copy / "model.safetensors").read_bytes())
+    b[5000] ^= 0x01                                   # same size and config, one weight byte changed
+    (copy / "model.safetensors").write_bytes(bytes(b))
+    msg = refused(path.parent, m, opt, ck.describe_run(copy, m.lora_config), "another model: weights_digest")
+    assert str(model_dir.resolve()) in msg and str(copy) in msg
+    (copy / "config.json").write_text(json.dumps({"hidden_size": 7}))
+    refused(path.parent, m, opt, ck.describe_run(copy, m.lora_config), "another model: config_sha256")
+    no_id = {**meta, "model": {"path": meta["model"]["path"]}}
+    refused(path.parent, m, opt, no_id, "names its model without any of")
+
+
+def test_weights_digest_samples_large_files(tmp_path, monkeypatch):
+    """Above WHOLE_FILE_BYTES a file is read at its start (a safetensors header), middle and end: a change in a
+    sample moves the digest, one between samples does not (the documented limit), and a size change always does."""
+    from moe_lora_rl.checkpoint import model_identity as mi
+
+    monkeypatch.setattr(mi, "WHOLE_FILE_BYTES", 1000)
+    monkeypatch.setattr(mi, "SAMPLE_BYTES", 100)
+    f = tmp_path / "model-00001-of-00001.safetensors"
+    data = bytearray(range(256)) * 20                  # 5120 bytes: samples [0,100), [2510,2610), [5020,5120)
+    f.write_bytes(bytes(data))
+    base = mi.weights_digest(tmp_path)
+
+    def flipped(at):
+        d = bytearray(data)
+        d[at] ^= 0x01
+        f.write_bytes(bytes(d))
+        return mi.weights_digest(tmp_path)
+
+    assert all(flipped(at) != base for at in (0, 2550, 5119))
+    assert flipped(1000) == base
+    f.write_bytes(bytes(data) + b"x")
+    assert mi.weights_digest(tmp_path) != base
 
 
 def test_refuses_another_lora_config(saved, model_dir):
