@@ -10,7 +10,8 @@ from ..models.naming.tables import ROUTER_TARGET
 TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0],)
 GROUPS: dict[str, tuple[str, ...]] = {
     "experts": ("expert_fc1", "expert_fc2"),
-    "attention": ("qkv", "proj", "q_down", "q_up", "q", "kv_down", "kv_up"),    # GQA's and MLA's: what the model has
+    "attention": ("qkv", "proj", "q_down", "q_up", "q", "kv_down", "kv_up",     # GQA's, MLA's and the delta-net's:
+                  "linear_in", "linear_out"),                                     # what the model has
     "dense_mlp": ("dense_fc1", "dense_fc2"),
     "shared_experts": ("shared_fc1", "shared_fc2"),
 }
@@ -19,7 +20,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ALIASES: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("qkv",), "linear_proj": ("proj",), "linear_q_down_proj": ("q_down",),
     "linear_q_up_proj": ("q_up",), "linear_q_proj": ("q",), "linear_kv_down_proj": ("kv_down",),
-    "linear_kv_up_proj": ("kv_up",), "linear_fc1": ("dense_fc1", "shared_fc1", "expert_fc1"),
+    "linear_kv_up_proj": ("kv_up",), "in_proj": ("linear_in",), "out_proj": ("linear_out",), "linear_fc1": ("dense_fc1", "shared_fc1", "expert_fc1"),
     "linear_fc2": ("dense_fc2", "shared_fc2", "expert_fc2"),
 }
 ALL = ("experts", "attention", "dense_mlp", "shared_experts")      # "all": whatever of these the model has

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from .hf_config import common as _common
+from .hf_config import get_field as _get
+
 
 @dataclass(frozen=True)
 class MoEArch:
@@ -46,6 +49,28 @@ class MoEArch:
     yarn: tuple[tuple[str, float], ...] = ()   # yarn: factor, original_max_position_embeddings, beta_fast, beta_slow,
                                                # mscale, mscale_all_dim (HF's rope_parameters names)
     mtp_layers: int = 0                  # num_nextn_predict_layers: model.layers.{num_layers + i}.*, never built
+    # hybrid linear attention (Qwen3.5/3.6-MoE, Qwen3-Next: hybrid.py); () = every layer full attention
+    layer_types: tuple[str, ...] = ()    # per global layer: "linear_attention" (Gated DeltaNet) | "full_attention"
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0      # a multiple of the key heads (each key head serves value/key of them)
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0          # the depthwise causal conv's width
+    fused_linear_proj: bool = False      # Qwen3-Next: in_proj_qkvz / in_proj_ba, interleaved per key head
+    attention_output_gate: bool = False  # q_proj emits query and a sigmoid output gate (per head: [q, gate])
+    shared_expert_gate: bool = False     # shared expert output scaled by sigmoid(shared_expert_gate(x))
+    zero_centered_norms: bool = False    # HF RMSNorm computes x * (1 + w) (not the delta-net's gated norm)
+    text_tower: bool = False             # a *ForConditionalGeneration checkpoint: the text tower is read, the
+                                         # vision tower (model.visual.*) left out
+    mtp_prefix: bool = False             # MTP tensors stored as mtp.* (Qwen3.5 / Qwen3-Next), not model.layers.N
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @property
     def mla(self) -> bool:
@@ -53,8 +78,9 @@ class MoEArch:
 
     @property
     def mtp_layer_ids(self) -> list[int]:
-        """HF layer numbers of the MTP layers (tensors model.layers.{i}.*), which no builder maps."""
-        return list(range(self.num_layers, self.num_layers + self.mtp_layers))
+        """HF layer numbers of the MTP layers (tensors model.layers.{i}.*), which no builder maps (none when the
+        checkpoint stores them under mtp.*: mtp_prefix)."""
+        return [] if self.mtp_prefix else list(range(self.num_layers, self.num_layers + self.mtp_layers))
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -65,37 +91,11 @@ class MoEArch:
         from .naming import naming_for
 
         moe = any(self.moe_layers)
-        present = {"attention": True, "dense": not all(self.moe_layers), "expert": moe,
+        linear = bool(self.linear_layer_ids)
+        present = {"attention": not self.hybrid or len(self.linear_layer_ids) < self.num_layers,
+                   "linear_attention": linear, "dense": not all(self.moe_layers), "expert": moe,
                    "shared": moe and bool(self.shared_expert_ffn)}
         return {li.target for li in naming_for(self).linears if present[li.part]}
-
-
-def _get(cfg: Any, name: str, default=None):
-    return getattr(cfg, name, default) if not isinstance(cfg, dict) else cfg.get(name, default)
-
-
-def _rope(cfg: Any) -> tuple[float, float]:
-    rp = _get(cfg, "rope_parameters") or {}
-    rope_type = rp.get("rope_type", (_get(cfg, "rope_scaling") or {}).get("rope_type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type={rope_type!r} is not supported by the Megatron builder; only 'default' RoPE is")
-    theta = rp.get("rope_theta", _get(cfg, "rope_theta", 10000.0))
-    partial = rp.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor", 1.0))
-    return float(theta), float(partial)
-
-
-def _common(cfg: Any, family: str) -> dict:
-    theta, partial = _rope(cfg)
-    heads = _get(cfg, "num_attention_heads")
-    return dict(
-        family=family, vocab_size=_get(cfg, "vocab_size"), hidden_size=_get(cfg, "hidden_size"),
-        ffn_hidden_size=_get(cfg, "intermediate_size"), num_layers=_get(cfg, "num_hidden_layers"),
-        num_heads=heads, num_kv_heads=_get(cfg, "num_key_value_heads", heads),
-        head_dim=_get(cfg, "head_dim") or _get(cfg, "hidden_size") // heads,
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps")), rope_theta=theta, rotary_percent=partial,
-        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-        moe_ffn_hidden_size=_get(cfg, "moe_intermediate_size"), topk=_get(cfg, "num_experts_per_tok"),
-    )
 
 
 def _qwen3_moe(cfg: Any) -> MoEArch:
@@ -199,10 +199,19 @@ def _as_dict(cfg: Any) -> dict:
     return dict(cfg) if isinstance(cfg, dict) else cfg.to_dict()
 
 
+def _hybrid(cfg: Any) -> MoEArch:
+    from .hybrid import hybrid_fields
+
+    return MoEArch(**hybrid_fields(cfg))
+
+
 READERS: dict[str, Callable[[Any], MoEArch]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "Glm4MoeForCausalLM": _glm4_moe,
     "DeepseekV3ForCausalLM": _deepseek_v3,
+    "Qwen3_5MoeForCausalLM": _hybrid,
+    "Qwen3_5MoeForConditionalGeneration": _hybrid,
+    "Qwen3NextForCausalLM": _hybrid,
 }
 
 

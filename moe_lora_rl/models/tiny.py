@@ -4,6 +4,10 @@
     path = get_model("glm4_moe", "tiny")      # DeepSeek-V3/Kimi-K2 routing on GQA attention (GLM-4.5 architecture):
                                               # leading dense layer, shared expert, sigmoid scores + expert bias,
                                               # group-limited top-k, routed scaling factor
+    path = get_model("qwen3_5_moe", "tiny")   # Qwen3.5/3.6-MoE: Gated DeltaNet and gated attention layers, every layer
+                                              # MoE with a gated shared expert; tiny_vl: the released layout
+                                              # (Qwen3_5MoeForConditionalGeneration: a vision tower, MTP layers);
+                                              # get_model("qwen3_next", "tiny"): Qwen3-Next (tiny_hybrid.py)
     path = get_model("deepseek_v3", "tiny")   # DeepSeek-V3/Kimi-K2/Moonlight (DeepseekV3ForCausalLM): that routing on
                                               # Multi-head Latent Attention; sizes tiny (q_lora_rank set, yarn as
                                               # Kimi-K2), tiny_rope (plain RoPE, DeepSeek-V3's MTP layer in the
@@ -92,10 +96,13 @@ SPECS[("deepseek_v3", "tiny_lite")] = {**_MLA, "q_lora_rank": None, "max_positio
 SPECS[("deepseek_v3", "wide")] = {   # glm4_moe wide's routing and widths on MLA
     **_MLA, "intermediate_size": 512, "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8,
     "topk_group": 4, "moe_intermediate_size": 64}
+from .tiny_hybrid import HYBRID_SPECS  # noqa: E402  (Qwen3.5-MoE / Qwen3-Next: hybrid linear attention)
+
+SPECS.update(HYBRID_SPECS)
 FAMILIES = sorted({f for f, _ in SPECS})
-SIZES = ("tiny", "tiny_rope", "tiny_lite", "small", "wide", "medium")
-_DTYPE = {"tiny": "float32", "tiny_rope": "float32", "tiny_lite": "float32", "small": "float32", "wide": "float32",
-          "medium": "bfloat16"}
+SIZES = ("tiny", "tiny_rope", "tiny_lite", "tiny_vl", "small", "wide", "medium")
+_DTYPE = {"tiny": "float32", "tiny_rope": "float32", "tiny_lite": "float32", "tiny_vl": "float32", "small": "float32",
+          "wide": "float32", "medium": "bfloat16"}
 
 
 def check_routing(family: str, size: str, spec: dict) -> None:
@@ -129,8 +136,17 @@ def spec_key(family: str, size: str, seed: int) -> str:
     return f"{family}-{size}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
 
 
-def _init_value(name: str, shape: torch.Size, seed: int, hidden: int) -> torch.Tensor:
+def _init_value(name: str, shape: torch.Size, seed: int, hidden: int, zero_centered: bool = False) -> torch.Tensor:
+    """zero_centered: the family's RMSNorms compute x * (1 + w) (the hybrid family's, except the delta-net's gated
+    norm linear_attn.norm)."""
     g = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16))
+    if zero_centered and (name.endswith("norm.weight") or ".q_norm." in name or ".k_norm." in name) \
+            and not name.endswith("linear_attn.norm.weight"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(".A_log"):                                  # decay rates exp(A_log) in [1, 16], as initialised
+        return (1.0 + 15.0 * torch.rand(shape, generator=g)).log()
+    if name.endswith(".dt_bias"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if name.endswith("norm.weight") or ".q_norm." in name or ".k_norm." in name:
         return 1.0 + 0.1 * torch.randn(shape, generator=g)        # not all-ones: a misplaced norm must show
     if "e_score_correction_bias" in name:
@@ -149,8 +165,9 @@ def build_hf_config(family: str, size: str):
 
     if (family, size) not in SPECS:
         raise ValueError(f"no model spec {family!r}/{size!r}; known: {sorted(SPECS)}")
-    check_routing(family, size, SPECS[(family, size)])
-    spec = {**_COMMON, **SPECS[(family, size)]}
+    spec = SPECS[(family, size)]
+    check_routing(family, size, spec.get("text_config", spec))       # a multimodal config: its text tower's
+    spec = dict(spec) if "text_config" in spec else {**_COMMON, **spec}
     cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__
     cfg = cls(**spec)
     cfg.dtype = _DTYPE[size]
@@ -162,25 +179,34 @@ def _write(out: Path, family: str, size: str, seed: int) -> None:
 
     from .tokenizer import train_tokenizer
 
+    from . import tiny_hybrid
+
     cfg = build_hf_config(family, size)
+    cls = tiny_hybrid.model_class(cfg) or transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = cls.from_config(cfg, dtype=torch.float32)
+    text = getattr(cfg, "text_config", None) or cfg
+    zero_centered = family in tiny_hybrid.FAMILIES
     state = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq") or "original_inv_freq" in name:
             continue
-        state[name] = _init_value(name, t.shape, seed, cfg.hidden_size).to(getattr(torch, _DTYPE[size]))
+        state[name] = _init_value(name, t.shape, seed, text.hidden_size, zero_centered).to(getattr(torch, _DTYPE[size]))
     model = model.to_empty(device="cpu")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if "inv_freq" not in m]
     if missing or unexpected:
         raise RuntimeError(f"tiny model init left tensors unset: missing={missing} unexpected={unexpected}")
-    model.model.rotary_emb.__init__(config=cfg)                  # meta-built buffers: recompute inv_freq on CPU
+    for m in model.modules():                                    # meta-built buffers: recompute inv_freq on CPU
+        if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq"):
+            m.__init__(config=getattr(m, "config", cfg))
     model.to(getattr(torch, _DTYPE[size]))
     model.save_pretrained(out, safe_serialization=True)
     if cfg.model_type == "deepseek_v3":
         _finish_deepseek_v3(out, cfg, seed)
-    train_tokenizer(out, vocab_size=cfg.vocab_size, seed=seed)
+    if family in tiny_hybrid.FAMILIES:
+        tiny_hybrid.finish(out, cfg, seed, lambda n, shape: _init_value(n, shape, seed, text.hidden_size, True))
+    train_tokenizer(out, vocab_size=text.vocab_size, seed=seed)
     (out / "moe_lora_rl.json").write_text(json.dumps({"family": family, "size": size, "seed": seed,
                                                       "generator_version": GENERATOR_VERSION}))
 

@@ -91,11 +91,12 @@ def save_merged(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
     if missing:
         raise ValueError(f"the adapter adapts tensors the checkpoint {model} lacks: {missing[:4]}")
     files: dict[str, list[str]] = {}
-    for name, f in ck.weight_map.items():
-        files.setdefault(f, []).append(name)
+    for stored, f in ck.stored_map.items():                  # every tensor, a vision tower's and MTP's included
+        files.setdefault(f, []).append(stored)
+    stored_delta = {ck.stored_name(name): d for name, d in delta.items()}
     for name in delta:
         with safe_open(str(model / ck.weight_map[name]), "pt") as s:
-            dtype = s.get_slice(name).get_dtype()
+            dtype = s.get_slice(ck.stored_name(name)).get_dtype()
         if name.removesuffix(".weight") + ".weight_scale_inv" in ck.weight_map or dtype not in ("F32", "BF16", "F16"):
             raise ValueError(f"{name} is stored as {dtype} (quantized): merge into a dequantized checkpoint")
     out.mkdir(parents=True, exist_ok=True)
@@ -105,9 +106,9 @@ def save_merged(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
     for fname, names in files.items():
         tensors = {}
         for name in names:
-            t = ck.get(name)
-            if name in delta:
-                t = (t.double() + delta[name]).to(t.dtype)
+            t = ck.get_stored(name)
+            if name in stored_delta:
+                t = (t.double() + stored_delta[name]).to(t.dtype)
                 if not torch.isfinite(t).all():
                     raise ValueError(f"{name}: the merged weight overflows {t.dtype}")
             tensors[name] = t.contiguous()

@@ -1,4 +1,4 @@
-"""Every name of both families round-trips HF <-> Megatron <-> canonical <-> PEFT <-> vLLM and back, with global
+"""Every name of every family round-trips HF <-> Megatron <-> canonical <-> PEFT <-> vLLM and back, with global
 layer numbers under PP and global expert ids under EP; hand-written examples pin the mapping itself (a consistent
 but wrong table would pass the round trip, not these); unknown names are ValueErrors naming the tensor."""
 import pytest
@@ -47,8 +47,9 @@ def test_adapter_names_round_trip(family, pp, ep):
                 hf = naming.hf_modules(name)[part]
                 assert naming.parse_hf_module(hf) == (name, part)
                 assert naming.from_vllm(naming.to_vllm(name, part)) == (name, part)
-    assert parts == ({"attention", "dense", "shared", "expert"} if family in ("glm4_moe", "deepseek_v3")
-                     else {"attention", "expert"})
+    want = {"qwen3_moe": {"attention", "expert"}, "qwen3_5_moe": {"attention", "linear_attention", "shared", "expert"},
+            "qwen3_next": {"attention", "linear_attention", "dense", "shared", "expert"}}
+    assert parts == want.get(family, {"attention", "dense", "shared", "expert"})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

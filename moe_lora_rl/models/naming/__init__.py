@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import deepseek_v3, glm4_moe, qwen3_moe
+from . import deepseek_v3, glm4_moe, qwen3_5_moe, qwen3_moe
 from .offsets import Offsets, layer_of, owner, split_mtp
 from .tables import (ATTENTION_LINEARS, COMMON_PARAMS, DENSE_LINEARS, EXPERT_BIAS_PARAMS, EXPERT_LINEARS, QK_NORM_PARAMS,
                      SHARED_EXPERT_LINEARS, SHARED_EXPERT_PARAMS, Linear, ParamRow)
@@ -17,6 +17,8 @@ FAMILIES: dict[str, Naming] = {
     "qwen3_moe": qwen3_moe.NAMING,
     "glm4_moe": glm4_moe.NAMING,
     "deepseek_v3": deepseek_v3.NAMING,          # q_lora_rank set (DeepSeek-V3, Kimi-K2)
+    "qwen3_5_moe": qwen3_5_moe.NAMING,          # Qwen3.5/3.6-MoE: hybrid linear attention
+    "qwen3_next": qwen3_5_moe.NAMING_NEXT,      # its sibling, the delta-net's inputs fused per key head
 }
 BY_ARCH: dict[str, Callable[[object], Naming]] = {
     "deepseek_v3": lambda arch: deepseek_v3.naming(arch.q_lora_rank),
@@ -36,9 +38,10 @@ def naming_for(arch_or_family) -> Naming:
 
 # Megatron module names come from our builder and are the same for every family: family-free callers (LoRA
 # planning on a Megatron model that does not carry its HF family) use this one. It holds every linear any family
-# has (GQA's linear_qkv and MLA's down/up projections); its HF/vLLM names are not for use.
+# has (GQA's linear_qkv, MLA's down/up projections, the delta-net's in/out projections); its HF/vLLM names are not
+# for use.
 MEGATRON = Naming("megatron", COMMON_PARAMS + QK_NORM_PARAMS + EXPERT_BIAS_PARAMS + SHARED_EXPERT_PARAMS,
-                  ATTENTION_LINEARS + deepseek_v3.MEGATRON_LINEARS + DENSE_LINEARS + SHARED_EXPERT_LINEARS
+                  ATTENTION_LINEARS + deepseek_v3.MEGATRON_LINEARS + qwen3_5_moe.MEGATRON_LINEARS + DENSE_LINEARS + SHARED_EXPERT_LINEARS
                   + EXPERT_LINEARS)
 
 __all__ = ["FAMILIES", "BY_ARCH", "naming_for", "MEGATRON", "Naming", "Offsets", "AdapterName", "Linear", "ParamRow",

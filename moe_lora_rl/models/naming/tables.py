@@ -32,6 +32,12 @@ class Linear:
     parallel: str                 # base linear kind in Megatron: "column" | "row"
     io: tuple[str, str]           # (in, out) dimension names per HF module, resolved by `dims`
     vllm_slice: int = 0           # output slice of `vllm` where hf[0] starts (another linear may own the others)
+    vllm_parts: tuple[tuple[str, int], ...] = ()   # per HF part (vLLM module, slice) when the parts lie in several
+                                                   # vLLM modules (the delta-net's in_proj_qkvz / in_proj_ba)
+
+    def vllm_slot(self, part: int) -> tuple[str, int]:
+        """(vLLM module, output slice) of HF output part `part`."""
+        return self.vllm_parts[part] if self.vllm_parts else (self.vllm, self.vllm_slice + part)
 
     @property
     def canonical(self) -> str:
@@ -108,9 +114,14 @@ ROUTER_TARGET = ("router", "mlp.router")
 
 def dims(arch) -> dict[str, int]:
     """Dimension names used by Linear.io, for an architecture (models.arch.MoEArch). With MLA, "q" is the output
-    projection's input (heads x v_head_dim, arch.head_dim = v_head_dim) and the MLA widths are added."""
+    projection's input (heads x v_head_dim, arch.head_dim = v_head_dim) and the MLA widths are added; a hybrid
+    (layer_types) adds the delta-net's widths and the gated q_proj's (query and gate)."""
     out = {"hidden": arch.hidden_size, "q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim,
            "ffn": arch.ffn_hidden_size, "moe_ffn": arch.moe_ffn_hidden_size, "shared_ffn": arch.shared_expert_ffn}
+    if getattr(arch, "layer_types", ()):
+        k, v = arch.linear_num_key_heads * arch.linear_key_head_dim, arch.linear_num_value_heads * arch.linear_value_head_dim
+        out.update(lin_qkv=2 * k + v, lin_v=v, lin_heads=arch.linear_num_value_heads, lin_qkvz=2 * k + 2 * v,
+                   lin_ba=2 * arch.linear_num_value_heads, q_gate=2 * arch.num_heads * arch.head_dim)
     if getattr(arch, "kv_lora_rank", None) is not None:
         out.update(q_rank=arch.q_lora_rank or 0, kv_rank=arch.kv_lora_rank,
                    kv_a=arch.kv_lora_rank + arch.qk_rope_head_dim,

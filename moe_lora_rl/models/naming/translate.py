@@ -78,13 +78,15 @@ class Naming:
         self._canonical_shared = [(li, _template_regex("layers.{L}." + li.canonical.replace("{E}.", "")))
                                   for li in linears if li.part == "expert"]
         self._hf = [(li, i, _template_regex(HF_LAYER + h)) for li in linears for i, h in enumerate(li.hf)]
-        self._vllm: dict[str, list[Linear]] = {}
+        self._vllm: dict[str, list[tuple[int, int, Linear]]] = {}       # vLLM module -> (slice, HF part, linear)
         for li in linears:
-            self._vllm.setdefault(li.vllm, []).append(li)
-        for vname, lis in self._vllm.items():
-            spans = sorted((li.vllm_slice, li.vllm_slice + len(li.hf)) for li in lis)
-            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-                raise AssertionError(f"{family}: linears {[li.target for li in lis]} overlap in vLLM module {vname}")
+            for part in range(len(li.hf)):
+                module, sl = li.vllm_slot(part)
+                self._vllm.setdefault(module, []).append((sl, part, li))
+        for vname, slots in self._vllm.items():
+            if len({sl for sl, _, _ in slots}) < len(slots):
+                raise AssertionError(f"{family}: linears {[li.target for _, _, li in slots]} overlap in vLLM module "
+                                     f"{vname}")
         self._hf_params = [(r, i, _template_regex(h)) for r in params for i, h in enumerate(r.hf)
                            if not r.kind.startswith("grouped_")]
 
@@ -212,27 +214,28 @@ class Naming:
         raise ValueError(f"{self.family}: {module!r} is not an adaptable HF module of this family")
 
     def to_vllm(self, name: AdapterName, part: int) -> VllmName:
-        """The vLLM module and output slice of an HF output part (slice = linear.vllm_slice + part)."""
+        """The vLLM module and output slice of an HF output part (Linear.vllm_slot)."""
         if name.linear.part == "expert" and name.expert is None:
             raise ValueError(f"{name.canonical}: a factor shared by all experts has no single vLLM slot")
-        return VllmName(f"model.layers.{name.layer}.{name.linear.vllm}", name.expert, name.linear.vllm_slice + part)
+        module, sl = name.linear.vllm_slot(part)
+        return VllmName(f"model.layers.{name.layer}.{module}", name.expert, sl)
 
     def from_vllm(self, v: VllmName) -> tuple[AdapterName, int]:
         """(adapter name, output part of its linear) of a vLLM module slice."""
         m = re.match(r"^model\.layers\.(\d+)\.(.+)$", v.module)
-        for li in (self._vllm.get(m.group(2), []) if m else []):
-            if (li.part == "expert") == (v.expert is not None) and 0 <= v.slice - li.vllm_slice < len(li.hf):
-                return AdapterName(li, int(m.group(1)), v.expert), v.slice - li.vllm_slice
+        for sl, part, li in (self._vllm.get(m.group(2), []) if m else []):
+            if (li.part == "expert") == (v.expert is not None) and sl == v.slice:
+                return AdapterName(li, int(m.group(1)), v.expert), part
         raise ValueError(f"{self.family}: vLLM module {v} is not an adaptable module of this family")
 
     def vllm_linears(self) -> dict[str, tuple[str, ...]]:
         """vLLM module (under model.layers.L.) -> the HF modules of all its output slices in order, for the
         non-expert linears (a fused module may hold several linears: MLA's fused_qkv_a_proj = q_a_proj,
-        kv_a_proj_with_mqa)."""
+        kv_a_proj_with_mqa; a linear may span several modules: the delta-net's in_proj_qkvz / in_proj_ba)."""
         out = {}
-        for vname, lis in self._vllm.items():
-            if lis[0].part != "expert":
-                out[vname] = tuple(h for li in sorted(lis, key=lambda li: li.vllm_slice) for h in li.hf)
+        for vname, slots in self._vllm.items():
+            if slots[0][2].part != "expert":
+                out[vname] = tuple(li.hf[part] for _, part, li in sorted(slots, key=lambda s: s[0]))
         return out
 
     # -- shapes ------------------------------------------------------------------------------------------------
@@ -249,6 +252,9 @@ class Naming:
     def layer_linears(self, arch, layer: int) -> list[Linear]:
         """The linears a layer of this architecture has."""
         moe = arch.moe_layers[layer]
+        types = getattr(arch, "layer_types", ())
+        mixer = "attention" if not types or types[layer] == "full_attention" else "linear_attention"
         return [li for li in self.linears
                 if not ((li.part == "dense" and moe) or (li.part in ("expert", "shared") and not moe)
-                        or (li.part == "shared" and not arch.shared_expert_ffn))]
+                        or (li.part == "shared" and not arch.shared_expert_ffn)
+                        or (li.part in ("attention", "linear_attention") and li.part != mixer))]

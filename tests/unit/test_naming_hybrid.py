@@ -1,0 +1,135 @@
+"""The hybrid linear-attention family as data (models/hybrid.py, naming/qwen3_5_moe.py, tiny_hybrid.py): the config
+reader on the text model, the released multimodal layout and Qwen3-Next; every adaptable module's shape against the
+HF model transformers builds; hand-written names that pin the mapping; the released layout's vision tower and MTP
+layers set aside and counted; refusals naming the value. (test_naming.py round-trips every name of these families
+with the others.)"""
+import dataclasses
+
+import pytest
+import torch
+
+from moe_lora_rl.models import get_model
+from moe_lora_rl.models.arch import arch_from_hf_config, load_arch
+from moe_lora_rl.models.checkpoint import HFCheckpoint
+from moe_lora_rl.models.naming import AdapterName, Offsets, VllmName, naming_for
+from moe_lora_rl.models.tiny import SPECS, build_hf_config
+
+
+def test_reader_text_model_released_layout_and_qwen3_next():
+    text, vl = load_arch(get_model("qwen3_5_moe", "tiny")), load_arch(get_model("qwen3_5_moe", "tiny_vl"))
+    assert text.family == vl.family == "qwen3_5_moe"
+    assert text.layer_types == ("linear_attention",) * 3 + ("full_attention",) and text.linear_layer_ids == [0, 1, 2]
+    assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim,
+            text.linear_conv_kernel) == (2, 4, 32, 4)
+    assert text.attention_output_gate and text.shared_expert_gate and text.zero_centered_norms
+    assert text.rotary_percent == 0.25 and text.score_function == "softmax" and not text.pre_softmax
+    assert all(text.moe_layers) and text.shared_expert_ffn == 64 and not text.text_tower
+    # the released layout reads the same text tower: only where it came from differs
+    differ = {f.name for f in dataclasses.fields(text) if getattr(text, f.name) != getattr(vl, f.name)}
+    assert differ == {"text_tower", "mtp_layers"} and vl.text_tower and vl.mtp_layers == 1 and vl.mtp_layer_ids == []
+    nxt = load_arch(get_model("qwen3_next", "tiny"))
+    assert nxt.family == "qwen3_next" and nxt.fused_linear_proj and nxt.moe_layers == (True, False, True, True)
+    assert nxt.layer_types[1] == "full_attention" and naming_for(nxt).family == "qwen3_next"
+
+
+@pytest.mark.parametrize("family,size", [("qwen3_5_moe", "tiny"), ("qwen3_next", "tiny")])
+def test_adaptable_shapes_are_the_hf_models(family, size):
+    """(in, out) of every adaptable module the naming lists per layer type = the HF module's weight, and the modules
+    of the other layer type are absent from that layer."""
+    import transformers
+
+    cfg = build_hf_config(family, size)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    arch = arch_from_hf_config(cfg)
+    naming = naming_for(arch)
+    mods = dict(model.named_modules())
+    for layer in range(arch.num_layers):
+        shapes = naming.hf_shapes(arch, layer)
+        assert shapes
+        for module, (i, o) in shapes.items():
+            if "{E}" in module:                      # fused in memory: gate_up_proj [E, 2 ffn, in], down [E, out, ffn]
+                w = mods[f"model.layers.{layer}.mlp.experts"]
+                got = (w.gate_up_proj.shape[2], w.gate_up_proj.shape[1] // 2) if "down" not in module \
+                    else (w.down_proj.shape[2], w.down_proj.shape[1])
+            else:
+                w = mods[f"model.layers.{layer}." + module].weight
+                got = (w.shape[1], w.shape[0])
+            assert got == (i, o), (layer, module)
+        other = "self_attn." if arch.layer_types[layer] == "linear_attention" else "linear_attn."
+        assert not any(k.startswith(other) for k in shapes)
+
+
+def test_hand_written_examples():
+    n = naming_for("qwen3_5_moe")
+    res = n.resolve("decoder.layers.1.self_attention.in_proj.weight", Offsets(2, 0))
+    assert res.hf_names == tuple(f"model.layers.3.linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+    assert res.row.kind == "gdn_in"
+    for meg, hf, kind in (("self_attention.conv1d.weight", "linear_attn.conv1d.weight", "gdn_conv"),
+                          ("self_attention.A_log", "linear_attn.A_log", "column"),
+                          ("self_attention.out_norm.weight", "linear_attn.norm.weight", "replicated"),
+                          ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", "plus_one"),
+                          ("input_layernorm.weight", "input_layernorm.weight", "plus_one"),
+                          ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight", "replicated"),
+                          ("self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "qkv_gated")):
+        r = n.resolve(f"decoder.layers.0.{meg}", Offsets())
+        assert (r.hf_names[0], r.row.kind) == (f"model.layers.0.{hf}", kind)
+    lin = n.from_megatron("decoder.layers.0.self_attention.in_proj", Offsets(2, 0))
+    assert lin == AdapterName(n.linear("linear_in"), 2, None)
+    assert [n.to_vllm(lin, p) for p in range(4)] == [
+        VllmName("model.layers.2.linear_attn.in_proj_qkvz", None, 0),
+        VllmName("model.layers.2.linear_attn.in_proj_qkvz", None, 1),
+        VllmName("model.layers.2.linear_attn.in_proj_ba", None, 0),
+        VllmName("model.layers.2.linear_attn.in_proj_ba", None, 1)]
+    assert n.vllm_linears()["linear_attn.in_proj_ba"] == ("linear_attn.in_proj_b", "linear_attn.in_proj_a")
+    assert n.peft_names(lin, "B", 8)[3] == ("base_model.model.model.layers.2.linear_attn.in_proj_a.lora_B.weight", 3)
+    nxt = naming_for("qwen3_next")
+    assert nxt.resolve("decoder.layers.0.self_attention.in_proj.weight", Offsets()).hf_names == (
+        "model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.0.linear_attn.in_proj_ba.weight")
+    # negative controls: the other family's fused name, and Qwen3.5's unfused one on Qwen3-Next, are unknown
+    with pytest.raises(ValueError, match="in_proj_qkvz"):
+        n.megatron_param("model.layers.0.linear_attn.in_proj_qkvz.weight", Offsets())
+    with pytest.raises(ValueError, match="in_proj_qkv.weight"):
+        nxt.megatron_param("model.layers.0.linear_attn.in_proj_qkv.weight", Offsets())
+
+
+def test_released_layout_reads_the_text_tower_and_sets_the_rest_aside():
+    text, vl = HFCheckpoint(get_model("qwen3_5_moe", "tiny")), HFCheckpoint(get_model("qwen3_5_moe", "tiny_vl"))
+    assert set(vl.weight_map) == set(text.weight_map) and vl.text_tower and not text.text_tower
+    assert vl.left_out == {"model.visual.": 21, "mtp.": 41} and text.left_out == {}
+    assert vl.stored_name("model.layers.3.self_attn.q_proj.weight") == \
+        "model.language_model.layers.3.self_attn.q_proj.weight"
+    assert vl.get("model.norm.weight").shape == (128,)
+    assert len(vl.stored_map) == len(vl.weight_map) + 21 + 41
+    with pytest.raises(KeyError, match="model.visual.blocks.0.attn.qkv.weight"):
+        vl.get("model.visual.blocks.0.attn.qkv.weight")
+
+
+def _spec(**text):
+    spec = dict(SPECS[("qwen3_5_moe", "tiny")])
+    spec.update(text)
+    return spec
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(layer_types=["linear_attention"] * 3), r"layer_types=.*need 4 entries"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     "sliding_attention"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+    (dict(linear_conv_kernel_dim=0), "linear_conv_kernel_dim=0"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+])
+def test_reader_refusals_name_the_value(change, match):
+    with pytest.raises(ValueError, match=match):
+        arch_from_hf_config(_spec(**change))
+
+
+def test_megatron_builder_refuses_what_it_does_not_build_yet():
+    """Until the delta-net layers are built, the builder refuses the family instead of building a GQA model from it."""
+    from moe_lora_rl.megatron.build import check_layout
+    from moe_lora_rl.megatron.layout import Layout
+
+    with pytest.raises(ValueError, match="qwen3_5_moe: hybrid linear attention"):
+        check_layout(load_arch(get_model("qwen3_5_moe", "tiny")), Layout(1, 1, 1, 1))
