@@ -133,3 +133,31 @@ def test_megatron_builder_refuses_what_it_does_not_build_yet():
 
     with pytest.raises(ValueError, match="qwen3_5_moe: hybrid linear attention"):
         check_layout(load_arch(get_model("qwen3_5_moe", "tiny")), Layout(1, 1, 1, 1))
+
+
+def test_merge_into_the_released_layout_keeps_vision_tower_and_mtp(tmp_path):
+    """python -m moe_lora_rl.refit.merged on a Qwen3.5 checkpoint as released: the adapted text-tower tensor changes
+    by scale * B @ A under its stored name; every vision-tower and MTP tensor is written back unchanged."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moe_lora_rl.refit.merged import save_merged
+
+    model = get_model("qwen3_5_moe", "tiny_vl")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(4, 128, generator=g), torch.randn(128, 4, generator=g)
+    pre = "base_model.model.model.layers.3.self_attn.o_proj"
+    save_file({f"{pre}.lora_A.weight": A, f"{pre}.lora_B.weight": B}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    out = save_merged(model, adapter, tmp_path / "out")
+    stored = "model.language_model.layers.3.self_attn.o_proj.weight"
+    with safe_open(model / "model.safetensors", "pt") as f0, safe_open(out / "model.safetensors", "pt") as f1:
+        assert set(f0.keys()) == set(f1.keys())
+        assert torch.allclose(f1.get_tensor(stored) - f0.get_tensor(stored), 2.0 * B @ A, atol=1e-5)
+        assert not torch.equal(f1.get_tensor(stored), f0.get_tensor(stored))
+        kept = [k for k in f0.keys() if k.startswith(("model.visual.", "mtp."))]
+        assert len(kept) == 62 and all(torch.equal(f0.get_tensor(k), f1.get_tensor(k)) for k in kept)
