@@ -161,3 +161,35 @@ def test_r3_check_records_the_actors_recomputes_and_not_the_references(monkeypat
     assert len(recorded) == 1 and eng.reference_scope is False   # the reference's: left out, and the scope closed
     eng.forward_backward_batch(batch(), None, forward_only=True)
     assert len(recorded) == 2
+
+
+def test_r3_check_runs_its_passes_on_every_pipeline_stage(monkeypatch, tmp_path):
+    """A stage before the last returns no log-probs ({}); it must still run the check's two extra passes, or the last
+    stage waits for their activations forever (a PP2 resume inside verl hung in recv_forward). Only the last stage
+    records."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from moe_lora_rl.integration.verl import engine as eng_mod, r3_check
+
+    recorded, passes = [], {"first": 0, "last": 0}
+    monkeypatch.setattr(r3_check, "record", lambda *a, **k: recorded.append(a))
+    monkeypatch.setattr(r3_check, "shifted_routes", lambda d: d)
+    for stage, out in (("first", {}), ("last", {"model_output": {}})):
+        eng = eng_mod.MoELoRAEngine.__new__(eng_mod.MoELoRAEngine)
+        eng.engine_config = SimpleNamespace(router_replay=SimpleNamespace(mode="R3"), r3_check_log=str(tmp_path / "x"))
+        eng.core = SimpleNamespace(adapters=lambda on: nullcontext())
+        eng.reference_scope, eng.version = False, 3
+
+        def run(data, loss_fn, forward_only, replay, stage=stage, out=out):
+            passes[stage] += 1
+            return out
+
+        eng._run_batch = run
+        d = TensorDict({"rollout_log_probs": torch.zeros(2, 3)}, batch_size=[2])
+        tu.assign_non_tensor(d, enable_routing_replay=True)
+        eng.forward_backward_batch(d, None, forward_only=True)
+    assert passes == {"first": 3, "last": 3} and len(recorded) == 1

@@ -205,13 +205,16 @@ class MoELoRAEngine(BaseEngine):
         replay = self.engine_config.router_replay.mode == "R3" and \
             tu.get_non_tensor_data(data, "enable_routing_replay", False)
         out = self._run_batch(data, loss_function, forward_only, replay)
-        if forward_only and replay and self.engine_config.r3_check_log and "rollout_log_probs" in data.keys() and out \
+        if forward_only and replay and self.engine_config.r3_check_log and "rollout_log_probs" in data.keys() \
                 and not self.reference_scope:
             from .r3_check import record, shifted_routes
 
+            # every pipeline stage runs the check's two passes (the last stage receives their activations); only
+            # the last stage has log-probs (`out`) to record
             free = self._run_batch(data, None, True, False)
             shifted = self._run_batch(shifted_routes(data), None, True, True)
-            record(self.engine_config.r3_check_log, data, out, free, shifted, version=self.version)
+            if out:
+                record(self.engine_config.r3_check_log, data, out, free, shifted, version=self.version)
         return out
 
     def _run_batch(self, data, loss_function, forward_only: bool, replay: bool):
