@@ -89,10 +89,10 @@ def measure(model: str, batches: list[int], prompt_len: int, response_len: int, 
     from ..lora import LoRAConfig
 
     conc = ",".join(map(str, batches))
-    roll = run_process("moe_lora_rl.checks.plan_rollout_worker",
+    roll = run_process("moe_lora_rl.bench.workers.plan_rollout_worker",
                        ["--model", model, "--concurrency", conc, "--prompt-len", str(prompt_len), "--response-len",
                         str(response_len), "--repeats", str(repeats)], timeout=1800, what="plan rollout worker")
-    train = run_torchrun("moe_lora_rl.checks.plan_train_worker", 1,
+    train = run_torchrun("moe_lora_rl.bench.workers.plan_train_worker", 1,
                          ["--model", model, "--lora", json.dumps(LoRAConfig(rank=rank, alpha=2.0 * rank).to_dict()),
                           "--batches", conc, "--seq", str(prompt_len + response_len), "--repeats", str(repeats)])
     return {"rollout": roll, "train": train}

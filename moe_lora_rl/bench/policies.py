@@ -55,7 +55,7 @@ def _evals(rows: list[dict]) -> dict[int, float]:
 
 
 def main(argv=None) -> dict:
-    from ..checks.peak_rss import PeakChildrenRss
+    from .runners.peak_rss import PeakChildrenRss
 
     argv, extra = split_overrides(argv)
     ap = job_parser("policies", __doc__, "every run")

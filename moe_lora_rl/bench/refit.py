@@ -34,7 +34,7 @@ def measured(model: str, layouts: list[str], cfg: LoRAConfig) -> dict:
         work = Path(d)
         lora_layouts.run([model], ",".join(layouts), cfg, work, steps=1, lr=1e-3)
         for layout in layouts:
-            per[layout] = run_process("moe_lora_rl.checks.refit_vllm_worker",
+            per[layout] = run_process("moe_lora_rl.bench.workers.refit_vllm_worker",
                                       ["--model", model, "--blob", str(work / f"{layout}-m0.pt"), "--data",
                                        str(work / "data.pt"), "--rank", str(cfg.rank), "--alpha", str(cfg.alpha)],
                                       timeout=2400, cwd=work, what="refit bench worker")

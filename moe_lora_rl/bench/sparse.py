@@ -3,7 +3,7 @@ the rollouts sampled on a compressed KV cache. Per seed, three runs at the same 
 main job's truncated IS), sparse_uncorrected (the same engine on a `--budget`-token window, no rollout correction),
 sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.rollout_is=sparse); with --method
 snapkv a fourth, sparse_replay (the trainer replays the eviction, rollout.kv_replay, with the corrections on); then
-the KV memory itself, measured by the engine's allocator at a fixed pool (checks/sparse_kv_worker.py).
+the KV memory itself, measured by the engine's allocator at a fixed pool (bench/workers/sparse_kv_worker.py).
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
         [--method window|snapkv] [--budget 32] [--evict recent=16,interval=8] [--setting sort_trace|long]
@@ -20,7 +20,7 @@ final evaluation), mean over seeds; eval_*_sampler: the same problems under each
 sparse / dense KV bytes per sequence at the same concurrency (the runs' batches, every sequence of a step running at
 once), at its peak per sequence (what a sequence must be given room for); kv_bytes_ratio_mean: time-averaged over
 engine steps. concurrency_ratio: the most sequences the sparse engine serves at once without a preemption over the dense engine's,
-on the same KV pool (--pool-blocks) and requests (checks/sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
+on the same KV pool (--pool-blocks) and requests (bench/workers/sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..checks.peer_task import TRACE_OVERRIDES
+from .runners.peer_task import TRACE_OVERRIDES
 from ..mismatch import LOW_TAIL_KEYS
 from ..rl.metrics import read_jsonl
 from .async_rl import _ints
@@ -95,7 +95,7 @@ def _evict(spec: str) -> dict:
 
 
 def kv_figures(model: str, a, evict: dict, cfg, root: Path) -> dict:
-    """The KV worker (checks/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too;
+    """The KV worker (bench/workers/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too;
     cfg: the dense run's config."""
     from ..checks.launch import run_process
 
@@ -103,9 +103,9 @@ def kv_figures(model: str, a, evict: dict, cfg, root: Path) -> dict:
     common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),
               "--requests", str(a.kv_requests),
               "--max-tokens", str(cfg.algo.max_response_tokens)]
-    dense = run_process("moe_lora_rl.checks.sparse_kv_worker", [*common, "--method", "none", "--budget", "0"],
+    dense = run_process("moe_lora_rl.bench.workers.sparse_kv_worker", [*common, "--method", "none", "--budget", "0"],
                         cwd=root, what="KV worker")
-    sparse = run_process("moe_lora_rl.checks.sparse_kv_worker",
+    sparse = run_process("moe_lora_rl.bench.workers.sparse_kv_worker",
                          [*common, "--method", a.method, "--budget", str(a.budget),
                           "--at-cap", str(max(1, dense["concurrency"])),
                           *(["--evict", json.dumps(evict)] if a.method == "snapkv" else [])],

@@ -13,7 +13,7 @@ checkpoint-engine backend into an in-process vLLM engine; colocated_refit_logpro
 colocated sync (its BucketedWeightSender -> our update_weights_from_ipc, base then adapters) into that engine started
 on dummy weights. One torchrun launch of 4 ranks for all layouts.
 
-verl's main_ppo runs (checks/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
+verl's main_ppo runs (bench/runners/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
 main_ppo_r3_kl / main_ppo_r3_off_kl / main_ppo_r3_shifted_kl: mean k3 KL of the trainer's log-prob recompute against
 the fp32 rollout, with the rollout's routes replayed / with the trainer's own routing / with the rollout's routes one
 token off (the control), over the recomputes of a 3-step run with R3 on.
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
 def _main_ppo_runs(a) -> dict:
     import tempfile
 
-    from ..checks.verl_runs import ASYNC, parse_r3, probe_tokens, run
+    from .runners.verl_runs import ASYNC, parse_r3, probe_tokens, run
 
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_verl_"))
     kw = dict(model=a.model, reuse=a.reuse)

@@ -95,7 +95,7 @@ def _env(layout, model: str, steps: int, **extra) -> dict:
 
 
 def _run(out: Path, env: dict, overrides: list[str], reuse: bool, steps: int) -> dict:
-    from ..checks.verl_runs import parse_steps, parse_val, run_script
+    from .runners.verl_runs import parse_steps, parse_val, run_script
 
     if not (reuse and (out / "wall_s").is_file()):
         shutil.rmtree(out / "ckpt", ignore_errors=True)         # what an earlier, unfinished attempt left
@@ -110,7 +110,7 @@ def _run(out: Path, env: dict, overrides: list[str], reuse: bool, steps: int) ->
 
 def _r3(out: Path) -> dict:
     """Per dp rank: the worst mean k3 with replay and the least with shifted routes (r3_check.jsonl)."""
-    from ..checks.verl_runs import parse_r3_by_rank
+    from .runners.verl_runs import parse_r3_by_rank
 
     per = parse_r3_by_rank(out / "r3_check.jsonl")
     return {"dp_ranks": sorted(per), "k3_max": max(r["k3_replay"] for r in per.values()),

