@@ -21,7 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 LIMIT_S=480
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+export PYTHONPATH="$ROOT/tests:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore   # tests/: the kit
 
 if ! command -v "$PY" >/dev/null 2>&1; then
   echo "gpu_check: no GPU check: no Python interpreter $PY"; exit 2

@@ -217,7 +217,7 @@ def bytes_mismatch(sent: dict, got: dict) -> list[str]:
 
 
 class PipeEngine:
-    """The `llm` CudaIpcTransport talks to: collective_rpc over a Pipe to the receiver process (checks/
+    """The `llm` CudaIpcTransport talks to: collective_rpc over a Pipe to the receiver process (kit/
     gpu_check_worker.serve). perturb_next: the next bucket's first byte is flipped on the GPU after the transport
     took its CRC and made its handles (the control)."""
 
