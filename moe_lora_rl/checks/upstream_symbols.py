@@ -177,11 +177,16 @@ def _file_symbols(path: Path, rel: str) -> tuple[list[Symbol], list[Symbol]]:
 
 
 def derived(root: str | Path) -> tuple[list[Symbol], list[Symbol]]:
-    """(imports, override candidates) of every .py file under `root` (the moe_lora_rl package folder)."""
+    """(imports, override candidates) of every .py file under `root` (the moe_lora_rl package folder), and in a
+    checkout of the test kit beside it (tests/kit: test-only code outside the package uses upstream symbols too)."""
     root = Path(root)
+    kit = root.parent / "tests" / "kit"
+    files = [(p, str(p.relative_to(root))) for p in sorted(root.rglob("*.py"))]
+    if kit.is_dir():
+        files += [(p, str(p.relative_to(root.parent))) for p in sorted(kit.rglob("*.py"))]
     imports, overrides = [], []
-    for path in sorted(root.rglob("*.py")):
-        i, o = _file_symbols(path, str(path.relative_to(root)))
+    for path, rel in files:
+        i, o = _file_symbols(path, rel)
         imports += i
         overrides += o
     return imports, overrides

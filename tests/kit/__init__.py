@@ -11,7 +11,7 @@ and benches share is moe_lora_rl/checks; the benches' processes are moe_lora_rl/
     recompute_worker.py, refit_stream_worker.py, moe_options.py + moe_options_worker.py, kv_replay_worker.py
                                 the distributed tests' drivers and torchrun workers
     refit_vllm.py, base_sync.py, mla_serve.py, inflight.py, served_megatron.py, version_reuse.py, weight_faults.py
-    (+ weight_fault_cells), sparse_evict.py, sparse_sampler.py, sparse_probe.py
+    (+ weight_fault_cells), sparse_evict.py, sparse_sampler.py, sparse_probe.py, serve_capture.py (+ vllm_peft)
                                 engine checks and their references (tests/e2e)
     import_inert.py             a fresh interpreter's check that importing the package patches nothing
     slurm_cluster.py            the local two-node slurm of tests/cluster

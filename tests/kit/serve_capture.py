@@ -10,23 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from moe_lora_rl.bench.workers.serve_engine import ENGINE, fp32_check, generate_groups
 from moe_lora_rl.rollout.engine import make_engine, set_engine_env
-from moe_lora_rl.rollout.generate import captured_generate, capturing, start_capture
+from moe_lora_rl.rollout.generate import capturing, start_capture
 
 # a decision whose fp32 reference selection scores are closer than this is a tie at bf16 precision: bf16 carries
 # 8 significant bits (relative rounding 2^-9 ~ 2e-3 per value), and the router input has gone through every layer
 TIE = 0.02
-ENGINE = dict(max_model_len=512, seed=0, block_size=32)      # both engines; bf16 adds prefix caching
-
-
-def generate_groups(llm, prompts: list[list[int]], group: int, gen_len: int, seed: int, meta: dict | None):
-    """group samples per prompt as separate requests (as an RL trainer submits them), seeds seed, seed + 1, ..."""
-    from vllm import SamplingParams
-
-    reqs = [p for p in prompts for _ in range(group)]
-    params = [SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=1.0, ignore_eos=True, seed=seed + i)
-              for i in range(len(reqs))]
-    return captured_generate(llm, reqs, params, meta)
 
 
 def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version: int, *, n_prompts=3, group=4,
@@ -62,39 +52,6 @@ def capture_check(llm, model: str, arch, peft, rank: int, alpha: float, version:
             "ties": float(np.mean(np.concatenate([(m < TIE).ravel() for m in margin]))),
             "prefix_route_hits": meta.get("prefix_route_hits", 0), "requests": len(gens),
             "rows": int(sum(r.shape[0] for r in routes)), "dtype": str(routes[0].dtype)}
-
-
-def fp32_check(llm, model: str, arch, peft, rank: int, alpha: float, version: int, *, n=4, length=48,
-               seed=0) -> dict:
-    """fp32 engine, one serving mode: prompt logprobs and routes of random sequences vs HF transformers with the
-    adapter merged (fp32), and vs the same adapter perturbed (negative control)."""
-    import torch
-    from vllm import SamplingParams
-
-    from moe_lora_rl.transfer.transports import InprocTransport
-    from moe_lora_rl.checks.route_reference import agreement, hf_routes, merged_hf_model
-
-    moe = [l for l, m in enumerate(arch.moe_layers) if m]
-    seqs = torch.randint(0, arch.vocab_size, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
-    served = InprocTransport(llm).push(version, peft, rank, alpha).served
-    with capturing(llm) as meta:
-        gens = captured_generate(llm, seqs, SamplingParams(max_tokens=1, prompt_logprobs=0), meta)
-    got = torch.tensor([g.prompt_logprobs for g in gens], dtype=torch.float64)
-    toks = torch.tensor(seqs)
-
-    def ref_logprobs(p):
-        m = merged_hf_model(model, p, alpha / rank, torch.float32)
-        with torch.no_grad():
-            lp = torch.log_softmax(m(input_ids=toks).logits.double(), -1)
-        return m, lp[:, :-1].gather(-1, toks[:, 1:, None])[..., 0]
-    ref_model, want = ref_logprobs(peft)
-    perturbed = {k: v * 1.1 if ".lora_B." in k else v for k, v in peft.items()}
-    _, want_perturbed = ref_logprobs(perturbed)
-    routes = [g.routes for g in gens]
-    return {"logprob_max_diff": (got - want).abs().max().item(),
-            "logprob_diff_perturbed": (got - want_perturbed).abs().max().item(),
-            "agree_routes": agreement(routes, hf_routes(ref_model, moe, seqs)),
-            "commit_s": served.get("commit_s"), "served": {k: served[k] for k in ("version", "mode")}}
 
 
 def overflow_check(llm, arch, peft, rank: int, alpha: float, version: int) -> dict:

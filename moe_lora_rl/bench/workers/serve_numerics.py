@@ -325,7 +325,7 @@ def main(argv=None) -> dict:
     from ...models.arch import load_arch
     from ...transfer.transports import InprocTransport
     from ...checks.route_reference import merged_hf_model, random_expert_adapter
-    from kit.serve_capture import ENGINE
+    from .serve_engine import ENGINE
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)

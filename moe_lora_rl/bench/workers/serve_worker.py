@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
     from ...models.arch import load_arch
     from ...transfer.transports import InprocTransport
     from ...checks.route_reference import random_expert_adapter
-    from kit.serve_capture import ENGINE, fp32_check, generate_groups
+    from .serve_engine import ENGINE, fp32_check, generate_groups
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
