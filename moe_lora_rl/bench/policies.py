@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 from ..plan.shared_host import HostPhases, predict_policies
-from .async_rl import phases
 from .common import emit
-from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+from .jobs import check_job, job_layout, job_parser, phases, run_job, split_overrides
 
 NAMES = ("p0", "p1")
 
@@ -80,7 +79,7 @@ def main(argv=None) -> dict:
     together = [*base, f"policies=[{pols}]", f"policies_rollout={a.policies_rollout}"]
     alone = {n: [*base, f"seed={s}", f"algo.lr={lr!r}"] for n, s, lr in zip(NAMES, seeds, lrs)}
     for over in (together, *alone.values()):
-        _preflight(over, 2)
+        check_job(over, 2)
     t_bench = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)

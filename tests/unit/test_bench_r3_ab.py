@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from moe_lora_rl.bench.r3_ab import CURVES, SETTINGS, collapsed, curve, last2, main, plot
+from moe_lora_rl.bench.r3_ab import CURVES, main, plot
+from moe_lora_rl.bench.r3_ab_runs import SETTINGS, collapsed, curve, last2
 
 
 def test_collapsed_on_the_mean_of_the_last_two_evaluations():

@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 LEARN = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_learn.sh"
 ASYNC = ROOT / "recipes" / "verl_moe_lora" / "run_cpu_async.sh"
+ASYNC_CHECK = "moe_lora_rl.checks.verl_async"
+ASYNC_TRAINERS = ("one_step_off", "fully_async")
 PROBE_RE = re.compile(r"^PROBE='\[([0-9,]+)\]'", re.M)
 _STEP = re.compile(r"step:(\d+) - (.*)$")
 _TIMING = re.compile(r"timing_s/([a-z_]+):(?:np\.float64\()?([0-9.eE+-]+)")
@@ -148,3 +150,48 @@ def run(out: Path, overrides: list[str], *, steps: int, test_freq: int, model: s
     wall_f = out / "wall_s"
     return {"val": parse_val(text), "steps": done, "timing": parse_timing(text), "curve": parse_curve(text),
             "wall_s": float(wall_f.read_text()) if wall_f.exists() else None}
+
+
+def main_ppo_runs(a) -> dict:
+    """bench verl's runs of verl's own trainers (a: its arguments): main_ppo's R3 check, the learning run and its lr=0
+    control, each async trainer checked by checks/verl_async.py; the figures read from them."""
+    import tempfile
+
+    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_verl_"))
+    kw = dict(model=a.model, reuse=a.reuse)
+    r3 = run(out / "r3_fp32", ["actor_rollout_ref.rollout.dtype=float32", "trainer.val_before_train=false"],
+             steps=3, test_freq=-1, **kw)
+    kl = parse_r3(out / "r3_fp32" / "r3_check.jsonl")
+    learn = run(out / "learn", [], steps=a.learn_steps, test_freq=a.test_freq, **kw)
+    lr0 = run(out / "learn_lr0", ["actor_rollout_ref.actor.optim.lr=0"], steps=a.learn_steps, test_freq=a.test_freq,
+              **kw)
+    from ...checks.launch import run_process
+
+    trainers = {}
+    for name in ASYNC_TRAINERS:
+        r = run(out / name, [], steps=a.async_steps, test_freq=-1, model=a.model, reuse=a.reuse, script=ASYNC,
+                script_args=(name,), count_steps=False)
+        check = run_process(ASYNC_CHECK, ["--run", str(out / name), "--model", str(out / name / "model"),
+                                          "--probe", probe_tokens()], what="async check")
+        # one-step-off syncs before each step's rollout (after N steps it has served 0..N-1), fully-async after each
+        if max(check["versions_served"]) < a.async_steps - 1:
+            raise RuntimeError(f"{out / name}: versions {check['versions_served']} served, {a.async_steps} steps asked")
+        trainers[name] = {**check, "steps": a.async_steps, "wall_s": r["wall_s"]}
+    for name, r in (("learn", learn), ("learn_lr0", lr0)):
+        if 0 not in r["val"] or a.learn_steps not in r["val"]:
+            raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
+    res = {"main_ppo_r3_kl": kl["k3_replay"], "main_ppo_r3_off_kl": kl["k3_free"],
+           "main_ppo_r3_max_abs_diff": kl["max_abs_diff_replay"], "main_ppo_r3_shifted_kl": kl["k3_shifted"],
+           "main_ppo_r3_off_max_abs_diff": kl["max_abs_diff_free"],
+           "learn_eval_start": learn["val"][0], "learn_eval_end": learn["val"][a.learn_steps],
+           "learn_eval_end_lr0": lr0["val"][a.learn_steps], "learn_eval_start_lr0": lr0["val"][0],
+           "learn_curve": learn["val"], "learn_curve_lr0": lr0["val"], "learn_wall_s": learn["wall_s"],
+           "learn_steps": a.learn_steps, "runs_dir": str(out),
+           "async_trainer_versions_synced": min(t["versions_synced"] for t in trainers.values()),
+           "async_trainer_probe_max_diff": max(t["probe_max_diff"] for t in trainers.values()),
+           "async_trainer_probe_diff_vs_other_version": min(t["probe_diff_vs_other_version"]
+                                                            for t in trainers.values()),
+           "async_trainers": {n: {k: t[k] for k in ("syncs", "versions_synced", "versions_served", "probe_max_diff",
+                                                     "probe_diff_vs_other_version", "steps", "wall_s")}
+                              for n, t in trainers.items()}}
+    return res
