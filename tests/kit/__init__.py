@@ -15,4 +15,5 @@ and benches share is moe_lora_rl/checks; the benches' processes are moe_lora_rl/
                                 engine checks and their references (tests/e2e)
     import_inert.py             a fresh interpreter's check that importing the package patches nothing
     slurm_cluster.py            the local two-node slurm of tests/cluster
+    train_faults.py             the main job's engine or trainer rank killed once a step is logged
 """
