@@ -40,39 +40,10 @@ from pathlib import Path
 
 from .common import emit
 from .jobs import check_job, ints, job_layout, job_parser, phases, rate, run_job, split_overrides
+from .plan_model import run_lengths, spec_occupancy
 
 
 SETTINGS = {"default": [], "long": ["--config-name=long"]}
-
-
-def run_lengths(sync: dict, one_core: dict, batch: int, cap: int):
-    """HostLengths of the measured synchronous rollout (plan/shared_host.py), or None where the runs lack what it
-    needs: the trained answers' mean length, the batch's longest answer as the sync run's occupancy gives it
-    (batch * mean / occupancy: what the distribution's tail sets), phi from the one-core run's fitted decode step
-    (the async engine's placement: one thread) and the engine's share of that run's rollout seconds."""
-    from ..plan.lengths import parse_lengths
-    from ..plan.shared_host import HostLengths
-
-    fit, mean, occ = one_core.get("engine_step_fit"), sync.get("response_len_mean"), sync.get("engine_occupancy")
-    rollout_s = phases(one_core)[0] * one_core["steps"]
-    if not fit or not mean or not occ or not one_core.get("engine_decode_s") or rollout_s <= 0:
-        return None
-    return HostLengths.from_fit(parse_lengths(f"{min(mean, cap):.6g}", cap), batch, fit,
-                                min(1.0, one_core["engine_decode_s"] / rollout_s), occupancy=min(max(occ, 1.0), batch))
-
-
-def spec_occupancy(sync: dict, batch: int, cap: int) -> dict | None:
-    """The synchronous occupancy a lognormal of the sync run's answer mean and 90th percentile alone implies (the
-    planner's length model without the run's occupancy), or None where they make no tail."""
-    from ..plan.lengths import parse_lengths
-    from ..plan.shared_host import HostLengths
-
-    mean, p90 = sync.get("response_len_mean"), sync.get("len_p90")
-    try:
-        d = parse_lengths(f"mean={mean:.6g},p90={p90:.6g}", cap)
-    except (ValueError, TypeError):
-        return None
-    return {"spec": d.spec, "occupancy_sync": HostLengths(d, batch).occupancy_sync()}
 
 
 def _kept_summary(run_dir: Path) -> dict:
