@@ -39,8 +39,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .common import emit
-from .jobs import check_job, ints, job_layout, job_parser, phases, rate, run_job, split_overrides
-from .plan_model import run_lengths, spec_occupancy
+from .runners.jobs import check_job, ints, job_layout, job_parser, phases, rate, run_job, split_overrides
+from .runners.plan_model import run_lengths, spec_occupancy
 
 
 SETTINGS = {"default": [], "long": ["--config-name=long"]}

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .common import emit
-from .jobs import check_job, data_overrides, job_layout, job_parser, run_job, split_overrides
+from .runners.jobs import check_job, data_overrides, job_layout, job_parser, run_job, split_overrides
 
 KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3",
         "kl_mean_no_r3", "ratio_gt2", "ratio_gt5", "ratio_gt2_no_r3", "ratio_gt5_no_r3", "disagreement_mean",
@@ -55,7 +55,7 @@ def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] 
         main_run = run_job(a.nproc, overrides, root / "main", a.timeout)
         control = run_job(a.nproc, [*overrides, "algo.lr=0"], root / "lr0", a.timeout)
         if a.png:
-            from .figures import e2e_png
+            from .runners.figures import e2e_png
 
             e2e_png(a.png, {"the job": root / "main", "lr=0 control": root / "lr0"},
                     f"bench e2e{' --data ' + a.data if a.data else ''}: {lay.name}, {main_run['steps']} steps")

@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
                 out[f"ours_vs_{name}_speed"] = out["ours_samples_per_s"] / out[f"{name}_samples_per_s"]
         out["errors"] = errors
         if a.png:
-            from .figures import peers_png
+            from .runners.figures import peers_png
 
             peers_png(Path(a.png), {n: r["curve"] for n, r in results.items()}, curves, out)
         out["evaluator"] = {"n_eval": a.n_eval, "samples": a.eval_samples, "temperature": 1.0, "dtype": "float32",

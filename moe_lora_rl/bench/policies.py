@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..plan.shared_host import HostPhases, predict_policies
 from .common import emit
-from .jobs import check_job, job_layout, job_parser, phases, run_job, split_overrides
+from .runners.jobs import check_job, job_layout, job_parser, phases, run_job, split_overrides
 
 NAMES = ("p0", "p1")
 
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc},
            "policies": per, "policies_rollout": a.policies_rollout, "steps": a.steps, "layout": lay.name, "bench_wall_s": round(time.time() - t_bench, 1)}
     if a.png:
-        from .figures import policies_png
+        from .runners.figures import policies_png
 
         policies_png(Path(a.png), out)
     emit(out, a.json)

@@ -10,7 +10,7 @@ length.
 --setting: a named set of overrides (SETTINGS below; "default" is the main job as it is; long_w500_*: the long
 recipe from its 500-step warm start, 60 steps, held-out every 10 steps on 512 samples). Each seed runs both replay
 modes on the same rollout seeds. --out DIR keeps each run in DIR/{r3,off}-s{seed} with its overrides, a checkpoint
-every 10 steps and resume=auto (bench/kept_runs.py); --reuse then reads the finished runs back and continues an
+every 10 steps and resume=auto (bench/runners/kept_runs.py); --reuse then reads the finished runs back and continues an
 unfinished one from its last checkpoint, so the runs of a setting can be made over several sessions. kl_r3 /
 kl_off: the train-inference k3 KL of the policy each run trains (R3: the trainer on the rollout's routes; off: the
 trainer routing itself), mean over steps and seeds. eval_last2_*: the mean of a run's last two evaluations, mean
@@ -24,37 +24,11 @@ import time
 from pathlib import Path
 
 from ..rl.metrics import read_jsonl
-from . import figures
+from .runners import figures
 from .common import emit
-from .jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
-from .kept_runs import RESUMABLE, fresh, kept, mismatch, with_warm_start
-from .r3_ab_runs import SETTINGS, STEPS, WARM, curve, summarize
-
-CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),
-          ("Tokens with ratio > 2 (solid) / > 5 (dotted)", ("f2", "f5")),
-          ("Sequences with a token past ratio 2", ("seq_f2",)),
-          ("Largest per-sequence |log-ratio sum|", ("seq_log_ratio_max",)),
-          ("KL, first half (solid) / second half (dotted) of a response", ("kl_first_half", "kl_second_half")),
-          ("Grad norm", ("grad_norm",)), ("Clip fraction", ("pg_clipfrac",)),
-          ("Response length (tokens)", ("response_len",)))
-
-
-def plot(curves: dict, png: Path, title: str) -> Path:
-    fig, axes = figures.panels(3, 3, size=(15, 10))
-    first = min(s for _, s in curves)
-    for ax, (name, keys) in zip(axes, CURVES):
-        for key, dotted in zip(keys, (False, True)):
-            for (replay, seed), rows in sorted(curves.items()):
-                pts = [(r["step"], r[key]) for r in rows if key in r]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, color="C0" if replay == "r3" else "C3",
-                            ls=":" if dotted else "-" if seed == first else "--",
-                            marker="o" if key == "eval" else None, ms=3,
-                            label=None if dotted else f"{replay} seed {seed}")
-        figures.style(ax, name, log=keys[0].startswith("kl"))
-    return figures.save(fig, title, png)
-
+from .runners.jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
+from .runners.kept_runs import RESUMABLE, fresh, kept, mismatch, with_warm_start
+from .runners.r3_ab_runs import SETTINGS, STEPS, WARM, curve, summarize
 
 def main(argv=None) -> dict:
     argv, extra = split_overrides(argv)
@@ -110,7 +84,7 @@ def main(argv=None) -> dict:
                 curves[replay, seed] = curve(read_jsonl(out / "metrics.jsonl"), replay)
         png = Path(a.png) if a.png else (root / "r3_ab.png" if a.out else None)
         if png is not None:
-            plot(curves, png, f"R3 vs no replay, setting {a.setting!r}, seeds {seeds}")
+            figures.r3_ab_png(curves, png, f"R3 vs no replay, setting {a.setting!r}, seeds {seeds}")
     out = summarize(runs, seeds)
     out.update({"setting": a.setting, "overrides": [*setting, *extra], "seeds": seeds,
                 "steps": runs["r3", seeds[0]]["steps"], "layout": lay.name, "png": str(png) if png else None,

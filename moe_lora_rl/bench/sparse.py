@@ -30,35 +30,12 @@ from pathlib import Path
 
 from ..mismatch import LOW_TAIL_KEYS
 from ..rl.metrics import read_jsonl
-from . import figures
+from .runners import figures
 from .common import emit
-from .jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
-from .kept_runs import kept, mismatch
-from .sparse_runs import (REPLAYS, SETTINGS, evict_spec, kv_figures, kv_summary, mean_of, partial_summary, pick_runs,
-                          run_overrides, runs_of, setting_overrides)
-
-CURVES = (("Held-out success (the run's sampler; final: dense engine)", "eval"), ("Reward", "reward"),
-          ("Trainer vs sampler KL (k3)", "r3_kl"), ("Sequences rejected (Sparse-RL)", "sparse/seq_rejected_frac"))
-
-
-def plot(curves: dict, png: Path, title: str) -> Path:
-    """curves: (run, seed) -> (metrics rows, the final adapter's held-out success on a dense engine or None)."""
-    fig, axes = figures.panels(2, 2, size=(11, 7))
-    colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2", "sparse_replay": "C4"}
-    seeds = sorted({s for _, s in curves})
-    for ax, (name, key) in zip(axes, CURVES):
-        for (run, seed), (rows, dense_end) in sorted(curves.items()):
-            pts = [(r["step"], r[key]) for r in rows if key in r]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, color=colors[run], ls="-" if seed == seeds[0] else "--",
-                    marker="o" if key == "eval" else None, ms=3, label=f"{run} s{seed}")
-            if key == "eval" and dense_end is not None:
-                ax.plot([xs[-1]], [dense_end], color=colors[run], marker="*", ms=11, ls="none")
-        figures.style(ax, name, log=key == "r3_kl")
-    return figures.save(fig, title, png)
-
+from .runners.jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
+from .runners.kept_runs import kept, mismatch
+from .runners.sparse_runs import (REPLAYS, SETTINGS, evict_spec, kv_figures, kv_summary, mean_of, partial_summary,
+                                  pick_runs, run_overrides, runs_of, setting_overrides)
 
 def main(argv=None) -> dict:
     argv, extra = split_overrides(argv)
@@ -159,7 +136,7 @@ def main(argv=None) -> dict:
         kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, cfg, root)
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
-            plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
+            figures.sparse_png({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
                  f"Sparse-RL on {a.setting}: {a.method} {a.budget} tokens, seeds {seeds}")
 
     def mean(run, key):                                    # None: a run not run here nor read from --out

@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     if not a.no_runs:
         res.update(main_ppo_runs(a))
         if a.png:
-            from .figures import verl_learning_png
+            from .runners.figures import verl_learning_png
 
             verl_learning_png(a.png, res["learn_curve"], res["learn_curve_lr0"], a.main_job)
             res["png"] = a.png

@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     res.update(resume(a, out, model, learn_layout, others))
     res.update(one_step_off(a, out, model, learn_layout))
     if a.png and not a.no_learn:
-        from .figures import verl_learning_png
+        from .runners.figures import verl_learning_png
 
         verl_learning_png(a.png, res["learn_curve"], res["learn_curve_lr0"], None,
                           title=f"verl's Qwen3-MoE LoRA script, {learn_layout.name}")

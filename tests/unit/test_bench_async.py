@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from moe_lora_rl.bench import async_rl, plan_model
+from moe_lora_rl.bench import async_rl
+from moe_lora_rl.bench.runners import plan_model
 
 
 def summary(steps, wall, eval_s, rollout_frac, train_frac, eval_end, **kw):

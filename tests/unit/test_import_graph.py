@@ -47,9 +47,10 @@ ALLOWED = {
     "checks": {"algos", "integration", "lora", "megatron", "mismatch", "models", "policy", "procs", "refit", "rollout",
                "router_replay", "transfer", "vllm"},
     "bench.workers": {"checks", "data", "lora", "megatron", "models", "policy", "refit", "rollout", "transfer", "vllm"},
-    "bench.runners": {"checkpoint", "checks", "data", "refit", "rl"},                # the peers' runners
-    "bench": {"algos", "bench.runners", "checks", "data", "lora", "megatron", "mismatch", "models", "plan", "procs",
-              "rl", "rollout", "transfer"},                        # bench.workers: started by name, not imported
+    "bench.runners": {"algos", "checkpoint", "checks", "data", "lora", "megatron", "models", "plan", "procs", "refit",
+                      "rl", "rollout", "transfer"},      # the runs the benches start, read back, modelled and drawn
+    "bench": {"bench.runners", "checks", "lora", "megatron", "mismatch", "models", "plan", "rl", "rollout",
+              "transfer"},                                         # bench.workers: started by name, not imported
 }
 SUBPACKAGES = {"bench.workers", "bench.runners"}                 # rooms of their own inside a package
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it

@@ -4,7 +4,7 @@ up front."""
 import pytest
 
 from moe_lora_rl.bench.plan import main
-from moe_lora_rl.bench.plan_model import calibrate, compare, predict, settings
+from moe_lora_rl.bench.runners.plan_model import calibrate, compare, predict, settings
 from moe_lora_rl.plan import Hardware
 from moe_lora_rl.plan.specs import spec_from_config
 

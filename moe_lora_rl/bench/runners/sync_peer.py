@@ -23,8 +23,8 @@ def _rate(calls: list[tuple[float, float, int]], lo: float, hi: float) -> float:
 
 def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_mb: float,
               before_s: float = 6.0) -> dict:
-    from ..rollout.placement import Placement
-    from ..rollout.replicas import Replicas
+    from ...rollout.placement import Placement
+    from ...rollout.replicas import Replicas
 
     # the host's cores split between the two engines, as the main job splits them (rl/producer.py)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
@@ -79,9 +79,9 @@ def peer_join(model: str, log_dir, prompts, sample: dict, *, dtype: str, bucket_
 
 def _gloo(reps, model: str, bucket_mb: float) -> dict:
     """The checkpoint to both engines at once over one gloo group, as base version 2 (the same bytes)."""
-    from ..transfer.gloo_sender import GlooBroadcast
-    from ..transfer.shm_sender import checkpoint_tensors
-    from ..transfer.base_store import BaseStore
+    from ...transfer.gloo_sender import GlooBroadcast
+    from ...transfer.shm_sender import checkpoint_tensors
+    from ...transfer.base_store import BaseStore
 
     store = BaseStore(checkpoint_tensors(model), int(bucket_mb * (1 << 20)), version=2)
     try:

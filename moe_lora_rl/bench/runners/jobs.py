@@ -13,9 +13,9 @@ import json
 import subprocess
 from pathlib import Path
 
-from ..checks.launch import worker_env
-from ..checks.train_runs import train_command
-from ..megatron.layout import parse_layouts
+from ...checks.launch import worker_env
+from ...checks.train_runs import train_command
+from ...megatron.layout import parse_layouts
 
 
 def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float, prefix=()) -> dict:
@@ -66,7 +66,7 @@ def job_layout(a: argparse.Namespace, name: str) -> tuple[object, list[str], lis
 
 def data_overrides(name: str, where: Path) -> list[str]:
     """A dataset's files (written to `where`), its reference column and its job settings, as overrides."""
-    from ..data import JOB_OVERRIDES, REFERENCE_KEYS, write
+    from ...data import JOB_OVERRIDES, REFERENCE_KEYS, write
 
     paths = write(name, where)
     ref = REFERENCE_KEYS.get(name)
@@ -77,8 +77,8 @@ def data_overrides(name: str, where: Path) -> list[str]:
 def check_job(overrides: list[str], nproc: int):
     """The job's own checks, here, so a bad value is refused before anything starts (a --config-name among the
     overrides picks the recipe, as the driver does); returns the job's config."""
-    from ..rl import config
-    from ..rl.config import preflight
+    from ...rl import config
+    from ...rl.config import preflight
 
     name, rest = config.split_config_name(overrides)
     cfg = config.load(rest, config_name=name)

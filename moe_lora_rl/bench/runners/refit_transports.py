@@ -25,11 +25,11 @@ import time
 
 
 def transport_timings(model: str, rank: int, repeats: int = 5) -> dict:
-    from ..models.arch import load_arch
-    from ..rollout.openai_server import start_server
-    from ..transfer.transports import HttpTransport, ShmTransport
-    from ..procs import free_port
-    from ..checks.route_reference import random_expert_adapter
+    from ...models.arch import load_arch
+    from ...rollout.openai_server import start_server
+    from ...transfer.transports import HttpTransport, ShmTransport
+    from ...procs import free_port
+    from ...checks.route_reference import random_expert_adapter
 
     arch = load_arch(model)
     peft = random_expert_adapter(arch, rank, seed=0)

@@ -1,4 +1,5 @@
-"""The curve panels of the benches of whole jobs (r3_ab, sparse): one style, one way to save."""
+"""The curve panels of the benches of whole jobs (r3_ab, sparse, e2e, peers, policies, verl): one style, one way to
+save, and each bench's figure."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,7 +45,7 @@ def verl_learning_png(png, curve: dict, curve_lr0: dict, main_job_dir=None, *, l
         ax.plot(steps, [c[k] if k in c else c[str(k)] for k in steps], marker="o", label=label)
     style(ax, "verl main_ppo + our override: held-out (greedy)")
     if main_job_dir:
-        from ..rl.metrics import EVAL_SUCCESS
+        from ...rl.metrics import EVAL_SUCCESS
 
         rows = [json.loads(l) for l in Path(main_job_dir, "metrics.jsonl").read_text().splitlines() if l.strip()]
         pts = [(r["step"], r[EVAL_SUCCESS]) for r in rows if EVAL_SUCCESS in r]
@@ -99,7 +100,7 @@ def e2e_png(png, runs: dict, title: str) -> Path:
     the job's out_dir} (its metrics.jsonl)."""
     import json
 
-    from ..rl.metrics import EVAL_SUCCESS
+    from ...rl.metrics import EVAL_SUCCESS
 
     fig, (rew, held) = panels(1, 2, size=(10, 4))
     for label, where in runs.items():
@@ -113,3 +114,53 @@ def e2e_png(png, runs: dict, title: str) -> Path:
     style(rew, "training reward (5-step mean)")
     style(held, "held-out success (temperature 1)")
     return save(fig, title, Path(png))
+
+
+R3_AB_CURVES = (("Held-out success", ("eval",)), ("Train-inference KL (k3)", ("kl",)),
+          ("Tokens with ratio > 2 (solid) / > 5 (dotted)", ("f2", "f5")),
+          ("Sequences with a token past ratio 2", ("seq_f2",)),
+          ("Largest per-sequence |log-ratio sum|", ("seq_log_ratio_max",)),
+          ("KL, first half (solid) / second half (dotted) of a response", ("kl_first_half", "kl_second_half")),
+          ("Grad norm", ("grad_norm",)), ("Clip fraction", ("pg_clipfrac",)),
+          ("Response length (tokens)", ("response_len",)))
+
+
+def r3_ab_png(curves: dict, png: Path, title: str) -> Path:
+    """curves: (replay, seed) -> metrics rows; R3_AB_CURVES' panels, 3 x 3."""
+    fig, axes = panels(3, 3, size=(15, 10))
+    first = min(s for _, s in curves)
+    for ax, (name, keys) in zip(axes, R3_AB_CURVES):
+        for key, dotted in zip(keys, (False, True)):
+            for (replay, seed), rows in sorted(curves.items()):
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, color="C0" if replay == "r3" else "C3",
+                            ls=":" if dotted else "-" if seed == first else "--",
+                            marker="o" if key == "eval" else None, ms=3,
+                            label=None if dotted else f"{replay} seed {seed}")
+        style(ax, name, log=keys[0].startswith("kl"))
+    return save(fig, title, png)
+
+
+SPARSE_CURVES = (("Held-out success (the run's sampler; final: dense engine)", "eval"), ("Reward", "reward"),
+          ("Trainer vs sampler KL (k3)", "r3_kl"), ("Sequences rejected (Sparse-RL)", "sparse/seq_rejected_frac"))
+
+
+def sparse_png(curves: dict, png: Path, title: str) -> Path:
+    """curves: (run, seed) -> (metrics rows, the final adapter's held-out success on a dense engine or None)."""
+    fig, axes = panels(2, 2, size=(11, 7))
+    colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2", "sparse_replay": "C4"}
+    seeds = sorted({s for _, s in curves})
+    for ax, (name, key) in zip(axes, SPARSE_CURVES):
+        for (run, seed), (rows, dense_end) in sorted(curves.items()):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, color=colors[run], ls="-" if seed == seeds[0] else "--",
+                    marker="o" if key == "eval" else None, ms=3, label=f"{run} s{seed}")
+            if key == "eval" and dense_end is not None:
+                ax.plot([xs[-1]], [dense_end], color=colors[run], marker="*", ms=11, ls="none")
+        style(ax, name, log=key == "r3_kl")
+    return save(fig, title, png)

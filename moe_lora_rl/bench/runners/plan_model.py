@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from ..plan.search import RolloutLayout, TrainLayout, decode_traffic, step_times, train_flops_per_token
-from ..plan.specs import Hardware, ModelSpec, RLSettings
+from ...plan.search import RolloutLayout, TrainLayout, decode_traffic, step_times, train_flops_per_token
+from ...plan.specs import Hardware, ModelSpec, RLSettings
 from .jobs import phases
 
 
@@ -58,8 +58,8 @@ def run_lengths(sync: dict, one_core: dict, batch: int, cap: int):
     needs: the trained answers' mean length, the batch's longest answer as the sync run's occupancy gives it
     (batch * mean / occupancy: what the distribution's tail sets), phi from the one-core run's fitted decode step
     (the async engine's placement: one thread) and the engine's share of that run's rollout seconds."""
-    from ..plan.lengths import parse_lengths
-    from ..plan.shared_host import HostLengths
+    from ...plan.lengths import parse_lengths
+    from ...plan.shared_host import HostLengths
 
     fit, mean, occ = one_core.get("engine_step_fit"), sync.get("response_len_mean"), sync.get("engine_occupancy")
     rollout_s = phases(one_core)[0] * one_core["steps"]
@@ -72,8 +72,8 @@ def run_lengths(sync: dict, one_core: dict, batch: int, cap: int):
 def spec_occupancy(sync: dict, batch: int, cap: int) -> dict | None:
     """The synchronous occupancy a lognormal of the sync run's answer mean and 90th percentile alone implies (the
     planner's length model without the run's occupancy), or None where they make no tail."""
-    from ..plan.lengths import parse_lengths
-    from ..plan.shared_host import HostLengths
+    from ...plan.lengths import parse_lengths
+    from ...plan.shared_host import HostLengths
 
     mean, p90 = sync.get("response_len_mean"), sync.get("len_p90")
     try:
