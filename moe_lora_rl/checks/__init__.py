@@ -17,7 +17,5 @@ bench/runners.
                       checks run by tests and by bench parity / lora / refit / replay
     verl_worker.py (+ verl_data, verl_adapter_path, verl_stream), verl_refit.py, verl_async.py, verl_compose.py
                       the verl harness: tests/*/test_verl_* and bench verl
-    compat_report.py (+ upstream_symbols, upstream_api)
-                      python -m moe_lora_rl.checks.compat_report: every upstream symbol we use, per version (wheels)
     mla_bf16.py       python -m moe_lora_rl.checks.mla_bf16: where a bf16 engine's KL to fp32 comes from (docs/mla.md)
 """

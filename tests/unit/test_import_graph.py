@@ -44,6 +44,7 @@ ALLOWED = {
     "train": {"rl"},
     "launch": {"data", "rl"},                                      # moe-lora-rl train: checks, then the ranks
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
+    "upstream": set(),                                             # the compatibility report: ast only
     "checks": {"algos", "integration", "lora", "megatron", "mismatch", "models", "policy", "procs", "refit", "rollout",
                "router_replay", "transfer", "vllm"},
     "bench.workers": {"checks", "data", "lora", "megatron", "models", "policy", "refit", "rollout", "transfer", "vllm"},

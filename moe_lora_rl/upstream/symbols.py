@@ -8,14 +8,14 @@
                       table (tests/unit/test_upstream_api.py checks it against the installed versions)
     symbols(root, baselines)   both, deduplicated, overrides filtered by the baselines
 
-Read by moe_lora_rl.checks.compat_report (python -m moe_lora_rl.checks.compat_report).
+Read by moe_lora_rl.upstream.report (python -m moe_lora_rl.upstream.report).
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from .upstream_api import PRESENT, PackageSource, Symbol, lookup
+from .lookups import PRESENT, PackageSource, Symbol, lookup
 
 PACKAGES = ("vllm", "verl", "megatron")
 

