@@ -21,7 +21,7 @@ REQUIRES = [
     "xxhash",
 ]
 # vllm: moe_lora_rl/vllm/compat.py accepts 0.32.x only (0.24.0 and 0.34.0 differ: python -m
-# moe_lora_rl.checks.compat_report). verl 0.9.1 pins transformers<5.11, vLLM 0.32 needs >=5.16.1: both extras resolve
+# moe_lora_rl.upstream.report). verl 0.9.1 pins transformers<5.11, vLLM 0.32 needs >=5.16.1: both extras resolve
 # with an override of transformers (scripts/overrides.txt here, scripts/overrides-gpu.txt on a GPU), as uv takes it.
 VERL_GPU = ["verl==0.9.1", "vllm>=0.32,<0.33"]
 EXTRAS = {

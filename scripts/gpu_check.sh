@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (moe_lora_rl/checks/gpu_check.py; docs/setup.md, "GPU check"): megatron-core on CUDA in bf16 with
+# The GPU check (tests/kit/gpu_check.py; docs/setup.md, "GPU check"): megatron-core on CUDA in bf16 with
 # per-expert LoRA and R3 replay, and a CUDA IPC bucket handoff between two processes, each against the CPU result.
 # One JSON line on stdout; at most 8 minutes; needs no network.
 #
@@ -21,12 +21,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 LIMIT_S=480
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+export PYTHONPATH="$ROOT/tests:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore   # tests/: the kit
 
 if ! command -v "$PY" >/dev/null 2>&1; then
   echo "gpu_check: no GPU check: no Python interpreter $PY"; exit 2
 fi
-"$PY" -m moe_lora_rl.checks.gpu_check --probe || exit $?      # no GPU: its one line, before any install
+"$PY" -m kit.gpu_check --probe || exit $?      # no GPU: its one line, before any install
 
 if [[ -n "${PIP_FIND_LINKS:-}" ]]; then
   TMP="$(mktemp -d)"; trap 'rm -rf "$TMP"' EXIT
@@ -41,7 +41,7 @@ if [[ -n "${PIP_FIND_LINKS:-}" ]]; then
   export PYTHONPATH="$TMP/site:$PYTHONPATH"
 fi
 
-timeout --kill-after=10 "$LIMIT_S" "$PY" -m moe_lora_rl.checks.gpu_check "$@"
+timeout --kill-after=10 "$LIMIT_S" "$PY" -m kit.gpu_check "$@"
 rc=$?
 if (( rc == 124 || rc == 137 )); then
   echo "{\"check\": \"gpu\", \"pass\": false, \"error\": \"over the ${LIMIT_S} s limit\"}"; exit 124

@@ -1,4 +1,16 @@
 import os
+import sys
+from pathlib import Path
+
+# The test kit (tests/kit: test-only oracles, drivers and workers, outside the installed package) is imported as
+# `kit`, here and in every process a test starts (torchrun workers, engines, `python -m kit.X`): tests/ and the
+# checkout's root go first on sys.path and PYTHONPATH.
+TESTS = Path(__file__).resolve().parent
+for _p in (str(TESTS.parent), str(TESTS)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent),
+                                            *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -39,60 +39,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from .common import emit
-from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+from .runners.jobs import check_job, ints, job_layout, job_parser, phases, rate, run_job, split_overrides
+from .runners.plan_model import run_lengths, spec_occupancy
 
 
 SETTINGS = {"default": [], "long": ["--config-name=long"]}
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what}={text!r}: expected comma-separated integers") from None
-    if not out:
-        raise ValueError(f"{what}={text!r}: expected at least one value")
-    return out
-
-
-def rate(s: dict) -> float:
-    return s["steps"] * 60.0 / (s["wall_s"] - s["eval_s"])
-
-
-def phases(s: dict) -> tuple[float, float]:
-    """(rollout, train) seconds per step of a synchronous run, evaluation left out."""
-    return ((s["rollout_busy_frac"] * s["wall_s"] - s["eval_s"]) / s["steps"],
-            s["train_busy_frac"] * s["wall_s"] / s["steps"])
-
-
-def run_lengths(sync: dict, one_core: dict, batch: int, cap: int):
-    """HostLengths of the measured synchronous rollout (plan/shared_host.py), or None where the runs lack what it
-    needs: the trained answers' mean length, the batch's longest answer as the sync run's occupancy gives it
-    (batch * mean / occupancy: what the distribution's tail sets), phi from the one-core run's fitted decode step
-    (the async engine's placement: one thread) and the engine's share of that run's rollout seconds."""
-    from ..plan.lengths import parse_lengths
-    from ..plan.shared_host import HostLengths
-
-    fit, mean, occ = one_core.get("engine_step_fit"), sync.get("response_len_mean"), sync.get("engine_occupancy")
-    rollout_s = phases(one_core)[0] * one_core["steps"]
-    if not fit or not mean or not occ or not one_core.get("engine_decode_s") or rollout_s <= 0:
-        return None
-    return HostLengths.from_fit(parse_lengths(f"{min(mean, cap):.6g}", cap), batch, fit,
-                                min(1.0, one_core["engine_decode_s"] / rollout_s), occupancy=min(max(occ, 1.0), batch))
-
-
-def spec_occupancy(sync: dict, batch: int, cap: int) -> dict | None:
-    """The synchronous occupancy a lognormal of the sync run's answer mean and 90th percentile alone implies (the
-    planner's length model without the run's occupancy), or None where they make no tail."""
-    from ..plan.lengths import parse_lengths
-    from ..plan.shared_host import HostLengths
-
-    mean, p90 = sync.get("response_len_mean"), sync.get("len_p90")
-    try:
-        d = parse_lengths(f"mean={mean:.6g},p90={p90:.6g}", cap)
-    except (ValueError, TypeError):
-        return None
-    return {"spec": d.spec, "occupancy_sync": HostLengths(d, batch).occupancy_sync()}
 
 
 def _kept_summary(run_dir: Path) -> dict:
@@ -125,7 +76,7 @@ def main(argv=None) -> dict:
         raise ValueError(f"--from={a.from_dir!r} with --out={a.out!r}: --from reads an earlier run's outputs and runs "
                          "nothing to keep")
     lay, layout_over, model_over = job_layout(a, "async")
-    seeds, sync_nproc = _ints(a.seeds, "--seeds"), _ints(a.sync_nproc, "--sync-nproc")
+    seeds, sync_nproc = ints(a.seeds, "--seeds"), ints(a.sync_nproc, "--sync-nproc")
     engine_threads = [t.strip() for t in a.engine_threads.split(",") if t.strip()]
     if not engine_threads or any(t != "auto" and not (t.isdigit() and int(t) >= 1) for t in engine_threads):
         raise ValueError(f"--engine-threads={a.engine_threads!r}: expected auto or integers >= 1, comma-separated")
@@ -135,7 +86,7 @@ def main(argv=None) -> dict:
     cores = len(os.sched_getaffinity(0))
     base = [*SETTINGS[a.setting], *layout_over, f"steps={a.steps}", "eval_every=0", *model_over, *extra]
     asyn = ["mode=async", f"max_staleness={a.max_staleness}", f"inflight={a.inflight}"]
-    algo = [_preflight([*base, *asyn], n) for n in {*sync_nproc, a.async_nproc}][0].algo
+    algo = [check_job([*base, *asyn], n) for n in {*sync_nproc, a.async_nproc}][0].algo
     batch, cap = algo.prompts_per_step * algo.group_size, algo.max_response_tokens
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:

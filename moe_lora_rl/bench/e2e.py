@@ -17,68 +17,17 @@ ratio_gt2_no_r3 / 3; on the default model free_disagreement_mean >= 0.03 and fre
 """
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from ..megatron.layout import parse_layouts
-from ..checks.launch import worker_env
-from ..checks.train_runs import train_command
 from .common import emit
+from .runners.jobs import check_job, data_overrides, job_layout, job_parser, run_job, split_overrides
 
 KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3",
         "kl_mean_no_r3", "ratio_gt2", "ratio_gt5", "ratio_gt2_no_r3", "ratio_gt5_no_r3", "disagreement_mean",
         "token_disagreement_mean", "free_disagreement_mean", "free_token_disagreement_mean", "refit_bytes_per_step",
         "full_bytes", "rollout_busy_frac", "train_busy_frac", "steps")
-
-
-def run_job(nproc: int, overrides: list[str], out_dir: Path, timeout: float, prefix=()) -> dict:
-    """The job's summary; prefix: a command to run torchrun under (e.g. taskset -c 0)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = out_dir / "driver.log"
-    with open(log, "w") as f:
-        proc = subprocess.run([*prefix, *train_command(out_dir, overrides, nproc)], env=worker_env(),
-                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    summary = out_dir / "summary.json"
-    if proc.returncode != 0 or not summary.exists():
-        tail = "\n".join(log.read_text().splitlines()[-40:])
-        raise RuntimeError(f"moe_lora_rl.train exited with {proc.returncode}; log {log}:\n{tail}")
-    return json.loads(summary.read_text())
-
-
-def job_parser(name: str, doc: str, runs: str) -> argparse.ArgumentParser:
-    """The arguments every bench of whole jobs takes (--json, --model, --layouts, --out, --timeout); `runs` names
-    the runs in the help."""
-    ap = argparse.ArgumentParser(prog=f"python -m moe_lora_rl.bench {name}", description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", action="store_true", help="print one JSON line")
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in warm-started model)")
-    ap.add_argument("--layouts", default="tp1ep1pp1", help=f"the one layout of {runs}")
-    ap.add_argument("--out", default=None, help=f"keep {runs}' outputs here (default: a temporary folder)")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    return ap
-
-
-def split_overrides(argv) -> tuple[list[str], list[str]]:
-    """(the bench's own arguments, the hydra overrides after `--`)."""
-    argv = list(argv or [])
-    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-
-
-def job_layout(a: argparse.Namespace, name: str) -> tuple[object, list[str], list[str]]:
-    """The one layout of job_parser's --layouts, its overrides and the --model override; ValueError naming a bad
-    value."""
-    layouts = parse_layouts(a.layouts)
-    if len(layouts) != 1:
-        raise ValueError(f"--layouts={a.layouts!r}: {name} runs one layout, got {len(layouts)}")
-    if a.model is not None and not (Path(a.model) / "config.json").is_file():
-        raise ValueError(f"--model={a.model!r} is not an HF checkpoint directory")
-    lay = layouts[0]
-    return (lay, [f"layout.tp={lay.tp}", f"layout.ep={lay.ep}", f"layout.etp={lay.etp}", f"layout.pp={lay.pp}"],
-            [f"model.path={a.model}"] if a.model else [])
 
 
 def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] = (), keys=KEYS) -> dict:
@@ -102,11 +51,11 @@ def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] 
         root = Path(a.out or tmp)
         if a.data is not None:
             overrides = [*data_overrides(a.data, root / "data"), *overrides]
-        _preflight(overrides, a.nproc)
+        check_job(overrides, a.nproc)
         main_run = run_job(a.nproc, overrides, root / "main", a.timeout)
         control = run_job(a.nproc, [*overrides, "algo.lr=0"], root / "lr0", a.timeout)
         if a.png:
-            from .figures import e2e_png
+            from .runners.figures import e2e_png
 
             e2e_png(a.png, {"the job": root / "main", "lr=0 control": root / "lr0"},
                     f"bench e2e{' --data ' + a.data if a.data else ''}: {lay.name}, {main_run['steps']} steps")
@@ -120,23 +69,3 @@ def main(argv=None, *, name: str = "e2e", doc: str = __doc__, recipe: list[str] 
     return out
 
 
-def data_overrides(name: str, where: Path) -> list[str]:
-    """A dataset's files (written to `where`), its reference column and its job settings, as overrides."""
-    from ..data import JOB_OVERRIDES, REFERENCE_KEYS, write
-
-    paths = write(name, where)
-    ref = REFERENCE_KEYS.get(name)
-    return [f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
-            *([f"data.reference_key={ref}"] if ref else []), *JOB_OVERRIDES.get(name, [])]
-
-
-def _preflight(overrides: list[str], nproc: int):
-    """The job's own checks, here, so a bad value is refused before anything starts (a --config-name among the
-    overrides picks the recipe, as the driver does); returns the job's config."""
-    from ..rl import config
-    from ..rl.config import preflight
-
-    name, rest = config.split_config_name(overrides)
-    cfg = config.load(rest, config_name=name)
-    preflight.check(cfg, nproc)
-    return cfg

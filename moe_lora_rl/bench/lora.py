@@ -10,7 +10,7 @@ peft_max_diff: the trained adapters exported to PEFT, loaded into HF transformer
 Megatron+LoRA. Step times: base = full fine-tuning step (fwd+bwd+AdamW over all weights), LoRA = frozen base +
 adapters (fwd+bwd+grad sync+AdamW over adapters), interleaved in one process; fwd_time_ratio isolates the adapters'
 forward cost.
-Memory (same model and layout, one fresh process per variant, checks/lora_steps_worker.py): base_peak_mb /
+Memory (same model and layout, one fresh process per variant, bench/workers/lora_steps_worker.py): base_peak_mb /
 lora_peak_mb are the kernel's resident-set high-water mark (ru_maxrss) over 2 training steps minus the process's RSS
 before the model was built: model state + grads + optimizer state + activations. peak_ratio = lora / base,
 target <= 0.7.
@@ -37,7 +37,7 @@ def measure_memory(model: str, layout: str, cfg: LoRAConfig, rc=None) -> dict:
     from ..megatron.run_config import RunConfig
 
     world = Layout.parse(layout).min_world_size
-    got = {v: run_torchrun("moe_lora_rl.checks.lora_steps_worker", world,
+    got = {v: run_torchrun("moe_lora_rl.bench.workers.lora_steps_worker", world,
                            ["--model", model, "--layout", layout, "--measure", "memory", "--variant", v, "--lora", json.dumps(cfg.to_dict()),
                             *worker_arg(rc or RunConfig())])
            for v in ("base", "lora")}
@@ -60,7 +60,7 @@ def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfi
         from ..megatron.layout import Layout
         from ..megatron.run_config import RunConfig
 
-        sp = run_torchrun("moe_lora_rl.checks.lora_steps_worker", Layout.parse(speed_layout).min_world_size,
+        sp = run_torchrun("moe_lora_rl.bench.workers.lora_steps_worker", Layout.parse(speed_layout).min_world_size,
                           ["--model", speed_model, "--measure", "speed", "--layout", speed_layout, "--lora", json.dumps(cfg.to_dict()),
                            *worker_arg(rc or RunConfig())])
         result.update({k: sp[k] for k in ("base_step_s", "lora_step_s", "step_time_ratio", "base_fwd_s",

@@ -7,13 +7,13 @@
 Every peer trains the default task (8 prompts x 8 samples a step, --steps steps, lr 1e-3, LoRA rank 8 / alpha 16 on
 the experts and attention, PPO clip 0.2 / 0.28, token-mean, no KL) from the same HF checkpoint:
   ours        our main job (sync; ours_async: mode=async, max_staleness 1), torchrun on 2 ranks, vLLM rollouts;
-  trl         TRL's GRPOTrainer with PEFT (checks/trl_grpo.py) in TRL's environment (.venv-trl, set up on first use);
+  trl         TRL's GRPOTrainer with PEFT (bench/runners/trl_grpo.py) in TRL's environment (.venv-trl, set up on first use);
   verl        verl's main_ppo through our override (recipes/verl_moe_lora/run_cpu_learn.sh).
-One evaluator (checks/peer_eval.py: HF + peft, fp32, T=1, the same held-out problems, samples and seeds) measures
+One evaluator (bench/runners/peer_eval.py: HF + peft, fp32, T=1, the same held-out problems, samples and seeds) measures
 the starting checkpoint and each run's final PEFT adapter: eval_<peer>. <peer>_samples_per_s: samples trained over
 the training loop's wall time (evaluation excluded; start-up in <peer>_total_s). A peer that is not installed or fails
 to start is reported in `errors` with one line; the others still run. --task sort_trace: every peer trains the
-written selection sort of 10 digits instead (85-token answers, up to 96 sampled; checks/peer_task.py), from that
+written selection sort of 10 digits instead (85-token answers, up to 96 sampled; bench/runners/peer_task.py), from that
 task's warm start; verl's recipe trains the default task only and is refused with it.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--serving", default="unmerged",
                     help="our engine's adapter serving (the main job's `serving`): unmerged (the default) or merged "
                          "(the adapters merged into the base at each push: the faster rollout on long answers)")
-    ap.add_argument("--task", default="sort", help="the task every peer trains (checks/peer_task.py): sort (the "
+    ap.add_argument("--task", default="sort", help="the task every peer trains (bench/runners/peer_task.py): sort (the "
                     "default, 6-token answers) or sort_trace (85-token answers)")
     ap.add_argument("--reuse", action="store_true", help="read the finished runs in --out instead of running them")
     ap.add_argument("--out", default=None, help="directory of the runs (default: a temporary one, removed)")
@@ -75,15 +75,15 @@ def main(argv=None) -> dict:
         raise ValueError(f"--rollout-dtype={a.rollout_dtype!r}: choose float32 or bfloat16")
     if a.model and not Path(a.model).is_dir():
         raise ValueError(f"--model {a.model}: not a directory")
-    from ..checks.peer_task import peer_task
+    from .runners.peer_task import peer_task
 
     task_over = peer_task(a.task)[2]
     if a.task != "sort" and "verl" in names:
         raise ValueError(f"--task={a.task} with verl: its recipe (recipes/verl_moe_lora/run_cpu_learn.sh) trains the "
                          "default task only; leave verl out of --peers")
 
-    from ..checks.peer_eval import evaluate
-    from ..checks.peer_runs import GROUP, PROMPTS, run_ours, run_peers, run_trl, run_verl
+    from .runners.peer_eval import evaluate
+    from .runners.peer_runs import GROUP, PROMPTS, run_ours, run_peers, run_trl, run_verl
     from ..rl import config
     from ..rl.inputs import model_dir
 
@@ -127,11 +127,11 @@ def main(argv=None) -> dict:
                 out[f"ours_vs_{name}_speed"] = out["ours_samples_per_s"] / out[f"{name}_samples_per_s"]
         out["errors"] = errors
         if a.png:
-            from .figures import peers_png
+            from .runners.figures import peers_png
 
             peers_png(Path(a.png), {n: r["curve"] for n, r in results.items()}, curves, out)
         out["evaluator"] = {"n_eval": a.n_eval, "samples": a.eval_samples, "temperature": 1.0, "dtype": "float32",
-                            "by": "HF transformers + peft (merged), moe_lora_rl.checks.peer_eval",
+                            "by": "HF transformers + peft (merged), moe_lora_rl.bench.runners.peer_eval",
                             "every": a.eval_every}
     finally:
         if not a.out:

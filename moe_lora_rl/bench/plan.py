@@ -17,85 +17,12 @@ The "hardware" object is a calibrated hardware file for `moe-lora-rl plan --hard
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 
 from ..checks.tolerances import PLAN_ERROR_TARGET
-from ..plan.search import RolloutLayout, TrainLayout, decode_traffic, step_times, train_flops_per_token
-from ..plan.specs import Hardware, ModelSpec, RLSettings
 from .common import emit
-
-
-def settings(batch: int, prompt_len: int, response_len: int, rank: int) -> RLSettings:
-    return RLSettings(batch=batch, prompt_len=prompt_len, response_len=response_len, rank=rank, mode="sync",
-                      staleness=0, micro_batch=1, recompute=False)
-
-
-def _one_gpu(rl: RLSettings) -> tuple[TrainLayout, RolloutLayout]:
-    return (TrainLayout(1, 1, 1, 1, 1, 1, rl.batch, {}),
-            RolloutLayout(1, 1, 1, 1, 1, rl.batch, {}))
-
-
-def calibrate(m: ModelSpec, rl: RLSettings, rollout_s: float, train_s: float, peak_flops: float,
-              weight_bytes: float = 2) -> Hardware:
-    """Hardware figures that make the planner reproduce the measured rollout and training times at rl.batch."""
-    _, r = _one_gpu(rl)
-    nbytes, flops = decode_traffic(m, rl, r, rl.batch, weight_bytes)
-    step = rollout_s / rl.response_len
-    train_flops = rl.batch * rl.seq_len * train_flops_per_token(m, rl) / train_s
-    decode_flops = max(peak_flops, flops / step)
-    if flops / decode_flops >= step * (1 - 1e-9):        # compute bound even at this ceiling: memory no limit
-        bw = 1e6 * nbytes / step
-    else:
-        bw = nbytes / step
-    peak = max(decode_flops, train_flops)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return Hardware(memory_GB=ram, usable_fraction=1.0, bf16_TFLOPs=peak / 1e12, hbm_GBps=bw / 1e9,
-                    train_mfu=train_flops / peak, decode_bw_eff=1.0, decode_flops_eff=decode_flops / peak,
-                    gpus_per_node=1, source=f"calibrated by `bench plan` at batch {rl.batch}")
-
-
-def predict(m: ModelSpec, hw: Hardware, rl: RLSettings, weight_bytes: float = 2) -> dict:
-    """The planner's synchronous step (rollout + training, no refit) on one device at rl.batch."""
-    t, r = _one_gpu(rl)
-    s = step_times(m, hw, rl, t, r, 0.0, weight_bytes)
-    return {"step_s": s["sync_step_s"], "rollout_s": s["rollout_sync_s"], "train_s": s["train_s"]}
-
-
-def compare(predicted_step_s: float, measured_step_s: float, b1: int, b2: int) -> dict:
-    p, m = 60 / predicted_step_s, 60 / measured_step_s
-    return {"predicted_steps_per_min": p, "measured_steps_per_min": m, "error": abs(p - m) / m,
-            "calibration_batch": b1, "predicted_batch": b2}
-
-
-def matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-    """Single-thread fp32 matmul FLOP/s (best of `repeats`): the compute ceiling of one CPU core."""
-    import torch
-
-    torch.set_num_threads(1)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        a @ b
-        best = min(best, time.process_time() - t0)
-    return 2 * n ** 3 / best
-
-
-def measure(model: str, batches: list[int], prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:
-    from ..checks.launch import run_process, run_torchrun
-    from ..lora import LoRAConfig
-
-    conc = ",".join(map(str, batches))
-    roll = run_process("moe_lora_rl.checks.plan_rollout_worker",
-                       ["--model", model, "--concurrency", conc, "--prompt-len", str(prompt_len), "--response-len",
-                        str(response_len), "--repeats", str(repeats)], timeout=1800, what="plan rollout worker")
-    train = run_torchrun("moe_lora_rl.checks.plan_train_worker", 1,
-                         ["--model", model, "--lora", json.dumps(LoRAConfig(rank=rank, alpha=2.0 * rank).to_dict()),
-                          "--batches", conc, "--seq", str(prompt_len + response_len), "--repeats", str(repeats)])
-    return {"rollout": roll, "train": train}
+from .runners.plan_model import calibrate, compare, predict, settings
+from .runners.plan_runs import matmul_flops, measure
 
 
 def run(model: str, b1: int, b2: int, prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:

@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 from ..plan.shared_host import HostPhases, predict_policies
-from .async_rl import phases
 from .common import emit
-from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
+from .runners.jobs import check_job, job_layout, job_parser, phases, run_job, split_overrides
 
 NAMES = ("p0", "p1")
 
@@ -55,7 +54,7 @@ def _evals(rows: list[dict]) -> dict[int, float]:
 
 
 def main(argv=None) -> dict:
-    from ..checks.peak_rss import PeakChildrenRss
+    from .runners.peak_rss import PeakChildrenRss
 
     argv, extra = split_overrides(argv)
     ap = job_parser("policies", __doc__, "every run")
@@ -80,7 +79,7 @@ def main(argv=None) -> dict:
     together = [*base, f"policies=[{pols}]", f"policies_rollout={a.policies_rollout}"]
     alone = {n: [*base, f"seed={s}", f"algo.lr={lr!r}"] for n, s, lr in zip(NAMES, seeds, lrs)}
     for over in (together, *alone.values()):
-        _preflight(over, 2)
+        check_job(over, 2)
     t_bench = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.out or tmp)
@@ -120,7 +119,7 @@ def main(argv=None) -> dict:
            "phases_s_per_step": {"rollout_1": r1, "rollout_c": rc, "train_1": t1, "train_c": tc},
            "policies": per, "policies_rollout": a.policies_rollout, "steps": a.steps, "layout": lay.name, "bench_wall_s": round(time.time() - t_bench, 1)}
     if a.png:
-        from .figures import policies_png
+        from .runners.figures import policies_png
 
         policies_png(Path(a.png), out)
     emit(out, a.json)

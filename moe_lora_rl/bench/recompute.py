@@ -4,7 +4,7 @@
 
 Each variant (verl's override_transformer_config: none; full/uniform/1 as in verl's Megatron LoRA example;
 selective core_attn+layernorm+moe) runs LoRA training steps (fwd + bwd + adapter grad sync + AdamW) in its own
-torchrun launch of checks/lora_steps_worker (--measure memory), so no variant's allocations hide another's. Per
+torchrun launch of bench/workers/lora_steps_worker (--measure memory), so no variant's allocations hide another's. Per
 variant: step_mb, the kernel's resident-set high-water mark (ru_maxrss, reset before the steps) minus the RSS
 before the first step (activations at their peak plus grads, optimizer state and allocator slack); saved_mb, the
 tensors autograd holds for backward at the end of the forward (the activations recompute trades for compute);
@@ -34,7 +34,7 @@ def measure(model: str, layout: str, seq: int, batch: int, cfg: LoRAConfig, rc, 
     out = {}
     for name in variants:
         t0 = time.perf_counter()
-        out[name] = run_torchrun("moe_lora_rl.checks.lora_steps_worker", Layout.parse(layout).min_world_size,
+        out[name] = run_torchrun("moe_lora_rl.bench.workers.lora_steps_worker", Layout.parse(layout).min_world_size,
                                  ["--model", model, "--layout", layout, "--measure", "memory", "--variant", "lora",
                                   "--seq", str(seq), "--batch", str(batch), "--lora", json.dumps(cfg.to_dict()),
                                   "--transformer-overrides", json.dumps(VARIANTS[name]), *worker_arg(rc)],

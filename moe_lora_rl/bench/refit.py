@@ -7,8 +7,8 @@
 Measured mode: Megatron trains LoRA one step at each given layout (default the medium qwen3_moe), the adapters go
 to an in-process vLLM CPU engine (fp32) through InprocTransport; then the same engine reloads all weights with the
 adapters merged (reload_weights). Times are medians of 3; logprob diffs are against Megatron+LoRA. Then the
-cross-process pushes to a vLLM server on this host (bench/refit_transports.py: memcpy_s, shm_push_s, http_push_s);
---transports-only measures just those.
+cross-process pushes to a vLLM server on this host (bench/runners/refit_transports.py: memcpy_s, shm_push_s,
+http_push_s); --transports-only measures just those.
 
 Calc mode adds "streaming": the busiest rank of the streaming gather (refit/gather.py) for per_expert adapters at
 the largest --ranks value, at --layouts (default: Kimi-K2's public training layout, Miles' TP8 PP8 CP4 EP32) with
@@ -34,7 +34,7 @@ def measured(model: str, layouts: list[str], cfg: LoRAConfig) -> dict:
         work = Path(d)
         lora_layouts.run([model], ",".join(layouts), cfg, work, steps=1, lr=1e-3)
         for layout in layouts:
-            per[layout] = run_process("moe_lora_rl.checks.refit_vllm_worker",
+            per[layout] = run_process("moe_lora_rl.bench.workers.refit_vllm_worker",
                                       ["--model", model, "--blob", str(work / f"{layout}-m0.pt"), "--data",
                                        str(work / "data.pt"), "--rank", str(cfg.rank), "--alpha", str(cfg.alpha)],
                                       timeout=2400, cwd=work, what="refit bench worker")
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     else:
         from ..models import get_model
         from ..checks.layouts import check_layouts
-        from .refit_transports import transport_timings
+        from .runners.refit_transports import transport_timings
 
         if a.bucket_bytes is not None:
             raise ValueError("--bucket-bytes applies to --calc only")

@@ -9,7 +9,7 @@ KL(engine || HF fp32 with the adapter merged) per generated token (Monte Carlo o
 train-inference mismatch of bf16 serving; kl_bf16_se_*: its standard error, often as large as the gap between the
 modes); kl_exact_*: the same KL exact (full distributions, 8 prompts' continuations sampled by the base engine, the
 same sequences for every configuration; vocabularies up to 8192, else null and named in skipped) and its decomposition
-(checks/serve_numerics.py): kl_exact_bf16_merged / _unmerged (each mode), kl_exact_base_kernel (no adapter, vLLM's MoE
+(bench/workers/serve_numerics.py): kl_exact_bf16_merged / _unmerged (each mode), kl_exact_base_kernel (no adapter, vLLM's MoE
 kernel vs HF fp32 base: the bf16 engine's part both modes share), kl_exact_base_torch (our experts with B = 0 vs the
 same), kl_exact_merged_kernel (the merged engine vs HF fp32 on the very bf16 weights it serves: kernel part),
 kl_exact_merged_rounding (HF fp32 on those weights vs on W + s*B@A: rounding part), *_fp32 (unmerged with
@@ -18,7 +18,7 @@ routed experts in bf16, vLLM's kernel or ours, vs the same references); logprob_
 of an fp32 engine vs that reference; delta_lost_to_rounding: the part of the update the merged bf16 weights lose;
 expert_bytes_memcpy_s: one copy of all expert weights (the floor of a merged commit); capture_ok: groups of 4
 samples per prompt got complete routes with prefix caching on; prefix_cache_hits: vLLM's counter (tokens).
-Engine loop (checks/serve_inflight.py), unmerged: tps_batch_call vs tps_loop and loop_step_overhead on the same
+Engine loop (bench/workers/serve_inflight.py), unmerged: tps_batch_call vs tps_loop and loop_step_overhead on the same
 requests; tokens_per_s_no_pushes vs tokens_per_s_during_pushes (a new version every --push-every-s while requests
 decode, --window-s each), push_cost = 1 - during / no pushes (target <= 0.10), inflight_push_stall_s: how long running
 requests waited for one commit between two steps.
@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
     if not (Path(a.model) / "config.json").exists():
         ap.error(f"--model {a.model}: not an HF checkpoint directory (no config.json)")
     with tempfile.TemporaryDirectory() as d:
-        result = run_process("moe_lora_rl.checks.serve_worker", ["--model", a.model, "--rank", str(a.rank), "--batch",
+        result = run_process("moe_lora_rl.bench.workers.serve_worker", ["--model", a.model, "--rank", str(a.rank), "--batch",
                              str(a.batch), "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
                              "--window-s", str(a.window_s), "--push-every-s", str(a.push_every_s)],
                              timeout=3600, cwd=d, what="serve bench worker")

@@ -3,7 +3,7 @@ the rollouts sampled on a compressed KV cache. Per seed, three runs at the same 
 main job's truncated IS), sparse_uncorrected (the same engine on a `--budget`-token window, no rollout correction),
 sparse_corrected (the window with Sparse-RL's rejection and reweighting, algo.rollout_is=sparse); with --method
 snapkv a fourth, sparse_replay (the trainer replays the eviction, rollout.kv_replay, with the corrections on); then
-the KV memory itself, measured by the engine's allocator at a fixed pool (checks/sparse_kv_worker.py).
+the KV memory itself, measured by the engine's allocator at a fixed pool (bench/workers/sparse_kv_worker.py).
 
     python -m moe_lora_rl.bench sparse --json [--model DIR] [--layouts tp1ep1pp1] [--seeds 0,1] [--steps N]
         [--method window|snapkv] [--budget 32] [--evict recent=16,interval=8] [--setting sort_trace|long]
@@ -20,158 +20,22 @@ final evaluation), mean over seeds; eval_*_sampler: the same problems under each
 sparse / dense KV bytes per sequence at the same concurrency (the runs' batches, every sequence of a step running at
 once), at its peak per sequence (what a sequence must be given room for); kv_bytes_ratio_mean: time-averaged over
 engine steps. concurrency_ratio: the most sequences the sparse engine serves at once without a preemption over the dense engine's,
-on the same KV pool (--pool-blocks) and requests (checks/sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
+on the same KV pool (--pool-blocks) and requests (bench/workers/sparse_kv_worker.py). rejection_rate: sequences rejected by the corrected run, mean over steps.
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
 
-from ..checks.peer_task import TRACE_OVERRIDES
 from ..mismatch import LOW_TAIL_KEYS
 from ..rl.metrics import read_jsonl
-from .async_rl import _ints
-from . import figures
+from .runners import figures
 from .common import emit
-from .e2e import _preflight, job_layout, job_parser, run_job, split_overrides
-from .kept_runs import kept, mismatch, with_warm_start
-
-TASK = [*TRACE_OVERRIDES, "steps=30", "eval_every=10"]
-"""The long task's run: every held-out problem once per evaluation; responses of up to 96 tokens (the trace of 10
-digits and its end-of-turn take 85)."""
-SETTINGS = {"sort_trace": TASK, "long": ["--config-name=long", "eval_every=10", "algo.lr=3e-4"]}
-WARM = {"long": ["model.warm_steps=500"]}
-"""The setting's warm start where no --model (or model.warm_* override) is given: the long recipe's 300 supervised
-steps leave held-out success at 0.008, nothing for GRPO to learn from; 500 give 0.37-0.40. From there the recipe's
-lr 1e-3 degrades the policy (0.398 -> 0.234 in 40 steps) and 3e-4 keeps it (docs/long_reasoning.md)."""
-RUNS = ("dense", "sparse_uncorrected", "sparse_corrected", "sparse_replay")
-REPLAYS = ("snapkv",)
-"""--method values whose eviction the trainer can replay (rollout.kv_replay): the sparse_replay run; the others
-skip it."""
-CURVES = (("Held-out success (the run's sampler; final: dense engine)", "eval"), ("Reward", "reward"),
-          ("Trainer vs sampler KL (k3)", "r3_kl"), ("Sequences rejected (Sparse-RL)", "sparse/seq_rejected_frac"))
-
-
-def run_overrides(run: str, method: str, budget: int, evict: dict | None = None) -> list[str]:
-    kv = [f"rollout.kv_compression={method}", f"rollout.kv_budget={budget}",
-          *(f"rollout.kv_evict.{k}={v}" for k, v in sorted((evict or {}).items()))]
-    return {"dense": [], "sparse_uncorrected": [*kv, "algo.rollout_is=off"],
-            "sparse_corrected": [*kv, "algo.rollout_is=sparse"],
-            "sparse_replay": [*kv, "rollout.kv_replay=true", "algo.rollout_is=sparse"]}[run]
-
-
-def setting_overrides(setting: str, extra: list[str], model_over: list[str]) -> list[str]:
-    """The setting's overrides (before the user's, which win), with its WARM start unless --model (model_over) or a
-    model.warm_* override chooses the model."""
-    return with_warm_start(SETTINGS[setting], WARM.get(setting, []), extra, model_over)
-
-
-def pick_runs(spec: str | None, runs: tuple[str, ...]) -> tuple[str, ...]:
-    """--runs: a subset of the method's runs (ValueError naming one it does not have)."""
-    if spec is None:
-        return runs
-    chosen = tuple(filter(None, spec.split(",")))
-    bad = [r for r in chosen if r not in runs]
-    if bad or not chosen or len(set(chosen)) != len(chosen):
-        raise ValueError(f"--runs={spec!r}: expected distinct runs of {list(runs)}")
-    return chosen
-
-
-def runs_of(method: str) -> tuple[str, ...]:
-    return RUNS if method in REPLAYS else RUNS[:3]
-
-
-def _evict(spec: str) -> dict:
-    """'recent=16,interval=8' -> {"recent": 16, "interval": 8} (ValueError naming a malformed item)."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        k, _, v = item.partition("=")
-        if not v.strip().isdigit():
-            raise ValueError(f"--evict item {item!r}: expected key=integer")
-        out[k.strip()] = int(v)
-    return out
-
-
-def kv_figures(model: str, a, evict: dict, cfg, root: Path) -> dict:
-    """The KV worker (checks/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too;
-    cfg: the dense run's config."""
-    from ..checks.launch import run_process
-
-    length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
-    common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),
-              "--requests", str(a.kv_requests),
-              "--max-tokens", str(cfg.algo.max_response_tokens)]
-    dense = run_process("moe_lora_rl.checks.sparse_kv_worker", [*common, "--method", "none", "--budget", "0"],
-                        cwd=root, what="KV worker")
-    sparse = run_process("moe_lora_rl.checks.sparse_kv_worker",
-                         [*common, "--method", a.method, "--budget", str(a.budget),
-                          "--at-cap", str(max(1, dense["concurrency"])),
-                          *(["--evict", json.dumps(evict)] if a.method == "snapkv" else [])],
-                         cwd=root, what="KV worker")
-    return {"none": dense, "sparse": sparse}
-
-
-def kv_summary(kv: dict) -> dict:
-    """The KV worker's figures: sequences served at once on the pool, and blocks per sequence at the same
-    concurrency (the dense engine's), time-averaged and at the peak."""
-    d, s = kv["none"], kv["sparse"]
-    same = s["at_cap"] or {}
-    dc = d["at_concurrency"] or {}
-    return {"concurrency_ratio": s["concurrency"] / d["concurrency"] if d["concurrency"] else None,
-            "concurrency": {"dense": d["concurrency"], "sparse": s["concurrency"], "pool_blocks": d["pool_blocks"],
-                            "tokens_per_s_dense": dc.get("tokens_per_s"),
-                            "tokens_per_s_sparse": (s["at_concurrency"] or {}).get("tokens_per_s"),
-                            "peak_blocks_per_seq_dense": d["kv"]["peak_blocks_per_seq"],
-                            "peak_blocks_per_seq_sparse": s["kv"]["peak_blocks_per_seq"]},
-            "same_concurrency": {"cap": dc.get("cap"),
-                                 "blocks_per_seq_dense": dc.get("blocks_per_seq_mean"),
-                                 "blocks_per_seq_sparse": same.get("blocks_per_seq_mean"),
-                                 "peak_blocks_per_seq_dense": dc.get("blocks_per_seq_peak"),
-                                 "peak_blocks_per_seq_sparse": same.get("blocks_per_seq_peak"),
-                                 "mean_ratio": same.get("blocks_per_seq_mean", 0) / dc["blocks_per_seq_mean"]
-                                 if dc.get("blocks_per_seq_mean") else None,
-                                 "peak_ratio": same.get("blocks_per_seq_peak", 0) / dc["blocks_per_seq_peak"]
-                                 if dc.get("blocks_per_seq_peak") else None,
-                                 "tokens_per_s_dense": dc.get("tokens_per_s"),
-                                 "tokens_per_s_sparse": same.get("tokens_per_s")},
-            "evictions": s.get("evictions")}
-
-
-def mean_of(rows: list[dict], key: str):
-    vals = [r[key] for r in rows if key in r]
-    return sum(vals) / len(vals) if vals else None
-
-
-def partial_summary(sums: dict, a, seeds: list[int], runs: tuple[str, ...], wall_s: float) -> dict:
-    """--runs with --out, too few runs for the summary: each run's held-out success (its own sampler's, and on a
-    dense engine), and the runs a later --reuse still needs."""
-    done = {f"{r}-s{s}": {"eval_start": v.get("eval_start"), "eval_end": v.get("eval_end"),
-                          "eval_end_dense": v.get("eval_end_dense")} for (r, s), v in sorted(sums.items())}
-    return {"method": a.method, "budget": a.budget, "setting": a.setting, "partial": True, "done": done,
-            "missing": [f"{r}-s{s}" for s in seeds for r in runs if (r, s) not in sums], "out": a.out,
-            "bench_wall_s": round(wall_s, 1)}
-
-
-def plot(curves: dict, png: Path, title: str) -> Path:
-    """curves: (run, seed) -> (metrics rows, the final adapter's held-out success on a dense engine or None)."""
-    fig, axes = figures.panels(2, 2, size=(11, 7))
-    colors = {"dense": "C0", "sparse_uncorrected": "C3", "sparse_corrected": "C2", "sparse_replay": "C4"}
-    seeds = sorted({s for _, s in curves})
-    for ax, (name, key) in zip(axes, CURVES):
-        for (run, seed), (rows, dense_end) in sorted(curves.items()):
-            pts = [(r["step"], r[key]) for r in rows if key in r]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, color=colors[run], ls="-" if seed == seeds[0] else "--",
-                    marker="o" if key == "eval" else None, ms=3, label=f"{run} s{seed}")
-            if key == "eval" and dense_end is not None:
-                ax.plot([xs[-1]], [dense_end], color=colors[run], marker="*", ms=11, ls="none")
-        figures.style(ax, name, log=key == "r3_kl")
-    return figures.save(fig, title, png)
-
+from .runners.jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
+from .runners.kept_runs import kept, mismatch
+from .runners.sparse_runs import (REPLAYS, SETTINGS, evict_spec, kv_figures, kv_summary, mean_of, partial_summary,
+                                  pick_runs, run_overrides, runs_of, setting_overrides)
 
 def main(argv=None) -> dict:
     argv, extra = split_overrides(argv)
@@ -199,10 +63,10 @@ def main(argv=None) -> dict:
         raise ValueError(f"--method={a.method!r}: choose a compression method of {METHODS[1:]}")
     if a.setting not in SETTINGS:
         raise ValueError(f"--setting={a.setting!r}: choose one of {sorted(SETTINGS)}")
-    evict = _evict(a.evict)
+    evict = evict_spec(a.evict)
     if evict and a.method != "snapkv":
         raise ValueError(f"--evict={a.evict!r} applies to --method snapkv, not {a.method!r}")
-    seeds = _ints(a.seeds, "--seeds")
+    seeds = ints(a.seeds, "--seeds")
     if len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise ValueError(f"--seeds={a.seeds!r}: expected distinct seeds >= 0")
     own = [o for o in extra if o.split("=", 1)[0].lstrip("+") in ("seed", "out_dir", "steps", "model.path")
@@ -221,7 +85,7 @@ def main(argv=None) -> dict:
             *([f"steps={a.steps}"] if a.steps else [])]
     runs = runs_of(a.method)
     chosen = pick_runs(a.runs, runs)
-    cfgs = {run: _preflight([*base, *run_overrides(run, a.method, a.budget, evict)], 2) for run in runs}
+    cfgs = {run: check_job([*base, *run_overrides(run, a.method, a.budget, evict)], 2) for run in runs}
     cfg = cfgs["dense"]                                   # every run refused up front; the KV figures use dense's
     have = [r for r in runs if r in chosen or (a.reuse and all(
         (Path(a.out) / f"{r}-s{s}" / "summary.json").is_file() for s in seeds))]
@@ -272,7 +136,7 @@ def main(argv=None) -> dict:
         kv = kv_figures(sums["dense", seeds[0]]["model"], a, evict, cfg, root)
         png = Path(a.png) if a.png else (root / "sparse.png" if a.out else None)
         if png is not None:
-            plot({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
+            figures.sparse_png({k: (hist[k], sums[k].get("eval_end_dense")) for k in hist}, png,
                  f"Sparse-RL on {a.setting}: {a.method} {a.budget} tokens, seeds {seeds}")
 
     def mean(run, key):                                    # None: a run not run here nor read from --out

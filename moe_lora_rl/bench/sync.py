@@ -16,7 +16,7 @@ Figures (one engine server process each, on this host):
 - restart_*: the same engine restarted (a fresh process, as after a crash) and synced from the store already
   written: no copy on the sending side (restart_shm_gbps, restart_sync_s, restart_start_s);
 - peer_*: two engines (rollout.base_from=peer), one SIGKILLed and restarted while the other generates without a
-  pause: the restarted engine takes the base from the live one (bench/sync_peer.py). peer_join_s: from the kill to
+  pause: the restarted engine takes the base from the live one (bench/runners/sync_peer.py). peer_join_s: from the kill to
   serving (against disk_start_s); peer_tokens_per_s_ratio: the live engine's tokens/s while it gives the base (the
   sync) over its rate before; peer_tokens_per_s_ratio_restart: the same over the whole restart (the new engine's
   own start, which competes for the same cores here, included);
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     from ..rollout.client import RolloutEngine
     from ..plan.sync_calc import kimi_k2_bf16, published_check
     from ..transfer.shm_sender import checkpoint_tensors
-    from .sync_peer import peer_join
+    from .runners.sync_peer import peer_join
 
     model = a.model or str(get_model("glm4_moe", "medium"))
     tensors = checkpoint_tensors(model)                  # refuses a directory without safetensors

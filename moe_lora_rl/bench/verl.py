@@ -13,7 +13,7 @@ checkpoint-engine backend into an in-process vLLM engine; colocated_refit_logpro
 colocated sync (its BucketedWeightSender -> our update_weights_from_ipc, base then adapters) into that engine started
 on dummy weights. One torchrun launch of 4 ranks for all layouts.
 
-verl's main_ppo runs (checks/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
+verl's main_ppo runs (bench/runners/verl_runs.py; the warm-started default model unless --model; skipped with --no-runs):
 main_ppo_r3_kl / main_ppo_r3_off_kl / main_ppo_r3_shifted_kl: mean k3 KL of the trainer's log-prob recompute against
 the fp32 rollout, with the rollout's routes replayed / with the trainer's own routing / with the rollout's routes one
 token off (the control), over the recomputes of a 3-step run with R3 on.
@@ -35,12 +35,11 @@ from pathlib import Path
 
 from ..checks.layouts import check_layouts
 from .common import emit
+from .runners.verl_runs import main_ppo_runs
 
 WORLD = 4
 CHECK_WORKER = "moe_lora_rl.checks.verl_worker"
 REFIT_WORKER = "moe_lora_rl.checks.verl_refit"
-ASYNC_CHECK = "moe_lora_rl.checks.verl_async"
-ASYNC_TRAINERS = ("one_step_off", "fully_async")
 
 
 def main(argv=None) -> dict:
@@ -91,58 +90,13 @@ def main(argv=None) -> dict:
            "refit": {k: refit[k] for k in ("base_vs_lora", "dummy_vs_megatron_base", "buckets",
                                                      "first_names", "second_names")}}
     if not a.no_runs:
-        res.update(_main_ppo_runs(a))
+        res.update(main_ppo_runs(a))
+        if a.png:
+            from .runners.figures import verl_learning_png
+
+            verl_learning_png(a.png, res["learn_curve"], res["learn_curve_lr0"], a.main_job)
+            res["png"] = a.png
     emit(res, a.json)
-    return res
-
-
-def _main_ppo_runs(a) -> dict:
-    import tempfile
-
-    from ..checks.verl_runs import ASYNC, parse_r3, probe_tokens, run
-
-    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_verl_"))
-    kw = dict(model=a.model, reuse=a.reuse)
-    r3 = run(out / "r3_fp32", ["actor_rollout_ref.rollout.dtype=float32", "trainer.val_before_train=false"],
-             steps=3, test_freq=-1, **kw)
-    kl = parse_r3(out / "r3_fp32" / "r3_check.jsonl")
-    learn = run(out / "learn", [], steps=a.learn_steps, test_freq=a.test_freq, **kw)
-    lr0 = run(out / "learn_lr0", ["actor_rollout_ref.actor.optim.lr=0"], steps=a.learn_steps, test_freq=a.test_freq,
-              **kw)
-    from ..checks.launch import run_process
-
-    trainers = {}
-    for name in ASYNC_TRAINERS:
-        r = run(out / name, [], steps=a.async_steps, test_freq=-1, model=a.model, reuse=a.reuse, script=ASYNC,
-                script_args=(name,), count_steps=False)
-        check = run_process(ASYNC_CHECK, ["--run", str(out / name), "--model", str(out / name / "model"),
-                                          "--probe", probe_tokens()], what="async check")
-        # one-step-off syncs before each step's rollout (after N steps it has served 0..N-1), fully-async after each
-        if max(check["versions_served"]) < a.async_steps - 1:
-            raise RuntimeError(f"{out / name}: versions {check['versions_served']} served, {a.async_steps} steps asked")
-        trainers[name] = {**check, "steps": a.async_steps, "wall_s": r["wall_s"]}
-    for name, r in (("learn", learn), ("learn_lr0", lr0)):
-        if 0 not in r["val"] or a.learn_steps not in r["val"]:
-            raise RuntimeError(f"{out / name}: validations at steps {sorted(r['val'])}, need 0 and {a.learn_steps}")
-    res = {"main_ppo_r3_kl": kl["k3_replay"], "main_ppo_r3_off_kl": kl["k3_free"],
-           "main_ppo_r3_max_abs_diff": kl["max_abs_diff_replay"], "main_ppo_r3_shifted_kl": kl["k3_shifted"],
-           "main_ppo_r3_off_max_abs_diff": kl["max_abs_diff_free"],
-           "learn_eval_start": learn["val"][0], "learn_eval_end": learn["val"][a.learn_steps],
-           "learn_eval_end_lr0": lr0["val"][a.learn_steps], "learn_eval_start_lr0": lr0["val"][0],
-           "learn_curve": learn["val"], "learn_curve_lr0": lr0["val"], "learn_wall_s": learn["wall_s"],
-           "learn_steps": a.learn_steps, "runs_dir": str(out),
-           "async_trainer_versions_synced": min(t["versions_synced"] for t in trainers.values()),
-           "async_trainer_probe_max_diff": max(t["probe_max_diff"] for t in trainers.values()),
-           "async_trainer_probe_diff_vs_other_version": min(t["probe_diff_vs_other_version"]
-                                                            for t in trainers.values()),
-           "async_trainers": {n: {k: t[k] for k in ("syncs", "versions_synced", "versions_served", "probe_max_diff",
-                                                     "probe_diff_vs_other_version", "steps", "wall_s")}
-                              for n, t in trainers.items()}}
-    if a.png:
-        from .figures import verl_learning_png
-
-        verl_learning_png(a.png, learn["val"], lr0["val"], a.main_job)
-        res["png"] = a.png
     return res
 
 

@@ -1,7 +1,7 @@
 """The contract between a sender and one rollout engine (or several), and the staged push written on it.
 
 Every transport, and every wrapper stacked around one (rl/survivor.py, rl/served.py, rollout/replicas.FanOut, the
-engine client's transports in rollout/client.py, checks/fakes.FakeEngine), implements `Transport` by these three
+engine client's transports in rollout/client.py, tests/kit/fakes.FakeEngine), implements `Transport` by these three
 names. An adapter push is versioned and checksummed; the engine stages the buckets and only the commit switches what
 it serves, so generation continues during a push and a failed push leaves the previous complete version serving:
 

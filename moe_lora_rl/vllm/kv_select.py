@@ -1,6 +1,6 @@
 """Importance-based KV eviction (SnapKV-style), the pure part: which tokens a sequence keeps, decided from the
 attention its most recent queries pay to the tokens it holds. kv_evict.py moves the tensors; the HF reference
-(checks/sparse_evict.py) rebuilds the same masks from the engine's log.
+(tests/kit/sparse_evict.py) rebuilds the same masks from the engine's log.
 
     pol = EvictPolicy(budget=96, sinks=4, recent=32, window=32, interval=16, pool=7)
     s = scores(q_obs, q_pos, keys, key_pos, scale)              # [kv_heads, n_live]: what the window attends to

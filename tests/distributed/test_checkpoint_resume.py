@@ -27,7 +27,7 @@ def _argv(case):
 
 
 # each case in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
-LAUNCH = {f"ckpt_{case}": {"nproc": 2, "module": "moe_lora_rl.checks.checkpoint_worker", "param": case,
+LAUNCH = {f"ckpt_{case}": {"nproc": 2, "module": "kit.checkpoint_worker", "param": case,
                            "args": _argv(case)} for case in CASES}
 
 

@@ -1,7 +1,7 @@
 """KV replay in the trainer: with each row's eviction record (the tokens an evicting sampler held for each query, per
 layer and KV head), the Policy's logprobs equal HF transformers given the same masks, at tp1 (dp2), tp2 (the heads
 split: each rank masks its own query heads by their KV head) and pp2 (layers on two stages: masks by global layer
-index). Tiny GLM4-MoE, fp32, 4 rows of 27-48 tokens with 2-4 compressions each (checks/kv_replay_worker.py).
+index). Tiny GLM4-MoE, fp32, 4 rows of 27-48 tokens with 2-4 compressions each (tests/kit/kv_replay_worker.py).
 
 Tolerance: Megatron vs HF in fp32, PARITY_FP32 on logprobs (reduction-order noise). Controls: the same Policy
 without the records (dense attention) and HF with one kept position of one compression swapped for an evicted one
@@ -23,7 +23,7 @@ def _argv(workdir):
 
 
 # in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
-LAUNCH = {"kv_replay": {"nproc": 2, "module": "moe_lora_rl.checks.kv_replay_worker", "args": _argv}}
+LAUNCH = {"kv_replay": {"nproc": 2, "module": "kit.kv_replay_worker", "args": _argv}}
 
 
 def test_trainer_replaying_the_eviction_matches_hf_with_the_held_tokens_at_every_layout(shared_launch):

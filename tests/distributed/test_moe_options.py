@@ -29,14 +29,14 @@ def _models():
 
 
 def _argv(workdir):
-    from moe_lora_rl.checks.moe_options import VARIANTS, worker_argv
+    from kit.moe_options import VARIANTS, worker_argv
     from moe_lora_rl.lora import LoRAConfig
 
     return worker_argv(_models(), VARIANTS, LoRAConfig(**CFG), workdir)
 
 
 # in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
-LAUNCH = {"moe_options": {"nproc": 2, "module": "moe_lora_rl.checks.moe_options_worker", "args": _argv}}
+LAUNCH = {"moe_options": {"nproc": 2, "module": "kit.moe_options_worker", "args": _argv}}
 
 
 def _check_equal(report, names):
@@ -50,14 +50,14 @@ def _check_equal(report, names):
 
 @pytest.fixture(scope="module")
 def report(shared_launch):
-    from moe_lora_rl.checks.moe_options import VARIANTS, report as compared
+    from kit.moe_options import VARIANTS, report as compared
 
     summary, workdir = shared_launch("moe_options")
     return compared(_models(), VARIANTS, workdir, summary)
 
 
 def test_moe_options_equal_plain_layout(report):
-    from moe_lora_rl.checks.moe_options import VARIANTS
+    from kit.moe_options import VARIANTS
 
     _check_equal(report, [v["name"] for v in VARIANTS])
 
@@ -78,7 +78,7 @@ def test_controls_fail(report):
 @pytest.mark.slow
 def test_more_moe_options_equal_plain_layout(tmp_path_factory):
     """tp2, tp2etp2 with overlap, ep2 with overlap, the allgather dispatcher at tp2 and etp2, etp2 grouped GEMM."""
-    from moe_lora_rl.checks.moe_options import MORE_VARIANTS, REFERENCE, run
+    from kit.moe_options import MORE_VARIANTS, REFERENCE, run
     from moe_lora_rl.lora import LoRAConfig
 
     report = run(_models(), [{"name": REFERENCE, "layout": "tp1"}] + MORE_VARIANTS, LoRAConfig(**CFG),

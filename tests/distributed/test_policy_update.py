@@ -30,7 +30,7 @@ LAYOUTS = ("tp1ep1pp1", "tp2ep2", "pp2ep2")
 
 
 # in one launch with the other 4-rank workers on the tiny models (tests/conftest.py)
-LAUNCH = {"policy_update": {"nproc": 4, "module": "moe_lora_rl.checks.policy_update_worker",
+LAUNCH = {"policy_update": {"nproc": 4, "module": "kit.policy_update_worker",
                             "args": lambda workdir: ["--layouts", ",".join(LAYOUTS)]}}
 
 

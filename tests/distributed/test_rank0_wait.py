@@ -1,5 +1,5 @@
 """The main job's warm start is built by rank 0 while the other ranks wait (rl/run.py setup, megatron/parallel.py
-from_rank0): one torchrun launch of 2 ranks (moe_lora_rl/checks/rank0_wait_worker.py) with the process group's
+from_rank0): one torchrun launch of 2 ranks (tests/kit/rank0_wait_worker.py) with the process group's
 timeout shortened to 5 s and rank 0's model taking 15 s, three times longer.
 
     slow rank 0      every rank gets rank 0's model path (rank 1 waits 15 s, past the 5 s timeout, and lives)
@@ -19,7 +19,7 @@ PG_TIMEOUT_S, SLOW_S = 5, 15
 def ranks():
     from moe_lora_rl.checks.launch import run_torchrun
 
-    rep = run_torchrun("moe_lora_rl.checks.rank0_wait_worker", 2,
+    rep = run_torchrun("kit.rank0_wait_worker", 2,
                        ["--slow-s", str(SLOW_S), "--pg-timeout-s", str(PG_TIMEOUT_S)], timeout=600)
     return rep["fake_path"], rep["ranks"]
 

@@ -1,5 +1,5 @@
 """Activation recompute with R3 replay (megatron/transformer_options.py, router_replay/replayer.py's recompute queue,
-build.frozen_base_recompute), checks/recompute_worker.py on the tiny GLM4-MoE: in CI one torchrun launch of 2 ranks
+build.frozen_base_recompute), tests/kit/recompute_worker.py on the tiny GLM4-MoE: in CI one torchrun launch of 2 ranks
 at tp2ep2 (sequence parallel, experts split); marked slow, 4 ranks at tp1ep1pp1 (dp4) and pp2ep2 (two stages, 1F1B
 over 4 microbatches). Random R3 routes (the router would choose otherwise in ~3/4 of the decisions).
 
@@ -30,7 +30,7 @@ RUNS = {"ci": (2, ("tp2ep2",)), "slow": (4, ("tp1ep1pp1", "pp2ep2"))}
 
 
 # CI's run in one launch with the other 2-rank workers on the tiny models (tests/conftest.py)
-LAUNCH = {"recompute": {"nproc": RUNS["ci"][0], "module": "moe_lora_rl.checks.recompute_worker", "param": "ci",
+LAUNCH = {"recompute": {"nproc": RUNS["ci"][0], "module": "kit.recompute_worker", "param": "ci",
                         "args": lambda workdir: ["--layouts", ",".join(RUNS["ci"][1])]}}
 
 
@@ -40,7 +40,7 @@ def rep(request, shared_launch):
     if request.param == "ci":
         got, _ = shared_launch("recompute")
     else:
-        got = run_torchrun("moe_lora_rl.checks.recompute_worker", nproc, ["--layouts", ",".join(layouts)])
+        got = run_torchrun("kit.recompute_worker", nproc, ["--layouts", ",".join(layouts)])
     assert tuple(got) == layouts
     return got
 

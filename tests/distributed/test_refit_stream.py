@@ -32,7 +32,7 @@ def report():
     mp.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     try:
         cfg = LoRAConfig(rank=256, alpha=512.0)
-        return run_torchrun("moe_lora_rl.checks.refit_stream_worker", 4, [
+        return run_torchrun("kit.refit_stream_worker", 4, [
             "--models", ",".join(resolve_models(None)), "--layouts", "tp2ep2,pp2ep2", "--lora",
             json.dumps(cfg.to_dict()), "--buckets", ",".join(map(str, BUCKETS))], timeout=1500)
     finally:

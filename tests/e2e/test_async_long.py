@@ -36,7 +36,7 @@ def run(tmp_path_factory):
 def test_long_async_switches_mid_answer_and_trains_on_what_was_served(run):
     from functools import partial
 
-    from moe_lora_rl.checks.inflight import recompute_trained, trained_at
+    from kit.inflight import recompute_trained, trained_at
     from moe_lora_rl.rl import config
 
     summary, rows, _, out = run

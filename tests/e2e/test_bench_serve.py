@@ -1,6 +1,6 @@
 """bench serve measures a checkpoint the project did not choose: experts 48 wide (not a multiple of 32, which
 vLLM's CPU fused-MoE kernel tiles by; vLLM's MoE layer pads the width to 64 and serves it, and the bench's exact-KL
-reference pads it the same way, checks/serve_numerics.pad_expert_width). The command prints one JSON line, every
+reference pads it the same way, bench/workers/serve_numerics.pad_expert_width). The command prints one JSON line, every
 kl_exact_* field is a number, nothing is reported skipped, and the kernel's expert part is of the size of our
 experts' on the same bf16 weights (measured 1.0x; a misplaced up half would make it O(1)). Before the padding the
 bench died with the kernel's check failure (`output_size_13 % min_w13_n_tile_size`)."""

@@ -1,6 +1,6 @@
 """Adapter versions committed while requests decode (rollout/loop.py + the unmerged runtime), tiny glm4_moe, fp32,
 routing capture and prefix caching on; each sample's logprobs against HF transformers run as the engine ran it
-(checks/inflight.py: each position through the model merged with the adapter of the version that forwarded it,
+(tests/kit/inflight.py: each position through the model merged with the adapter of the version that forwarded it,
 one shared KV cache, the captured routes forced).
 
 - switch: 4 requests streamed while two more versions are pushed from this thread; their per-token versions change
@@ -92,7 +92,7 @@ class Streamer(threading.Thread):
 
 
 def recompute_diff(refs, s, versions=None) -> float:
-    from moe_lora_rl.checks.inflight import recompute_logprobs
+    from kit.inflight import recompute_logprobs
 
     lp = recompute_logprobs(refs, s.prompt, s.response, s.routes, versions or s.versions, T)
     return float((lp - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max())

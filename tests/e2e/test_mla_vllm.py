@@ -1,5 +1,5 @@
 """vLLM's CPU engine on DeepSeek-V3-architecture (MLA) checkpoints against HF transformers, fp32
-(checks/mla_serve.py, one engine per checkpoint, every check on it):
+(tests/kit/mla_serve.py, one engine per checkpoint, every check on it):
 
 - three checkpoints: plain RoPE with q_lora_rank set, plain RoPE with it null (Moonlight), yarn as Kimi-K2's
 - plain RoPE: prompt logprobs (positions > 0) and greedy decode equal HF's with our rotary fix (vllm/rope_fix.py);
@@ -61,7 +61,7 @@ def result(request, tmp_path_factory):
     first, *rest = request.param
     models = [str(_without_routing_keys(get_model("deepseek_v3", first), tmp / f"{first}_hf_config"))]
     models += [str(get_model("deepseek_v3", size)) for size in rest]
-    proc = subprocess.run([sys.executable, "-m", "moe_lora_rl.checks.mla_serve", "--models", ",".join(models)],
+    proc = subprocess.run([sys.executable, "-m", "kit.mla_serve", "--models", ",".join(models)],
                           env=worker_env(), cwd=tmp, capture_output=True, text=True, timeout=1800)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

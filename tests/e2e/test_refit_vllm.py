@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moe_lora_rl.checks.logprobs import megatron_logprobs
-from moe_lora_rl.checks.refit_vllm import run_vllm_worker
+from kit.refit_vllm import run_vllm_worker
 from moe_lora_rl.checks.tolerances import ADAPTER_MATTERS_MIN, REFIT_LOGPROBS
 from moe_lora_rl.lora import LoRAConfig
 

@@ -29,7 +29,7 @@ MODES = ("unmerged", "merged")
 def results(tmp_path_factory):
     # the GQA families; MLA is served and captured in test_mla_vllm.py (its CPU engine has no prefix cache)
     models = [str(get_model(f)) for f in DEFAULT_FAMILIES]
-    return run_process("moe_lora_rl.checks.serve_capture", ["--models", ",".join(models), "--modes", ",".join(MODES)],
+    return run_process("kit.serve_capture", ["--models", ",".join(models), "--modes", ",".join(MODES)],
                        timeout=1500, cwd=tmp_path_factory.mktemp("serve"))
 
 

@@ -1,4 +1,4 @@
-"""Importance-based KV eviction in the engine (vllm/kv_evict.py), against an fp32 reference (checks/sparse_evict.py):
+"""Importance-based KV eviction in the engine (vllm/kv_evict.py), against an fp32 reference (tests/kit/sparse_evict.py):
 vLLM fp32 with an expert adapter served and routing capture on samples 116-token sequences under SnapKV-style
 eviction (budget 48: 4 sinks, 28 chosen, the last 16; a compression every 8 steps scored by the last 8 queries);
 HF transformers with the same adapter merged and, per layer and KV head, the tokens the engine held for each query
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_evicting_sampler_matches_hf_with_the_held_tokens(tmp_path):
     from moe_lora_rl.data.warm_start import warm_started
 
-    res = run_process("moe_lora_rl.checks.sparse_evict", ["--model", str(warm_started("glm4_moe", "wide"))],
+    res = run_process("kit.sparse_evict", ["--model", str(warm_started("glm4_moe", "wide"))],
                       cwd=tmp_path)
     d = res["logprob_max_diff"]
     assert d["same"] <= SPARSE_EVICT_LOGPROBS, d

@@ -1,6 +1,6 @@
 """Sparse rollouts end to end on CPU (Sparse-RL): the engine's windowed KV cache and the corrections in the loss.
 
-- The sparse sampler is what we think it is (checks/sparse_sampler.py): vLLM fp32 on a 32-token window, an expert
+- The sparse sampler is what we think it is (tests/kit/sparse_sampler.py): vLLM fp32 on a 32-token window, an expert
   adapter served and routing capture on, samples 100-token sequences whose logprobs equal HF transformers with the
   same adapter merged and the same windowed attention mask within 1e-4; controls: the dense mask and windows of 31
   and 33 tokens differ by > 1e-2. Every route is captured (prompt + response - 1 rows), also on a repeated prompt.
@@ -13,7 +13,7 @@
   trainer's forward attends to the tokens the engine held for it) brings the ratio back to 1 within 3e-5 (measured
   5.5e-6) with nothing rejected.
 - The engine's allocator holds fewer KV blocks per sequence on a window and the same pool serves more sequences at
-  once (checks/sparse_kv_worker.py).
+  once (bench/workers/sparse_kv_worker.py).
 """
 import pytest
 
@@ -31,7 +31,7 @@ def _model():
 
 
 def test_sparse_sampler_matches_hf_with_the_same_window(tmp_path):
-    res = run_process("moe_lora_rl.checks.sparse_sampler", ["--model", _model(), "--window", "32"], cwd=tmp_path)
+    res = run_process("kit.sparse_sampler", ["--model", _model(), "--window", "32"], cwd=tmp_path)
     d = res["logprob_max_diff"]
     assert res["layout"]["sliding_window"] == 32
     assert d["same"] <= 1e-4, d
@@ -75,7 +75,7 @@ def test_windowed_engine_holds_fewer_blocks_and_serves_more_at_once(tmp_path):
     """The allocator's own counts, dense vs a 32-token window, the same 12 requests of 85 forced tokens on a pool of
     16 blocks: blocks held per sequence at the peak (4 vs 2 of 32 tokens) and the most sequences served at once
     without a preemption."""
-    res = {m: run_process("moe_lora_rl.checks.sparse_kv_worker",
+    res = {m: run_process("moe_lora_rl.bench.workers.sparse_kv_worker",
                           ["--model", _model(), "--method", m, "--budget", b, "--pool-blocks", "16", "--requests", "12"],
                           cwd=tmp_path) for m, b in (("none", "0"), ("window", "32"))}
     dense, sparse = res["none"], res["window"]

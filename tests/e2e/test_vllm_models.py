@@ -3,7 +3,7 @@
 Tolerance 1e-4 on per-token logprobs: the same fp32 math in two implementations (measured ~1e-5).
 
 On the same engine (fp32, prefix caching on, no reset per commit, requests salted by version as the engine loop
-does; checks/version_reuse.py): adapter Y's first serve (version 1) is the reference; after X served as version 3
+does; tests/kit/version_reuse.py): adapter Y's first serve (version 1) is the reference; after X served as version 3
 and a clear, Y as version 3 or 2 is refused naming the number; Y as version 5 gives the reference's tokens with
 k3 <= 1e-10. Control: the table made to forget the numbers it passed admits Y as 3, and the prompt blocks cached
 under X are served for Y: k3 > 1e-6 or other tokens.

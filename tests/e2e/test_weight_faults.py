@@ -1,4 +1,4 @@
-"""Fault injection on the weight paths of one engine (checks/weight_faults.py; the tiny glm4_moe in fp32, started
+"""Fault injection on the weight paths of one engine (tests/kit/weight_faults.py; the tiny glm4_moe in fp32, started
 empty): every cell (path x stage x fault) must leave the engine serving the previous version exactly (prompt
 logprobs max |diff| 0, k3 <= 1e-10), reporting it, and accepting the next correct version, whose logprobs are its
 own reference and differ from the previous version's (the negative control: both references differ by > 1e-3).
@@ -27,7 +27,7 @@ def _check(r):
 
 @pytest.mark.parametrize("which", ["ci", pytest.param("all", marks=pytest.mark.slow)])
 def test_a_failed_update_leaves_the_previous_version_serving(model, tmp_path, which):
-    from moe_lora_rl.checks.weight_faults import run_weight_faults
+    from kit.weight_faults import run_weight_faults
 
     cells = _check(run_weight_faults(model, tmp_path, which))
     shape = cells[("base/shm", "finish", "shape")]

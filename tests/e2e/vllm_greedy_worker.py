@@ -1,6 +1,6 @@
 """Run as a script: load a checkpoint in vLLM CPU (fp32, in-process engine), greedy-decode fixed prompts, and
 compare tokens and per-token logprobs with HF transformers; then on the same engine (prefix caching on) an adapter
-version number after a clear (checks/version_reuse.py). Prints one JSON line."""
+version number after a clear (tests/kit/version_reuse.py). Prints one JSON line."""
 import json
 import sys
 
@@ -29,7 +29,7 @@ def main(path: str) -> dict:
             lp = torch.log_softmax(hf(torch.tensor([p + toks])).logits[0].float(), -1)
         for i, (t, e) in enumerate(zip(toks, g.logprobs)):
             worst = max(worst, abs(e - lp[len(p) - 1 + i, t].item()))
-    from moe_lora_rl.checks.version_reuse import version_reuse_check
+    from kit.version_reuse import version_reuse_check
 
     return {"greedy_equal": same, "logprob_max_diff": worst, "version_reuse": version_reuse_check(llm, str(path))}
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from moe_lora_rl.bench import async_rl
+from moe_lora_rl.bench.runners import plan_model
 
 
 def summary(steps, wall, eval_s, rollout_frac, train_frac, eval_end, **kw):
@@ -89,13 +90,13 @@ def test_prediction_takes_the_runs_lengths_and_fitted_decode_step():
     sync = summary(10, 30.0, 10.0, 0.55, 0.4, 0.0, response_len_mean=150.0, len_p90=250, engine_occupancy=12.5)
     one = summary(10, 50.0, 12.0, 0.4, 0.6, 0.0, engine_step_fit={"fixed_s": 0.01, "per_seq_s": 0.0005},
                   engine_decode_s=6.0)
-    ln = async_rl.run_lengths(sync, one, 32, 400)
+    ln = plan_model.run_lengths(sync, one, 32, 400)
     assert (ln.dist, ln.batch, ln.engine_frac) == (parse_lengths("150", 400), 32, 6.0 / 8.0)
     assert ln.fixed_frac == pytest.approx(0.01 / 0.026) and ln.longest() == pytest.approx(32 * 150 / 12.5)
-    assert async_rl.run_lengths(sync, {**one, "engine_step_fit": None}, 32, 400) is None
+    assert plan_model.run_lengths(sync, {**one, "engine_step_fit": None}, 32, 400) is None
     lognormal = parse_lengths("mean=150,p90=250", 400)
-    assert async_rl.spec_occupancy(sync, 32, 400)["occupancy_sync"] == pytest.approx(
+    assert plan_model.spec_occupancy(sync, 32, 400)["occupancy_sync"] == pytest.approx(
         32 * lognormal.mean / lognormal.expected_max(32))
-    assert async_rl.spec_occupancy({**sync, "len_p90": 120}, 32, 400) is None          # no tail
+    assert plan_model.spec_occupancy({**sync, "len_p90": 120}, 32, 400) is None          # no tail
     ph = HostPhases(rollout_1=0.8, rollout_c=0.65, train_1=3.0, train_c=1.2, cores=2)
     assert predict(ph, 4, ln)["predicted_speedup"] > predict(ph, 4)["predicted_speedup"]

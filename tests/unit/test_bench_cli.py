@@ -75,8 +75,8 @@ def test_batch_splits_over_every_data_parallel_size():
 
 
 def test_a_part_bench_serve_cannot_measure_is_named_with_the_reason():
-    from moe_lora_rl.checks.serve_numerics import cpu_kernel_missing
-    from moe_lora_rl.checks.serve_worker import MAX_EXACT_VOCAB, exact_kl_skipped
+    from moe_lora_rl.bench.workers.serve_numerics import cpu_kernel_missing
+    from moe_lora_rl.bench.workers.serve_worker import MAX_EXACT_VOCAB, exact_kl_skipped
 
     assert exact_kl_skipped(512) == {} and exact_kl_skipped(MAX_EXACT_VOCAB) == {}
     assert exact_kl_skipped(151936) == {"kl_exact": "vocabulary 151936 > 8192: the exact KLs need the full "

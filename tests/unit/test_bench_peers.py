@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from moe_lora_rl.checks.peer_runs import PeerFailed, run_peers
-from moe_lora_rl.checks import trl_env
+from moe_lora_rl.bench.runners.peer_runs import PeerFailed, run_peers
+from moe_lora_rl.bench.runners import trl_env
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -28,7 +28,7 @@ from moe_lora_rl.checks import trl_env
     (["--task", "sort_trace", "--peers", "ours,ours_async,verl"], "leave verl out of --peers")])
 def test_refusals_before_anything_runs(args, needle, monkeypatch):
     from moe_lora_rl.bench import peers
-    from moe_lora_rl.checks import peer_runs
+    from moe_lora_rl.bench.runners import peer_runs
 
     def never(*a, **k):
         raise AssertionError("a peer ran")
@@ -79,7 +79,7 @@ def test_one_evaluator_zero_adapter_equals_base_and_a_perturbed_one_fails(tmp_pa
     import torch
     import transformers
 
-    from moe_lora_rl.checks.peer_eval import evaluate
+    from moe_lora_rl.bench.runners.peer_eval import evaluate
     from moe_lora_rl.rl.config import TrainConfig
     from moe_lora_rl.rl.inputs import model_dir
 
@@ -103,7 +103,7 @@ def test_one_evaluator_zero_adapter_equals_base_and_a_perturbed_one_fails(tmp_pa
 def test_the_long_task_is_the_same_for_every_peer_and_the_evaluator():
     """sort_trace: our main job's overrides load into that task; TRL's training lists (the task's split) exclude the
     evaluator's held-out lists, which are a prefix of the task's held-out set whatever --n-eval."""
-    from moe_lora_rl.checks.peer_task import peer_task
+    from moe_lora_rl.bench.runners.peer_task import peer_task
     from moe_lora_rl.rl import config
     from moe_lora_rl.data.task import make_split
 

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from moe_lora_rl.bench.r3_ab import CURVES, SETTINGS, collapsed, curve, last2, main, plot
+from moe_lora_rl.bench.r3_ab import main
+from moe_lora_rl.bench.runners.figures import R3_AB_CURVES as CURVES, r3_ab_png as plot
+from moe_lora_rl.bench.runners.r3_ab_runs import SETTINGS, collapsed, curve, last2
 
 
 def test_collapsed_on_the_mean_of_the_last_two_evaluations():
@@ -54,7 +56,7 @@ def test_every_panel_has_its_curves_on_synthetic_metrics(tmp_path, monkeypatch):
     for rows in curves.values():
         assert keys <= set().union(*rows), keys - set().union(*rows)
     drawn = {}
-    import moe_lora_rl.bench.figures as figures
+    import moe_lora_rl.bench.runners.figures as figures
 
     save = figures.save
     monkeypatch.setattr(figures, "save", lambda fig, title, png: (drawn.update(

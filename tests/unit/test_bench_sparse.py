@@ -1,7 +1,8 @@
 """bench sparse's pure parts: each run's overrides, and every argument honoured or refused before a job starts."""
 import pytest
 
-from moe_lora_rl.bench.sparse import RUNS, main, mean_of, run_overrides, runs_of, setting_overrides
+from moe_lora_rl.bench.sparse import main
+from moe_lora_rl.bench.runners.sparse_runs import RUNS, mean_of, run_overrides, runs_of, setting_overrides
 
 
 def test_runs_differ_only_in_the_engine_and_the_correction():
@@ -138,7 +139,7 @@ def test_reuse_needs_out(monkeypatch):
 
 
 def test_kv_summary_compares_at_the_dense_concurrency():
-    from moe_lora_rl.bench.sparse import kv_summary
+    from moe_lora_rl.bench.runners.sparse_runs import kv_summary
 
     run = lambda cap, mean, peak: {"cap": cap, "blocks_per_seq_mean": mean, "blocks_per_seq_peak": peak,
                                    "tokens_per_s": 100.0}
@@ -170,7 +171,7 @@ def test_summary_of_a_subset_leaves_the_missing_runs_none(tmp_path, monkeypatch)
     monkeypatch.setattr("moe_lora_rl.bench.sparse.run_job", job)
     monkeypatch.setattr("moe_lora_rl.bench.sparse.kv_figures", lambda *a: {})
     monkeypatch.setattr("moe_lora_rl.bench.sparse.kv_summary", lambda kv: {})
-    monkeypatch.setattr("moe_lora_rl.bench.sparse.plot", lambda *a: None)
+    monkeypatch.setattr("moe_lora_rl.bench.runners.figures.sparse_png", lambda *a: None)
     out = main(["--method", "snapkv", "--budget", "48", "--runs", "dense,sparse_replay", "--seeds", "0",
                 "--out", str(tmp_path)])
     assert out["runs"] == ["dense", "sparse_replay"]

@@ -14,7 +14,7 @@ import torch
 from moe_lora_rl.lora.config import LoRAConfig
 from moe_lora_rl.lora.layers import FactorMeta
 from moe_lora_rl.checkpoint import api as ck
-from moe_lora_rl.checks.checkpoint_crash import make, step
+from kit.checkpoint_crash import make, step
 from moe_lora_rl.checkpoint.reshard_plan import Piece, plan_reads
 
 

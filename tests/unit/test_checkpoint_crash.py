@@ -19,7 +19,7 @@ import torch
 from moe_lora_rl.checkpoint import api as ck
 from moe_lora_rl.checkpoint.directory import (CRASH_ENV, CRASH_POINTS, IntegrityError, MANIFEST, crash_action,
                                               plan_candidates, plan_cleanup)
-from moe_lora_rl.checks.checkpoint_crash import adapters, equal, flip_byte, in_child, make, step
+from kit.checkpoint_crash import adapters, equal, flip_byte, in_child, make, step
 
 # where a kill has committed the save: a new step at the `latest` rename, the same step again at the step-N rename
 COMMITTED = {"new": {"before_cleanup"}, "same": {"before_latest", "before_cleanup"}}
@@ -283,7 +283,7 @@ def test_two_ranks_agree(tmp_path):
     only rank 1 hashes: both fall back to step 1, and one line is printed (rank 0)."""
     from moe_lora_rl.checks.launch import run_torchrun
 
-    rep = run_torchrun("moe_lora_rl.checks.checkpoint_crash", 2, ["--out", str(tmp_path)], timeout=300)
+    rep = run_torchrun("kit.checkpoint_crash", 2, ["--out", str(tmp_path)], timeout=300)
     r0, r1 = rep["ranks"]
     tmp = tmp_path / "ckpt" / ".tmp-step-00000002"
     assert r0["enospc"] == r1["enospc"] == f"OSError: checkpoint: cannot write {tmp / 'optim-00001.safetensors'}: " \

@@ -3,7 +3,7 @@ import importlib.util
 import pytest
 import torch
 
-from moe_lora_rl.checks.import_inert import IMPORT_CHECK, facts
+from kit.import_inert import IMPORT_CHECK, facts
 from moe_lora_rl.megatron import cpu_support
 
 
@@ -14,7 +14,7 @@ from moe_lora_rl.megatron import cpu_support
                            "runs this same check in the interpreter it starts anyway (one fewer import of everything)")
 def test_nothing_applied_at_import():
     """Importing every module of the package (in a fresh interpreter) replaces no attribute of torch.cuda or of the
-    megatron-core modules and classes cpu_support or the replay hooks touch (checks/import_inert.py)."""
+    megatron-core modules and classes cpu_support or the replay hooks touch (tests/kit/import_inert.py)."""
     import subprocess
     import sys
 

@@ -3,7 +3,7 @@ fused-MoE kernel (the base model's and the merged mode's MoE path). With expert_
 have the kernel's numerics or better: their error is no larger than the kernel's on the base weights (on an AVX2-only
 host the kernel's is 2.6x larger), and below the merged mode's (the kernel on W + s*B@A rounded to bf16). Negative control: the pre-fix arithmetic (GEMM outputs rounded to
 bf16 before the activation and before the gate weighting, the delta through bf16 factors;
-checks/serve_numerics.expert_mlp_rounded_outputs) is measurably worse than the kernel. The default "serving"
+bench/workers/serve_numerics.expert_mlp_rounded_outputs) is measurably worse than the kernel. The default "serving"
 precision (bf16 GEMMs: their outputs rounded) is pinned where it stands: 1.3-2x the kernel, within 20% of merged.
 
 Measured (this layer, T=256, the medium qwen3_moe layer's sizes of error), relative error of the output: kernel on
@@ -14,7 +14,7 @@ summation order differs), pre-fix >= 1.3 x kernel (a bf16 rounding of each GEMM 
 import pytest
 import torch
 
-from moe_lora_rl.checks.serve_numerics import expert_mlp_rounded_outputs, pad_expert_width
+from moe_lora_rl.bench.workers.serve_numerics import expert_mlp_rounded_outputs, pad_expert_width
 from moe_lora_rl.vllm.merge import merge_fp32
 from moe_lora_rl.vllm.moe_torch import EXPERT_PRECISION, BaseExperts, ExpertLoRA, _expert_mlp
 

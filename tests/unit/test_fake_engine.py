@@ -1,4 +1,4 @@
-"""checks/fakes.py's FakeEngine answers as the engine's worker extension does: the same method names and parameters
+"""tests/kit/fakes.py's FakeEngine answers as the engine's worker extension does: the same method names and parameters
 (read from vllm/worker_ext.py with `ast`, nothing of vLLM imported), and the same pin/switch rules for pushes and
 the requests that run on a version."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_lora_rl
-from moe_lora_rl.checks.fakes import FakeEngine
+from kit.fakes import FakeEngine
 
 TENSORS = {"a": torch.zeros(4), "b": torch.ones(4)}
 

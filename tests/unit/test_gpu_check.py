@@ -1,4 +1,4 @@
-"""The GPU check (scripts/gpu_check.sh, moe_lora_rl/checks/gpu_check.py) on a machine without a GPU: it refuses in one
+"""The GPU check (scripts/gpu_check.sh, tests/kit/gpu_check.py) on a machine without a GPU: it refuses in one
 line with exit status 2 and runs nothing; its argument parsing and its pure comparison helpers, on CPU tensors.
 The GPU parts themselves run only where a GPU is lent (docs/setup.md, "GPU check"); nothing here fakes their result."""
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lora_rl.checks import gpu_check as gc
+from kit import gpu_check as gc
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run scripts/gpu_check.sh")
@@ -111,7 +111,7 @@ def test_pipe_engine_and_receiver_process_without_cuda():
     of InprocTransport over the Pipe; its refusal comes back as the engine's ValueError; the served version stays."""
     import torch.multiprocessing as mp
 
-    from moe_lora_rl.checks.gpu_check_worker import serve
+    from kit.gpu_check_worker import serve
     from moe_lora_rl.transfer.transports import InprocTransport
     from moe_lora_rl.transfer.wire import checksum
 

@@ -1,7 +1,10 @@
 """The package layout stays as designed: every import of moe_lora_rl's own modules (module level and inside functions,
 read with `ast`, nothing imported) goes in an allowed direction, neither the packages nor any two modules form a
 cycle, and the upstream libraries are imported only where the layout says (verl: the integration, the algorithms leaf
-and the checks' verl harness; megatron-core: never by the vLLM plugin).
+and the checks' verl harness; megatron-core: never by the vLLM plugin). Measuring code has rooms of its own: checks/
+(the kit tests and benches share), bench/ (the entry modules), bench/workers/ (the processes the benches start) and
+bench/runners/ (the peers' runners); no product package imports any of them, and nothing in the package imports the
+test-only kit (tests/kit, imported as `kit`).
 
 An import inside a function counts as an edge like one at the top of the file: it is deferred to keep start-up light,
 not to hide a dependency, and a circle through it is still two modules that each need the other."""
@@ -41,11 +44,16 @@ ALLOWED = {
     "train": {"rl"},
     "launch": {"data", "rl"},                                      # moe-lora-rl train: checks, then the ranks
     "cli": {"plan", "launch"},                                     # the moe-lora-rl console script
-    "checks": {"algos", "checkpoint", "data", "integration", "lora", "megatron", "mismatch", "models", "policy",
-               "procs", "refit", "rl", "rollout", "router_replay", "transfer", "vllm"},
-    "bench": {"algos", "checkpoint", "checks", "data", "integration", "lora", "megatron", "mismatch", "models", "plan",
-              "policy", "procs", "rl", "rollout", "router_replay", "transfer", "vllm"},
+    "upstream": set(),                                             # the compatibility report: ast only
+    "checks": {"algos", "integration", "lora", "megatron", "mismatch", "models", "policy", "procs", "refit", "rollout",
+               "router_replay", "transfer", "vllm"},
+    "bench.workers": {"checks", "data", "lora", "megatron", "models", "policy", "refit", "rollout", "transfer", "vllm"},
+    "bench.runners": {"algos", "checkpoint", "checks", "data", "lora", "megatron", "models", "plan", "procs", "refit",
+                      "rl", "rollout", "transfer"},      # the runs the benches start, read back, modelled and drawn
+    "bench": {"bench.runners", "checks", "lora", "megatron", "mismatch", "models", "plan", "rl", "rollout",
+              "transfer"},                                         # bench.workers: started by name, not imported
 }
+SUBPACKAGES = {"bench.workers", "bench.runners"}                 # rooms of their own inside a package
 # third-party packages confined to some of ours: library -> packages (or single modules) allowed to import it
 CONFINED = {
     "verl": {"integration", "algos", "checks.verl_worker", "checks.verl_refit", "checks.verl_compose",
@@ -83,6 +91,8 @@ def _imports(path: Path):
 
 def _package(module: str) -> str:
     parts = module.split(".")
+    if ".".join(parts[1:3]) in SUBPACKAGES:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -215,6 +225,18 @@ def test_no_cycle_between_packages():
     assert not cycles, f"packages on an import cycle: {sorted(cycles)} (graph: {graph})"
 
 
+def test_the_package_never_imports_the_test_kit():
+    bad = [f"{where}: {target}" for _, target, where in _edges() if target.split(".")[0] in ("kit", "tests")]
+    assert not bad, "the installed package imports the test-only kit (tests/kit):\n" + "\n".join(bad)
+
+
+def test_measuring_code_is_imported_by_measuring_code_only():
+    measuring = {"checks", "bench", *SUBPACKAGES}
+    bad = [f"{where}: {target}" for mod, target, where in _edges() if target.startswith("moe_lora_rl.")
+           and _package(target) in measuring and _package(mod) not in measuring]
+    assert not bad, "product code imports checks/ or bench/:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("library", sorted(CONFINED))
 def test_upstream_library_confined(library):
     allowed = CONFINED[library]
@@ -241,3 +263,14 @@ def test_the_walker_sees_a_wrong_way_import(tmp_path, monkeypatch):
     edges = list(_edges())
     assert ("moe_lora_rl.lora.x", "moe_lora_rl.rl") in [(m, t) for m, t, _ in edges]
     assert ("moe_lora_rl.lora.x", "verl") in [(m, t) for m, t, _ in edges]
+
+
+def test_the_walker_sees_a_worker_importing_a_bench_entry_or_the_kit(tmp_path, monkeypatch):
+    """Control: a bench worker importing a bench entry module, and a package module importing the test kit, are
+    edges the rules above refuse (bench.workers -> bench is not allowed; kit is outside the package)."""
+    _fake_package(tmp_path, monkeypatch, {"bench/__init__.py": "", "bench/e2e.py": "",
+                                          "bench/workers/__init__.py": "",
+                                          "bench/workers/w.py": "from .. import e2e\nfrom kit import fakes\n"})
+    edges = [(_package(m), t) for m, t, _ in _edges()]
+    assert ("bench.workers", "moe_lora_rl.bench.e2e") in edges and "bench" not in ALLOWED["bench.workers"]
+    assert ("bench.workers", "kit") in edges

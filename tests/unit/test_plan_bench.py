@@ -3,7 +3,8 @@ its prediction at another batch exactly; a wrong measurement shows up as the err
 up front."""
 import pytest
 
-from moe_lora_rl.bench.plan import calibrate, compare, main, predict, settings
+from moe_lora_rl.bench.plan import main
+from moe_lora_rl.bench.runners.plan_model import calibrate, compare, predict, settings
 from moe_lora_rl.plan import Hardware
 from moe_lora_rl.plan.specs import spec_from_config
 

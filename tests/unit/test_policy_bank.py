@@ -19,7 +19,7 @@ B = {"seed": 2, "alpha": 16.0, "lr": 1e-2}
 
 @pytest.fixture(scope="module")
 def world():
-    from moe_lora_rl.checks.bank_setup import tiny_world
+    from kit.bank_setup import tiny_world
 
     return tiny_world()
 
@@ -42,13 +42,13 @@ def _spec(pol, seed, alpha, lr):
 
 
 def _batches(arch):
-    from moe_lora_rl.checks.bank_setup import two_batches
+    from kit.bank_setup import two_batches
 
     return two_batches(arch)
 
 
 def _step(pol, batch):
-    from moe_lora_rl.checks.bank_setup import ppo_round
+    from kit.bank_setup import ppo_round
 
     ppo_round(pol, batch)
 
@@ -134,7 +134,7 @@ def test_both_policies_served_side_by_side(runs):
     """Each policy's push names it as the owner: a pin engine with two slots then holds both policies' newest
     versions (the engine's numbers increase over both), and a policy's next push replaces its own version only.
     Control: the same pushes without owners, and the second frees the first."""
-    from moe_lora_rl.checks.fakes import FakeEngine
+    from kit.fakes import FakeEngine
 
     _, _, _, bank = runs
     core = bank.core

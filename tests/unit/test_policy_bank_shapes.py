@@ -25,7 +25,7 @@ B = {"seed": 2, "alpha": 16.0, "lr": 1e-2, **MODULE}
 
 @pytest.fixture(scope="module")
 def world():
-    from moe_lora_rl.checks.bank_setup import tiny_world
+    from kit.bank_setup import tiny_world
 
     return tiny_world()
 
@@ -47,13 +47,13 @@ def _policy(world, lora, lr):
 
 
 def _batches(arch):
-    from moe_lora_rl.checks.bank_setup import two_batches
+    from kit.bank_setup import two_batches
 
     return two_batches(arch)
 
 
 def _step(pol, batch):
-    from moe_lora_rl.checks.bank_setup import ppo_round
+    from kit.bank_setup import ppo_round
 
     ppo_round(pol, batch)
 

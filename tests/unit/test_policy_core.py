@@ -89,7 +89,7 @@ def drivers(verl_cpu_platform):
 
 
 def _policy_call(pol):
-    from moe_lora_rl.checks.policy_update_worker import make_batch
+    from kit.policy_update_worker import make_batch
 
     arch = pol.arch
     batch, _ = make_batch(arch.vocab_size, tuple(arch.moe_layer_ids), arch.num_experts, arch.topk)
@@ -226,7 +226,7 @@ def _update(pol, batch, old, snap, **kw):
 
 
 def test_mis_rejection_is_masking_the_tokens_out(drivers):
-    from moe_lora_rl.checks.policy_update_worker import make_batch
+    from kit.policy_update_worker import make_batch
 
     pol, _ = drivers
     arch = pol.arch
@@ -307,7 +307,7 @@ def test_gradient_is_invariant_to_padding_microbatches_dp_and_minibatches_in_eve
     import megatron.core.parallel_state as ps
 
     from moe_lora_rl.algos import LOSS_AGG_MODES, PolicyLossSettings
-    from moe_lora_rl.checks.policy_update_worker import make_batch
+    from kit.policy_update_worker import make_batch
     from moe_lora_rl.checks.tolerances import GRAD_SPLIT
     from moe_lora_rl.rl.config import AlgoSettings
     from moe_lora_rl.rl.minibatch import select

@@ -1,7 +1,7 @@
-"""bench serve's prefix-cache figures (checks/serve_worker.prefix_cache_fields): measured when the engine runs with
+"""bench serve's prefix-cache figures (bench/workers/serve_worker.prefix_cache_fields): measured when the engine runs with
 prefix caching; when vLLM turned it off (its CPU engine does for MLA, whatever is asked) they are None and named in
 `skipped` with the reason, never reported as zero hits."""
-from moe_lora_rl.checks.serve_worker import prefix_cache_fields
+from moe_lora_rl.bench.workers.serve_worker import prefix_cache_fields
 
 MLA = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}
 GQA = {"architectures": ["Qwen3MoeForCausalLM"]}

@@ -1,7 +1,7 @@
 """The sampler probe's pure parts: the prompt held at a sample's end from the engine's record, and the size buckets."""
 import pytest
 
-from moe_lora_rl.checks.sparse_probe import bucket_summary, prompt_held
+from kit.sparse_probe import bucket_summary, prompt_held
 
 
 def test_prompt_held_counts_the_kept_and_the_recent_window():

@@ -104,7 +104,7 @@ def test_transport_aborts_its_stage_after_a_failed_bucket():
     the next push is accepted (without the abort it would be refused: version 1 still staged)."""
     import torch
 
-    from moe_lora_rl.checks.fakes import FakeEngine
+    from kit.fakes import FakeEngine
 
     tensors = {"a": torch.zeros(4), "b": torch.zeros(4)}            # 16 bytes each: two buckets
     tr = FakeEngine(bucket_bytes=16, fail_bucket=1)

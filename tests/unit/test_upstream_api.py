@@ -1,13 +1,13 @@
-"""The compatibility report's lookups (checks/upstream_api.py, upstream_symbols.py) on synthetic packages, one
+"""The compatibility report's lookups (upstream/lookups.py, symbols.py) on synthetic packages, one
 read from a folder and one from a wheel built here (no network), and the symbol table against the installed
 upstream versions (the report's baseline)."""
 import zipfile
 
 import pytest
 
-from moe_lora_rl.checks import upstream_api as ua
-from moe_lora_rl.checks import upstream_symbols as us
-from moe_lora_rl.checks.upstream_api import BAD_PARAMS, CHANGED, MISSING, NO_MODULE, PRESENT, PackageSource, Symbol
+from moe_lora_rl.upstream import lookups as ua
+from moe_lora_rl.upstream import symbols as us
+from moe_lora_rl.upstream.lookups import BAD_PARAMS, CHANGED, MISSING, NO_MODULE, PRESENT, PackageSource, Symbol
 
 V1 = {
     "fake/__init__.py": "from .core import Engine\nfrom .stars import *\n",
@@ -104,7 +104,7 @@ def test_every_symbol_we_use_is_in_the_installed_versions():
     not exist reads missing in the same source."""
     from pathlib import Path
 
-    from moe_lora_rl.checks import compat_report
+    from moe_lora_rl.upstream import report as compat_report
 
     root = Path(us.__file__).resolve().parents[1]
     reports = compat_report.build(root, [])
@@ -120,7 +120,7 @@ def test_every_symbol_we_use_is_in_the_installed_versions():
 
 
 def test_wheel_names():
-    from moe_lora_rl.checks.compat_report import wheel_source
+    from moe_lora_rl.upstream.report import wheel_source
 
     with pytest.raises(ValueError, match="wheel of 'torch'"):
         wheel_source("torch-2.13.0-cp311-none-any.whl")

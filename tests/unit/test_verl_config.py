@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from moe_lora_rl.checks.import_inert import IMPORT_CHECK, facts
+from kit.import_inert import IMPORT_CHECK, facts
 
 pytestmark = pytest.mark.verl
 
@@ -254,7 +254,7 @@ REGISTRIES = ("from verl.workers.engine.base import EngineRegistry\n"
 
 def test_plugin_is_inert_unless_imported():
     """Three fresh processes, started together (each imports verl: most of the time). The first also runs
-    test_cpu_support's check that importing every module of the package patches nothing (checks/import_inert.py),
+    test_cpu_support's check that importing every module of the package patches nothing (tests/kit/import_inert.py),
     before anything imports verl."""
     # our other modules (algos, the vLLM plugin; every module import_inert walks) import no verl and register nothing
     first = _start(IMPORT_CHECK +

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from moe_lora_rl.checks.verl_runs import parse_curve, parse_r3, parse_r3_by_rank, parse_steps, parse_timing, parse_val
+from moe_lora_rl.bench.runners.verl_runs import parse_curve, parse_r3, parse_r3_by_rank, parse_steps, parse_timing, parse_val
 
 LOG = """(MoELoRATaskRunner pid=1) step:0 - val-core/moe_lora_rl/addition/acc/mean@1:np.float64(0.30859375) - \
 val-aux/moe_lora_rl/addition/reward/mean@1:np.float64(0.30859375)

@@ -190,7 +190,7 @@ def test_a_version_number_is_never_admitted_twice_in_an_engine_life(pin):
     begin on the FakeEngine (the worker extension's protocol), before any bucket is sent."""
     import torch
 
-    from moe_lora_rl.checks.fakes import FakeEngine
+    from kit.fakes import FakeEngine
 
     tensors = {"a": torch.zeros(4), "b": torch.ones(4)}
     t = _pin() if pin else VersionTable()

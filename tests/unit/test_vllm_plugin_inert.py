@@ -95,8 +95,8 @@ def test_unknown_vllm_version_fails_our_calls_and_changes_nothing(monkeypatch):
 
 
 def test_worker_modules_set_no_environment_at_import():
-    code = ("import os, json; before = dict(os.environ); import moe_lora_rl.checks.refit_vllm_worker, "
-            "moe_lora_rl.checks.refit_vllm, moe_lora_rl.checks.rollout_vllm_worker; "
+    code = ("import os, json; before = dict(os.environ); import moe_lora_rl.bench.workers.refit_vllm_worker, "
+            "kit.refit_vllm, moe_lora_rl.checks.rollout_vllm_worker; "
             "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))")
     env = {k: v for k, v in __import__("os").environ.items()
            if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE")}

@@ -23,7 +23,7 @@ def test_make_engine_and_start_server_refuse_before_vllm(monkeypatch, tmp_path, 
     for what, call in (("make_engine", lambda: engine.make_engine("model")),
                        ("start_server", lambda: openai_server.start_server("model", 1, log_dir=tmp_path))):
         with pytest.raises(ValueError, match=rf"^vLLM {v}: {what} is written for vLLM 0\.32\.x; nothing was changed "
-                                             r"in vLLM \(install vllm 0\.32\.x; .*compat_report"):
+                                             r"in vLLM \(install vllm 0\.32\.x; .*upstream\.report"):
             call()
 
 
