@@ -95,7 +95,7 @@ def pytest_collection_finish(session):
 def shared_launch(request, tmp_path_factory):
     """shared_launch(name) -> (the job's result as run_torchrun returns it, its workdir); the first call of a world
     size runs every wanted job of that size in one launch (a failed launch fails each of its jobs' tests)."""
-    from moe_lora_rl.checks.launch import run_torchrun_jobs
+    from moe_lora_rl.checks.torchrun import run_torchrun_jobs
 
     jobs, wanted = request.config.stash[_WANTED]["LAUNCH"]
 

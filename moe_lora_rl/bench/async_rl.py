@@ -38,7 +38,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .common import emit
+from .emit import emit
 from .runners.jobs import check_job, ints, job_layout, job_parser, phases, rate, run_job, split_overrides
 from .runners.plan_model import run_lengths, spec_occupancy
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import emit
+from .emit import emit
 from .runners.jobs import check_job, data_overrides, job_layout, job_parser, run_job, split_overrides
 
 KEYS = ("wall_s", "warmup_s", "warmup_cached", "reward_start", "reward_end", "eval_start", "eval_end", "kl_mean_r3",

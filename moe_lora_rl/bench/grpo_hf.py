@@ -41,7 +41,7 @@ def _args(argv):
 
 
 def main(argv=None) -> None:
-    from .common import emit
+    from .emit import emit
     from .runners.hf_grpo import run
 
     a = _args(argv if argv is not None else sys.argv[1:])

@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 
 from ..checks import lora_layouts
-from ..checks.launch import run_torchrun, worker_arg
+from ..checks.torchrun import run_torchrun, worker_arg
 from ..checks.layouts import DEFAULT_LAYOUTS, check_layouts, resolve_models
 from ..checks.tolerances import LORA_LOGITS, PEAK_RATIO_TARGET
 from ..lora import LoRAConfig
-from .common import emit
+from .emit import emit
 from .run_args import add_run_args, run_config_from_args
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..checks import parity
+from ..checks import parity_run as parity
 from ..checks.layouts import DEFAULT_LAYOUTS, resolve_models
-from .common import emit
+from .emit import emit
 from .run_args import add_run_args, run_config_from_args
 
 

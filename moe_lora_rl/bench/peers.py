@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .common import emit
+from .emit import emit
 
 PEERS = ("ours", "ours_async", "trl", "verl")
 

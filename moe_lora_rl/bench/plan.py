@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from ..checks.tolerances import PLAN_ERROR_TARGET
-from .common import emit
+from .emit import emit
 from .runners.plan_model import calibrate, compare, predict, settings
 from .runners.plan_runs import matmul_flops, measure
 

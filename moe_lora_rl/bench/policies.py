@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from ..plan.shared_host import HostPhases, predict_policies
-from .common import emit
+from .emit import emit
 from .runners.jobs import check_job, job_layout, job_parser, phases, run_job, split_overrides
 
 NAMES = ("p0", "p1")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..rl.metrics import read_jsonl
 from .runners import figures
-from .common import emit
+from .emit import emit
 from .runners.jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
 from .runners.kept_runs import RESUMABLE, fresh, kept, mismatch, with_warm_start
 from .runners.r3_ab_runs import SETTINGS, STEPS, WARM, curve, summarize

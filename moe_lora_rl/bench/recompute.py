@@ -17,10 +17,10 @@ import argparse
 import json
 import time
 
-from ..checks.launch import run_torchrun, worker_arg
+from ..checks.torchrun import run_torchrun, worker_arg
 from ..lora import LoRAConfig
 from ..megatron.layout import Layout
-from .common import emit
+from .emit import emit
 from .run_args import add_run_args, run_config_from_args
 
 VARIANTS = {

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from ..checks import lora_layouts
-from ..checks.launch import run_process
+from ..checks.torchrun import run_process
 from ..lora import LoRAConfig
-from .common import emit
+from .emit import emit
 
 
 def measured(model: str, layouts: list[str], cfg: LoRAConfig) -> dict:

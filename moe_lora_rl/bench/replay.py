@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .common import emit
+from .emit import emit
 from .run_args import add_run_args, run_config_from_args
 
 
@@ -52,7 +52,7 @@ def summarize(res: dict, models: list[str], layouts: list[str], dtype: str = "fp
 
 
 def main(argv=None) -> dict:
-    from ..checks import replay as replay_check
+    from ..checks import r3_run as replay_check
 
     ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench replay", description=__doc__)
     ap.add_argument("--json", action="store_true")

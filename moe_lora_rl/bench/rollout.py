@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import emit
+from .emit import emit
 
 IDLE_S = 5.0
 

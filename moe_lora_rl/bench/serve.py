@@ -31,8 +31,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ..checks.launch import run_process
-from .common import emit
+from ..checks.torchrun import run_process
+from .emit import emit
 
 
 def main(argv=None) -> dict:

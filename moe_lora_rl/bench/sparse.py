@@ -31,7 +31,7 @@ from pathlib import Path
 from ..mismatch import LOW_TAIL_KEYS
 from ..rl.metrics import read_jsonl
 from .runners import figures
-from .common import emit
+from .emit import emit
 from .runners.jobs import check_job, ints, job_layout, job_parser, run_job, split_overrides
 from .runners.kept_runs import kept, mismatch
 from .runners.sparse_runs import (REPLAYS, SETTINGS, evict_spec, kv_figures, kv_summary, mean_of, partial_summary,

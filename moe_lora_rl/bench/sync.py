@@ -37,7 +37,7 @@ import argparse
 import tempfile
 import time
 
-from .common import emit
+from .emit import emit
 
 
 def _time_copy(tensors: dict, into: dict) -> float:

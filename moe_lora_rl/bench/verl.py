@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from ..checks.layouts import check_layouts
-from .common import emit
+from .emit import emit
 from .runners.verl_runs import main_ppo_runs
 
 WORLD = 4
@@ -44,7 +44,7 @@ REFIT_WORKER = "moe_lora_rl.checks.verl_refit"
 
 def main(argv=None) -> dict:
     from ..models import get_model
-    from ..checks.launch import run_process, run_torchrun
+    from ..checks.torchrun import run_process, run_torchrun
 
     ap = argparse.ArgumentParser(prog="python -m moe_lora_rl.bench verl")
     ap.add_argument("--json", action="store_true")
@@ -102,13 +102,13 @@ def main(argv=None) -> dict:
 
 def _config_ok(model: str) -> bool:
     code = ("from moe_lora_rl.checks.verl_compose import compose, our_overrides\n"
-            "from moe_lora_rl.integration.verl.config import check_config, MoELoRAEngineConfig\n"
+            "from moe_lora_rl.integration.verl.verl_config import check_config, MoELoRAEngineConfig\n"
             "from verl.utils.config import omega_conf_to_dataclass\n"
             f"cfg = compose(our_overrides({model!r}, tp=2, ep=2, device='cpu', dtype='float32'))\n"
             "check_config(cfg)\n"
             "assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine, MoELoRAEngineConfig)\n"
             "print('CONFIG_OK')\n")
-    from ..checks.launch import worker_env
+    from ..checks.torchrun import worker_env
 
     proc = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=600)
     return proc.returncode == 0 and "CONFIG_OK" in proc.stdout

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .common import emit
+from .emit import emit
 from .runners.verl_user_runs import default_model, learn, one_step_off, resume
 
 

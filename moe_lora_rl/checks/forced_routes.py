@@ -19,7 +19,7 @@ import torch
 
 def _softmax_gates(gate, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
-    if gate.norm_topk_prob:
+    if getattr(gate, "norm_topk_prob", True):                # Qwen3.5-MoE's router always renormalises
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs.to(logits.dtype)
 
@@ -42,6 +42,8 @@ def _sigmoid_logits(gate, hidden: torch.Tensor) -> torch.Tensor:
 # router class -> (router logits as HF computes them, gating weights at forced ids)
 GATES = {
     "Qwen3MoeTopKRouter": (_softmax_logits, _softmax_gates),
+    "Qwen3_5MoeTopKRouter": (_softmax_logits, _softmax_gates),
+    "Qwen3NextTopKRouter": (_softmax_logits, _softmax_gates),
     "Glm4MoeTopkRouter": (_sigmoid_logits, _sigmoid_gates),
     "DeepseekV3TopkRouter": (_sigmoid_logits, _sigmoid_gates),     # the same routing (glm4_moe is its stand-in)
 }

@@ -1,4 +1,4 @@
-"""Several torchrun workers in one launch (launch.run_torchrun_jobs): each job's main(argv) in turn, in the same ranks
+"""Several torchrun workers in one launch (torchrun.run_torchrun_jobs): each job's main(argv) in turn, in the same ranks
 and process group, so the ranks import torch, megatron-core and verl and meet once instead of once per worker.
 
     --jobs '[[module, [its arguments, --result FILE]], ...]'
@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from . import launch
+from . import torchrun
 
 
 def main(argv=None) -> None:
@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     jobs = json.loads(a.jobs)
     for i, (module, args) in enumerate(jobs):
-        launch.KEEP_GROUP = i < len(jobs) - 1
+        torchrun.KEEP_GROUP = i < len(jobs) - 1
         teardown()
         importlib.import_module(module).main(args)
     if os.environ.get("RANK", "0") == "0":

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..lora import LoRAConfig
-from .launch import run_torchrun_jobs, worker_arg
+from .torchrun import run_torchrun_jobs, worker_arg
 from .layouts import dp_batch, group_by_world
 
 REFERENCE = "tp1ep1pp1"
@@ -48,7 +48,7 @@ def run(models: list[str], layouts: str, cfg: LoRAConfig, workdir: Path, steps: 
 
 def run_many(runs: list[dict]) -> list[dict]:
     """Each run's report (runs: run's keyword arguments); the runs in lockstep: every reference in one launch of one
-    rank, then per world size every run's layouts of that size in one launch (launch.run_torchrun_jobs)."""
+    rank, then per world size every run's layouts of that size in one launch (torchrun.run_torchrun_jobs)."""
     from ..megatron.layout import Layout
     from ..megatron.run_config import RunConfig
 

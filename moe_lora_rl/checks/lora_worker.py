@@ -16,7 +16,7 @@ from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from ..megatron.train_step import lm_train_step
 from ..policy.model import build_from_hf
-from .launch import each_model_at_layout, finish_worker, worker_args
+from .torchrun import each_model_at_layout, finish_worker, worker_args
 
 
 def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = False, rc: RunConfig | None = None):

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from ..rollout.engine import make_engine, set_engine_env
+from ..rollout.vllm_engine import make_engine, set_engine_env
 from ..rollout.generate import capturing
 
 

@@ -25,7 +25,7 @@ from ..router_replay.disagreement import router_disagreement
 from ..router_replay.replayer import Mode, RouterReplayer
 from ..router_replay.routes import RoutesBatch
 from .dispatch_capture import capture_routing_maps, expected_rows, map_to_ids
-from .launch import each_model_at_layout, finish_worker, worker_args
+from .torchrun import each_model_at_layout, finish_worker, worker_args
 
 
 def _inputs(tokens: list[torch.Tensor], padded_len: int | None):

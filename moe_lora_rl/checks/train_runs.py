@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..procs import free_port
-from .launch import worker_env
+from .torchrun import worker_env
 
 
 def train_command(out: Path, extra=(), nproc: int = 2, torchrun=(), launcher: bool = False) -> list[str]:

@@ -56,7 +56,7 @@ def engine_logprobs(path: str, layout_name: str, lora: dict, b, old, adv) -> tor
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from ..integration.verl.config import MoELoRAEngineConfig
+    from ..integration.verl.verl_config import MoELoRAEngineConfig
     from ..megatron.layout import Layout
     from ..megatron.parallel import teardown
     from .verl_data import MICRO, N, verl_batch

@@ -54,9 +54,9 @@ def main(argv=None):
     import torch
 
     from ..integration.verl import plugin  # noqa: F401
-    from ..integration.verl.config import MoELoRAEngineConfig
+    from ..integration.verl.verl_config import MoELoRAEngineConfig
     from ..integration.verl.engine import MoELoRAEngine
-    from ..rollout.engine import set_engine_env
+    from ..rollout.vllm_engine import set_engine_env
     from .verl_refit import megatron_lp
     from verl.workers.config import HFModelConfig
 

@@ -20,7 +20,7 @@ import os
 
 def megatron_lp(eng, seqs):
     from ..megatron.forward import forward_logits
-    from .logprobs import megatron_logprobs
+    from .vllm_logprobs import megatron_logprobs
 
     return megatron_logprobs(seqs, forward_logits(eng.model, seqs, eng.arch.vocab_size))
 
@@ -109,10 +109,10 @@ def main(argv=None):
     from ..integration.verl import plugin  # noqa: F401  (registers our engine and the CPU platform, as verl does)
     from ..transfer.transports import InprocTransport
     from .adapters import randomize_adapters
-    from ..rollout.engine import make_engine, set_engine_env
-    from .logprobs import prompt_logprobs
+    from ..rollout.vllm_engine import make_engine, set_engine_env
+    from .vllm_logprobs import prompt_logprobs
     from ..integration.verl.checkpoint_engine import MoELoRABaseCheckpointEngine, MoELoRACheckpointEngine
-    from ..integration.verl.config import WORKER_EXTENSION, MoELoRAEngineConfig
+    from ..integration.verl.verl_config import WORKER_EXTENSION, MoELoRAEngineConfig
     from ..integration.verl.engine import MoELoRAEngine
     from ..integration.verl.weight_sync import META, decode_meta, encode_meta
     from verl.workers.config import HFModelConfig

@@ -26,7 +26,7 @@ import torch
 from .adapters import randomize_adapters
 from .verl_data import (GROUP, MICRO, N, TEMPERATURE, make_batch, real_tokens, response_entropy,  # noqa: F401
                         response_logprobs, response_logprobs_autograd, verl_batch)
-from .launch import finish_worker, worker_args
+from .torchrun import finish_worker, worker_args
 from .verl_stream import stream_check
 
 VERL_CPU_ENV = {"VERL_PLATFORM": "moe_lora_cpu", "VERL_ENGINE_DEVICE": "cpu"}   # set by main(), never at import
@@ -53,8 +53,8 @@ def reference(path, arch, b, adv) -> dict:
     from ..router_replay.align import align_microbatch
     from ..router_replay.replayer import Mode, RouterReplayer
     from ..algos import GlobalBatch, policy_loss
-    from ..integration.verl.config import lora_config
-    from ..integration.verl.routes import routes_from_verl
+    from ..integration.verl.verl_config import lora_config
+    from ..integration.verl.routes_dataproto import routes_from_verl
 
     rc = RunConfig(device="cpu", dtype="fp32")         # the host is prepared by worker_args
     init_distributed(Layout(), rc)
@@ -131,7 +131,7 @@ def engine_run(path, layout_name, b, old, adv, ckpt_dir, adapters_to=None, resum
 
     from ..megatron.layout import Layout
     from ..algos import actor_config
-    from ..integration.verl.config import MoELoRAEngineConfig
+    from ..integration.verl.verl_config import MoELoRAEngineConfig
 
     lay = Layout.parse(layout_name)
     ec = MoELoRAEngineConfig(tensor_model_parallel_size=lay.tp, expert_model_parallel_size=lay.ep,

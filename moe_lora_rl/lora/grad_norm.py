@@ -5,7 +5,7 @@ owner per replica set (state.is_owner: rank 0 of every group the factor is reduc
 over TP/ETP/EP/DP is counted once and a sharded one once per shard, then all-reduces over the world (which also adds
 the pipeline stages). Every rank gets the same norm and applies the same scale.
 
-A non-finite norm is returned, never raised: the caller decides (policy/step.py skips the step, the project's one
+A non-finite norm is returned, never raised: the caller decides (policy/optimizer_step.py skips the step, the project's one
 non-finite rule), and such grads are left unscaled.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def adapter_grad_norm(model) -> float:
 def clip_adapter_grads(model, max_norm: float, eps: float = 1e-6) -> tuple[float, bool]:
     """(global norm before clipping, whether it was clipped): grads scaled by max_norm / (norm + eps) when the norm
     exceeds max_norm (torch.nn.utils.clip_grad_norm_'s rule). max_norm <= 0 only measures. A non-finite norm is
-    returned with the grads unscaled and clipped False (policy/step.py then skips the step)."""
+    returned with the grads unscaled and clipped False (policy/optimizer_step.py then skips the step)."""
     norm = adapter_grad_norm(model)
     clipped = math.isfinite(norm) and max_norm > 0 and norm > max_norm
     if clipped:

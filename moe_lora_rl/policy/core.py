@@ -5,7 +5,7 @@ optimizer step of the adapters on verl's policy loss.
     batch (identical on every rank) -> DP share -> microbatches -> megatron schedule (PP hand-offs) -> last stage:
     label logprobs at temperature -> [logprobs: broadcast to every rank] | [update: verl policy loss normalised by
     the global batch -> backward -> sync_adapter_grads -> global norm over unique adapter shards -> clip -> AdamW,
-    or a skip on a non-finite norm (policy/step.py)]
+    or a skip on a non-finite norm (policy/optimizer_step.py)]
 
 Gradients of replicated adapter factors are summed over their data-parallel replicas (lora.grad_sync), so each
 microbatch's loss is its share of the GLOBAL loss: verl's agg_loss with the global token / sequence counts, the
@@ -179,7 +179,7 @@ class Policy:
         """One AdamW step of the adapters over the global batch. replay: "r3" replays `routes` if given, else
         batch.routes; "r2" replays `routes` (recorded by logprobs(replay="record")); "off" routes freely.
         Returns {"loss", "grad_norm" (before clipping), "clipped", "skipped" (no step, the version unchanged: a
-        non-finite grad norm, policy/step.py, or every token rejected by "mis"), "pg_clipfrac", "kl" (verl's
+        non-finite grad norm, policy/optimizer_step.py, or every token rejected by "mis"), "pg_clipfrac", "kl" (verl's
         low-variance KL to ref_logprobs aggregated like the loss; 0 without them), "lr", "rollout_rejected_frac",
         and with batch.rollout_logprobs "update_rollout_kl": the k3 (mismatch.k3_kl) between this
         forward's logprobs and the rollout's over the loss_mask tokens, before any rejection (the engine-vs-trainer

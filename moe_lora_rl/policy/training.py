@@ -4,7 +4,7 @@ its adapters, their AdamW, the router replayer and the adapter version.
     adapters(on/off) | run(microbatches): arm replayer -> queue routes per microbatch -> megatron's schedule ->
     check consumed -> [disagreement | recorded] -> ALWAYS replayer.clear() (mode DISABLED), errors included
     | step(max_norm): sync -> norm over unique owner shards -> clip -> AdamW, or skip on a non-finite norm
-    (policy/step.py) -> version += 1 when stepped | push(transport): the LoRA-only refit
+    (policy/optimizer_step.py) -> version += 1 when stepped | push(transport): the LoRA-only refit
 
 The drivers own their batch formats and losses (the main job: PolicyBatch and verl's policy loss at the global
 token count; verl: TensorDict micro-batches, its loss_function and dp_size scaling); label log-probs and SP
@@ -28,7 +28,7 @@ from ..router_replay.routes import RoutesBatch
 from ..router_replay.staging import (check_routes, disagreement, gather_recorded, queue_routes, stage_view,
                                      token_disagreement)
 from .model import build_from_hf
-from .step import StepResult, adapter_step, make_adamw
+from .optimizer_step import StepResult, adapter_step, make_adamw
 
 REPLAY = ("off", "record", "replay")
 
@@ -98,7 +98,7 @@ class TrainingCore:
             self.replayer.clear()
 
     def step(self, max_norm: float, *, grad_divisor: int = 1) -> StepResult:
-        """One AdamW step of the adapters, or a skip on a non-finite norm (policy/step.py); the version advances only
+        """One AdamW step of the adapters, or a skip on a non-finite norm (policy/optimizer_step.py); the version advances only
         with a step. Collective."""
         if self.optimizer is None:
             raise ValueError("this training core is forward-only (built with adamw=None): no optimizer to step")

@@ -2,7 +2,7 @@
 the trainer takes finished ones, P whole groups per update, and pushes each new version in flight
 (inflight=switch|pin). Every trained sample is within max_staleness pushes (rl/groups.py's PushClock: one push per
 update, whatever number of optimizer steps algo.mini_batches and algo.epochs make of it); a group over it is dropped
-and counted. The loss is the decoupled PPO of rl/step.py (behaviour = the engine's per-token logprobs, proximal = the
+and counted. The loss is the decoupled PPO of rl/trainer_step.py (behaviour = the engine's per-token logprobs, proximal = the
 trainer before the update).
 
 Evaluation runs on the engine while production goes on: the trainer waits for it, so no push lands meanwhile and
@@ -101,7 +101,7 @@ class AsyncSource(RolloutSource):
 
     def figures(self, got: Rollout, batch, proximal) -> dict:
         from ..mismatch import k3_kl
-        from .step import effective_sample_size
+        from .trainer_step import effective_sample_size
 
         run, samples, version = self.run, got.samples, got.info["version"]
         stale = [self.clock.staleness(version, s.versions) for s in samples]

@@ -4,7 +4,7 @@
         policy.update(select(batch, rows), old[rows], routes=select_routes(recorded, rows), ...)
 
 Mini-batch j is the contiguous slice of rows [j*n/m, (j+1)*n/m). The rows of a rollout batch come group by group
-(rl/batch.py), so a mini-batch holds whole GRPO groups whenever group_size divides n/m; otherwise a group is cut at
+(rl/batching.py), so a mini-batch holds whole GRPO groups whenever group_size divides n/m; otherwise a group is cut at
 a boundary, which changes nothing in the loss: advantages were computed over the whole group before the split.
 No shuffling (verl's actor.shuffle defaults to off too). The sub-batch keeps the batch's sequence length (the shapes
 stay those of the rollout batch; the update pads to it anyway).

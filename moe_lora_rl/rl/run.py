@@ -1,5 +1,5 @@
 """The GRPO run on every torchrun rank: rollout (rank 0 holds the vLLM engine, its own process; rl/producer.py),
-rewards, the trainer step (rl/step.py), the LoRA-only refit; held-out evaluation every `eval_every` steps;
+rewards, the trainer step (rl/trainer_step.py), the LoRA-only refit; held-out evaluation every `eval_every` steps;
 checkpoints. One loop for every mode (GRPORun.loop): each step takes its groups from a rollout source
 (rl/source.py: mode=sync generates them now; rl/async_source.py: mode=async's producer keeps generating ahead),
 trains on them, pushes the new version and records the step; rl/modes.py gives the run its mode's source:
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..megatron.parallel import from_rank0, init_distributed
 from ..megatron.run_config import prepare_host
-from .batch import policy_batch
+from .batching import policy_batch
 from .config import TrainConfig
 from .config.preflight import run_config
 from ..data.prompting import resolve_template
@@ -119,7 +119,7 @@ class GRPORun(RunCheckpoints, EngineRecovery):
     # -- the trainer side ---------------------------------------------------------------------------------------
     def train(self, samples, plans) -> tuple[dict, object, torch.Tensor]:
         """One update on whole groups (every rank); its metrics, the batch and the proximal logprobs."""
-        from .step import train_on
+        from .trainer_step import train_on
 
         a, arch = self.cfg.algo, self.policy.arch
         problems, group_ids = self.prod.labels(plans)

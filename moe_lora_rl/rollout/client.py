@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..procs import free_port
 from ..vllm.staged_push import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
-from .engine import engine_env
+from .vllm_engine import engine_env
 from .engine_transport import EngineHttpTransport, EngineTransport
 from .expert_precision import check_expert_precision
 from .guard import TOKEN_ENV, auth_header, new_token

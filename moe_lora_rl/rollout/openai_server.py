@@ -65,7 +65,7 @@ def _checkpoint_args(model: str) -> list[str]:
     """The server flags of what the checkpoint needs (rollout/engine.checkpoint_settings; MLA only)."""
     import json
 
-    from .engine import checkpoint_settings
+    from .vllm_engine import checkpoint_settings
 
     kw = checkpoint_settings(model, {})
     args = ["--hf-overrides", json.dumps(kw["hf_overrides"])] if kw.get("hf_overrides") else []

@@ -44,7 +44,7 @@ import traceback
 from ..vllm.staged_push import DEFAULT_STAGE_TIMEOUT_S, check_stage_timeout
 from . import guard
 from .endpoints import Server, make_handler
-from .engine import make_engine, set_engine_env
+from .vllm_engine import make_engine, set_engine_env
 from .generate import start_capture
 from .kv_compression import check_compression, engine_kwargs, install_method, verify
 from .kv_meter import KVMeter

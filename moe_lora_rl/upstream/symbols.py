@@ -86,10 +86,10 @@ HOOK_ROWS = [
     ("vllm.v1.engine.llm_engine", "LLMEngine.add_request", (), "called", "rollout/loop.py"),
     ("vllm.v1.executor.uniproc_executor", "UniProcExecutor.driver_worker", (), "read", "vllm/kv_evict.py"),
     ("vllm.v1.worker.worker_base", "WorkerWrapperBase.worker", (), "read", "vllm/kv_evict.py"),
-    # vLLM: engines we build and the keywords we pass (rollout/engine.py, rollout/server.py, vllm/mla_config.py)
-    ("vllm.entrypoints.llm", "LLM.llm_engine", (), "read", "rollout/engine.py"),
+    # vLLM: engines we build and the keywords we pass (rollout/vllm_engine.py, rollout/server.py, vllm/mla_config.py)
+    ("vllm.entrypoints.llm", "LLM.llm_engine", (), "read", "rollout/vllm_engine.py"),
     ("vllm.entrypoints.llm", "LLM.collective_rpc", ("method", "args", "kwargs"), "called", "rollout/loop.py"),
-    *[("vllm.engine.arg_utils", f"EngineArgs.{k}", (), "keyword passed", "rollout/engine.py, vllm/mla_config.py")
+    *[("vllm.engine.arg_utils", f"EngineArgs.{k}", (), "keyword passed", "rollout/vllm_engine.py, vllm/mla_config.py")
       for k in ("model", "dtype", "seed", "max_model_len", "enforce_eager", "enable_prefix_caching", "block_size",
                 "max_num_seqs", "load_format", "worker_extension_cls", "additional_config", "hf_overrides",
                 "attention_backend")],
@@ -100,7 +100,7 @@ HOOK_ROWS = [
     *[("vllm.sampling_params", f"SamplingParams.{k}", (), "keyword passed", "rollout/server.py")
       for k in ("max_tokens", "temperature", "logprobs", "prompt_logprobs", "seed", "stop_token_ids", "detokenize",
                 "output_kind")],
-    ("vllm.platforms.interface", "Platform.is_cpu", (), "called", "rollout/engine.py"),
+    ("vllm.platforms.interface", "Platform.is_cpu", (), "called", "rollout/vllm_engine.py"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine", (), "called",
      "vllm/base_sync.py"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.create_engine", (), "called",

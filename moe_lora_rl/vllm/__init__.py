@@ -15,7 +15,7 @@ versions.py: the version table), route capture (capture.py, prefix_routes.py, st
 fixes the extension applies (reload_fix.py, rope_fix.py; compat.py: the version check).
 """
 
-# the one spelling of the extension's class path (engines are built by moe_lora_rl.rollout.engine.make_engine)
+# the one spelling of the extension's class path (engines are built by moe_lora_rl.rollout.vllm_engine.make_engine)
 WORKER_EXTENSION = "moe_lora_rl.vllm.worker_ext.MoELoRAWorkerExtension"
 
 

@@ -17,7 +17,7 @@ engine starts (pure: reads config.json, no vLLM import).
                    backend these rules and the serving of kv_b_proj adapters were measured on, unless the caller
                    chose a backend.
 
-Both ways we start vLLM take these through engine_args(model_dir, kw, cpu=...): make_engine (rollout/engine.py) and
+Both ways we start vLLM take these through engine_args(model_dir, kw, cpu=...): make_engine (rollout/vllm_engine.py) and
 verl's rollout server (integration/verl/replica.py); the caller says whether the engine runs on CPU.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import hydra
 
 @hydra.main(config_path="config", config_name="verl_moe_lora", version_base=None)
 def main(cfg):
-    from moe_lora_rl.integration.verl.config import check_config
+    from moe_lora_rl.integration.verl.verl_config import check_config
 
     check_config(cfg)                     # one-line ValueError naming the key and value on a conflicting option
     from verl.trainer import main_ppo     # the body of verl's main_ppo.main, after our check

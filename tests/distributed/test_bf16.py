@@ -34,8 +34,8 @@ import pytest
 
 from moe_lora_rl.checks.layouts import resolve_models
 from moe_lora_rl.checks.lora_layouts import REFERENCE
-from moe_lora_rl.checks.parity import run as run_parity, token_errors
-from moe_lora_rl.checks.replay import run as run_replay
+from moe_lora_rl.checks.parity_run import run as run_parity, token_errors
+from moe_lora_rl.checks.r3_run import run as run_replay
 from moe_lora_rl.checks.tolerances import BF16_UNIT_ROUNDOFF, FIDELITY_TOL, PARITY_BF16 as TARGET_BF16, TRAINED_BF16
 from moe_lora_rl.lora import LoRAConfig
 from moe_lora_rl.megatron.run_config import RunConfig

@@ -1,4 +1,4 @@
-"""PPO mini-batches and epochs through rl/step.py's train_on (tests/kit/minibatch_worker.py): one torchrun
+"""PPO mini-batches and epochs through rl/trainer_step.py's train_on (tests/kit/minibatch_worker.py): one torchrun
 launch of 2 ranks (ep2, dp 2) on the tiny GLM4-MoE, fp32, R3 with random routes, lr 2e-2 so later mini-steps clip.
 
 Tolerances: train_on with 1 mini-batch and 1 epoch takes its proximal logprobs from the update's own forward

@@ -29,7 +29,7 @@ def _models():
 
 
 def _argv(workdir):
-    from kit.moe_options import VARIANTS, worker_argv
+    from kit.moe_options_check import VARIANTS, worker_argv
     from moe_lora_rl.lora import LoRAConfig
 
     return worker_argv(_models(), VARIANTS, LoRAConfig(**CFG), workdir)
@@ -50,14 +50,14 @@ def _check_equal(report, names):
 
 @pytest.fixture(scope="module")
 def report(shared_launch):
-    from kit.moe_options import VARIANTS, report as compared
+    from kit.moe_options_check import VARIANTS, report as compared
 
     summary, workdir = shared_launch("moe_options")
     return compared(_models(), VARIANTS, workdir, summary)
 
 
 def test_moe_options_equal_plain_layout(report):
-    from kit.moe_options import VARIANTS
+    from kit.moe_options_check import VARIANTS
 
     _check_equal(report, [v["name"] for v in VARIANTS])
 
@@ -78,7 +78,7 @@ def test_controls_fail(report):
 @pytest.mark.slow
 def test_more_moe_options_equal_plain_layout(tmp_path_factory):
     """tp2, tp2etp2 with overlap, ep2 with overlap, the allgather dispatcher at tp2 and etp2, etp2 grouped GEMM."""
-    from kit.moe_options import MORE_VARIANTS, REFERENCE, run
+    from kit.moe_options_check import MORE_VARIANTS, REFERENCE, run
     from moe_lora_rl.lora import LoRAConfig
 
     report = run(_models(), [{"name": REFERENCE, "layout": "tp1"}] + MORE_VARIANTS, LoRAConfig(**CFG),

@@ -10,7 +10,7 @@ with plain RoPE, must miss the tolerance.
 import pytest
 
 from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, mla_models, resolve_models
-from moe_lora_rl.checks.parity import run
+from moe_lora_rl.checks.parity_run import run
 from moe_lora_rl.checks.tolerances import PARITY_FP32 as TARGET
 
 pytestmark = pytest.mark.dist

@@ -71,7 +71,7 @@ def test_grad_norm_counts_each_shard_once(rep):
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank(rep):
     """A NaN gradient on rank 0 only: the all-reduced norm is non-finite everywhere, so every rank skips alike
-    (policy/step.py). Control: the finite update before it stepped (version 1, step_moved > 0)."""
+    (policy/optimizer_step.py). Control: the finite update before it stepped (version 1, step_moved > 0)."""
     want = {"skipped": True, "norm_non_finite": True, "unchanged": True, "version_kept": True, "grads_none": True}
     for key, r in _each(rep):
         assert r["nan_on_rank0"] == want, (key, r["nan_on_rank0"])

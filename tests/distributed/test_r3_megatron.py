@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS, resolve_models
-from moe_lora_rl.checks.replay import run
+from moe_lora_rl.checks.r3_run import run
 from moe_lora_rl.checks.tolerances import FIDELITY_TOL, SHUFFLED_MIN
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(

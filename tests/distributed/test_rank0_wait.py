@@ -17,7 +17,7 @@ PG_TIMEOUT_S, SLOW_S = 5, 15
 
 @pytest.fixture(scope="module")
 def ranks():
-    from moe_lora_rl.checks.launch import run_torchrun
+    from moe_lora_rl.checks.torchrun import run_torchrun
 
     rep = run_torchrun("kit.rank0_wait_worker", 2,
                        ["--slow-s", str(SLOW_S), "--pg-timeout-s", str(PG_TIMEOUT_S)], timeout=600)

@@ -19,7 +19,7 @@ import importlib.util
 
 import pytest
 
-from moe_lora_rl.checks.launch import run_torchrun
+from moe_lora_rl.checks.torchrun import run_torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("verl") is None,
                                                     reason="verl is not installed (the policy loss is verl's)")]

@@ -17,7 +17,7 @@ import pytest
 
 from moe_lora_rl.checks.layouts import resolve_models
 from moe_lora_rl.lora import LoRAConfig
-from moe_lora_rl.checks.launch import run_torchrun
+from moe_lora_rl.checks.torchrun import run_torchrun
 
 pytestmark = pytest.mark.dist
 

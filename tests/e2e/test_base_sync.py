@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 @pytest.mark.parametrize("family,size", [("glm4_moe", "wide"), pytest.param("glm4_moe", "medium", marks=pytest.mark.slow),
                                          pytest.param("deepseek_v3", "tiny_rope", marks=pytest.mark.slow)])
 def test_engine_started_empty_serves_exactly_the_disk_loaded_base(family, size, tmp_path):
-    from kit.base_sync import run_base_sync
+    from kit.base_sync_check import run_base_sync
     from moe_lora_rl.models import get_model
 
     r = run_base_sync(str(get_model(family, size)), tmp_path, bucket_kb=4096)

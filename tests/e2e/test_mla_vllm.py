@@ -32,7 +32,7 @@ import sys
 
 import pytest
 
-from moe_lora_rl.checks.launch import worker_env
+from moe_lora_rl.checks.torchrun import worker_env
 
 pytestmark = pytest.mark.vllm
 TOL, K3, MOVED = 1e-4, 1e-10, 1e-3

@@ -31,7 +31,7 @@ groups, routing as fragile as a real MoE's), and is checked against HF transform
 import pytest
 
 from moe_lora_rl.checks.layouts import DEFAULT_LAYOUTS
-from moe_lora_rl.checks.replay import run
+from moe_lora_rl.checks.r3_run import run
 from moe_lora_rl.checks.tolerances import FIDELITY_REL_FP32, FIDELITY_TOL, R3_BF16_K3, SHUFFLED_MIN
 
 pytestmark = pytest.mark.vllm

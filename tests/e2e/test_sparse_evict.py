@@ -9,7 +9,7 @@ is captured, and the allocator got back the blocks between the two regions.
 """
 import pytest
 
-from moe_lora_rl.checks.launch import run_process
+from moe_lora_rl.checks.torchrun import run_process
 from moe_lora_rl.checks.tolerances import SPARSE_EVICT_LOGPROBS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -17,7 +17,7 @@
 """
 import pytest
 
-from moe_lora_rl.checks.launch import run_process
+from moe_lora_rl.checks.torchrun import run_process
 from moe_lora_rl.checks.tolerances import SPARSE_EVICT_LOGPROBS
 from moe_lora_rl.checks.train_runs import finish_train, start_train
 

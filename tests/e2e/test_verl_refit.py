@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moe_lora_rl.checks.launch import worker_env
+from moe_lora_rl.checks.torchrun import worker_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.verl]
 

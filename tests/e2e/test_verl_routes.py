@@ -9,7 +9,7 @@ def test_routes_roundtrip_through_dataproto():
     import torch
     from verl import DataProto
 
-    from moe_lora_rl.integration.verl.routes import attach_routes, routes_from
+    from moe_lora_rl.integration.verl.routes_dataproto import attach_routes, routes_from
     from moe_lora_rl.router_replay.routes import RoutesBatch
 
     rng = np.random.default_rng(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from moe_lora_rl.models import get_model
-from moe_lora_rl.checks.launch import worker_env
+from moe_lora_rl.checks.torchrun import worker_env
 from moe_lora_rl.checks.layouts import DEFAULT_FAMILIES
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ PROMPTS = [[5, 17, 33, 99, 120, 7, 8, 9], [300, 2, 41, 41, 41, 200, 11]]
 
 
 def main(path: str) -> dict:
-    from moe_lora_rl.rollout.engine import make_engine, set_engine_env
+    from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
 
     set_engine_env()
     import torch

@@ -27,7 +27,7 @@ def two_batches(arch) -> dict:
 
 def ppo_round(pol, batch) -> None:
     """One update of two PPO mini-batches, the rollout logprobs the policy's own replayed recompute."""
-    from moe_lora_rl.rl.step import train_on
+    from moe_lora_rl.rl.trainer_step import train_on
     from .minibatch_worker import cfg
 
     b = dataclasses.replace(batch, rollout_logprobs=pol.logprobs(batch, replay="r3").logprobs)

@@ -20,7 +20,7 @@ from moe_lora_rl.megatron.parallel import init_distributed, teardown
 from moe_lora_rl.megatron.train_step import lm_train_step
 from moe_lora_rl.models import get_model
 from moe_lora_rl.checkpoint.api import describe_run, load_checkpoint, rng_state, save_checkpoint
-from moe_lora_rl.checks.launch import finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import finish_worker, worker_args
 
 
 @torch.no_grad()

@@ -152,7 +152,7 @@ def run_replay(a: argparse.Namespace) -> dict:
     """The CUDA bf16 case and the CPU fp32 reference, concurrently, each in its own process; then compare."""
     import torch
 
-    from moe_lora_rl.checks.launch import worker_env
+    from moe_lora_rl.checks.torchrun import worker_env
     from .policy_update_worker import LENGTHS
 
     with tempfile.TemporaryDirectory() as d:

@@ -18,7 +18,7 @@ from moe_lora_rl.algos import PolicyLossSettings
 from moe_lora_rl.lora import LoRAConfig
 from moe_lora_rl.policy.core import Policy, PolicyBatch
 from moe_lora_rl.policy.kv_masks import visible
-from moe_lora_rl.checks.launch import each_layout, finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import each_layout, finish_worker, worker_args
 
 LENGTHS = [40, 33, 48, 27]
 RECENT, SINKS, CHOSEN = 6, 2, 4

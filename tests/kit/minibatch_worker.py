@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, ep2: dp 2, the experts split): PPO mini-batches through rl/step.py's train_on on the tiny
+"""torchrun worker (2 ranks, ep2: dp 2, the experts split): PPO mini-batches through rl/trainer_step.py's train_on on the tiny
 GLM4-MoE, each case from the same adapters and a fresh AdamW (restored between cases); rank 0 writes JSON.
 
   single      mini_batches=1, epochs=1 through train_on vs today's path by hand (the replayed and the recorded
@@ -31,7 +31,7 @@ from moe_lora_rl.megatron.parallel import init_distributed, teardown
 from moe_lora_rl.policy.core import Policy, PolicyBatch
 from moe_lora_rl.router_replay.routes import RoutesBatch
 from moe_lora_rl.checks.adapters import randomize_adapters
-from moe_lora_rl.checks.launch import finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import finish_worker, worker_args
 
 N, S, PROMPT, GROUP = 8, 19, 5, 2
 LENGTHS = [19, 12, 17, 8, 19, 15, 9, 16]
@@ -86,7 +86,7 @@ def pol_full_pass(pol, batch, saved, restore) -> dict:
 def main(argv=None):
     import torch.distributed as dist
 
-    from moe_lora_rl.rl.step import train_on
+    from moe_lora_rl.rl.trainer_step import train_on
 
     a = worker_args(argv, lambda ap: ap.add_argument("--model", required=True))
     init_distributed(Layout(ep=2), a.rc)

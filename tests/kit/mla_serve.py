@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moe_lora_rl.rollout.engine import make_engine, set_engine_env
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
 from moe_lora_rl.rollout.generate import captured_generate, capturing
 
 RANK, ALPHA = 4, 8.0

@@ -25,7 +25,7 @@ from moe_lora_rl.megatron.moe_options import transformer_overrides
 from moe_lora_rl.megatron.parallel import init_distributed, teardown
 from moe_lora_rl.megatron.train_step import lm_train_step
 from moe_lora_rl.policy.model import build_from_hf
-from moe_lora_rl.checks.launch import finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import finish_worker, worker_args
 
 B_INIT_SEED = 1            # B drawn like A (seeded per global name, layout-independent) so that A's gradient is not 0
 B_SCALE = 0.1

@@ -25,7 +25,7 @@ from moe_lora_rl.policy.core import Policy, PolicyBatch
 from moe_lora_rl.router_replay.routes import RoutesBatch
 from moe_lora_rl.checks.adapters import randomize_adapters
 from .fakes import FakeEngine
-from moe_lora_rl.checks.launch import finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import finish_worker, worker_args
 
 N, S, PROMPT = 8, 23, 5
 LENGTHS = [23, 12, 17, 8, 23, 15, 6, 20]          # mixed response lengths; S=23 is odd (padded to 24 under SP)
@@ -143,7 +143,7 @@ def run_layout(path: str, key: str, rc: RunConfig, grad_clip: float, check_error
 
 def nan_step(pol: Policy, batch: PolicyBatch, old: torch.Tensor, kw: dict) -> dict:
     """One update with a NaN gradient on rank 0's first adapter factor only: the all-reduced norm is non-finite on
-    every rank, so every rank skips (policy/step.py): adapters and AdamW state unchanged, version unchanged."""
+    every rank, so every rank skips (policy/optimizer_step.py): adapters and AdamW state unchanged, version unchanged."""
     import math
 
     import torch.distributed as dist

@@ -30,7 +30,7 @@ from moe_lora_rl.models import get_model
 from moe_lora_rl.policy.core import Policy
 from moe_lora_rl.router_replay.replayer import in_backward
 from moe_lora_rl.checks.adapters import randomize_adapters
-from moe_lora_rl.checks.launch import finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import finish_worker, worker_args
 from .policy_update_worker import make_batch, rel_diff
 
 VARIANTS = {

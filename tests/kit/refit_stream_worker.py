@@ -24,7 +24,7 @@ from moe_lora_rl.refit.rename import to_peft_tensors
 from moe_lora_rl.transfer.wire import checksum
 from moe_lora_rl.checks.adapters import randomize_adapters
 from .fakes import FakeEngine
-from moe_lora_rl.checks.launch import each_model_at_layout, finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import each_model_at_layout, finish_worker, worker_args
 
 
 def _status(key: str) -> int:

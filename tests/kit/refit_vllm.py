@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 from moe_lora_rl.lora import LoRAConfig
-from moe_lora_rl.rollout.engine import make_engine, set_engine_env
-from moe_lora_rl.checks.launch import run_process
-from moe_lora_rl.checks.logprobs import megatron_logprobs, prompt_logprobs
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
+from moe_lora_rl.checks.torchrun import run_process
+from moe_lora_rl.checks.vllm_logprobs import megatron_logprobs, prompt_logprobs
 
 
 def run_vllm_worker(model: str, blobs: dict[str, Path], data: Path, cfg: LoRAConfig, cwd: Path) -> dict:

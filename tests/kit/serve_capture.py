@@ -11,7 +11,7 @@ import argparse
 import json
 
 from moe_lora_rl.bench.workers.serve_engine import ENGINE, fp32_check, generate_groups
-from moe_lora_rl.rollout.engine import make_engine, set_engine_env
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
 from moe_lora_rl.rollout.generate import capturing, start_capture
 
 # a decision whose fp32 reference selection scores are closer than this is a tie at bf16 precision: bf16 carries

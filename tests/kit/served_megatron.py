@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from .inflight import served_record
-from moe_lora_rl.checks.launch import each_layout, finish_worker, worker_args
+from moe_lora_rl.checks.torchrun import each_layout, finish_worker, worker_args
 
 
 def _batch(samples: list[dict], arch, pad_id: int):
-    from moe_lora_rl.rl.batch import policy_batch
+    from moe_lora_rl.rl.batching import policy_batch
 
     moe_layers = tuple(i for i, m in enumerate(arch.moe_layers) if m)
     rows = [SimpleNamespace(prompt=s["prompt"], response=s["response"], logprobs=s["logprobs"], routes=s["routes"])

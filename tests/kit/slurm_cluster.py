@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_lora_rl.checks.launch import worker_env
+from moe_lora_rl.checks.torchrun import worker_env
 from moe_lora_rl.checks.train_runs import failure_report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import argparse
 import json
 
 from moe_lora_rl.policy.kv_masks import visible
-from moe_lora_rl.rollout.engine import make_engine, set_engine_env
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
 
 
 def hf_logprobs(hf, tokens: list[int], n_prompt: int, masks, qk: dict | None = None) -> list[float]:

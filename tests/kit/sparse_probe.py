@@ -47,7 +47,7 @@ def bucket_summary(rows: list[dict], edges: list[int]) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    from moe_lora_rl.rollout.engine import make_engine, set_engine_env
+    from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
     from moe_lora_rl.bench.workers.sparse_kv_worker import engine_parser
 
     set_engine_env()

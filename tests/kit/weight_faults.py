@@ -25,8 +25,8 @@ import json
 import math
 from pathlib import Path
 
-from moe_lora_rl.rollout.engine import make_engine, set_engine_env
-from moe_lora_rl.checks.launch import run_process
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
+from moe_lora_rl.checks.torchrun import run_process
 from .weight_fault_cells import adapter_cells, base_cells, loop_cells
 
 STAGE_TIMEOUT_S = 6.0       # the engine's stage_timeout_s: an abandoned update expires within a cell
@@ -74,7 +74,7 @@ class Matrix:
         return self.llm.collective_rpc(method, args=args)[0]
 
     def logprobs(self):
-        from moe_lora_rl.checks.logprobs import prompt_logprobs
+        from moe_lora_rl.checks.vllm_logprobs import prompt_logprobs
 
         try:
             return prompt_logprobs(self.llm, self.seqs)

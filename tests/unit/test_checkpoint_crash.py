@@ -281,7 +281,7 @@ def test_two_ranks_agree(tmp_path):
     """Rank 1's disk fills: both ranks raise the same OSError naming rank 1's file (neither hangs in a collective);
     rank 0 fails alone: both raise its error; both still load step 1 (each its own state). Rank 0 damages a file
     only rank 1 hashes: both fall back to step 1, and one line is printed (rank 0)."""
-    from moe_lora_rl.checks.launch import run_torchrun
+    from moe_lora_rl.checks.torchrun import run_torchrun
 
     rep = run_torchrun("kit.checkpoint_crash", 2, ["--out", str(tmp_path)], timeout=300)
     r0, r1 = rep["ranks"]

@@ -90,7 +90,7 @@ def test_map_to_ids():
 
 
 def test_rollout_that_does_not_fit_the_model_is_refused():
-    from moe_lora_rl.checks.replay import check_rollout
+    from moe_lora_rl.checks.r3_run import check_rollout
     from moe_lora_rl.router_replay.routes import RoutesBatch
 
     path = str(get_model("glm4_moe"))                       # MoE layers 1, 2, 3; 16 experts; top-k 4

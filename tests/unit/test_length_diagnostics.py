@@ -12,7 +12,7 @@ from moe_lora_rl.mismatch import halves
 from moe_lora_rl.router_replay.disagreement import masked_disagreement, routes_differs
 from moe_lora_rl.router_replay.routes import RoutesBatch
 
-# Right-padded rows as rl/batch.py builds them: a response of R tokens after a prompt of P owns label positions
+# Right-padded rows as rl/batching.py builds them: a response of R tokens after a prompt of P owns label positions
 # P-1 .. P+R-2 of the [N, S-1] tensors. Row 0: P=3, R=4 (positions 2..5, halves {2, 3} | {4, 5}); row 1: P=2, R=4
 # (positions 1..4, halves {1, 2} | {3, 4}); row 2 (logprob tests only): no response position at all.
 SPANS = ((2, 6), (1, 5))

@@ -27,7 +27,7 @@ def test_bounds_follow_the_method():
 
 @pytest.mark.verl
 def test_verl_key_reaches_the_config_and_bad_values_are_refused():
-    from moe_lora_rl.integration.verl.config import lora_config
+    from moe_lora_rl.integration.verl.verl_config import lora_config
 
     assert lora_config({"rank": 4, "lora_A_init_method": "xavier"}).a_init == "xavier"
     assert lora_config({"rank": 4}).a_init == "kaiming"

@@ -4,7 +4,7 @@ comparison can fail), torch's default is kept."""
 import pytest
 import torch
 
-from moe_lora_rl.policy.step import make_adamw
+from moe_lora_rl.policy.optimizer_step import make_adamw
 
 
 def _run(dtype, lr, foreach):

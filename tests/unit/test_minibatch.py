@@ -1,5 +1,5 @@
 """PPO mini-batches (pure parts): the rows of each mini-step and its sub-batch (rl/minibatch.py), the metrics of a
-rollout batch's mini-steps (rl/step.py), staleness counted in pushes when a push carries several optimizer steps
+rollout batch's mini-steps (rl/trainer_step.py), staleness counted in pushes when a push carries several optimizer steps
 (rl/groups.py), and the refusals of algo.mini_batches / algo.epochs (config, preflight, the CLI's one line)."""
 
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 from moe_lora_rl.policy.batch import PolicyBatch
 from moe_lora_rl.rl.groups import PushClock, StalenessGate, staleness
 from moe_lora_rl.rl.minibatch import mini_batch_rows, select, select_routes
-from moe_lora_rl.rl.step import mini_step_metrics
+from moe_lora_rl.rl.trainer_step import mini_step_metrics
 from moe_lora_rl.router_replay.routes import RoutesBatch
 
 N, S, LAYERS, E, K = 8, 9, (1, 3), 16, 4

@@ -2,7 +2,7 @@
 GLM4-MoE): the main job's Policy.update and verl's MoELoRAEngine.train_batch (our engine behind verl's contract,
 with verl's ppo_loss).
 
-- The non-finite rule (policy/step.py): a NaN injected into one adapter factor's gradient (a tensor hook, the same
+- The non-finite rule (policy/optimizer_step.py): a NaN injected into one adapter factor's gradient (a tensor hook, the same
   factor in both models) skips the step identically in both drivers: adapters and AdamW state bitwise unchanged,
   version unchanged, grads None, the norm returned non-finite, the step reported skipped. Control: the same call
   without the NaN moves the adapters, fills the optimizer state and advances the version.
@@ -57,7 +57,7 @@ def drivers(verl_cpu_platform):
 
     from moe_lora_rl.algos import PolicyLossSettings
     from moe_lora_rl.integration.verl import plugin
-    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, lora_config
+    from moe_lora_rl.integration.verl.verl_config import MoELoRAEngineConfig, lora_config
     from moe_lora_rl.integration.verl.engine import MoELoRAEngine
     from moe_lora_rl.megatron.layout import Layout
     from moe_lora_rl.megatron.parallel import teardown

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("verl")
-from moe_lora_rl.rl.batch import policy_batch  # noqa: E402
+from moe_lora_rl.rl.batching import policy_batch  # noqa: E402
 
 
 def sample(prompt, response, routes=True, n_moe=2, topk=2):

@@ -56,7 +56,7 @@ def test_overrides_resolve_to_our_engine_and_replica(compose):
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, check_config
+    from moe_lora_rl.integration.verl.verl_config import MoELoRAEngineConfig, check_config
     from moe_lora_rl.megatron.layout import Layout
 
     cfg = compose(**{"actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
@@ -188,7 +188,7 @@ def test_mla_engine_settings_through_replica_hooks(compose, tmp_path, capsys):
      r"loss_agg_mode=seq-mean-token-sum-norm needs actor_rollout_ref.actor.loss_scale_factor"),
 ])
 def test_bad_config_is_a_one_line_error(compose, extra, match):
-    from moe_lora_rl.integration.verl.config import check_config
+    from moe_lora_rl.integration.verl.verl_config import check_config
 
     with pytest.raises(ValueError, match=match) as e:
         check_config(compose(**extra))
@@ -197,15 +197,15 @@ def test_bad_config_is_a_one_line_error(compose, extra, match):
 
 def test_seq_mean_token_sum_norm_with_a_constant_factor_is_accepted(compose):
     """The refusal above names the key; set, the same mode passes (verl then divides by that constant)."""
-    from moe_lora_rl.integration.verl.config import check_config
+    from moe_lora_rl.integration.verl.verl_config import check_config
 
     check_config(compose(**{"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
                             "actor_rollout_ref.actor.loss_scale_factor": 64}))
 
 
 def test_bad_engine_values_and_versions():
-    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, check_verl_version
-    from moe_lora_rl.integration.verl.routes import routes_from_verl
+    from moe_lora_rl.integration.verl.verl_config import MoELoRAEngineConfig, check_verl_version
+    from moe_lora_rl.integration.verl.routes_dataproto import routes_from_verl
     import torch
 
     with pytest.raises(ValueError, match=r"megatron.dtype='float16'"):
@@ -226,7 +226,7 @@ def test_routes_from_verl_layer_indexing():
     """verl indexes its layer axis by global layer number when it spans every layer, else by MoE ordinal."""
     import torch
 
-    from moe_lora_rl.integration.verl.routes import routes_from_verl
+    from moe_lora_rl.integration.verl.routes_dataproto import routes_from_verl
 
     full = torch.arange(6 * 4 * 2, dtype=torch.int16).reshape(6, 4, 2) % 8       # [tokens, all 4 layers, k]
     a = routes_from_verl([full], [6], num_layers=4, moe_layer_ids=[1, 3], num_experts=8, topk=2)
@@ -263,7 +263,7 @@ def test_plugin_is_inert_unless_imported():
          "import verl\n" + REGISTRIES +
          "assert not ours() and PlatformRegistry.get('moe_lora_cpu') is None\n"
          # no module but plugin.py registers at import: every other module of the override is imported here
-         "import moe_lora_rl.integration.verl.config, moe_lora_rl.integration.verl.engine\n"
+         "import moe_lora_rl.integration.verl.verl_config, moe_lora_rl.integration.verl.engine\n"
          "import moe_lora_rl.integration.verl.platform_cpu, moe_lora_rl.integration.verl.checkpoint_engine\n"
          "import moe_lora_rl.integration.verl.replica, moe_lora_rl.integration.verl.task_runner\n"
          "from verl.checkpoint_engine.base import CheckpointEngineRegistry\n"
@@ -273,7 +273,7 @@ def test_plugin_is_inert_unless_imported():
          "cls = get_class('" + ENGINE + "')\n"        # what verl does with the engine _target_
          "assert ours() and PlatformRegistry.get('moe_lora_cpu') is not None\n"
          "assert 'moe_lora' in CheckpointEngineRegistry._registry\n"
-         "from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig\n"
+         "from moe_lora_rl.integration.verl.verl_config import MoELoRAEngineConfig\n"
          "assert cls is MoELoRAEngineConfig\n")
     # verl imports the package as external_lib: registered; the CPU platform is never auto-detected
     second = _start("import verl\n" + REGISTRIES +
@@ -321,7 +321,7 @@ def test_target_modules_are_honoured_or_refused_in_one_line():
     """verl's model.lora.target_modules (Megatron module names) chooses our targets; verl's default list and
     'all-linear' mean every linear the model has; a name we cannot honour, a wildcard, exclude_modules or a
     disagreement with our own `targets` is refused naming the key."""
-    from moe_lora_rl.integration.verl.config import lora_config
+    from moe_lora_rl.integration.verl.verl_config import lora_config
 
     cfg = lambda **kw: lora_config({"rank": 4, **kw})  # noqa: E731
     mla = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]

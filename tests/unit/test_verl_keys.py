@@ -35,7 +35,7 @@ def configs():
 
 
 def refusals(cfg) -> list[str]:
-    from moe_lora_rl.integration.verl.config import engine_sections, key_refusals
+    from moe_lora_rl.integration.verl.verl_config import engine_sections, key_refusals
 
     return key_refusals(engine_sections(cfg))
 

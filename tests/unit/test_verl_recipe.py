@@ -74,7 +74,7 @@ def test_ray_on_slurm_with_stub_commands(tmp_path):
 def test_recipe_config_composes_onto_verls_and_passes_our_checks():
     from hydra import compose, initialize_config_dir
 
-    from moe_lora_rl.integration.verl.config import MoELoRAEngineConfig, check_config
+    from moe_lora_rl.integration.verl.verl_config import MoELoRAEngineConfig, check_config
     from moe_lora_rl.models import get_model
     from verl.utils.config import omega_conf_to_dataclass
 

@@ -60,7 +60,7 @@ def test_a_finite_reward_is_the_naive_managers():
 def test_verls_plain_naive_manager_is_refused_up_front():
     from omegaconf import OmegaConf
 
-    from moe_lora_rl.integration.verl.config import check_reward_manager
+    from moe_lora_rl.integration.verl.verl_config import check_reward_manager
 
     with pytest.raises(ValueError, match=r"reward.reward_manager.name=naive passes NaN rewards"):
         check_reward_manager(OmegaConf.create({"reward": {"reward_manager": {"source": "register", "name": "naive"}}}))

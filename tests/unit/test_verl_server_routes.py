@@ -46,7 +46,7 @@ def test_ranks_merge_by_layer_into_verls_layout():
 def test_verls_agent_loop_placement_reads_back_as_the_capture():
     """What verl's agent loop does with TokenOutput.routed_experts (int16, placed at the left-padding offset of a
     [1, prompt_pad + response_pad] row) and verl's no-padding conversion, read by our engine's routes_from_verl."""
-    from moe_lora_rl.integration.verl.routes import routes_from_verl
+    from moe_lora_rl.integration.verl.routes_dataproto import routes_from_verl
 
     rng = np.random.default_rng(1)
     n_prompt, n_resp, prompt_pad, resp_pad = 5, 4, 8, 6

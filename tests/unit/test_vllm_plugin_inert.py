@@ -58,7 +58,7 @@ print("RESULT " + json.dumps({"plugin_entry": ours, "plugin_loaded": "moe_lora_r
 
 @pytest.fixture(scope="module")
 def result():
-    from moe_lora_rl.checks.launch import worker_env
+    from moe_lora_rl.checks.torchrun import worker_env
 
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(TARGETS)], env=worker_env(),
                           capture_output=True, text=True, timeout=600)

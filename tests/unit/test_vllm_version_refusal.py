@@ -14,7 +14,7 @@ def _installed(monkeypatch, version):
 
 @pytest.mark.parametrize("version", ["0.24.0", "0.34.0", "0.33.1+cu130"])
 def test_make_engine_and_start_server_refuse_before_vllm(monkeypatch, tmp_path, version):
-    from moe_lora_rl.rollout import engine, openai_server
+    from moe_lora_rl.rollout import openai_server, vllm_engine as engine
 
     _installed(monkeypatch, version)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -29,7 +29,7 @@ def test_make_engine_and_start_server_refuse_before_vllm(monkeypatch, tmp_path, 
 
 def test_supported_version_passes_the_check(monkeypatch):
     """Control: 0.32.x passes the check, so make_engine goes on to import vLLM (here: the ImportError)."""
-    from moe_lora_rl.rollout import engine
+    from moe_lora_rl.rollout import vllm_engine as engine
 
     _installed(monkeypatch, "0.32.0+cpu")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -13,7 +13,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from ...checks.launch import worker_env
+from ...checks.torchrun import worker_env
 from ...checks.train_runs import train_command
 from ...megatron.layout import parse_layouts
 

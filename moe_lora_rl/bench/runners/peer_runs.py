@@ -92,7 +92,7 @@ def _ours_curve(out: Path) -> list[list[float]]:
 
 def run_trl(out: Path, model: str, steps: int, seed: int, lora_config: Path, reuse: bool, every: int,
             task: str = "sort") -> dict:
-    from ...checks.launch import worker_env
+    from ...checks.torchrun import worker_env
     from .trl_env import PeerUnavailable, ensure
 
     if not reuse:

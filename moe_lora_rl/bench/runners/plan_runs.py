@@ -21,7 +21,7 @@ def matmul_flops(n: int = 1024, repeats: int = 5) -> float:
 
 
 def measure(model: str, batches: list[int], prompt_len: int, response_len: int, rank: int, repeats: int) -> dict:
-    from ...checks.launch import run_process, run_torchrun
+    from ...checks.torchrun import run_process, run_torchrun
     from ...lora import LoRAConfig
 
     conc = ",".join(map(str, batches))

@@ -66,7 +66,7 @@ def evict_spec(spec: str) -> dict:
 def kv_figures(model: str, a, evict: dict, cfg, root: Path) -> dict:
     """The KV worker (bench/workers/sparse_kv_worker.py) dense, then compressed at the dense engine's concurrency too;
     cfg: the dense run's config."""
-    from ...checks.launch import run_process
+    from ...checks.torchrun import run_process
 
     length = cfg.data.length if cfg.data.task == "sort_trace" else 10      # prompts; answers are forced
     common = ["--model", model, "--pool-blocks", str(a.pool_blocks), "--length", str(length),

@@ -165,7 +165,7 @@ def main_ppo_runs(a) -> dict:
     learn = run(out / "learn", [], steps=a.learn_steps, test_freq=a.test_freq, **kw)
     lr0 = run(out / "learn_lr0", ["actor_rollout_ref.actor.optim.lr=0"], steps=a.learn_steps, test_freq=a.test_freq,
               **kw)
-    from ...checks.launch import run_process
+    from ...checks.torchrun import run_process
 
     trainers = {}
     for name in ASYNC_TRAINERS:

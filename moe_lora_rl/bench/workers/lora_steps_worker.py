@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...checks.launch import finish_worker, worker_args
+from ...checks.torchrun import finish_worker, worker_args
 from ...lora import LoRAConfig, adapter_factors, sync_adapter_grads
 from ...megatron.forward import forward_logits
 from ...megatron.layout import Layout

@@ -9,7 +9,7 @@ import os
 import statistics
 import time
 
-from ...rollout.engine import make_engine, set_engine_env
+from ...rollout.vllm_engine import make_engine, set_engine_env
 from ...rollout.generate import captured_generate
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ...checks.launch import finish_worker, worker_args
+from ...checks.torchrun import finish_worker, worker_args
 from ...lora import adapter_factors, sync_adapter_grads
 from ...megatron.layout import Layout
 from ...megatron.parallel import init_distributed, teardown

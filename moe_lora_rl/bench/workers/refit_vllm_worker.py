@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ...checks.logprobs import megatron_logprobs, prompt_logprobs
-from ...rollout.engine import make_engine, set_engine_env
+from ...checks.vllm_logprobs import megatron_logprobs, prompt_logprobs
+from ...rollout.vllm_engine import make_engine, set_engine_env
 
 
 def bench(argv=None) -> dict:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ...rollout.engine import make_engine, set_engine_env
+from ...rollout.vllm_engine import make_engine, set_engine_env
 from ...rollout.generate import captured_generate
 
 

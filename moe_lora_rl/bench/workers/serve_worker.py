@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from ...rollout.engine import make_engine, set_engine_env
+from ...rollout.vllm_engine import make_engine, set_engine_env
 from ...rollout.generate import capturing, start_capture
 
 

@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from ...rollout.engine import make_engine, set_engine_env
+from ...rollout.vllm_engine import make_engine, set_engine_env
 
 
 def engine_parser() -> argparse.ArgumentParser:

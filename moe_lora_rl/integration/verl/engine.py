@@ -33,9 +33,9 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 from ...megatron.forward import gather_vocab
 from ...policy.logprobs import label_logprobs, padded_len, scaled_logits
 from ...router_replay.routes import RoutesBatch
-from .config import MoELoRAEngineConfig, check_verl_version, lora_config
+from .verl_config import MoELoRAEngineConfig, check_verl_version, lora_config
 from .lr_schedule import build_lr_scheduler, current_lr
-from .routes import routes_from_verl
+from .routes_dataproto import routes_from_verl
 
 
 def _lora_get(lora, key):
@@ -62,7 +62,7 @@ class MoELoRAEngine(BaseEngine):
         check_verl_version()
         if not isinstance(engine_config, MoELoRAEngineConfig):
             raise ValueError(f"actor_rollout_ref.actor.megatron._target_ builds {type(engine_config).__name__}; "
-                             "our engine needs moe_lora_rl.integration.verl.config.MoELoRAEngineConfig")
+                             "our engine needs moe_lora_rl.integration.verl.verl_config.MoELoRAEngineConfig")
         from ...megatron.parallel import init_distributed
         from ...megatron.run_config import prepare_host
 

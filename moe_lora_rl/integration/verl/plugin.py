@@ -20,7 +20,7 @@ It only adds names, so verl behaves as before unless the config selects them:
 """
 from __future__ import annotations
 
-from .config import BACKEND, REPLICA, MoELoRAEngineConfig, check_verl_version
+from .verl_config import BACKEND, REPLICA, MoELoRAEngineConfig, check_verl_version
 
 __all__ = ["MoELoRAEngineConfig", "register"]
 

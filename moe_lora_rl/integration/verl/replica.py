@@ -29,7 +29,7 @@ from verl.utils.tokenizer import normalize_token_ids
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from ...vllm.compat import check_vllm_version
-from .config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
+from .verl_config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
 from .engine_compat import PauseCompat, needs_pause_compat
 from .server_routes import ServerRoutes
 from .sync_probe import record_served, sync_settings

@@ -45,7 +45,7 @@ class AlgoSettings:
     mini_batches: int = 1
     """PPO mini-batches per rollout batch (verl's ppo_mini_batch_size = batch / mini_batches): the batch is cut into
     this many contiguous slices, one optimizer step each, every step against the same old logprobs (the trainer's
-    replayed recompute before the first; rl/step.py). 1: one step per rollout batch."""
+    replayed recompute before the first; rl/trainer_step.py). 1: one step per rollout batch."""
     epochs: int = 1
     """PPO epochs (verl's ppo_epochs): passes over the mini-batches per rollout batch; the adapter version advances
     by mini_batches * epochs optimizer steps per push."""

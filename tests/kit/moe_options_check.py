@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moe_lora_rl.lora import LoRAConfig
-from moe_lora_rl.checks.launch import run_torchrun, worker_arg
+from moe_lora_rl.checks.torchrun import run_torchrun, worker_arg
 
 REFERENCE = "plain"
 OVERLAP = {"moe_shared_expert_overlap": True}

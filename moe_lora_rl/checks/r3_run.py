@@ -19,7 +19,7 @@ import torch
 from ..megatron.layout import Layout
 from ..megatron.run_config import RunConfig
 from .forced_routes import reference_model
-from .launch import run_torchrun, worker_arg
+from .torchrun import run_torchrun, worker_arg
 from .layouts import check_layouts, group_by_world
 
 MIN_SAMPLES = 8
@@ -71,7 +71,7 @@ def make_rollout_vllm(models: list[str], out: Path, n: int = 8, overhead_batches
     import subprocess
     import sys
 
-    from .launch import worker_env
+    from .torchrun import worker_env
 
     args = [sys.executable, "-m", "moe_lora_rl.checks.rollout_vllm_worker", "--models", ",".join(models),
             "--out", str(out / "rollout.pt"), "--n", str(n), "--overhead-batches", str(overhead_batches),

@@ -1,7 +1,7 @@
 """Parity: Megatron at each layout (the run config's dtype) vs HF transformers fp32 (checks/hf.py), per model.
 
     run(models, layouts, rc)    one torchrun launch of this module per world size; the worst error per layout
-    python -m moe_lora_rl.checks.parity (torchrun worker): per layout and model the max |logit diff| and the
+    python -m moe_lora_rl.checks.parity_run (torchrun worker): per layout and model the max |logit diff| and the
         median over tokens of each token's max |logit diff| relative to max |ref| (tolerances.PARITY_*), with a
         negative control (the same metric against the reference one position later must fail); for an MLA model
         at the unsharded layout also the max |logit diff| of two wrong builds (mla_controls): without the latent
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import run_torchrun, worker_arg
+from .torchrun import run_torchrun, worker_arg
 from .layouts import check_layouts, group_by_world
 from .tolerances import PARITY_BF16, PARITY_FP32
 
@@ -36,7 +36,7 @@ def run(models: list[str], layouts: str, rc=None) -> dict:
     check_layouts(models, layouts)                     # bad layouts fail here, before any process starts
     details: dict[str, dict[str, dict]] = {}
     for world, names in group_by_world(layouts).items():
-        details.update(run_torchrun("moe_lora_rl.checks.parity", world,
+        details.update(run_torchrun("moe_lora_rl.checks.parity_run", world,
                                     ["--models", ",".join(models), "--layouts", ",".join(names), *worker_arg(rc)]))
     key, target = ("max_abs", PARITY_FP32) if rc.dtype == "fp32" else ("rel_median_token", PARITY_BF16)
     per_layout = {name: {m: r[key] for m, r in d.items()} for name, d in details.items()}
@@ -69,7 +69,7 @@ def main(argv=None):
     from ..megatron.forward import forward_logits
     from ..policy.model import build_from_hf
     from .hf import hf_logits
-    from .launch import each_model_at_layout, finish_worker, worker_args
+    from .torchrun import each_model_at_layout, finish_worker, worker_args
 
     def add(ap):
         ap.add_argument("--grouped", action="store_true", help="legacy GroupedMLP experts (megatron-core 0.16)")

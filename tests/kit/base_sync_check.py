@@ -10,7 +10,7 @@ under the same adapter. On an MLA model the dummy engine's kv_b_proj weights are
 W_UK_T / W_UV, so equal decoded tokens show those are re-derived from the synced weights. Used by
 tests/e2e/test_base_sync.py.
 
-    python -m kit.base_sync --model DIR [--bucket-kb 256]   prints "RESULT <json>"
+    python -m kit.base_sync_check --model DIR [--bucket-kb 256]   prints "RESULT <json>"
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import json
 import os
 from pathlib import Path
 
-from moe_lora_rl.rollout.engine import make_engine, set_engine_env
-from moe_lora_rl.checks.launch import run_process
-from moe_lora_rl.checks.logprobs import prompt_logprobs
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
+from moe_lora_rl.checks.torchrun import run_process
+from moe_lora_rl.checks.vllm_logprobs import prompt_logprobs
 
 
 def run_base_sync(model: str, cwd: Path, bucket_kb: int = 256) -> dict:
-    return run_process("kit.base_sync", ["--model", model, "--bucket-kb", str(bucket_kb)], cwd=cwd,
+    return run_process("kit.base_sync_check", ["--model", model, "--bucket-kb", str(bucket_kb)], cwd=cwd,
                        what="base sync worker")
 
 
