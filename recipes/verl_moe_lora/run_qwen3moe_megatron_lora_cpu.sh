@@ -29,7 +29,8 @@ TRAINER=${TRAINER:-main_ppo}
 case "$TRAINER" in
   main_ppo) POOL=0; SEPARATE=() ;;
   one_step_off) POOL=${ROLLOUT_WORKERS:-1}; export CONFIG_NAME=verl_moe_lora_one_step_off
-    SEPARATE=(rollout.nnodes=1 rollout.n_gpus_per_node="$POOL") ;;
+    # the smoke's colocated sync (backend=naive) is replaced by our checkpoint backend, as in run_cpu_async.sh
+    SEPARATE=(rollout.nnodes=1 rollout.n_gpus_per_node="$POOL" actor_rollout_ref.rollout.checkpoint_engine.backend=moe_lora) ;;
   *) echo "run_qwen3moe_megatron_lora_cpu.sh: TRAINER=$TRAINER is not main_ppo or one_step_off" >&2; exit 2 ;;
 esac
 MODEL=${MODEL:-$("$PY" -c 'from moe_lora_rl.models import get_model; print(get_model("qwen3_moe", "tiny"))')}
