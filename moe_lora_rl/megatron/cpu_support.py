@@ -287,7 +287,7 @@ class DuplicatedLinear(torch.nn.Module):
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
-    """fla's l2norm (x / sqrt(sum x^2 + eps) over the last dim) in torch, as transformers' delta-rule reference has it."""
+    """fla's l2norm (x / sqrt(sum x^2 + eps) over the last dim) in torch, as transformers' delta-rule reference."""
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
