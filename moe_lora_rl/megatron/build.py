@@ -8,7 +8,8 @@ as megatron-core builds it. Multi-head Latent Attention (arch.mla: DeepSeek-V3, 
 MLASelfAttention from an MLATransformerConfig: on CPU with the local spec (plus cpu_support's MLA core attention, which
 takes MLA's k_channels / v_channels), on GPU with the TE spec (get_gpt_decoder_block_spec(use_transformer_engine=True)
 with multi_latent_attention and qk_layernorm from the config: TELinear down projections, TELayerNormColumnParallelLinear
-up projections carrying the latent norms).
+up projections carrying the latent norms). The hybrid linear-attention family (arch.hybrid: Qwen3.5/3.6-MoE,
+Qwen3-Next) is megatron-core's GatedDeltaNet and gated attention, its block spec from hybrid_spec.py.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..models.arch import MoEArch
+from .hybrid_spec import block_spec as hybrid_block_spec
+from .hybrid_spec import hybrid_kwargs
 from .layout import Layout
 from .run_config import RunConfig, spec_kwargs, transformer_kwargs
 from .transformer_options import check_for_model
@@ -36,9 +39,6 @@ class SPRMSNorm(torch.nn.RMSNorm):
 
 
 def check_layout(arch: MoEArch, layout: Layout) -> None:
-    if arch.hybrid:
-        raise ValueError(f"{arch.family}: hybrid linear attention (layer_types {sorted(set(arch.layer_types))}) is "
-                         "read but not yet built in Megatron; the GQA and MLA families are")
     layout.check_model(num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
                        num_experts=arch.num_experts, moe_ffn=arch.moe_ffn_hidden_size,
                        ffn=None if all(arch.moe_layers) else arch.ffn_hidden_size)
@@ -49,6 +49,10 @@ def check_layout(arch: MoEArch, layout: Layout) -> None:
         # the local spec splits linear_q_down_proj's rows over TP (linear_kv_down_proj is duplicated)
         raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the MLA down projection's rows "
                          f"q_lora_rank={arch.q_lora_rank}; tp must divide it")
+    if arch.hybrid and arch.linear_layer_ids and arch.linear_num_key_heads % layout.tp:
+        # GatedDeltaNet splits its key heads (and the value heads grouped under them) over TP
+        raise ValueError(f"layout {layout.name}: tp={layout.tp} does not divide the delta-net's "
+                         f"linear_num_key_heads={arch.linear_num_key_heads}")
 
 
 def padded_vocab(arch: MoEArch, layout: Layout) -> int:
@@ -83,6 +87,8 @@ def transformer_config_kwargs(arch: MoEArch, layout: Layout, rc: RunConfig, **ov
     )
     if arch.mla:
         kw.update(mla_kwargs(arch))
+    if arch.hybrid:
+        kw.update(hybrid_kwargs(arch))
     kw.update(overrides)
     return kw
 
@@ -195,7 +201,7 @@ def build_model(arch: MoEArch, layout: Layout, rc: RunConfig | None = None, *, g
         check_for_model(transformer_overrides, arch, layout)
         config_overrides = {**config_overrides, **transformer_overrides}
     cfg = transformer_config(arch, layout, rc, **config_overrides)
-    spec = get_gpt_decoder_block_spec(cfg, **spec_kwargs(rc))
+    spec = hybrid_block_spec(cfg, rc) if arch.hybrid else get_gpt_decoder_block_spec(cfg, **spec_kwargs(rc))
     if rc.layer_spec == "local":
         spec = _swap_classes(spec, _local_swaps(arch, rc))
     model = GPTModel(

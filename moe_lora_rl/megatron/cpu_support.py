@@ -286,6 +286,23 @@ class DuplicatedLinear(torch.nn.Module):
         return torch.matmul(x, self.weight.t()), None
 
 
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm (x / sqrt(sum x^2 + eps) over the last dim) in torch, as transformers' delta-rule reference."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _gated_delta_net(cs: "CpuSupport") -> None:
+    # GatedDeltaNet refuses to build without flash-linear-attention (HAVE_FLA) and its forward calls fla's l2norm
+    # (an undefined name then) and chunk_gated_delta_rule (None then). fla is Triton (GPU); the module's own
+    # torch_chunk_gated_delta_rule (a port of transformers' reference, fla's signature) takes its place on CPU.
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    if not gdn.HAVE_FLA:
+        cs._set(gdn, "HAVE_FLA", True)
+        cs._set(gdn, "l2norm", l2norm, must_exist=False)
+        cs._set(gdn, "chunk_gated_delta_rule", gdn.torch_chunk_gated_delta_rule)
+
+
 def active() -> "CpuSupport | None":
     """The applied CPU support, or None."""
     return _ACTIVE
@@ -335,6 +352,7 @@ def apply() -> CpuSupport:
     # Without Transformer Engine megatron's TE extension binds a MagicMock, so MLA's import of TELinear succeeds,
     # HAVE_TE is True and `isinstance(self.linear_proj, TELinear)` raises TypeError at construction.
     cs._set(mla, "HAVE_TE", False)
+    _gated_delta_net(cs)
     if version.startswith("0.16."):
         from megatron.core.transformer.moe import grouped_gemm_util as gg
 

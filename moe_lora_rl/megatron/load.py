@@ -6,7 +6,8 @@ parameter reads are an MTP layer's (DeepSeek-V3's model.layers.{num_hidden_layer
 
 Shard kinds: replicated, vocab (rows, padded), column (rows), row (columns), glu (gate and up rows each), qkv (per
 query group), down (MLA's down projections: rows in the local spec, whole in the TE spec, told apart by the shard's
-shape), grouped_glu / grouped_row (legacy GroupedMLP).
+shape), grouped_glu / grouped_row (legacy GroupedMLP); the hybrid family's plus_one, qkv_gated, gdn_in, gdn_in_next,
+gdn_conv (load_hybrid.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from ..models.arch import MoEArch
 from ..models.checkpoint import HFCheckpoint
 from ..models.naming import Offsets, Resolved, naming_for
+from . import load_hybrid as hybrid_kinds
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ def assemble(kind: str, parts: list[torch.Tensor], arch: MoEArch, shard: ShardSp
     if kind == "glu":
         gate, up = parts
         return torch.cat([gate.chunk(n, dim=0)[r], up.chunk(n, dim=0)[r]], dim=0)
+    if kind in hybrid_kinds.KINDS:
+        return hybrid_kinds.assemble(kind, parts, arch, r, n)
     if kind == "qkv":
         q, k, v = parts
         g, hd = arch.num_kv_heads, arch.head_dim

@@ -8,8 +8,8 @@ and benches share is moe_lora_rl/checks; the benches' processes are moe_lora_rl/
                                 scripts/gpu_check.sh (CUDA bf16 vs the CPU, CUDA IPC); the policy-update worker is
                                 tests/distributed/test_policy_update.py's too
     checkpoint_crash.py, checkpoint_worker.py, bank_setup.py, minibatch_worker.py, rank0_wait_worker.py,
-    recompute_worker.py, refit_stream_worker.py, moe_options.py + moe_options_worker.py, kv_replay_worker.py
-                                the distributed tests' drivers and torchrun workers
+    recompute_worker.py, refit_stream_worker.py, moe_options.py + moe_options_worker.py, kv_replay_worker.py,
+    hybrid_parity.py            the distributed tests' drivers and torchrun workers
     refit_vllm.py, base_sync.py, mla_serve.py, inflight.py, served_megatron.py, version_reuse.py, weight_faults.py
     (+ weight_fault_cells), sparse_evict.py, sparse_sampler.py, sparse_probe.py, serve_capture.py (+ vllm_peft)
                                 engine checks and their references (tests/e2e)

@@ -11,11 +11,12 @@ import torch, torch.cuda
 import megatron.core.tensor_parallel.mappings, megatron.core.tensor_parallel.random
 import megatron.core.transformer.moe.moe_utils, megatron.core.transformer.moe.token_dispatcher
 import megatron.core.transformer.moe.router, megatron.core.transformer.moe.moe_layer
+import megatron.core.ssm.gated_delta_net
 targets = [torch.cuda, megatron.core.tensor_parallel.mappings, megatron.core.tensor_parallel.random,
            megatron.core.tensor_parallel.random.CudaRNGStatesTracker,
            megatron.core.tensor_parallel.random.CheckpointWithoutOutput, megatron.core.transformer.moe.moe_utils,
            megatron.core.transformer.moe.token_dispatcher, megatron.core.transformer.moe.router.TopKRouter,
-           megatron.core.transformer.moe.moe_layer.MoELayer]
+           megatron.core.transformer.moe.moe_layer.MoELayer, megatron.core.ssm.gated_delta_net]
 try:
     import megatron.core.transformer.moe.grouped_gemm_util as g
     targets.append(g)

@@ -84,3 +84,29 @@ def test_torch_gmm_equals_a_matmul_per_group_forward_and_backward(dtype, trans_b
         assert _grouped_mm_takes(a, b.transpose(1, 2) if trans_b else b) == ((k, n) != (3, 5))
         other = torch_gmm(a, b, torch.tensor([9, 1, 5, 0, 2, 7]), trans_b)
         assert not torch.equal(other, got[0])
+
+
+def test_gated_delta_net_runs_on_the_torch_delta_rule_as_hf_computes_it():
+    """Without flash-linear-attention, apply() lets GatedDeltaNet build (HAVE_FLA) and binds its l2norm and
+    chunk_gated_delta_rule to torch: on the same q, k, v, g, beta they give transformers' reference (qwen3_5_moe's
+    torch_chunk_gated_delta_rule with its in-kernel l2norm) within fp32 rounding; restore() puts fla's absence back."""
+    from megatron.core.ssm import gated_delta_net as gdn
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule as hf_rule
+
+    if gdn.HAVE_FLA and cpu_support.active() is None:
+        pytest.skip("flash-linear-attention is installed: nothing to bind")
+    was_active = cpu_support.active() is not None
+    h = cpu_support.apply()
+    try:
+        assert gdn.HAVE_FLA and gdn.chunk_gated_delta_rule is gdn.torch_chunk_gated_delta_rule
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 70, 4, 32, generator=gen) for _ in range(3))   # two chunks of 64
+        g, beta = -3 * torch.rand(2, 70, 4, generator=gen), torch.rand(2, 70, 4, generator=gen)
+        got, _ = gdn.chunk_gated_delta_rule(gdn.l2norm(q), gdn.l2norm(k), v, g=g, beta=beta, initial_state=None,
+                                            output_final_state=False, use_qk_l2norm_in_kernel=False)
+        ref, _ = hf_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()
+    finally:
+        if not was_active:
+            h.restore()
+            assert not gdn.HAVE_FLA and gdn.chunk_gated_delta_rule is None and not hasattr(gdn, "l2norm")

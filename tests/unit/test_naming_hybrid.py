@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from moe_lora_rl.megatron.run_config import RunConfig
 from moe_lora_rl.models import get_model
 from moe_lora_rl.models.arch import arch_from_hf_config, load_arch
 from moe_lora_rl.models.checkpoint import HFCheckpoint
@@ -126,13 +127,36 @@ def test_reader_refusals_name_the_value(change, match):
         arch_from_hf_config(_spec(**change))
 
 
-def test_megatron_builder_refuses_what_it_does_not_build_yet():
-    """Until the delta-net layers are built, the builder refuses the family instead of building a GQA model from it."""
+def test_megatron_config_of_the_family():
+    """The TransformerConfig fields the builder derives (pure): megatron-core's gated delta-net variant with the
+    per-layer pattern from layer_types, the delta-net widths, both gates, and no zero-centred gamma (the loader adds
+    one to the norms instead: shard kind plus_one)."""
+    from moe_lora_rl.megatron.build import transformer_config_kwargs
+    from moe_lora_rl.megatron.layout import Layout
+
+    kw = transformer_config_kwargs(load_arch(get_model("qwen3_5_moe", "tiny")), Layout(tp=2), RunConfig())
+    assert {k: kw[k] for k in ("experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim",
+                               "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                               "linear_num_value_heads", "attention_output_gate", "moe_shared_expert_gate",
+                               "layernorm_zero_centered_gamma")} == dict(
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 1, 1, 0],
+        linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, attention_output_gate=True, moe_shared_expert_gate=True,
+        layernorm_zero_centered_gamma=False)
+    nxt = transformer_config_kwargs(load_arch(get_model("qwen3_next", "tiny")), Layout(), RunConfig())
+    assert nxt["linear_attention_freq"] == [1, 0, 1, 1] and nxt["moe_layer_freq"] == [1, 0, 1, 1]
+
+
+def test_megatron_builder_refuses_tp_that_does_not_split_the_delta_net_heads():
     from moe_lora_rl.megatron.build import check_layout
     from moe_lora_rl.megatron.layout import Layout
 
-    with pytest.raises(ValueError, match="qwen3_5_moe: hybrid linear attention"):
-        check_layout(load_arch(get_model("qwen3_5_moe", "tiny")), Layout(1, 1, 1, 1))
+    arch = load_arch(get_model("qwen3_5_moe", "tiny"))
+    check_layout(arch, Layout(tp=2))
+    odd = dataclasses.replace(arch, linear_num_key_heads=1, linear_num_value_heads=2)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide the delta-net's linear_num_key_heads=1"):
+        check_layout(odd, Layout(tp=2))
+    check_layout(dataclasses.replace(odd, layer_types=("full_attention",) * 4), Layout(tp=2))
 
 
 def test_merge_into_the_released_layout_keeps_vision_tower_and_mtp(tmp_path):
