@@ -3,7 +3,7 @@ submitted and their samples delivered as they finish, from any number of client 
 (adapter stages and commits, status, prefix-cache resets) runs in that thread *between two engine steps*, while
 other requests are mid-decode.
 
-    loop = EngineLoop(llm, capture_meta, inflight="switch")       # llm: rollout.engine.make_engine(...)
+    loop = EngineLoop(llm, capture_meta, inflight="switch")       # llm: rollout.vllm_engine.make_engine(...)
     loop.start()
     ticket = loop.submit([Request(prompt, params), ...])           # params: vLLM SamplingParams
     for index, result in ticket:                                   # as they finish: Generated, or an Exception

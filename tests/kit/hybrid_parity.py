@@ -125,8 +125,8 @@ def _controls(path: str, layout, rc, tokens, ref, workdir: Path) -> dict:
 
 def main(argv=None):
     from moe_lora_rl.checks.hf import hf_logits
-    from moe_lora_rl.checks.launch import each_layout, finish_worker, worker_args
-    from moe_lora_rl.checks.parity import sample_tokens
+    from moe_lora_rl.checks.torchrun import each_layout, finish_worker, worker_args
+    from moe_lora_rl.checks.parity_run import sample_tokens
     from moe_lora_rl.policy.model import build_from_hf
 
     def add(ap):
