@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..megatron.load import offsets
+from ..megatron.hf_load import offsets
 from ..models.naming import MEGATRON, AdapterName
 from .config import LoRAConfig, expand
 from .grouped import (attach_grouped, attach_te_grouped, detach_grouped, te_virtual_expert_linears,

@@ -14,7 +14,7 @@ and RowParallelLinear out_proj, input_layernorm kept a real norm (fuse_input_lay
 flash-linear-attention the delta rule runs on cpu_support's torch binding (patches/README.md).
 
 HF's layer, final and q/k RMSNorms compute x * (1 + w); megatron's local RMSNorm x * w: layernorm_zero_centered_gamma
-stays off and the loader adds one to those weights (shard kind plus_one, megatron/load_hybrid.py).
+stays off and the loader adds one to those weights (shard kind plus_one, megatron/hf_load_hybrid.py).
 """
 from __future__ import annotations
 

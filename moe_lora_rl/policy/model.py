@@ -12,7 +12,7 @@ from ..lora.config import LoRAConfig
 from ..megatron.build import build_model
 from ..models.arch import load_arch
 from ..megatron.layout import Layout
-from ..megatron.load import load_hf_weights
+from ..megatron.hf_load import load_hf_weights
 from ..megatron.run_config import RunConfig
 
 

@@ -1,4 +1,4 @@
-"""Megatron = HF for the hybrid linear-attention family (megatron/hybrid_spec.py, megatron/load_hybrid.py, cpu_support's
+"""Megatron = HF for the hybrid linear-attention family (megatron/hybrid_spec.py, megatron/hf_load_hybrid.py, cpu_support's
 delta-rule binding): fp32 logits of the megatron-core model built from the tiny qwen3_5_moe checkpoint against
 transformers' Qwen3_5MoeForCausalLM (its torch delta-rule and conv paths, its own routing) at tp1ep1pp1, tp2 (the
 delta-net's key and value heads split over TP), ep2, pp2 and etp2; Qwen3-Next tiny and the released multimodal layout

@@ -86,7 +86,7 @@ def _measure(model, arch, tokens, ref) -> dict:
 
 def _controls(path: str, layout, rc, tokens, ref, workdir: Path) -> dict:
     from moe_lora_rl.megatron.build import build_model
-    from moe_lora_rl.megatron.load import load_hf_weights
+    from moe_lora_rl.megatron.hf_load import load_hf_weights
     from moe_lora_rl.policy.model import build_from_hf
 
     arch, model = build_from_hf(path, layout, rc)

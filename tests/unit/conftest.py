@@ -9,7 +9,7 @@ def qwen():
     from moe_lora_rl.megatron.build import build_model
     from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.megatron.layout import Layout
-    from moe_lora_rl.megatron.load import load_hf_weights
+    from moe_lora_rl.megatron.hf_load import load_hf_weights
     from moe_lora_rl.megatron.parallel import init_distributed, teardown
     from moe_lora_rl.megatron.run_config import RunConfig, prepare_host
     from moe_lora_rl.models import get_model

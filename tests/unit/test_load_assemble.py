@@ -1,7 +1,7 @@
 """Shard assembly (HF -> Megatron layout) against hand-built expectations (names: test_naming.py)."""
 import torch
 
-from moe_lora_rl.megatron.load import ShardSpec, assemble
+from moe_lora_rl.megatron.hf_load import ShardSpec, assemble
 from moe_lora_rl.models.arch import arch_from_hf_config
 from moe_lora_rl.models.tiny import build_hf_config
 

@@ -14,7 +14,7 @@ MEGATRON_LAYER = "decoder.layers.{l}."
 @dataclass(frozen=True)
 class ParamRow:
     """A Megatron parameter (local name, {l}/{e}) and the HF tensors it is assembled from ({L}/{E}), with the shard
-    kind that says how (see megatron/load.py): replicated, vocab, column, row, glu, qkv, grouped_glu, grouped_row."""
+    kind that says how (see megatron/hf_load.py): replicated, vocab, column, row, glu, qkv, grouped_glu, grouped_row."""
     megatron: str
     hf: tuple[str, ...]
     kind: str

@@ -1,4 +1,4 @@
-"""The hybrid family's shard kinds (megatron/load_hybrid.py through load.assemble) against hand-built expectations:
+"""The hybrid family's shard kinds (megatron/hf_load_hybrid.py through load.assemble) against hand-built expectations:
 every row of a tiny arch (head dims 1) is labelled, so a layout is written out row by row. Qwen3-Next's unfusing is
 also checked against transformers' own fix_query_key_value_ordering."""
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_rl.megatron.load import ShardSpec, assemble
+from moe_lora_rl.megatron.hf_load import ShardSpec, assemble
 from moe_lora_rl.models.arch import arch_from_hf_config
 from moe_lora_rl.models.tiny import build_hf_config
 
@@ -61,11 +61,11 @@ def test_gdn_conv_splits_q_k_v_channels():
 
 
 def test_unfused_next_weights_give_transformers_q_k_v_z_b_a():
-    """load_hybrid.unfuse_next on real in_proj_qkvz / in_proj_ba weights = transformers' fix_query_key_value_ordering
+    """hf_load_hybrid.unfuse_next on real in_proj_qkvz / in_proj_ba weights = transformers' fix_query_key_value_ordering
     applied to their outputs."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from moe_lora_rl.megatron.load_hybrid import unfuse_next
+    from moe_lora_rl.megatron.hf_load_hybrid import unfuse_next
 
     cfg = build_hf_config("qwen3_next", "tiny")
     arch = arch_from_hf_config(cfg)
@@ -82,7 +82,7 @@ def test_unfused_next_weights_give_transformers_q_k_v_z_b_a():
 
 
 def test_unknown_hybrid_kind_is_an_internal_error():
-    from moe_lora_rl.megatron import load_hybrid
+    from moe_lora_rl.megatron import hf_load_hybrid as load_hybrid
 
     with pytest.raises(AssertionError, match="gdn_out"):
         load_hybrid.assemble("gdn_out", [], ARCH, 0, 1)

@@ -1,4 +1,4 @@
-"""The hybrid family's shard kinds (pure): full HF tensors -> this TP rank's Megatron shard (megatron/load.py's assemble
+"""The hybrid family's shard kinds (pure): full HF tensors -> this TP rank's Megatron shard (megatron/hf_load.py's assemble
 hands these kinds here). Naming rows: models/naming/qwen3_5_moe.py.
 
     plus_one     replicated, 1 + w: HF's RMSNorms compute x * (1 + w), megatron's local RMSNorm x * w

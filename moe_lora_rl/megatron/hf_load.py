@@ -7,7 +7,7 @@ parameter reads are an MTP layer's (DeepSeek-V3's model.layers.{num_hidden_layer
 Shard kinds: replicated, vocab (rows, padded), column (rows), row (columns), glu (gate and up rows each), qkv (per
 query group), down (MLA's down projections: rows in the local spec, whole in the TE spec, told apart by the shard's
 shape), grouped_glu / grouped_row (legacy GroupedMLP); the hybrid family's plus_one, qkv_gated, gdn_in, gdn_in_next,
-gdn_conv (load_hybrid.py).
+gdn_conv (hf_load_hybrid.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from ..models.arch import MoEArch
 from ..models.checkpoint import HFCheckpoint
 from ..models.naming import Offsets, Resolved, naming_for
-from . import load_hybrid as hybrid_kinds
+from . import hf_load_hybrid as hybrid_kinds
 
 
 @dataclass(frozen=True)
