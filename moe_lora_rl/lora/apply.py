@@ -17,6 +17,8 @@ from .grouped import (attach_grouped, attach_te_grouped, detach_grouped, te_virt
 from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
 from .sharding import LinearRule, rule_for
 
+HYBRID_PENDING = ("linear_in", "linear_out", "qkv")
+"""Targets a hybrid linear-attention model (Qwen3.5-MoE / Qwen3-Next) has but LoRA does not carry end to end yet."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,6 +56,12 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     if "router" in cfg.resolved_targets():
         raise ValueError("LoRA target 'router': adapting the router is not supported (the router stays frozen; "
                          "router replay relies on its logits); remove 'router' from targets")
+    if getattr(mcfg, "experimental_attention_variant", None) == "gated_delta_net":
+        pending = sorted(set(cfg.resolved_targets()) & set(HYBRID_PENDING))
+        if pending:
+            raise ValueError(f"LoRA targets {pending} on a hybrid linear-attention model: adapters on the delta-net's "
+                             "in/out projections and the gated q_proj are not yet exported, refit or served; use "
+                             "targets=experts,shared_experts,proj")
     off = offsets(model)                      # ValueError if the experts do not divide over EP
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size()}
     modules = dict(model.named_modules())

@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -132,7 +133,12 @@ def cache_root() -> Path:
 
 
 def spec_key(family: str, size: str, seed: int) -> str:
-    blob = json.dumps({"spec": SPECS[(family, size)], "seed": seed, "v": GENERATOR_VERSION}, sort_keys=True)
+    from . import tiny_hybrid
+
+    key = {"spec": SPECS[(family, size)], "seed": seed, "v": GENERATOR_VERSION}
+    if family in tiny_hybrid.FAMILIES:
+        key["init"] = tiny_hybrid.INIT_VERSION
+    blob = json.dumps(key, sort_keys=True)
     return f"{family}-{size}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
 
 
@@ -145,8 +151,9 @@ def _init_value(name: str, shape: torch.Size, seed: int, hidden: int, zero_cente
         return 0.1 * torch.randn(shape, generator=g)
     if name.endswith(".A_log"):                                  # decay rates exp(A_log) in [1, 16], as initialised
         return (1.0 + 15.0 * torch.rand(shape, generator=g)).log()
-    if name.endswith(".dt_bias"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(".dt_bias"):                                # softplus(dt_bias) = dt in [1e-3, 0.1], log-uniform
+        dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * torch.rand(shape, generator=g))
+        return dt + torch.log(-torch.expm1(-dt))                 # (Mamba's init): per-token decays of order -0.1
     if name.endswith("norm.weight") or ".q_norm." in name or ".k_norm." in name:
         return 1.0 + 0.1 * torch.randn(shape, generator=g)        # not all-ones: a misplaced norm must show
     if "e_score_correction_bias" in name:

@@ -21,6 +21,10 @@ from typing import Callable
 import torch
 
 FAMILIES = ("qwen3_5_moe", "qwen3_next")
+INIT_VERSION = 2
+"""Part of these checkpoints' cache key. 2: dt_bias drawn as Mamba's (softplus(dt_bias) in [1e-3, 0.1]): version 1's
+dt_bias ~ 1 made the per-token decays g = -exp(A_log) * softplus(a + dt_bias) reach -44, where the chunked delta
+rule's running sums lose fp32's precision (HF's own logits moved by 5e-4 under a half-ulp input change)."""
 _TEXT = dict(
     vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
     attention_dropout=0.0, eos_token_id=2, pad_token_id=0, bos_token_id=None, attention_bias=False,

@@ -5,13 +5,10 @@ delta-net's key and value heads split over TP), ep2, pp2 and etp2; Qwen3-Next ti
 (tiny_vl, read as its text tower) at tp1. One torchrun launch of 2 ranks (kit/hybrid_parity.py), shared with the other
 2-rank jobs.
 
-Tolerance: max |diff| <= 4e-5 of max |ref| (~1e-3 at these logits of ~25), not the GQA families' 1e-4 absolute:
-this model's fp32 logits are ~20x worse conditioned. HF itself moves its logits by 1.1e-4..5.4e-4 when its input
-embeddings are perturbed by half an ulp (hf_ulp, measured in the same run; qwen3_moe / glm4_moe tiny: 1.4e-5..2.5e-5):
-the delta-net's decays g reach -44 per token, the chunked rule's cumulative sums of g reach ~1e3, where fp32 keeps
-only ~1e-4 absolute, and exp() of their differences carries that as a relative error. Given the same input, Megatron's
-and HF's GatedDeltaNet agree within 3e-6; over the model, measured max |diff| 9.5e-5..2.2e-4 (<= 8.8e-6 relative), below
-HF's own half-ulp sensitivity. A wrong shard, head order, gate or pattern differs by O(1) (the controls: >= 3.9).
+Tolerance: max |diff| <= 1e-4 (fp32 logits), as for the GQA and MLA families. The tiny checkpoints draw dt_bias as
+Mamba does (models/tiny_hybrid.INIT_VERSION 2), so the per-token decays are of order -0.1; with version 1's (decays to
+-44) the chunked delta rule's running sums lost fp32's precision and HF's own logits moved by 5e-4 under a half-ulp
+change of its input. Each run records that sensitivity (hf_ulp) beside the difference.
 Negative controls at tp1ep1pp1 (must exceed 100x the tolerance): the attention output gate's rows zeroed, every conv
 kernel reversed, the layer pattern rolled by one (a checkpoint with its layers and layer_types rolled; the original
 checkpoint loaded into a rolled pattern is refused by the loader, naming the missing tensor).
@@ -22,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.dist
 
-TOL = 4e-5          # of max |ref logit|: see the docstring
+TOL = 1e-4          # max |Megatron - HF| of fp32 logits
 
 LAYOUTS = ("tp1ep1pp1", "tp2", "ep2", "pp2", "etp2")
 
@@ -57,7 +54,7 @@ def test_megatron_equals_hf_at_every_layout(rep):
     assert set(par["tp1ep1pp1"]) == set(m.values())
     for layout, per_model in par.items():
         for path, r in per_model.items():
-            assert 0 <= r["max_abs"] <= TOL * r["ref_max_abs"], (layout, path, r)
+            assert 0 <= r["max_abs"] <= TOL, (layout, path, r)
             assert r["ref_max_abs"] > 1.0 and r["hf_ulp"] > 0, (layout, path, r)
     # tp2 splits the delta-net's 4 value heads (and 2 key heads) over its ranks
     assert {k: r["delta_heads_local"] for k, r in ((k, par[k][m["tiny"]]) for k in LAYOUTS)} == \
@@ -66,7 +63,6 @@ def test_megatron_equals_hf_at_every_layout(rep):
 
 def test_negative_controls_fail_the_same_check(rep):
     c = rep["controls"]
-    ref = rep["parity"]["tp1ep1pp1"][_models()["tiny"]]["ref_max_abs"]
     for name in ("gate_rows_zeroed", "conv_reversed", "pattern_rolled"):
-        assert c[name] > 100 * TOL * ref, (name, c)
+        assert c[name] > 100 * TOL, (name, c)
     assert "lacks" in c["pattern_rolled_refused"] and "self_attn" in c["pattern_rolled_refused"], c

@@ -185,3 +185,20 @@ def test_merge_into_the_released_layout_keeps_vision_tower_and_mtp(tmp_path):
         assert not torch.equal(f1.get_tensor(stored), f0.get_tensor(stored))
         kept = [k for k in f0.keys() if k.startswith(("model.visual.", "mtp."))]
         assert len(kept) == 62 and all(torch.equal(f0.get_tensor(k), f1.get_tensor(k)) for k in kept)
+
+
+def test_lora_targets_not_carried_end_to_end_yet_are_refused_on_the_hybrid():
+    """LoRA on the delta-net's projections and the gated q_proj is refused before anything is attached (their export,
+    refit and serving are the next step); the routed and shared experts and o_proj are planned as for any family."""
+    from types import SimpleNamespace
+
+    from moe_lora_rl.lora.apply import plan_adapters
+    from moe_lora_rl.lora.config import LoRAConfig
+
+    model = SimpleNamespace(config=SimpleNamespace(experimental_attention_variant="gated_delta_net"))
+    for targets in (("all",), ("linear_in",), ("out_proj",), ("qkv", "experts")):
+        with pytest.raises(ValueError, match=r"hybrid linear-attention model: adapters on the delta-net"):
+            plan_adapters(model, LoRAConfig(targets=targets))
+    gqa = SimpleNamespace(config=SimpleNamespace(experimental_attention_variant=None))
+    with pytest.raises(AttributeError):                 # control: a GQA model passes the check and goes on to plan
+        plan_adapters(gqa, LoRAConfig(targets=("all",)))
