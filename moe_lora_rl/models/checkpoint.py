@@ -65,3 +65,14 @@ class HFCheckpoint:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} not in checkpoint {self.path}")
         return self._handles[self.weight_map[name]].get_tensor(self._stored[name])
+
+
+def read_single_file(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a one-file checkpoint (model.safetensors), for the generators that add tensors to what
+    transformers wrote (RuntimeError for a sharded one)."""
+    if (Path(model_dir) / "model.safetensors.index.json").exists():
+        raise RuntimeError(f"{model_dir}: a sharded checkpoint; the tiny generators write one file")
+    from safetensors import safe_open
+
+    with safe_open(Path(model_dir) / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}

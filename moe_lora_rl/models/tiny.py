@@ -237,18 +237,16 @@ def _finish_deepseek_v3(out: Path, cfg, seed: int) -> None:
     """config.json gains topk_method / scoring_func (HF drops them; vLLM needs them); an MTP layer
     (num_nextn_predict_layers) is written as DeepSeek-V3 releases it, tensors model.layers.{num_hidden_layers}.*,
     which HF never builds and every loader must skip."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from .checkpoint import read_single_file
 
     conf = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**conf, **MLA_CONFIG_EXTRA}, indent=2, sort_keys=True) + "\n")
     mtp = cfg.num_nextn_predict_layers or 0
     if not mtp:
         return
-    if (out / "model.safetensors.index.json").exists():
-        raise RuntimeError("tiny MTP layer: sharded checkpoints are not written by this generator")
-    with safe_open(out / "model.safetensors", "pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    state = read_single_file(out)
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes = {"eh_proj.weight": (h, 2 * h), "shared_head.head.weight": (v, h), "embed_tokens.weight": (v, h)}
     last = f"model.layers.{cfg.num_hidden_layers - 1}."

@@ -69,17 +69,15 @@ def model_class(cfg):
 def finish(out: Path, cfg, seed: int, init: Callable[[str, tuple], torch.Tensor]) -> None:
     """The released layout's MTP layers (text_config.mtp_num_hidden_layers, tensors mtp.*: a full-attention decoder
     layer copied in shape from the last one, plus MTP_TENSORS), which transformers neither builds nor writes."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from .checkpoint import read_single_file
 
     text = getattr(cfg, "text_config", None)
     mtp = getattr(text, "mtp_num_hidden_layers", 0) if text is not None else 0
     if not mtp:
         return
-    if (out / "model.safetensors.index.json").exists():
-        raise RuntimeError("tiny MTP layer: sharded checkpoints are not written by this generator")
-    with safe_open(out / "model.safetensors", "pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    state = read_single_file(out)
     last = f"model.language_model.layers.{text.num_hidden_layers - 1}."
     h = text.hidden_size
     shapes = {"mtp.fc.weight": (h, 2 * h)}

@@ -25,7 +25,8 @@ reader sets them aside (models/checkpoint.py).
 """
 from __future__ import annotations
 
-from .tables import DENSE_LINEARS, EXPERT_LINEARS, HF_LAYER, MEGATRON_LAYER, Linear, ParamRow
+from .tables import (DENSE_LINEARS, DENSE_MLP_PARAMS, EXPERT_LINEARS, EXPERT_PARAMS, HF_LAYER, MEGATRON_LAYER, Linear,
+                     ParamRow)
 from .translate import Naming
 
 _ATT = MEGATRON_LAYER + "self_attention."
@@ -78,14 +79,10 @@ _BASE = (
     ParamRow(_ATT + "out_norm.weight", (_hf(_LIN + "norm.weight"),), "replicated"),
     ParamRow(_ATT + "out_proj.weight", (_hf(_LIN + "out_proj.weight"),), "row"),
     # dense layers (Qwen3-Next's mlp_only_layers)
-    ParamRow(MEGATRON_LAYER + "mlp.linear_fc1.weight", (_hf("mlp.gate_proj.weight"), _hf("mlp.up_proj.weight")), "glu"),
-    ParamRow(MEGATRON_LAYER + "mlp.linear_fc2.weight", (_hf("mlp.down_proj.weight"),), "row"),
+    *DENSE_MLP_PARAMS,
     # MoE: router, routed experts (per expert in the checkpoint), the gated shared expert
     ParamRow(MEGATRON_LAYER + "mlp.router.weight", (_hf("mlp.gate.weight"),), "replicated"),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc1.weight",
-             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "glu", expert=True),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc2.weight",
-             (_hf("mlp.experts.{E}.down_proj.weight"),), "row", expert=True),
+    *EXPERT_PARAMS,
     ParamRow(MEGATRON_LAYER + "mlp.shared_experts.linear_fc1.weight",
              (_hf("mlp.shared_expert.gate_proj.weight"), _hf("mlp.shared_expert.up_proj.weight")), "glu"),
     ParamRow(MEGATRON_LAYER + "mlp.shared_experts.linear_fc2.weight", (_hf("mlp.shared_expert.down_proj.weight"),),

@@ -49,6 +49,16 @@ def _hf(p: str) -> str:
 
 
 _ATT = MEGATRON_LAYER + "self_attention."
+DENSE_MLP_PARAMS = (
+    ParamRow(MEGATRON_LAYER + "mlp.linear_fc1.weight", (_hf("mlp.gate_proj.weight"), _hf("mlp.up_proj.weight")), "glu"),
+    ParamRow(MEGATRON_LAYER + "mlp.linear_fc2.weight", (_hf("mlp.down_proj.weight"),), "row"),
+)
+EXPERT_PARAMS = (                # SequentialMLP / TEGroupedMLP: per local expert, from the per-expert HF tensors
+    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "glu", expert=True),
+    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc2.weight",
+             (_hf("mlp.experts.{E}.down_proj.weight"),), "row", expert=True),
+)
 COMMON_PARAMS: tuple[ParamRow, ...] = (
     ParamRow("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
     ParamRow("output_layer.weight", ("lm_head.weight",), "vocab"),
@@ -58,13 +68,9 @@ COMMON_PARAMS: tuple[ParamRow, ...] = (
     ParamRow(_ATT + "linear_qkv.weight", tuple(_hf(f"self_attn.{p}_proj.weight") for p in "qkv"), "qkv"),
     ParamRow(_ATT + "linear_qkv.bias", tuple(_hf(f"self_attn.{p}_proj.bias") for p in "qkv"), "qkv"),
     ParamRow(_ATT + "linear_proj.weight", (_hf("self_attn.o_proj.weight"),), "row"),
-    ParamRow(MEGATRON_LAYER + "mlp.linear_fc1.weight", (_hf("mlp.gate_proj.weight"), _hf("mlp.up_proj.weight")), "glu"),
-    ParamRow(MEGATRON_LAYER + "mlp.linear_fc2.weight", (_hf("mlp.down_proj.weight"),), "row"),
+    *DENSE_MLP_PARAMS,
     ParamRow(MEGATRON_LAYER + "mlp.router.weight", (_hf("mlp.gate.weight"),), "replicated"),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc1.weight",
-             (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "glu", expert=True),
-    ParamRow(MEGATRON_LAYER + "mlp.experts.local_experts.{e}.linear_fc2.weight",
-             (_hf("mlp.experts.{E}.down_proj.weight"),), "row", expert=True),
+    *EXPERT_PARAMS,
     # legacy GroupedMLP: all local experts in one tensor, per expert [hidden, 2*ffn/etp] and [ffn/etp, hidden]
     ParamRow(MEGATRON_LAYER + "mlp.experts.weight1",
              (_hf("mlp.experts.{E}.gate_proj.weight"), _hf("mlp.experts.{E}.up_proj.weight")), "grouped_glu",
