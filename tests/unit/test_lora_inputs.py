@@ -26,9 +26,10 @@ def test_config_validation(kw, msg):
 def test_targets_resolve():
     assert LoRAConfig(targets=("experts",)).resolved_targets() == ("expert_fc1", "expert_fc2")
     assert "router" not in LoRAConfig().resolved_targets()
-    # "attention" names GQA's and MLA's linears; a model adapts those it has (apply_lora, MoEArch.adaptable)
+    # "attention" names GQA's, MLA's and the delta-net's linears; a model adapts those it has (apply_lora,
+    # MoEArch.adaptable)
     assert set(LoRAConfig(targets=("attention", "dense_fc1")).resolved_targets()) == {
-        "qkv", "proj", "q_down", "q_up", "q", "kv_down", "kv_up", "dense_fc1"}
+        "qkv", "proj", "q_down", "q_up", "q", "kv_down", "kv_up", "linear_in", "linear_out", "dense_fc1"}
 
 
 def test_target_matching_nothing_is_refused_and_nothing_applied(qwen):
