@@ -99,7 +99,9 @@ def spec_from_config(name: str, cfg: dict, source: str, moe: MoESpec | None = No
     if hybrid:
         norms = 2 * (cfg.get("head_dim") or H // heads)          # the gated attention's q_norm and k_norm
         linear_layers = layer_types(cfg).count("linear_attention")
-    if linear_layers:
+    if not linear_layers:                                  # every layer full attention: no delta-net linears
+        lin_names, lin_shapes, lin_targets = (), (), ()
+    else:
         gdn = DeltaNet(_g(cfg, "linear_num_key_heads"), _g(cfg, "linear_num_value_heads"),
                        _g(cfg, "linear_key_head_dim"), _g(cfg, "linear_value_head_dim"),
                        _g(cfg, "linear_conv_kernel_dim"))

@@ -105,6 +105,7 @@ def test_concurrency_counts_the_state_beside_the_kv():
     # the same model with every layer full attention: no state, four times the KV per token
     all_att = spec_from_config("all", {"text_config": {**_config36(), "layer_types": ["full_attention"] * 40}}, "test")
     assert all_att.state_bytes_per_seq == 0 and all_att.kv_bytes_per_token == 4 * m.kv_bytes_per_token
+    assert "linear_in" not in all_att.target_bytes(8) and all_att.moe.delta_net is None
     rl, hw = RLSettings(prompt_len=1024, response_len=8192, rank=32), Hardware()
     hyb = {(r.engine_gpus, r.tp): r for r in rollout_layouts(m, hw, rl, 8, 2)}[(8, 2)]
     free = hyb.memory_GB["kv_cache"] * 1e9
