@@ -8,7 +8,8 @@ from pathlib import Path
 
 from . import formulas as F
 from .lengths import LengthDist, parse_lengths
-from .refit_calc import SPECS, DeltaNet, MoESpec, base_params, expert_adapter_by_target, mlp_adapter_by_target
+from .refit_calc import (SPECS, DeltaNet, MoESpec, base_params, expert_adapter_by_target,
+                         mlp_adapter_by_target)
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class ModelSpec:
         per_module = self.attention_bytes(rank, adapter_bytes)
         for name, target in zip(self.attention_names + self.linear_names, self.attention_targets + self.linear_targets):
             out[target] = out.get(target, 0) + per_module[name]["adapter_bytes"]
-        for k, v in {**mlp_adapter_by_target(self.moe, rank), **expert_adapter_by_target(self.moe, rank, layout)}.items():
-            out[k] = v * adapter_bytes
+        mlp = {**mlp_adapter_by_target(self.moe, rank), **expert_adapter_by_target(self.moe, rank, layout)}
+        out.update({k: v * adapter_bytes for k, v in mlp.items()})
         return out
 
     @property
