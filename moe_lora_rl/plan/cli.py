@@ -245,6 +245,7 @@ def table(p: Plan) -> str:
                      f"staleness bound {s['staleness']}"),
         ("adapters", f"{a['layout']} r{a['rank']}: {a['params'] / 1e9:.1f}B params, {a['bytes'] / 1e9:.1f} GB bf16, "
                      f"refit {a['refit_s']:.2f} s at {p.hardware['link_GBps']:g} GB/s"),
+        ("  by target", ", ".join(f"{k} {v / 1e9:.3g}" for k, v in a["target_bytes"].items()) + " GB"),
         ("training", f"{t['gpus']} GPUs tp{t['tp']} etp{t['etp']} ep{t['ep']} pp{t['pp']} dp{t['dp']}, "
                      f"{t['microbatches_per_replica']} microbatches/replica"),
         ("  memory/GPU", _mem(t["memory_GB"])),
@@ -252,6 +253,9 @@ def table(p: Plan) -> str:
                     f"attention dp{r['attention_dp']}), concurrency {r['concurrency_per_engine']}/engine "
                     f"(sync {r['concurrency_sync']}, async {r['concurrency_async']})"),
         ("  memory/GPU", _mem(r["memory_GB"])),
+        ("  cache/seq", f"KV {r['kv_bytes_per_token'] / 1024:.3g} KiB/token"
+         + (f" ({r['linear_layers']} delta-net layers keep none), recurrent state "
+            f"{r['state_bytes_per_seq'] / 2**20:.3g} MiB/sequence" if r["linear_layers"] else "")),
         ("rates", f"production {p.rates['production_samples_per_s']:.3g} samples/s, consumption "
                   f"{p.rates['consumption_samples_per_s']:.3g} samples/s (ratio "
                   f"{p.rates['production_over_consumption']:.2f})"),

@@ -72,10 +72,24 @@ def logits_bytes(seq: int, micro_batch: int, vocab: int, tp: int) -> float:
     return seq * micro_batch * vocab * 4 / tp
 
 
-def kv_concurrency(free_bytes: float, kv_bytes_per_token_per_gpu: float, seq_len: int) -> int:
+def recurrent_state_bytes_per_seq(layers: int, conv_kernel: int, conv_dim: int, value_heads: int,
+                                  key_head_dim: int, value_head_dim: int, conv_bytes: float,
+                                  state_bytes: float) -> float:
+    """A hybrid model's fixed per-sequence state, whatever its length: per Gated DeltaNet layer the causal conv's
+    last kernel-1 inputs over its conv_dim = 2 key_dim + value_dim channels, and the delta rule's state, one
+    key_head_dim x value_head_dim matrix per value head (vLLM 0.32, MambaStateShapeCalculator.
+    gated_delta_net_state_shape; both in the model dtype unless mamba_ssm_cache_dtype says otherwise,
+    MambaStateDtypeCalculator.gated_delta_net_state_dtype). The full-attention layers' KV is per token (above)."""
+    return layers * ((conv_kernel - 1) * conv_dim * conv_bytes + value_heads * key_head_dim * value_head_dim
+                     * state_bytes)
+
+
+def kv_concurrency(free_bytes: float, kv_bytes_per_token_per_gpu: float, seq_len: int,
+                   state_bytes_per_seq_per_gpu: float = 0.0) -> int:
     """Sequences whose whole context fits in the KV budget at once (vLLM's max concurrency report: KV cache
-    tokens / max_model_len)."""
-    return max(0, int(free_bytes // (kv_bytes_per_token_per_gpu * seq_len)))
+    tokens / max_model_len); a hybrid's sequence also holds its recurrent state (recurrent_state_bytes_per_seq).
+    vLLM pads an attention page to the state's page size; that padding is not counted."""
+    return max(0, int(free_bytes // (kv_bytes_per_token_per_gpu * seq_len + state_bytes_per_seq_per_gpu)))
 
 
 # --- time ------------------------------------------------------------------------------------------------------
@@ -85,6 +99,15 @@ def attention_flops_per_token(layers: int, ctx: float, qk_dim: int, v_dim: int) 
     2*ctx*v_dim (A V) per layer (PaLM, Chowdhery et al. 2022, appendix B: 6N + 12*L*H*Q*T training FLOPs per
     token, i.e. 4*L*H*Q*T forward for qk_dim = v_dim = H*Q, context T)."""
     return 2 * layers * ctx * (qk_dim + v_dim)
+
+
+def delta_rule_flops_per_token(layers: int, value_heads: int, key_head_dim: int, value_head_dim: int) -> float:
+    """Forward FLOPs of the gated delta rule's recurrence per token, independent of the context: per value head
+    S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T and o_t = S_t q_t (Yang, Kautz & Hatamizadeh 2024, 'Gated
+    Delta Networks: Improving Mamba2 with Delta Rule', arXiv 2412.06464), computed as a_t S + (b_t v_t - a_t b_t S k_t)
+    k_t^T: S k, the rank-one update and S q at 2 dk dv each and the decay dk dv, 7 dk dv in all (derived here; the
+    chunked form used in training does matmuls of the same order)."""
+    return 7 * layers * value_heads * key_head_dim * value_head_dim
 
 
 def lora_train_flops_per_token(active: float, adapter_active: float, attn_fwd: float, recompute: bool) -> float:

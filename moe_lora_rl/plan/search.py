@@ -148,19 +148,32 @@ def kv_per_token_per_gpu(m: ModelSpec, tp: int) -> float:
     return m.kv_bytes_per_token / (1 if m.mla else min(tp, m.kv_heads))
 
 
+def state_per_seq_per_gpu(m: ModelSpec, tp: int) -> float:
+    """A hybrid's recurrent state of one sequence on one GPU: vLLM splits the conv channels and the value heads
+    over TP (gated_delta_net_state_shape), so TP divides it (rollout_layouts keeps TP a divisor of the key heads)."""
+    return m.state_bytes_per_seq / tp
+
+
+def seq_bytes_per_gpu(m: ModelSpec, tp: int, tokens: float) -> float:
+    """KV of `tokens` tokens plus the recurrent state: what one sequence holds in the rollout cache of a GPU."""
+    return kv_per_token_per_gpu(m, tp) * tokens + state_per_seq_per_gpu(m, tp)
+
+
 def decode_traffic(m: ModelSpec, rl: RLSettings, r: RolloutLayout, concurrency: int,
                    rollout_weight_bytes: float) -> tuple[float, float]:
     """(bytes read, FLOPs) per GPU of one decode step of an engine running `concurrency` sequences at the mean
-    context (prompt + the token-weighted mean position in an answer, response/2 for one length): the weights of the experts the batch touches, dense weights, adapters, KV."""
+    context (prompt + the token-weighted mean position in an answer, response/2 for one length): the weights of the
+    experts the batch touches, dense weights, adapters, KV, and a hybrid's recurrent state (read and written once
+    a step)."""
     g, tp = r.engine_gpus, r.tp
     ctx = rl.prompt_len + rl.length_dist.decode_context
     active = F.expected_active_experts(m.moe.experts, m.top_k, concurrency) / m.moe.experts
     exp_a, oth_a = adapter_counts(m, rl)
     weights = ((m.expert_params * rollout_weight_bytes + exp_a * 2) * active / g
                + (m.dense_params * rollout_weight_bytes + oth_a * 2) / tp)
-    kv = concurrency / (g // tp) * ctx * kv_per_token_per_gpu(m, tp)
+    kv = concurrency / (g // tp) * (ctx * kv_per_token_per_gpu(m, tp) + 2 * state_per_seq_per_gpu(m, tp))
     flops = concurrency * (2 * (m.active_params + (exp_a * m.top_k / m.moe.experts + oth_a))
-                           + F.attention_flops_per_token(m.moe.num_layers, ctx, m.qk_dim, m.v_dim)) / g
+                           + mixing_flops_per_token(m, ctx)) / g
     return weights + kv, flops
 
 
@@ -171,9 +184,18 @@ def decode_step_seconds(m: ModelSpec, hw: Hardware, rl: RLSettings, r: RolloutLa
                                  hw.bf16_TFLOPs * 1e12 * hw.decode_flops_eff)
 
 
+def mixing_flops_per_token(m: ModelSpec, ctx: float) -> float:
+    """Forward token-mixing FLOPs with no weights: attention over `ctx` in the full layers, the delta rule's
+    recurrence in a hybrid's linear layers."""
+    gdn = m.moe.delta_net
+    rule = F.delta_rule_flops_per_token(m.moe.linear_layers, gdn.value_heads, gdn.key_head_dim,
+                                        gdn.value_head_dim) if gdn else 0.0
+    return F.attention_flops_per_token(m.moe.full_layers, ctx, m.qk_dim, m.v_dim) + rule
+
+
 def train_flops_per_token(m: ModelSpec, rl: RLSettings) -> float:
     exp_a, oth_a = adapter_counts(m, rl)
-    attn = F.attention_flops_per_token(m.moe.num_layers, rl.train_context, m.qk_dim, m.v_dim)
+    attn = mixing_flops_per_token(m, rl.train_context)
     return F.lora_train_flops_per_token(m.active_params, exp_a * m.top_k / m.moe.experts + oth_a, attn,
                                         rl.recompute)
 
@@ -184,10 +206,11 @@ def rollout_layouts(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, rollo
     sizes = [g for g in _divisors(gpus) if g & (g - 1) == 0 and (g == 1 or m.moe.experts % g == 0)]
     for g in sizes:
         for tp in _TP:
-            if tp > min(g, hw.gpus_per_node) or g % tp or m.heads % tp:
+            if tp > min(g, hw.gpus_per_node) or g % tp or m.heads % tp or (m.state_heads and m.state_heads % tp):
                 continue
             mem = rollout_memory(m, hw, rl, g, tp, rollout_weight_bytes)
-            per_rank = F.kv_concurrency(mem["kv_cache"] * GB, kv_per_token_per_gpu(m, tp), rl.seq_len)
+            per_rank = F.kv_concurrency(mem["kv_cache"] * GB, kv_per_token_per_gpu(m, tp), rl.seq_len,
+                                        state_per_seq_per_gpu(m, tp))
             conc = (g // tp) * min(per_rank, rl.max_engine_concurrency)
             out.append(RolloutLayout(gpus, gpus // g, g, tp, g, conc, mem, per_rank < rl.max_engine_concurrency))
     return out
@@ -285,12 +308,12 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
                               f"{t.memory_GB['activations']:.1f})"))
             if not r_fit:
                 r = max(rls, key=lambda x: x.memory_GB["kv_cache"] - x.memory_GB["weights"] - x.memory_GB["adapters"])
-                one = kv_per_token_per_gpu(m, r.tp) * rl.seq_len / GB
+                one = seq_bytes_per_gpu(m, r.tp, rl.seq_len) / GB
                 need = r.memory_GB["weights"] + r.memory_GB["adapters"] + one
                 fails.append((need - r.memory_GB["budget"], "rollout memory",
                               f"{n_roll} rollout GPUs as {r.name} need {need:.1f} GB per GPU (weights "
-                              f"{r.memory_GB['weights']:.1f}, adapters {r.memory_GB['adapters']:.1f}, KV cache of "
-                              f"one {rl.seq_len}-token sequence {one:.2f})"))
+                              f"{r.memory_GB['weights']:.1f}, adapters {r.memory_GB['adapters']:.1f}, KV cache "
+                              f"(and recurrent state) of one {rl.seq_len}-token sequence {one:.2f})"))
             short = max(fails)
             if closest_fail is None or short[0] < closest_fail[0]:
                 closest_fail = (short[0], short[1], "; ".join(f[2] for f in fails))
@@ -312,7 +335,7 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
     _, t, r, s = best
     budget_t, budget_r = t.memory_GB["budget"], r.memory_GB["budget"]
     head_t = (budget_t - t.memory_GB["total"]) / budget_t
-    one_seq = kv_per_token_per_gpu(m, r.tp) * rl.seq_len / GB
+    one_seq = seq_bytes_per_gpu(m, r.tp, rl.seq_len) / GB
     head_r = (budget_r - r.memory_GB["weights"] - r.memory_GB["adapters"] - one_seq) / budget_r
     mem_bind = [w for w, on in (("training memory (headroom < 10%)", head_t < 0.1),
                                 ("rollout memory (KV cache caps concurrency)", r.kv_bound)) if on]
@@ -327,7 +350,8 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
         hardware=hw.to_dict(),
         adapter={"layout": rl.adapter_layout, "rank": rl.rank, "params": exp_a + oth_a, "expert_params": exp_a,
                  "other_params": oth_a, "bytes": refit["bytes"], "refit_s": refit["refit_s"],
-                 "attention_modules": m.attention_bytes(rl.rank)},
+                 "attention_modules": m.attention_bytes(rl.rank),
+                 "target_bytes": m.target_bytes(rl.rank, rl.adapter_layout)},
         training={"gpus": t.gpus, "tp": t.tp, "etp": t.etp, "ep": t.ep, "pp": t.pp, "dp": t.dp,
                   "microbatches_per_replica": t.microbatches, "memory_GB": t.memory_GB,
                   "memory_headroom": head_t},
@@ -335,6 +359,8 @@ def plan(m: ModelSpec, hw: Hardware, rl: RLSettings, gpus: int, train_weight_byt
                  "attention_dp": r.engine_gpus // r.tp, "concurrency_per_engine": r.concurrency,
                  "concurrency_total": r.concurrency * r.engines, "concurrency_sync": s["concurrency_sync"],
                  "concurrency_async": s["concurrency_async"], "memory_GB": r.memory_GB,
+                 "kv_bytes_per_token": m.kv_bytes_per_token, "state_bytes_per_seq": m.state_bytes_per_seq,
+                 "linear_layers": m.moe.linear_layers,
                  "memory_headroom": head_r},
         rates={"production_samples_per_s": s["production_samples_per_s"],
                "consumption_samples_per_s": s["consumption_samples_per_s"],

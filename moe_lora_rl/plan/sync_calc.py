@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .refit_calc import SPECS, MoESpec, base_params
+from .refit_calc import SPECS, MoESpec, attention_sum, base_params
 
 GIB = 1 << 30
 GB = 1e9
@@ -57,7 +57,7 @@ def expert_params(s: MoESpec) -> int:
 def linear_params(s: MoESpec) -> int:
     """Every linear weight (experts, shared experts, dense MLPs, attention): what an fp8 checkpoint stores in 1 byte."""
     return (expert_params(s) + s.moe_layers * 3 * s.hidden * s.shared_ffn + s.dense_layers * 3 * s.hidden * s.dense_ffn
-            + s.num_layers * sum(i * o for i, o in s.attention))
+            + attention_sum(s, lambda i, o: i * o))
 
 
 def model_bytes(s: MoESpec, dtype: str) -> dict:

@@ -26,7 +26,7 @@ def test_module_bytes_named_in_the_output():
     m = PRESETS["kimi-k2"]()
     b = m.attention_bytes(16)
     assert list(b) == list(attention_modules(KIMI_K2_CONFIG)[0])
-    assert b["self_attn.kv_b_proj"] == {"in": 512, "out": 16384, "base_bytes": 61 * 512 * 16384 * 1,
+    assert b["self_attn.kv_b_proj"] == {"in": 512, "out": 16384, "layers": 61, "base_bytes": 61 * 512 * 16384 * 1,
                                         "adapter_bytes": 61 * 16 * (512 + 16384) * 2}      # fp8 base, bf16 adapter
     gqa = spec_from_config("toy", {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
                                    "num_key_value_heads": 1, "num_experts": 4, "num_experts_per_tok": 2,
