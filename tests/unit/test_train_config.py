@@ -11,7 +11,8 @@ def test_recipe_defaults_match_schema_defaults():
     cfg = C.load([])
     assert cfg == C.TrainConfig()      # the recipe restates the schema's defaults; a drift shows here
     assert cfg.lora.lora_config().resolved_targets() == ("expert_fc1", "expert_fc2", "qkv", "proj", "q_down", "q_up",
-                                                         "q", "kv_down", "kv_up")    # attention: GQA's and MLA's
+                                                         "q", "kv_down", "kv_up", "linear_in", "linear_out")
+    # attention: GQA's, MLA's and the delta-net's (a model adapts those it has)
 
 
 def test_overrides_from_command_line_list():
