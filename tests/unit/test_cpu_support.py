@@ -96,6 +96,8 @@ def test_gated_delta_net_runs_on_the_torch_delta_rule_as_hf_computes_it():
     if gdn.HAVE_FLA and cpu_support.active() is None:
         pytest.skip("flash-linear-attention is installed: nothing to bind")
     was_active = cpu_support.active() is not None
+    state = lambda: (gdn.HAVE_FLA, gdn.chunk_gated_delta_rule, getattr(gdn, "l2norm", None))   # noqa: E731
+    before = state()               # 0.16.1: l2norm undefined without fla; 0.19 defines one of its own
     h = cpu_support.apply()
     try:
         assert gdn.HAVE_FLA and gdn.chunk_gated_delta_rule is gdn.torch_chunk_gated_delta_rule
@@ -109,4 +111,5 @@ def test_gated_delta_net_runs_on_the_torch_delta_rule_as_hf_computes_it():
     finally:
         if not was_active:
             h.restore()
-            assert not gdn.HAVE_FLA and gdn.chunk_gated_delta_rule is None and not hasattr(gdn, "l2norm")
+            assert all(a is b for a, b in zip(state(), before)) and not gdn.HAVE_FLA
+            assert gdn.chunk_gated_delta_rule is None
