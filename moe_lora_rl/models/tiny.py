@@ -97,9 +97,9 @@ SPECS[("deepseek_v3", "tiny_lite")] = {**_MLA, "q_lora_rank": None, "max_positio
 SPECS[("deepseek_v3", "wide")] = {   # glm4_moe wide's routing and widths on MLA
     **_MLA, "intermediate_size": 512, "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8,
     "topk_group": 4, "moe_intermediate_size": 64}
-from .tiny_hybrid import HYBRID_SPECS  # noqa: E402  (Qwen3.5-MoE / Qwen3-Next: hybrid linear attention)
+from . import tiny_hybrid  # noqa: E402  (Qwen3.5-MoE / Qwen3-Next: hybrid linear attention)
 
-SPECS.update(HYBRID_SPECS)
+SPECS.update(tiny_hybrid.HYBRID_SPECS)
 FAMILIES = sorted({f for f, _ in SPECS})
 SIZES = ("tiny", "tiny_rope", "tiny_lite", "tiny_vl", "small", "wide", "medium")
 _DTYPE = {"tiny": "float32", "tiny_rope": "float32", "tiny_lite": "float32", "tiny_vl": "float32", "small": "float32",
@@ -133,8 +133,6 @@ def cache_root() -> Path:
 
 
 def spec_key(family: str, size: str, seed: int) -> str:
-    from . import tiny_hybrid
-
     key = {"spec": SPECS[(family, size)], "seed": seed, "v": GENERATOR_VERSION}
     if family in tiny_hybrid.FAMILIES:
         key["init"] = tiny_hybrid.INIT_VERSION
@@ -185,8 +183,6 @@ def _write(out: Path, family: str, size: str, seed: int) -> None:
     import transformers
 
     from .tokenizer import train_tokenizer
-
-    from . import tiny_hybrid
 
     cfg = build_hf_config(family, size)
     cls = tiny_hybrid.model_class(cfg) or transformers.AutoModelForCausalLM
