@@ -145,3 +145,18 @@ def unpack(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tuple[int
         raise ValueError(f"buffer of {buffer.numel()} bytes holds {offset} bytes of tensors")
     parts = torch.split(buffer, sizes)                  # one call for every tensor's bytes
     return {name: p.view(dtype).view(shape) for (name, dtype, shape), p in zip(entries, parts)}
+
+
+def owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host tensors that each own exactly their bytes, for anything that pickles them (Ray's object store, an RPC).
+
+    Pickling a tensor carries its whole storage: a view `unpack` returned (one of N tensors of a 64 MiB bucket)
+    pickles as the whole bucket, once per tensor, N x the bucket. A tensor that already owns its storage (offset 0,
+    storage size = its bytes, contiguous, on the host) is passed as is; any other is copied. Same names, values."""
+    out = {}
+    for n, t in tensors.items():
+        t = t.detach()
+        whole = (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+        out[n] = t if whole else t.to("cpu", copy=True, memory_format=torch.contiguous_format)
+    return out

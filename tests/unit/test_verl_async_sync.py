@@ -68,6 +68,31 @@ def test_receive_weights_stream_is_adapters_only_and_accepted_without_a_base(mon
         bare.bucket([(META, encode_meta({**meta, "base": False}))], is_last=False)
 
 
+def test_mailbox_post_pickles_each_adapter_alone_not_its_bucket(monkeypatch):
+    """The adapters reach send_weights as views of the gather's buckets (transfer/wire.unpack); Ray pickles a view
+    with its whole storage, so the wide qwen3_moe's 3,104 adapter tensors of one bucket pickled as 3,104 buckets (the
+    one-step-off trainer's actor grew past 10 GB and Ray's memory monitor killed it). What is posted pickles as its
+    own bytes; control: the views themselves pickle as one bucket each."""
+    import ray.cloudpickle as cloudpickle
+
+    from moe_lora_rl.integration.verl.checkpoint_engine import MoELoRACheckpointEngine
+    from moe_lora_rl.integration.verl.weight_sync import META, encode_meta
+    from moe_lora_rl.transfer.wire import unpack
+
+    box = _inproc_mailbox(monkeypatch)
+    n, shape = 64, (16, 64)                                              # 64 tensors of 4 KiB in a 256 KiB bucket
+    entries = [(f"m.layers.{i}.x.lora_A.weight", torch.float32, shape) for i in range(n)]
+    bucket = torch.arange(n * 16 * 64, dtype=torch.float32).view(torch.uint8)
+    views = unpack(bucket, entries)
+    meta = {"version": 1, "checksum": "c", "rank": 16, "alpha": 32.0, "base": False}
+    asyncio.run(MoELoRACheckpointEngine().send_weights(iter([(META, encode_meta(meta)), *views.items()])))
+    posted = box.item[2]
+    assert list(posted) == list(views) and all(torch.equal(posted[k], views[k]) for k in views)
+    size = len(cloudpickle.dumps(posted))
+    assert size < 1.2 * bucket.numel(), size                              # ~ the adapters' own 256 KiB
+    assert len(cloudpickle.dumps(views)) > n / 2 * bucket.numel()          # control: ~ n x the bucket
+
+
 def test_base_backend_mailbox_hands_the_base_to_each_engine_once(monkeypatch):
     """"moe_lora_base" through the mailbox: the first stream's base stays posted; each receiver yields it with the
     newest adapters until it has delivered it (a receiver that joins later gets it then), adapters only after; each

@@ -109,11 +109,13 @@ class MoELoRACheckpointEngine(CheckpointEngine):
         return self._push(meta, tensors)
 
     async def _post(self, meta: dict, tensors: dict, global_steps: int | None, base: dict | None = None) -> dict:
-        """Mailbox delivery: host copies of the adapters, and of the base when given ("moe_lora_base")."""
+        """Mailbox delivery: host copies of the adapters, and of the base when given ("moe_lora_base"), each owning
+        exactly its bytes (transfer/wire.owned)."""
+        from ...transfer.wire import owned
         from .mailbox import post
 
-        host = lambda d: {n: t.detach().cpu() for n, t in d.items()}
-        seq = await post(meta, host(tensors), host(base) if base else None)
+        # owned: the adapters are views of the gather's buckets, and Ray pickles a view with its whole storage
+        seq = await post(meta, owned(tensors), owned(base) if base else None)
         with_base = {"base_tensors": len(base)} if base else {}
         self.last = {"version": meta["version"], "tensors": len(tensors), "seq": seq, **with_base}
         log_sync(self.sync_log, {"side": "trainer", "version": meta["version"], "checksum": meta["checksum"],
