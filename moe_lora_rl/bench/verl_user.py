@@ -19,7 +19,8 @@ and checksum of what the rollout serves); then at each of --layouts, resumed fro
 resume_checksum_equal (the version each resumed run's rollout serves first is byte for byte the version the saving
 run served after step 2), and per layout: finished, dp ranks, R3's worst k3 and the shifted control's least.
 one_step_off_*: the script with TRAINER=one_step_off at --learn-layout (the rollout on its own worker fed by our
-checkpoint backend) for 2 steps: versions served, R3 k3.
+checkpoint backend) for 2 steps, with verl's bypass mode off (the actor recomputes the old log-probs, so the in-run
+R3 check has a recompute to compare): versions served, R3 k3.
 """
 from __future__ import annotations
 

@@ -108,7 +108,10 @@ def resume(a, out: Path, model: str, layout, others) -> dict:
 def one_step_off(a, out: Path, model: str, layout) -> dict:
     d = out / "one_step_off"
     log = f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.moe_lora.sync_log={d}/sync.jsonl"
-    r = _run(d, _env(layout, model, 2, TRAINER="one_step_off"), [log], a.reuse, 2)
+    # verl's one-step-off config trains in bypass mode (the rollout's log-probs as the old policy's): no recompute,
+    # so nothing for the in-run R3 check to compare; bypass off, the actor recomputes them with the routes replayed
+    r = _run(d, _env(layout, model, 2, TRAINER="one_step_off"), [log, "algorithm.rollout_correction.bypass_mode=false"],
+             a.reuse, 2)
     served = _served(d / "sync.jsonl")
     return {"one_step_off_versions_served": sorted({l["version"] for l in served}),
             "one_step_off_wall_s": r["wall_s"], **{f"one_step_off_r3_{k}": v for k, v in _r3(d).items()}}
