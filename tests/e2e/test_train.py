@@ -35,6 +35,7 @@ the R3 KL would be if a push had not reached the engine (negative control).
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -73,14 +74,18 @@ def runs(tmp_path_factory):
     (root / "reward.py").write_text(REWARD)
     data = [f"data.train_files={files['train']}", f"data.val_files={files['val']}",
             "data.reference_key=extra_info.answer", f"reward.path={root / 'reward.py'}", "algo.max_response_tokens=16"]
+    # a and b side by side (a sync run keeps about one core busy: its ranks wait on the engine and back); a's
+    # output is read by a thread meanwhile, so a full pipe never holds it up
     a = start(root / "a", [*data, "checkpoint_every=2"], launcher=True)
-    uninterrupted = finish(a, root / "a")
     b = start(root / "b", [*data, "rollout.engines=2", "rollout.base_from=peer", "rollout.base_transport=gloo",
                            "rollout.base_bucket_mb=4", "resume=auto",
                            "checkpoint_every=1", "free_routing_every=2"], torchrun=["--max-restarts=1"])
-    kill_engine_after_step(root / "b", b, 1)
-    kill_rank_after_step(root / "b", b, 2, rank=1)
-    return {"a": uninterrupted, "b": finish(b, root / "b"), "root": root, "data": data}
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(finish, a, root / "a")
+        kill_engine_after_step(root / "b", b, 1)
+        kill_rank_after_step(root / "b", b, 2, rank=1)
+        interrupted = finish(b, root / "b")
+        return {"a": uninterrupted.result(), "b": interrupted, "root": root, "data": data}
 
 
 def test_short_run_trains_and_refits_adapters_only(runs):
