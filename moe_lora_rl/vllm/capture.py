@@ -26,12 +26,21 @@ from .step_hooks import StepInfo, add_listener, remove_listener
 
 
 def find_routers(model) -> list[tuple[int, object]]:
-    """(global layer, router) for every MoE router with a capture hook, in layer order."""
-    routers = []
+    """(global layer, router) for every MoE router with a capture hook, in layer order.
+
+    ValueError when two routers carry the same layer number (an MTP or draft layer numbered like a decoder layer,
+    e.g. `mtp.layers.0` beside `model.layers.0`): one would overwrite the other's routes, and the trainer would
+    replay the wrong layer's. MTP layers are not captured or replayed here: RL trains the decoder (models/checkpoint.py
+    sets MTP tensors aside)."""
+    routers, names = [], {}
     for name, mod in model.named_modules():
         router = getattr(mod, "router", None)
         layer = layer_of(name)
         if router is not None and hasattr(router, "set_capture_fn") and layer is not None:
+            if layer in names:
+                raise ValueError(f"routing capture: modules {names[layer]!r} and {name!r} both are MoE layer {layer}; "
+                                 "an MTP or draft layer numbered like a decoder layer would overwrite its routes")
+            names[layer] = name
             routers.append((layer, router))
     return sorted(routers, key=lambda x: x[0])
 
@@ -43,6 +52,10 @@ class RouteCapture:
         cfg = runner.vllm_config
         if cfg.compilation_config.mode not in (0, None) and not cfg.model_config.enforce_eager:
             raise ValueError("routing capture needs enforce_eager=True (compiled graphs drop the capture hook)")
+        if getattr(cfg, "speculative_config", None) is not None:
+            raise ValueError("routing capture with speculative decoding: the target model's forwards verify draft "
+                             "tokens that may be rejected, and the draft's routers are another model's; turn "
+                             "speculative decoding off while R3 captures routes")
         self.runner = runner
         self.routers = find_routers(runner.model)
         if not self.routers:

@@ -198,3 +198,39 @@ def test_step_listeners_are_independent():
     runner.input_batch.num_computed_tokens_cpu[0] = 3            # the request continues after its 3 rows
     runner._model_forward(1)
     assert len(other.calls) == n and cap.rows == {"a-1": 6}
+
+
+class _Router:
+    def set_capture_fn(self, fn):
+        self.fn = fn
+
+
+def _moe_model(names):
+    model = torch.nn.Module()
+    for name in names:                           # e.g. "model.layers.0.mlp": a module with a .router
+        parent = model
+        for bit in name.split("."):
+            if not hasattr(parent, bit):
+                parent.add_module(bit, torch.nn.Module())
+            parent = getattr(parent, bit)
+        parent.router = _Router()
+    return model
+
+
+def test_two_routers_on_one_layer_number_are_refused():
+    """An MTP (or draft) layer numbered like a decoder layer would overwrite that layer's captured routes (the fault
+    of other systems: MTP layer k replaying decoder layer k's routes, a draft router overwriting layer 0's capture)."""
+    from moe_lora_rl.vllm.capture import find_routers
+
+    decoder = ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert [l for l, _ in find_routers(_moe_model(decoder))] == [0, 1]
+    with pytest.raises(ValueError, match=r"modules 'model.layers.0.mlp' and 'mtp.layers.0.mlp' both are MoE layer 0"):
+        find_routers(_moe_model([*decoder, "mtp.layers.0.mlp"]))
+
+
+def test_capture_refuses_speculative_decoding():
+    cfg = type("Cfg", (), {"compilation_config": type("C", (), {"mode": 0})(), "model_config": None,
+                           "speculative_config": object()})()
+    runner = type("Runner", (), {"vllm_config": cfg})()
+    with pytest.raises(ValueError, match="routing capture with speculative decoding"):
+        RouteCapture(runner)
