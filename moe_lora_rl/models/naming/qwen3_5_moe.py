@@ -104,7 +104,9 @@ LINEAR_IN_NEXT = Linear("linear_in", "linear_attention", "self_attention.in_proj
                         ("hidden", "lin_qkvz|lin_ba"), vllm_parts=((_LIN + "in_proj_qkvz", 0), (_LIN + "in_proj_ba", 0)),
                         b_rows="gdn_in_next")
 
-NAMING = Naming("qwen3_5_moe", _BASE + (_IN_PROJ,), LINEARS)
+# peft 0.19 converts per-expert targets for the model types transformers maps onto qwen2_moe (qwen3_next among them)
+# but not qwen3_5_moe_text, whose fused experts PEFT then never targets: the export names them (refit/export.py)
+NAMING = Naming("qwen3_5_moe", _BASE + (_IN_PROJ,), LINEARS, peft_fused_experts=True)
 NAMING_NEXT = Naming("qwen3_next", _BASE + (_IN_PROJ_NEXT,), (LINEAR_IN_NEXT,) + LINEARS[1:])
 # the delta-net linears by Megatron module, for the family-free Megatron naming (naming.MEGATRON)
 MEGATRON_LINEARS = (LINEAR_IN, LINEAR_OUT)
