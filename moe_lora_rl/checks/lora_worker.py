@@ -68,7 +68,8 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
     rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
            "n_adapter_tensors": len(adapters), "adapter_params": sum(t.numel() for t in adapters.values()),
            "step_s": times, "blocked_heads_local": max(blocked, default=0)}
-    blob = {"adapters": adapters, "grads": grads, "eval_logits": eval_logits, "base_logits": base_logits, "losses": losses}
+    blob = {"adapters": adapters, "grads": grads, "eval_logits": eval_logits, "base_logits": base_logits,
+            "losses": losses}
     if a.load_from:
         _, fresh = build(path, layout, cfg, a.grouped, a.rc)
         load_sharded(fresh, out / f"ckpt-{a.load_from}-m{mi}")

@@ -99,7 +99,10 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
 
         A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce,
                        target=target)
-        b_shape = (2, out_full // 2, r) if glu else (out_full // sum(blocks), sum(blocks), r) if blocks else (out_full, r)
+        if glu:
+            b_shape = (2, out_full // 2, r)
+        else:
+            b_shape = (out_full // sum(blocks), sum(blocks), r) if blocks else (out_full, r)
         b_dim = None if rule.B.shard_dim is None else (1 if glu else 0)
         B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu, target=target,
                        blocks=blocks)

@@ -101,8 +101,8 @@ _IN_PROJ_NEXT = ParamRow(_ATT + "in_proj.weight", (_hf(_LIN + "in_proj_qkvz.weig
                          "gdn_in_next")
 LINEAR_IN_NEXT = Linear("linear_in", "linear_attention", "self_attention.in_proj",
                         (_LIN + "in_proj_qkvz", _LIN + "in_proj_ba"), _LIN + "in_proj_qkvz", "column",
-                        ("hidden", "lin_qkvz|lin_ba"), vllm_parts=((_LIN + "in_proj_qkvz", 0), (_LIN + "in_proj_ba", 0)),
-                        b_rows="gdn_in_next")
+                        ("hidden", "lin_qkvz|lin_ba"),
+                        vllm_parts=((_LIN + "in_proj_qkvz", 0), (_LIN + "in_proj_ba", 0)), b_rows="gdn_in_next")
 
 # peft 0.19 converts per-expert targets for the model types transformers maps onto qwen2_moe (qwen3_next among them)
 # but not qwen3_5_moe_text, whose fused experts PEFT then never targets: the export names them (refit/export.py)
