@@ -263,3 +263,34 @@ def test_lora_b_rows_export_as_the_base_weights_load(family):
     with pytest.raises(ValueError, match=r"differs from the other copies of adapter factor") as e:
         from_peft_tensors({**peft, z: peft[z] + 1e-3}, arch, {k: tuple(v.shape) for k, v in adapters.items()})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family,source,cls", [("qwen3_5_moe", "qwen3_5.py", "Qwen3_5ForCausalLMBase"),
+                                               ("qwen3_next", "qwen3_next.py", "Qwen3NextForCausalLM")])
+def test_vllm_slots_are_vllms_lora_packing(family, source, cls):
+    """Every exported PEFT module of the attention and delta-net linears lands in the vLLM module and LoRA slice that
+    vLLM 0.32's own packed_modules_mapping gives it (read from the installed source: importing the model needs
+    torchvision): Qwen3.5's in_proj_qkvz = [in_proj_qkv, in_proj_z], in_proj_ba = [in_proj_b, in_proj_a]; Qwen3-Next's
+    fused modules one slice each; qkv_proj = [q_proj (query and gate), k_proj, v_proj]."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vllm is not installed")
+    tree = ast.parse((Path(spec.origin).parent / "model_executor" / "models" / source).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    mapping = next(ast.literal_eval(s.value) for s in node.body if isinstance(s, ast.Assign)
+                   and getattr(s.targets[0], "id", "") == "packed_modules_mapping")
+    naming = naming_for(family)
+    checked = 0
+    for target in ("linear_in", "linear_out", "qkv", "proj"):
+        li = naming.linear(target)
+        for part, hf in enumerate(li.hf):
+            module, sl = li.vllm_slot(part)
+            prefix, leaf = module.rsplit(".", 1)
+            packed = mapping.get(leaf, [leaf])                     # a module vLLM does not pack: one slice, itself
+            assert prefix == hf.rsplit(".", 1)[0] and packed[sl] == hf.rsplit(".", 1)[1], (target, hf, module, sl)
+            checked += 1
+    assert checked == (9 if family == "qwen3_5_moe" else 7)
