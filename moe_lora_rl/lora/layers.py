@@ -94,7 +94,8 @@ class LoRAAdapter(nn.Module):
                  own_A: bool, own_B: bool, tp_group=None, row_order: torch.Tensor | None = None):
         super().__init__()
         self.rule, self.scale = rule, scale
-        self.row_order = row_order             # B's rows in the base's output order (section_major_rows), or None
+        # B's rows in the base's output order (section_major_rows), or None; a buffer, so it moves with the module
+        self.register_buffer("row_order", row_order, persistent=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.tp_group = tp_group
         if own_A:
