@@ -87,8 +87,16 @@ def _report(models: list[str], workdir: Path, names: list[str], load_info: dict,
                                      f"{sorted(set(got['adapters']) ^ set(ref['adapters']))[:6]}")
             rec["adapter_max_diff"] = max((got["adapters"][k] - ref["adapters"][k]).abs().max().item()
                                           for k in ref["adapters"])
+            if got.get("grads"):
+                rec["grad_max_diff"] = max((got["grads"][k] - ref["grads"][k]).abs().max().item()
+                                           for k in ref["grads"])
+                rec["grad_max_abs"] = max(t.abs().max().item() for t in ref["grads"].values())
             rec["loss_max_diff"] = max(abs(x - y) for x, y in zip(got["losses"], ref["losses"]))
             rec["eval_logits_max_diff"] = (got["eval_logits"] - ref["eval_logits"]).abs().max().item()
+            rec["ref_logits_max_abs"] = ref["eval_logits"].abs().max().item()
+            if "loaded_adapters" in got:          # the reference's checkpoint loaded here, gathered again
+                rec["loaded_adapter_max_diff"] = max((got["loaded_adapters"][k] - ref["adapters"][k]).abs().max()
+                                                     .item() for k in ref["adapters"])
             if "loaded_logits" in got:
                 rec["loaded_logits_max_diff"] = (got["loaded_logits"] - ref["eval_logits"]).abs().max().item()
             if "control_logits" in got:

@@ -23,7 +23,10 @@ def build(path: str, layout: Layout, cfg: LoRAConfig | None, grouped: bool = Fal
     return build_from_hf(path, layout, rc, lora=cfg, grouped_experts=grouped)
 
 
-def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) -> tuple[list[float], list[float]]:
+def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int,
+          first_grads: dict | None = None) -> tuple[list[float], list[float]]:
+    """first_grads: filled with the first step's adapter gradients, gathered to canonical names (every layout starts
+    from the same adapters, so these are comparable across layouts before any update)."""
     params = [p for _, p in adapter_factors(model)] if hasattr(model, "lora_config") else \
         [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
@@ -34,6 +37,8 @@ def train(model, arch, tokens: torch.Tensor, steps: int, lr: float, mbs: int) ->
             p.grad = None
         loss = lm_train_step(model, tokens, arch.vocab_size, micro_batch_size=mbs,
                              after_backward=lambda: sync_adapter_grads(model) if hasattr(model, "lora_config") else None)
+        if first_grads is not None and not losses:
+            first_grads.update(gather_adapters(model, check_replicas=False, grads=True))   # adapters are checked
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss)
@@ -50,8 +55,10 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     only_adapters = torch.tensor(int(bool(trainable) and all(hasattr(p, "lora_meta") for p in trainable)))
     dist.all_reduce(only_adapters, op=dist.ReduceOp.MIN)
-    losses, times = train(model, arch, data["train"], a.steps, a.lr, a.mbs)
+    grads: dict = {}
+    losses, times = train(model, arch, data["train"], a.steps, a.lr, a.mbs, grads)
     adapters = gather_adapters(model)
+    blocked = [p.shape[0] // sum(p.lora_meta.blocks) for _, p in adapter_factors(model) if p.lora_meta.blocks]
     eval_logits = forward_logits(model, data["eval"], arch.vocab_size)
     save_sharded(model, out / f"ckpt-{key}-m{mi}")
     if a.peft:
@@ -60,11 +67,13 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
         stream_to_peft(model, arch, out / f"peft-{key}-m{mi}", base_model=path)
     rec = {"init_diff": float(init_diff), "only_adapters_trainable": bool(only_adapters), "losses": losses,
            "n_adapter_tensors": len(adapters), "adapter_params": sum(t.numel() for t in adapters.values()),
-           "step_s": times}
-    blob = {"adapters": adapters, "eval_logits": eval_logits, "base_logits": base_logits, "losses": losses}
+           "step_s": times, "blocked_heads_local": max(blocked, default=0)}
+    blob = {"adapters": adapters, "grads": grads, "eval_logits": eval_logits, "base_logits": base_logits,
+            "losses": losses}
     if a.load_from:
         _, fresh = build(path, layout, cfg, a.grouped, a.rc)
         load_sharded(fresh, out / f"ckpt-{a.load_from}-m{mi}")
+        blob["loaded_adapters"] = gather_adapters(fresh)
         blob["loaded_logits"] = forward_logits(fresh, data["eval"], arch.vocab_size)
         if a.controls:
             blob["control_logits"] = control_logits(fresh, arch, cfg, data["eval"])
@@ -77,8 +86,10 @@ def run_one(a, cfg, layout, key, mi, path, data, out: Path) -> dict:
 
 def control_logits(model, arch, cfg: LoRAConfig, tokens: torch.Tensor) -> dict:
     """Negative controls on a model holding the reference's adapters: logits with one target's adapters dropped
-    (scale 0 on every module of that target), for each target the model has, and with one factor perturbed (the
-    first factor of the first target, + 1e-2 on every element). Each must differ from the reference's logits."""
+    (scale 0 on every module of that target), for each target the model has, with one factor perturbed (the
+    first factor of the first target, + 1e-2 on every element), and, where a B factor's rows are reordered to its
+    base's (the delta-net's in_proj), with them applied unreordered ("rows:TARGET"). Each must differ from the
+    reference's logits."""
     targets = [t for t in cfg.resolved_targets() if t in arch.adaptable()]       # the same list on every rank
     adapters = [m.lora for m in model.modules() if hasattr(m, "lora") and hasattr(m.lora, "factor_A")]
     out = {}
@@ -89,6 +100,16 @@ def control_logits(model, arch, cfg: LoRAConfig, tokens: torch.Tensor) -> dict:
         out[f"drop:{t}"] = forward_logits(model, tokens, arch.vocab_size)
         for ad in dropped:
             ad.scale = ad._kept_scale
+        reordered = [ad for ad in dropped if getattr(ad, "row_order", None) is not None     # where it moves rows
+                     and not torch.equal(ad.row_order, torch.arange(len(ad.row_order), device=ad.row_order.device))]
+        anywhere = torch.tensor(len(reordered))
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)              # the same branch on every stage
+        if anywhere.item():
+            for ad in reordered:
+                ad.row_order, ad._kept_order = None, ad.row_order
+            out[f"rows:{t}"] = forward_logits(model, tokens, arch.vocab_size)
+            for ad in reordered:
+                ad.row_order = ad._kept_order
     factors = [p for _, p in adapter_factors(model) if p.lora_meta.target == targets[0]]
     with torch.no_grad():
         for p in factors[:1]:

@@ -14,11 +14,14 @@ from ..models.naming import MEGATRON, AdapterName
 from .config import LoRAConfig, expand
 from .grouped import (attach_grouped, attach_te_grouped, detach_grouped, te_virtual_expert_linears,
                       virtual_expert_linears)
-from .layers import FactorMeta, LoRAAdapter, adapter_factors, attach, detach, make_factor
+from .layers import (FactorMeta, LoRAAdapter, adapter_factors, attach, delta_net_blocks, detach, make_factor,
+                     section_major_rows)
 from .sharding import LinearRule, rule_for
 
-HYBRID_PENDING = ("linear_in", "linear_out", "qkv")
-"""Targets a hybrid linear-attention model (Qwen3.5-MoE / Qwen3-Next) has but LoRA does not carry end to end yet."""
+SHARED_GATE_REFUSAL = ("LoRA target 'shared_gate': the shared expert's sigmoid gate is a [1, hidden] Parameter that "
+                       "megatron-core's SharedExpertMLP applies with F.linear inside its forward (no linear module to "
+                       "adapt), and a rank-r adapter of a one-row weight holds more values than the weight; it stays "
+                       "frozen: remove 'shared_gate' from targets")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,12 +59,8 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
     if "router" in cfg.resolved_targets():
         raise ValueError("LoRA target 'router': adapting the router is not supported (the router stays frozen; "
                          "router replay relies on its logits); remove 'router' from targets")
-    if getattr(mcfg, "experimental_attention_variant", None) == "gated_delta_net":
-        pending = sorted(set(cfg.resolved_targets()) & set(HYBRID_PENDING))
-        if pending:
-            raise ValueError(f"LoRA targets {pending} on a hybrid linear-attention model: adapters on the delta-net's "
-                             "in/out projections and the gated q_proj are not yet exported, refit or served; use "
-                             "targets=experts,shared_experts,proj")
+    if "shared_gate" in cfg.resolved_targets():
+        raise ValueError(SHARED_GATE_REFUSAL)
     off = offsets(model)                      # ValueError if the experts do not divide over EP
     sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size()}
     modules = dict(model.named_modules())
@@ -91,6 +90,7 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
         out_full = out_local * (t if kind == "column" else 1)
         in_full = in_local * (t if kind == "row" else 1)
         glu = bool(mcfg.gated_linear_unit) and len(aname.linear.hf) == 2      # fc1: gate and up
+        blocks = _head_blocks(target, mcfg)
         r = cfg.rank
 
         def fname(factor: str, is_shared: bool) -> str:
@@ -99,14 +99,26 @@ def plan_adapters(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
 
         A = FactorMeta(fname("A", shared[0]), (r, in_full), rule.A.shard_dim, rule.A.group, rule.A.reduce,
                        target=target)
-        b_shape = (2, out_full // 2, r) if glu else (out_full, r)
+        if glu:
+            b_shape = (2, out_full // 2, r)
+        else:
+            b_shape = (out_full // sum(blocks), sum(blocks), r) if blocks else (out_full, r)
         b_dim = None if rule.B.shard_dim is None else (1 if glu else 0)
-        B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu, target=target)
+        B = FactorMeta(fname("B", shared[1]), b_shape, b_dim, rule.B.group, rule.B.reduce, glu=glu, target=target,
+                       blocks=blocks)
         plans.append(AdapterPlan(name, target, rule, A, B, shared))
     _check_explicit_targets(cfg, plans)
     if not plans:
         raise ValueError(f"LoRA targets {list(cfg.targets)} match no layer of this model")
     return plans
+
+
+def _head_blocks(target: str, mcfg) -> tuple[int, ...]:
+    """FactorMeta.blocks of a target's B: the delta-net's in_proj's (delta_net_blocks), () for every other linear."""
+    if target != "linear_in":
+        return ()
+    return delta_net_blocks(mcfg.linear_key_head_dim, mcfg.linear_value_head_dim, mcfg.linear_num_key_heads,
+                            mcfg.linear_num_value_heads)
 
 
 def _check_explicit_targets(cfg: LoRAConfig, plans: list[AdapterPlan]) -> None:
@@ -173,7 +185,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[AdapterPlan]:
                                          dtype=dtype, device=device), True))
         (A, own_A), (B, own_B) = facs
         tp_group = ps.get_tensor_model_parallel_group() if p.rule.seq_comm else None
-        adapters.append((p, LoRAAdapter(p.rule, cfg.scale, cfg.dropout, A, B, own_A, own_B, tp_group)))
+        order = None
+        if p.B.blocks:
+            heads = p.B.local_shape(sizes[p.B.group])[0] // sum(p.B.blocks)
+            order = section_major_rows(p.B.blocks, heads).to(device)
+        adapters.append((p, LoRAAdapter(p.rule, cfg.scale, cfg.dropout, A, B, own_A, own_B, tp_group, order)))
     for param in model.parameters():
         param.requires_grad_(False)
     holders: dict[str, nn.Module] = {}

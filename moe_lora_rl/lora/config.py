@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models.naming import MEGATRON
-from ..models.naming.tables import ROUTER_TARGET
+from ..models.naming.tables import ROUTER_TARGET, SHARED_GATE_TARGET
 
-# target names (the linears of models/naming, plus "router" so that naming it gives a clear error)
-TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0],)
+# target names (the linears of models/naming, plus "router" and "shared_gate" so that naming them gives a clear error)
+TARGETS: tuple[str, ...] = tuple(li.target for li in MEGATRON.linears) + (ROUTER_TARGET[0], SHARED_GATE_TARGET[0])
 GROUPS: dict[str, tuple[str, ...]] = {
     "experts": ("expert_fc1", "expert_fc2"),
     "attention": ("qkv", "proj", "q_down", "q_up", "q", "kv_down", "kv_up",     # GQA's, MLA's and the delta-net's:

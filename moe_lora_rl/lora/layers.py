@@ -18,7 +18,9 @@ from .sharding import FactorRule, LinearRule
 @dataclass(frozen=True)
 class FactorMeta:
     """Where a local factor sits in its global (canonical) tensor. GLU B factors are canonically [2, out, r]
-    (gate, up) so that an ETP/TP shard is one contiguous slice along dim 1."""
+    (gate, up) so that an ETP/TP shard is one contiguous slice along dim 1. Blocked B factors (the delta-net's
+    in_proj: `blocks` = its rows per key head, by section) are canonically [key heads, sum(blocks), r], sharded on
+    dim 0; the parameter holds its heads in that order and the adapter reorders the output (section_major_rows)."""
 
     global_name: str
     global_shape: tuple[int, ...]
@@ -27,15 +29,34 @@ class FactorMeta:
     reduce: tuple[str, ...]
     glu: bool = False
     target: str = ""               # the LoRA target of the base linear (lora/config.py), "" when not known
+    blocks: tuple[int, ...] = ()   # rows per head of each output section, in the base's section order
 
     def canonical(self, local: torch.Tensor) -> torch.Tensor:
+        if self.blocks:
+            return local.view(-1, sum(self.blocks), local.shape[-1])
         return local.view(2, -1, local.shape[-1]) if self.glu else local
 
     def local_shape(self, rank_size: int) -> tuple[int, ...]:
         shape = list(self.global_shape)
         if self.shard_dim is not None:
             shape[self.shard_dim] //= rank_size
-        return (shape[0] * shape[1], shape[2]) if self.glu else tuple(shape)
+        return (shape[0] * shape[1], shape[2]) if self.glu or self.blocks else tuple(shape)
+
+
+def delta_net_blocks(key_head_dim: int, value_head_dim: int, key_heads: int, value_heads: int) -> tuple[int, ...]:
+    """The delta-net's in_proj rows per key head by section [q, k, v, z, b, a]: a TP rank holds whole key heads and
+    their value heads (value head j belongs to key head j // (value_heads / key_heads))."""
+    m = value_heads // key_heads
+    return (key_head_dim, key_head_dim, m * value_head_dim, m * value_head_dim, m, m)
+
+
+def section_major_rows(blocks: tuple[int, ...], heads: int) -> torch.Tensor:
+    """Index of the head-major B rows ([head][section][row], `heads` local heads) that each output row of a
+    section-major base ([section][head][row]: megatron's GatedDeltaNet.in_proj per TP rank) takes."""
+    starts = [sum(blocks[:s]) for s in range(len(blocks))]
+    unit = sum(blocks)
+    return torch.tensor([h * unit + starts[s] + j for s, n in enumerate(blocks) for h in range(heads)
+                         for j in range(n)], dtype=torch.int64)
 
 
 def seeded_uniform(shape: tuple[int, ...], bound: float, seed: int, name: str) -> torch.Tensor:
@@ -70,9 +91,11 @@ class LoRAAdapter(nn.Module):
     registered once on the experts module and only referenced here."""
 
     def __init__(self, rule: LinearRule, scale: float, dropout: float, A: nn.Parameter, B: nn.Parameter,
-                 own_A: bool, own_B: bool, tp_group=None):
+                 own_A: bool, own_B: bool, tp_group=None, row_order: torch.Tensor | None = None):
         super().__init__()
         self.rule, self.scale = rule, scale
+        # B's rows in the base's output order (section_major_rows), or None; a buffer, so it moves with the module
+        self.register_buffer("row_order", row_order, persistent=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.tp_group = tp_group
         if own_A:
@@ -96,6 +119,8 @@ class LoRAAdapter(nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         A, B = self.factor_A, self.factor_B
+        if self.row_order is not None:
+            B = B.index_select(0, self.row_order)
         h = torch.matmul(self.dropout(x).to(A.dtype), A.t())
         if self.rule.seq_comm == "gather":
             h = mappings.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)

@@ -39,11 +39,24 @@ def peft_config(cfg: LoRAConfig, names, base_model: str | None, arch: MoEArch) -
     targets = sorted({m.split(".")[-1] for m in modules})
     params = sorted({p for m in modules if ".experts." not in m or ".shared_experts." in m
                      for p in _mlp_params(arch) if f"{m}.weight".endswith("." + p)})
+    ranks: dict = {}
+    naming = naming_for(arch)
+    if naming.peft_fused_experts and any(".experts." in m and ".shared_experts." not in m for m in modules):
+        # what peft's own MoE conversion writes for the families it knows: the per-expert projections as the fused
+        # 3-D parameters (gate_up_proj holds gate and up: twice the rank and alpha), no module target of that name
+        fused = {"gate_proj": "mlp.experts.gate_up_proj", "up_proj": "mlp.experts.gate_up_proj",
+                 "down_proj": "mlp.experts.down_proj"}
+        present = {m.rsplit(".", 1)[-1] for m in modules if ".experts." in m and ".shared_experts." not in m}
+        targets = [t for t in targets if t not in fused]
+        params = sorted(set(params) | {fused[t] for t in present})
+        if "mlp.experts.gate_up_proj" in params:
+            ranks = {"rank_pattern": {r".*\.gate_up_proj": 2 * cfg.rank},
+                     "alpha_pattern": {r".*\.gate_up_proj": 2 * cfg.alpha}}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
             "lora_dropout": 0.0, "bias": "none", "target_modules": targets, "target_parameters": params or None,
             "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
             "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True,
-            "rank_pattern": {}, "alpha_pattern": {}}
+            "rank_pattern": {}, "alpha_pattern": {}, **ranks}
 
 
 def write_config(out_dir: str | Path, cfg: LoRAConfig, names, arch: MoEArch, base_model: str | None) -> None:

@@ -91,8 +91,8 @@ def _assemble(bucket: StreamBucket, params: dict, arch: MoEArch) -> torch.Tensor
                 part = torch.empty(shard.shape, dtype=DTYPE)
                 dist.recv(part, src=src)
             for o in u.outputs:
-                region, piece = place(o, part, i, len(u.members), u.shard_dim, arch)
-                views[o.name][region] = piece
+                for region, piece in place(o, part, i, len(u.members), u.shard_dim, arch):
+                    views[o.name][region] = piece
     return buf
 
 

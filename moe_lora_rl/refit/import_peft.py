@@ -37,14 +37,15 @@ def from_peft_tensors(peft: dict[str, torch.Tensor], arch: MoEArch,
             if tuple(t.shape) != o.shape:
                 raise ValueError(f"PEFT tensor {o.name} has shape {tuple(t.shape)}, adapter factor {factor} "
                                  f"{shape} needs {o.shape}")
-            region, pos = place(o, idx, 0, 1, None, arch)
-            pos, vals = pos.reshape(-1), t[region].reshape(-1).float()
-            again = seen[pos]
-            if again.any() and not torch.equal(flat[pos][again], vals[again]):
-                raise ValueError(f"PEFT tensor {o.name} differs from the other copies of adapter factor {factor} "
-                                 "(a factor shared by fused modules or by experts must be the same in each)")
-            flat[pos] = vals
-            seen[pos] = True
+            for region, pos in place(o, idx, 0, 1, None, arch):
+                pos, vals = pos.reshape(-1), t[region].reshape(-1).float()
+                again = seen[pos]
+                if again.any() and not torch.equal(flat[pos][again], vals[again]):
+                    raise ValueError(f"PEFT tensor {o.name} differs from the other copies of adapter factor "
+                                     f"{factor} (a factor shared by fused modules or by experts must be the same "
+                                     "in each)")
+                flat[pos] = vals
+                seen[pos] = True
             used.add(o.name)
         if not seen.all():
             raise ValueError(f"adapter factor {factor}: {int((~seen).sum())} values no PEFT tensor provides")

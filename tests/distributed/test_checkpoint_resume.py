@@ -2,7 +2,9 @@
 save; fresh models load at the saving layout and at others -- adapters and Adam moments reshard -- and continue.
 glm4_moe tiny (GQA): saved at tp2ep2, loaded at tp2ep2, tp1ep1pp1 (data parallel 2) and pp2 (each rank holds half
 the layers). deepseek_v3 tiny (MLA; LoRA on every linear, q_a/q_b/kv_a/kv_b/o included): saved at tp1ep1pp1,
-loaded at tp1ep1pp1, tp2ep2 (the MLA heads and the latent up-projections split over TP) and pp2.
+loaded at tp1ep1pp1, tp2ep2 (the MLA heads and the latent up-projections split over TP) and pp2. qwen3_5_moe tiny
+(hybrid; LoRA on every linear, the delta-net's in_proj/out_proj and the gated q_proj included): saved at tp2 (the
+delta-net's key heads, and in_proj's B with them, split over TP), loaded at tp2, tp1ep1pp1 and pp2.
 
 Tolerances: the loaded adapters, Adam moments and step counts equal the saved ones exactly (gathered). The next step
 from the loaded state: at the saving layout exactly the uninterrupted run's (0 difference); at the other layouts
@@ -17,7 +19,8 @@ pytestmark = pytest.mark.dist
 
 # (model, saving layout, the other layouts it is loaded at; the saving layout is loaded too)
 CASES = {"glm4_moe": ("glm4_moe/tiny", "tp2ep2", ("tp1ep1pp1", "pp2")),
-         "deepseek_v3": ("deepseek_v3/tiny", "tp1ep1pp1", ("tp2ep2", "pp2"))}
+         "deepseek_v3": ("deepseek_v3/tiny", "tp1ep1pp1", ("tp2ep2", "pp2")),
+         "qwen3_5_moe": ("qwen3_5_moe/tiny", "tp2", ("tp1ep1pp1", "pp2"))}
 
 
 def _argv(case):

@@ -14,13 +14,24 @@ from moe_lora_rl.refit.rename import to_peft_tensors
 def _adapters(arch, r=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     H, I, hd = arch.hidden_size, arch.moe_ffn_hidden_size, arch.head_dim
-    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
+    gated = 2 if getattr(arch, "attention_output_gate", False) else 1          # the hybrid's q_proj: query and gate
+    qkv_rows = (gated * arch.num_heads + 2 * arch.num_kv_heads) * hd
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     out = {"layers.1.self_attention.linear_proj.lora_A": rnd(r, arch.num_heads * hd),
            "layers.1.self_attention.linear_proj.lora_B": rnd(H, r)}
     if not arch.mla:
         out.update({"layers.1.self_attention.linear_qkv.lora_A": rnd(r, H),
                     "layers.1.self_attention.linear_qkv.lora_B": rnd(qkv_rows, r)})
+        if arch.layer_types:               # the hybrid's delta-net in_proj (B per key head) and out_proj
+            from moe_lora_rl.lora.layers import delta_net_blocks
+
+            blocks = delta_net_blocks(arch.linear_key_head_dim, arch.linear_value_head_dim,
+                                      arch.linear_num_key_heads, arch.linear_num_value_heads)
+            v = arch.linear_num_value_heads * arch.linear_value_head_dim
+            out.update({"layers.1.self_attention.in_proj.lora_A": rnd(r, H),
+                        "layers.1.self_attention.in_proj.lora_B": rnd(arch.linear_num_key_heads, sum(blocks), r),
+                        "layers.1.self_attention.out_proj.lora_A": rnd(r, v),
+                        "layers.1.self_attention.out_proj.lora_B": rnd(H, r)})
     else:                                  # every MLA linear (single-part: A and B are the PEFT tensors as they are)
         naming = naming_for(arch)
         shapes = naming.hf_shapes(arch, 1)

@@ -187,18 +187,110 @@ def test_merge_into_the_released_layout_keeps_vision_tower_and_mtp(tmp_path):
         assert len(kept) == 62 and all(torch.equal(f0.get_tensor(k), f1.get_tensor(k)) for k in kept)
 
 
-def test_lora_targets_not_carried_end_to_end_yet_are_refused_on_the_hybrid():
-    """LoRA on the delta-net's projections and the gated q_proj is refused before anything is attached (their export,
-    refit and serving are the next step); the routed and shared experts and o_proj are planned as for any family."""
+def test_shared_expert_gate_is_refused_as_a_lora_target_in_one_line():
+    """The shared expert's gate (a [1, hidden] Parameter megatron-core applies with F.linear) is refused before anything
+    is planned; 'all' does not include it, and every linear of the family plans (control: the check lets 'all' by)."""
     from types import SimpleNamespace
 
     from moe_lora_rl.lora.apply import plan_adapters
     from moe_lora_rl.lora.config import LoRAConfig
 
     model = SimpleNamespace(config=SimpleNamespace(experimental_attention_variant="gated_delta_net"))
-    for targets in (("all",), ("linear_in",), ("out_proj",), ("qkv", "experts")):
-        with pytest.raises(ValueError, match=r"hybrid linear-attention model: adapters on the delta-net"):
-            plan_adapters(model, LoRAConfig(targets=targets))
-    gqa = SimpleNamespace(config=SimpleNamespace(experimental_attention_variant=None))
-    with pytest.raises(AttributeError):                 # control: a GQA model passes the check and goes on to plan
-        plan_adapters(gqa, LoRAConfig(targets=("all",)))
+    with pytest.raises(ValueError, match=r"^LoRA target 'shared_gate': .* stays frozen") as e:
+        plan_adapters(model, LoRAConfig(targets=("experts", "shared_gate")))
+    assert "\n" not in str(e.value)
+    assert "shared_gate" not in LoRAConfig(targets=("all",)).resolved_targets()
+    with pytest.raises(AttributeError):                 # control: past the check, planning reads the (fake) model
+        plan_adapters(model, LoRAConfig(targets=("all",)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_lora_b_rows_export_as_the_base_weights_load(family):
+    """The delta-net's in_proj and the gated linear_qkv: canonical B factors exported to PEFT (refit/rename.py), then
+    assembled by the base weights' own loader (hf_load_hybrid.assemble, the PEFT parts read as weights of r columns)
+    give, at every TP rank of tp1 and tp2, exactly the rows the adapter applies there (its shard of key heads reordered
+    to in_proj's per-rank [q|k|v|z|b|a] by section_major_rows; linear_qkv's shard as is). Shard-by-shard placement (the
+    streaming refit) equals the whole export, the import inverts it, and an adapter whose A differs across the parts
+    of one linear is refused in one line. Control: B rows of two sections swapped no longer match."""
+    from moe_lora_rl.lora.layers import delta_net_blocks, section_major_rows
+    from moe_lora_rl.megatron.hf_load_hybrid import assemble
+    from moe_lora_rl.refit.import_peft import from_peft_tensors
+    from moe_lora_rl.refit.rename import peft_outputs, place, to_peft_tensors
+
+    arch = load_arch(get_model(family, "tiny"))
+    naming, r, g = naming_for(arch), 3, torch.Generator().manual_seed(0)
+    blocks = delta_net_blocks(arch.linear_key_head_dim, arch.linear_value_head_dim, arch.linear_num_key_heads,
+                              arch.linear_num_value_heads)
+    kh, unit = arch.linear_num_key_heads, sum(blocks)
+    lin, full = arch.layer_types.index("linear_attention"), arch.layer_types.index("full_attention")
+    qkv_rows = arch.num_kv_heads * (2 * arch.num_heads // arch.num_kv_heads + 2) * arch.head_dim
+    adapters = {f"layers.{lin}.self_attention.in_proj.lora_A": torch.randn(r, arch.hidden_size, generator=g),
+                f"layers.{lin}.self_attention.in_proj.lora_B": torch.randn(kh, unit, r, generator=g),
+                f"layers.{full}.self_attention.linear_qkv.lora_A": torch.randn(r, arch.hidden_size, generator=g),
+                f"layers.{full}.self_attention.linear_qkv.lora_B": torch.randn(qkv_rows, r, generator=g)}
+    peft = to_peft_tensors(adapters, arch)
+    P = "base_model.model.model.layers.{}.{}.lora_{}.weight"
+    parts = {t: [peft[P.format(layer, h, "B")] for h in naming.linear(t).hf]
+             for t, layer in (("linear_in", lin), ("qkv", full))}
+    assert len(parts["linear_in"]) == (2 if arch.fused_linear_proj else 4) and len(parts["qkv"]) == 3
+    in_kind = "gdn_in_next" if arch.fused_linear_proj else "gdn_in"
+    canon_in, canon_qkv = adapters[f"layers.{lin}.self_attention.in_proj.lora_B"], \
+        adapters[f"layers.{full}.self_attention.linear_qkv.lora_B"]
+    for size in (1, 2):
+        for rank in range(size):
+            applied = canon_in.chunk(size)[rank].reshape(-1, r)[section_major_rows(blocks, kh // size)]
+            assert torch.equal(applied, assemble(in_kind, parts["linear_in"], arch, rank, size)), (size, rank)
+            assert torch.equal(canon_qkv.chunk(size)[rank], assemble("qkv_gated", parts["qkv"], arch, rank, size))
+    swapped = canon_in.clone()
+    swapped[:, :blocks[0]], swapped[:, blocks[0]:2 * blocks[0]] = canon_in[:, blocks[0]:2 * blocks[0]], \
+        canon_in[:, :blocks[0]]                                                  # q and k rows exchanged
+    bad = to_peft_tensors({**adapters, f"layers.{lin}.self_attention.in_proj.lora_B": swapped}, arch)
+    bad_parts = [bad[P.format(lin, h, "B")] for h in naming.linear("linear_in").hf]
+    assert not torch.equal(canon_in.reshape(-1, r)[section_major_rows(blocks, kh)],
+                           assemble(in_kind, bad_parts, arch, 0, 1))
+    for factor, t in adapters.items():              # the streaming refit's placement, B by TP shard (A is whole)
+        if factor.endswith("lora_A"):
+            continue
+        for o in peft_outputs(arch, factor, tuple(t.shape)):
+            buf = torch.full(o.shape, float("nan"))
+            for i, shard in enumerate(t.chunk(2, dim=0)):
+                for region, piece in place(o, shard, i, 2, 0, arch):
+                    buf[region] = piece
+            assert torch.equal(buf, peft[o.name]), o.name
+    back = from_peft_tensors(peft, arch, {k: tuple(v.shape) for k, v in adapters.items()})
+    assert all(torch.equal(back[k], v) for k, v in adapters.items())
+    z = P.format(lin, naming.linear("linear_in").hf[-1], "A")
+    with pytest.raises(ValueError, match=r"differs from the other copies of adapter factor") as e:
+        from_peft_tensors({**peft, z: peft[z] + 1e-3}, arch, {k: tuple(v.shape) for k, v in adapters.items()})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family,source,cls", [("qwen3_5_moe", "qwen3_5.py", "Qwen3_5ForCausalLMBase"),
+                                               ("qwen3_next", "qwen3_next.py", "Qwen3NextForCausalLM")])
+def test_vllm_slots_are_vllms_lora_packing(family, source, cls):
+    """Every exported PEFT module of the attention and delta-net linears lands in the vLLM module and LoRA slice that
+    vLLM 0.32's own packed_modules_mapping gives it (read from the installed source: importing the model needs
+    torchvision): Qwen3.5's in_proj_qkvz = [in_proj_qkv, in_proj_z], in_proj_ba = [in_proj_b, in_proj_a]; Qwen3-Next's
+    fused modules one slice each; qkv_proj = [q_proj (query and gate), k_proj, v_proj]."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vllm is not installed")
+    tree = ast.parse((Path(spec.origin).parent / "model_executor" / "models" / source).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    mapping = next(ast.literal_eval(s.value) for s in node.body if isinstance(s, ast.Assign)
+                   and getattr(s.targets[0], "id", "") == "packed_modules_mapping")
+    naming = naming_for(family)
+    checked = 0
+    for target in ("linear_in", "linear_out", "qkv", "proj"):
+        li = naming.linear(target)
+        for part, hf in enumerate(li.hf):
+            module, sl = li.vllm_slot(part)
+            prefix, leaf = module.rsplit(".", 1)
+            packed = mapping.get(leaf, [leaf])                     # a module vLLM does not pack: one slice, itself
+            assert prefix == hf.rsplit(".", 1)[0] and packed[sl] == hf.rsplit(".", 1)[1], (target, hf, module, sl)
+            checked += 1
+    assert checked == (9 if family == "qwen3_5_moe" else 7)

@@ -15,6 +15,11 @@ Contract (every name under model.layers.L.; Megatron under decoder.layers.l.; vL
     shared_fc2  mlp.shared_expert.down_proj          mlp.shared_experts.linear_fc2  mlp.shared_expert.down_proj
     dense_fc1/2, expert_fc1/2 as qwen3_moe (per-expert tensors in the checkpoint; transformers fuses them in memory)
 
+LoRA B rows (canonical, the same at every TP degree; refit/rename.py splits them into the HF parts): qkv as Megatron's
+linear_qkv (per query group [its query heads, their gate heads, k, v]); linear_in per key head [q, k, v x r, z x r,
+b x r, a x r] (r = value heads per key head), a [key heads, rows per key head, rank] factor whose TP shard is the
+rank's key heads (lora/layers.py reorders them to in_proj's per-rank [q|k|v|z|b|a] in the forward).
+
 Qwen3-Next stores the delta-net's inputs fused per key head (in_proj_qkvz: per key head [q, k, v x r, z x r], r = value
 heads per key head; in_proj_ba: [b x r, a x r]): `naming(fused_linear_proj=True)`, whose rows read those two tensors
 (shard kinds gdn_in_next). Non-adaptable: conv1d (depthwise over q|k|v), A_log, dt_bias, the gated norm (x * w), q/k
@@ -45,11 +50,12 @@ _IN_PARTS = tuple(_LIN + f"in_proj_{p}" for p in ("qkv", "z", "b", "a"))
 LINEAR_IN = Linear("linear_in", "linear_attention", "self_attention.in_proj", _IN_PARTS, _LIN + "in_proj_qkvz",
                    "column", ("hidden", "lin_qkv|lin_v|lin_heads|lin_heads"),
                    vllm_parts=((_LIN + "in_proj_qkvz", 0), (_LIN + "in_proj_qkvz", 1), (_LIN + "in_proj_ba", 0),
-                               (_LIN + "in_proj_ba", 1)))
+                               (_LIN + "in_proj_ba", 1)), b_rows="gdn_in")
 LINEAR_OUT = Linear("linear_out", "linear_attention", "self_attention.out_proj", (_LIN + "out_proj",),
                     _LIN + "out_proj", "row", ("lin_v", "hidden"))
 GATED_QKV = Linear("qkv", "attention", "self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj",
-                   "self_attn.v_proj"), "self_attn.qkv_proj", "column", ("hidden", "q_gate|kv|kv"))
+                   "self_attn.v_proj"), "self_attn.qkv_proj", "column", ("hidden", "q_gate|kv|kv"),
+                   b_rows="qkv_gated")
 PROJ = Linear("proj", "attention", "self_attention.linear_proj", ("self_attn.o_proj",), "self_attn.o_proj", "row",
               ("q", "hidden"))
 SHARED_FC1 = Linear("shared_fc1", "shared", "mlp.shared_experts.linear_fc1",
@@ -95,9 +101,12 @@ _IN_PROJ_NEXT = ParamRow(_ATT + "in_proj.weight", (_hf(_LIN + "in_proj_qkvz.weig
                          "gdn_in_next")
 LINEAR_IN_NEXT = Linear("linear_in", "linear_attention", "self_attention.in_proj",
                         (_LIN + "in_proj_qkvz", _LIN + "in_proj_ba"), _LIN + "in_proj_qkvz", "column",
-                        ("hidden", "lin_qkvz|lin_ba"), vllm_parts=((_LIN + "in_proj_qkvz", 0), (_LIN + "in_proj_ba", 0)))
+                        ("hidden", "lin_qkvz|lin_ba"),
+                        vllm_parts=((_LIN + "in_proj_qkvz", 0), (_LIN + "in_proj_ba", 0)), b_rows="gdn_in_next")
 
-NAMING = Naming("qwen3_5_moe", _BASE + (_IN_PROJ,), LINEARS)
+# peft 0.19 converts per-expert targets for the model types transformers maps onto qwen2_moe (qwen3_next among them)
+# but not qwen3_5_moe_text, whose fused experts PEFT then never targets: the export names them (refit/export.py)
+NAMING = Naming("qwen3_5_moe", _BASE + (_IN_PROJ,), LINEARS, peft_fused_experts=True)
 NAMING_NEXT = Naming("qwen3_next", _BASE + (_IN_PROJ_NEXT,), (LINEAR_IN_NEXT,) + LINEARS[1:])
 # the delta-net linears by Megatron module, for the family-free Megatron naming (naming.MEGATRON)
 MEGATRON_LINEARS = (LINEAR_IN, LINEAR_OUT)

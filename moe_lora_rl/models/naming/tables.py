@@ -34,6 +34,8 @@ class Linear:
     vllm_slice: int = 0           # output slice of `vllm` where hf[0] starts (another linear may own the others)
     vllm_parts: tuple[tuple[str, int], ...] = ()   # per HF part (vLLM module, slice) when the parts lie in several
                                                    # vLLM modules (the delta-net's in_proj_qkvz / in_proj_ba)
+    b_rows: str = ""              # how B's canonical rows map onto the HF parts when not as qkv / gate-up do
+                                  # (refit/rename.py): qkv_gated, gdn_in, gdn_in_next
 
     def vllm_slot(self, part: int) -> tuple[str, int]:
         """(vLLM module, output slice) of HF output part `part`."""
@@ -114,8 +116,10 @@ EXPERT_LINEARS = (
     Linear("expert_fc2", "expert", "mlp.experts.local_experts.{e}.linear_fc2", (_X + "down_proj",),
            "mlp.experts.w2_weight", "row", ("moe_ffn", "hidden")),
 )
-# the router is a target name only so that asking for it gives a clear error (lora/apply.py)
+# the router and the shared expert's gate are target names only so that asking for them gives a clear error
+# (lora/apply.py)
 ROUTER_TARGET = ("router", "mlp.router")
+SHARED_GATE_TARGET = ("shared_gate", "mlp.shared_experts.gate_weight")
 
 
 def dims(arch) -> dict[str, int]:

@@ -69,8 +69,12 @@ class VllmName:
 
 
 class Naming:
-    def __init__(self, family: str, params: tuple[ParamRow, ...], linears: tuple[Linear, ...]):
+    def __init__(self, family: str, params: tuple[ParamRow, ...], linears: tuple[Linear, ...],
+                 peft_fused_experts: bool = False):
+        """peft_fused_experts: HF PEFT does not move this family's per-expert targets onto transformers 5's fused
+        expert parameters itself (refit/export.py names them)."""
         self.family, self.params, self.linears = family, params, linears
+        self.peft_fused_experts = peft_fused_experts
         self._params = [(r, _template_regex(r.megatron)) for r in params]
         self._by_target = {li.target: li for li in linears}
         self._megatron = [(li, _template_regex(MEGATRON_LAYER + li.megatron)) for li in linears]
