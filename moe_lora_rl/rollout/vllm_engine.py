@@ -57,11 +57,15 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
         llm_kw["additional_config"] = {**llm_kw.get("additional_config", {}),
                                        "moe_lora_stage_timeout_s": check_stage_timeout(stage_timeout_s)}
     from vllm import LLM
+    from vllm.platforms import current_platform
+
+    from ..vllm import vision_import_fix
 
     llm_kw = checkpoint_settings(model, llm_kw)
-    llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-              enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
-              load_format=load_format, worker_extension_cls=extension, **llm_kw)
+    with vision_import_fix.scoped(model, cpu=current_platform.is_cpu()):    # Qwen3.5 without torchvision
+        llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+                  enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
+                  load_format=load_format, worker_extension_cls=extension, **llm_kw)
     llm.collective_rpc("moe_lora_prepare")      # the fixes on the loaded model (vllm/rope_fix.py) before any request
     return llm
 
