@@ -55,6 +55,15 @@ def _resolve(root, dotted: str):
     return root
 
 
+SHARED_EXPERT = ("shared_experts", "shared_expert")
+"""vLLM's attribute for a MoE block's shared expert: DeepSeek-V3 / GLM-4.5 blocks; Qwen2-MoE / Qwen3-Next / Qwen3.5
+blocks (its sigmoid gate applied inside the module)."""
+
+
+def _shared_expert(block):
+    return next((m for m in (getattr(block, a, None) for a in SHARED_EXPERT) if m is not None), None)
+
+
 def _router(block):
     """vLLM's router of a MoE block (the object routing capture binds its capture_fn to)."""
     for mod in block.modules():
@@ -199,7 +208,7 @@ class LoRARuntime:
             # routing capture (capture.py) listens on vLLM's router, which this path bypasses: report to it
             out = routed_experts(x, logits, runtime._base_experts(layer), runtime.arch, lora,
                                  on_route=_router(block).capture_fn, groups=by_version)
-            shared = getattr(block, "shared_experts", None)
+            shared = _shared_expert(block)
             if shared is not None:
                 out = out + shared(x)
             return out.reshape(shape)

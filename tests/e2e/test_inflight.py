@@ -107,7 +107,10 @@ def switch_engine(model, tmp_path_factory):
 
 
 def test_switch_versions_change_mid_sequence_and_match_hf(switch_engine, arch, adapters, refs):
-    eng = switch_engine
+    check_switch(switch_engine, arch, adapters, refs)
+
+
+def check_switch(eng, arch, adapters, refs):
     eng.transport.push(1, adapters[1], RANK, ALPHA)
     t0 = tokens(eng)
     st = Streamer(eng, prompts(arch, 4), seeds=[11, 12, 13, 14], max_tokens=200, temperature=T)
@@ -242,5 +245,46 @@ def test_pin_serves_two_versions_and_a_third_waits_for_a_free_slot(model, tmp_pa
             eng.transport.push(3, adapters[3], RANK, ALPHA)
         [s] = eng.generate(prompts(arch, 1), seeds=[1], max_tokens=4, temperature=T, versions=[3])
         assert set(s.versions) == {3}
+    finally:
+        eng.stop()
+
+
+# -- the hybrid family (tiny Qwen3.5-MoE): adapters on every module the engine serves there -------------------------
+# The delta-net's conv and SSM state are carried across a switch as attention KV is: computed under the versions that
+# forwarded the earlier positions (kit/inflight.py's reference carries them the same way). A switch engine and a pin
+# engine: both checks as above.
+@pytest.fixture(scope="module")
+def hybrid():
+    import transformers
+
+    from kit.hybrid_serve import groups_for
+    from kit.mla_serve import module_adapter
+    from moe_lora_rl.checks.route_reference import merged_hf_model
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.models.arch import arch_from_hf_config
+
+    path = str(get_model("qwen3_5_moe", "tiny"))
+    arch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(path))
+    mods = tuple(m for ms in groups_for(arch).values() for m in ms)
+    adapters = {v: module_adapter(arch, mods, seed=40 + v, std=0.05) for v in (1, 2, 3)}
+    refs = {v: merged_hf_model(path, p, ALPHA / RANK, torch.float32) for v, p in adapters.items()}
+    return path, arch, adapters, refs
+
+
+def test_hybrid_switch_mid_sequence_matches_hf(hybrid, tmp_path_factory):
+    path, arch, adapters, refs = hybrid
+    eng = start(path, tmp_path_factory)
+    try:
+        check_switch(eng, arch, adapters, refs)
+    finally:
+        eng.stop()
+
+
+def test_hybrid_pin_two_versions_in_one_batch(hybrid, tmp_path_factory):
+    path, arch, adapters, refs = hybrid
+    eng = start(path, tmp_path_factory, inflight="pin", max_versions=2, on_full="wait")
+    try:
+        sa, sb, held, after, _, _ = run_pin(eng, arch, adapters, refs, lambda eng, a, b: None)
+        check_pinned(sa, sb, held, after, refs)
     finally:
         eng.stop()

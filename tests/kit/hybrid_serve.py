@@ -1,0 +1,137 @@
+"""python -m kit.hybrid_serve --model DIR (tests/e2e/test_hybrid_vllm.py): vLLM's CPU engine on the hybrid
+linear-attention family (Qwen3.5/3.6-MoE, Qwen3-Next) against HF transformers, fp32, one engine, every check on it;
+the same checks as kit.mla_serve (its adapters, engine runs and comparison are reused).
+
+    base        prompt logprobs (positions > 0) and greedy decode vs HF: the delta-net layers run the fp32 torch core
+                (vllm/gdn_fp32.py); last of all, with it undone, the engine refuses a request (vLLM's CPU GDN op is
+                bf16-only): the message is recorded
+    modules     per serving mode (merged / unmerged) and per adapter on one module group alone (the routed experts,
+                the shared expert, o_proj; and by vLLM module, ready for the delta-net / gated-attention targets:
+                in_proj_qkvz (in_proj_qkv, in_proj_z), in_proj_ba (in_proj_b, in_proj_a), out_proj, qkv_proj
+                (q_proj with its gate half, k_proj, v_proj)), then all at once: engine vs HF with the adapter merged,
+                prompt and decode; how far each adapter moves the engine's and the reference's prompt logprobs
+    dropped     per mode and group: the all-modules adapter pushed without that group's tensors, against the full
+                reference (a module the engine dropped: the check must fail)
+    routes      R3 capture while serving every module: captured top-k vs HF's router at every token and MoE layer
+    chunked     a prompt longer than the step's token budget (max_num_batched_tokens), prefilled in chunks (the
+                conv and SSM state carried between chunks), vs HF, under the all-modules adapter
+
+Prints "RESULT <json>".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from kit.mla_serve import ALPHA, EXPERTS, RANK, compare, engine_run, module_adapter
+from moe_lora_rl.rollout.generate import capturing
+from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
+
+SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+GROUPS = {                      # name: HF modules (the engine serves each group on the vLLM module named)
+    "experts": EXPERTS, "shared_expert": SHARED, "o_proj": ("self_attn.o_proj",),
+    "in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    "out_proj": ("linear_attn.out_proj",),
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+}
+GROUPS_NEXT = {**GROUPS, "in_proj_qkvz": ("linear_attn.in_proj_qkvz",), "in_proj_ba": ("linear_attn.in_proj_ba",)}
+
+
+def groups_for(arch) -> dict[str, tuple[str, ...]]:
+    from moe_lora_rl.models.naming import naming_for
+
+    naming = naming_for(arch)
+    have = {m for li in range(arch.num_layers) for m in naming.hf_shapes(arch, li)}
+    table = GROUPS_NEXT if "linear_attn.in_proj_qkvz" in have else GROUPS
+    return {k: v for k, v in table.items() if set(v) <= have}
+
+
+def _strip(c: dict) -> dict:
+    return {k: v for k, v in c.items() if not k.startswith("_")}
+
+
+def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: int) -> dict:
+    import torch
+
+    from moe_lora_rl.checks.route_reference import agreement, hf_routes, merged_hf_model
+    from moe_lora_rl.models.arch import load_arch
+    from moe_lora_rl.transfer.transports import InprocTransport
+    from moe_lora_rl.vllm import gdn_fp32
+
+    arch = load_arch(model)
+    moe = [l for l, m in enumerate(arch.moe_layers) if m]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, arch.vocab_size, (seqs, prompt_len), generator=g).tolist()
+    long_prompt = torch.randint(3, arch.vocab_size, (1, long_len), generator=g).tolist()
+    budget = 32
+    llm = make_engine(model, dtype="float32", prefix_caching=False, max_model_len=256, max_num_batched_tokens=budget,
+                      max_num_seqs=8)
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    net = worker.model_runner.model
+    res: dict = {"model": model, "gdn_fp32_layers": worker._moe_lora_model_fixes["gdn_fp32_layers"]}
+    base_ref = merged_hf_model(model, None, 1.0, torch.float32)
+    base = compare(engine_run(llm, prompts, gen_len), base_ref)
+    res["base"] = _strip(base)
+
+    groups = groups_for(arch)
+    adapters = {name: module_adapter(arch, mods, seed=i + 1) for i, (name, mods) in enumerate(groups.items())}
+    adapters["all"] = module_adapter(arch, tuple(m for mods in groups.values() for m in mods), seed=100, std=0.05)
+    refs = {name: merged_hf_model(model, peft, ALPHA / RANK, torch.float32) for name, peft in adapters.items()}
+    tr, version, table, dropped = InprocTransport(llm), 0, {}, {}
+    for mode in ("merged", "unmerged"):
+        llm.collective_rpc("moe_lora_clear")
+        llm.collective_rpc("moe_lora_set_mode", args=(mode,))
+        for name, peft in adapters.items():
+            version += 1
+            tr.push(version, peft, RANK, ALPHA)
+            if name == "all":
+                with capturing(llm) as meta:
+                    gens = engine_run(llm, prompts, gen_len, meta)
+                seq = [g.tokens[:-1] for g in gens]
+                table[f"routes_{mode}"] = agreement([g.routes for g in gens], hf_routes(refs[name], moe, seq))
+                # chunked prefill: the long prompt takes several steps of `budget` tokens
+                table[f"chunked/{mode}"] = _strip(compare(engine_run(llm, long_prompt, gen_len), refs[name]))
+            else:
+                gens = engine_run(llm, prompts, gen_len)
+            c = compare(gens, refs[name])
+            c["engine_moved"] = (c["_eng_prompt"] - base["_eng_prompt"]).abs().max().item()
+            c["ref_moved"] = (c["_ref_prompt"] - base["_ref_prompt"]).abs().max().item()
+            table[f"{name}/{mode}"] = _strip(c)
+        for name, mods in groups.items():       # the all-modules adapter with one group left out of the push
+            version += 1
+            drop = re.compile("|".join(r"\.layers\.\d+\." + re.escape(m).replace(r"\{E\}", r"\d+") + r"\.lora_"
+                                       for m in mods))
+            keep = {k: v for k, v in adapters["all"].items() if not drop.search(k)}
+            assert len(keep) < len(adapters["all"]), name
+            tr.push(version, keep, RANK, ALPHA)
+            c = compare(engine_run(llm, prompts, gen_len), refs["all"])
+            dropped[f"{name}/{mode}"] = max(c["prompt_max"], c["decode_max"])
+    llm.collective_rpc("moe_lora_clear")
+    res["served"], res["dropped"], res["groups"] = table, dropped, list(groups)
+    gdn_fp32.restore(net)               # last: the failed request is left in the engine, which is not used again
+    try:
+        engine_run(llm, prompts[:1], 1)
+        res["base_unfixed_error"] = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        res["base_unfixed_error"] = " ".join(str(e).split())[:300]
+    res["budget"], res["long_len"] = budget, long_len
+    del llm
+    return res
+
+
+def main(argv=None) -> dict:
+    set_engine_env()
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--seqs", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=12)
+    p.add_argument("--gen-len", type=int, default=6)
+    p.add_argument("--long-len", type=int, default=100)
+    a = p.parse_args(argv)
+    return run_model(a.model, a.seqs, a.prompt_len, a.gen_len, a.long_len)
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main()), flush=True)
