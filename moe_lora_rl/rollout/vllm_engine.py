@@ -62,7 +62,7 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
     from ..vllm import vision_import_fix
 
     llm_kw = checkpoint_settings(model, llm_kw)
-    prefix_caching = hybrid_prefix_caching(model, prefix_caching)
+    prefix_caching = hybrid_prefix_caching(model, prefix_caching, llm_kw.get("enable_chunked_prefill"))
     with vision_import_fix.scoped(model, cpu=current_platform.is_cpu()):    # Qwen3.5 without torchvision
         llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -85,12 +85,12 @@ def checkpoint_settings(model: str, llm_kw: dict) -> dict:
     return out
 
 
-def hybrid_prefix_caching(model: str, requested: bool | None) -> bool | None:
-    """enable_prefix_caching for this checkpoint: off for a hybrid linear-attention one, with one line saying why
-    (vllm/hybrid_config.py); `requested` for any other."""
+def hybrid_prefix_caching(model: str, requested: bool | None, chunked_prefill: bool | None) -> bool | None:
+    """enable_prefix_caching for this checkpoint: off for a hybrid linear-attention one on an engine without chunked
+    prefill, with one line saying why (vllm/hybrid_config.py); `requested` otherwise."""
     from ..vllm.hybrid_config import prefix_caching
 
-    value, lines = prefix_caching(model, requested)
+    value, lines = prefix_caching(model, requested, chunked_prefill=chunked_prefill)
     for line in lines:
         print(line, flush=True)
     return value

@@ -1,5 +1,6 @@
-"""A hybrid linear-attention checkpoint's engine setting (vllm/hybrid_config.py, pure): prefix caching off with one
-line, whether asked for or left to vLLM; other checkpoints unchanged. Both layouts of Qwen3.5 (text config, and the
+"""A hybrid linear-attention checkpoint's engine setting (vllm/hybrid_config.py, pure): on an engine without chunked
+prefill, prefix caching off with one line, whether asked for or left to vLLM; with chunked prefill, and for other
+checkpoints, unchanged. Both layouts of Qwen3.5 (text config, and the
 released one with text_config) and Qwen3-Next are hybrid; the GQA tiny is not."""
 import json
 
@@ -21,16 +22,18 @@ def test_hybrid_prefix_caching_off_with_one_line(tmp_path, config):
     d = _ckpt(tmp_path, config)
     assert is_hybrid(config)
     for asked in (None, True):
-        value, lines = prefix_caching(d, asked)
+        value, lines = prefix_caching(d, asked, chunked_prefill=False)
         assert value is False and len(lines) == 1 and "chunked prefill" in lines[0], (asked, lines)
-    assert prefix_caching(d, False) == (False, [])
+        for chunked in (None, True):
+            assert prefix_caching(d, asked, chunked_prefill=chunked) == (asked, [])
+    assert prefix_caching(d, False, chunked_prefill=False) == (False, [])
 
 
 def test_other_checkpoints_unchanged(tmp_path):
     d = _ckpt(tmp_path, {"layer_types": ["full_attention", "sliding_attention"]})
     for asked in (None, True, False):
-        assert prefix_caching(d, asked) == (asked, [])
-    assert prefix_caching(tmp_path / "missing", True) == (True, [])
+        assert prefix_caching(d, asked, chunked_prefill=False) == (asked, [])
+    assert prefix_caching(tmp_path / "missing", True, chunked_prefill=False) == (True, [])
 
 
 def test_tiny_checkpoints():
