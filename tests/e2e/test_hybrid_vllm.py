@@ -12,6 +12,9 @@ is tests/distributed/test_hybrid_parity.py.
 - R3: captured routes equal HF's router top-k at every token and MoE layer (linear and full layers), both modes
 - chunked prefill: a 100-token prompt through a 32-token step budget (the conv and SSM state carried across chunks)
   equals HF under the all-modules adapter
+- prefix caching (on: the engine has chunked prefill; vllm/hybrid_config.py): a request sharing a 200-token prefix with
+  the previous one reads the cached block (128 tokens: its attention KV and the recurrent state at its end) and
+  decodes as HF does
 
 Tolerances as test_mla_vllm.py: 1e-4 is the same fp32 math in two implementations; k3 <= 1e-10 follows.
 """
@@ -41,8 +44,8 @@ def test_fp32_base_matches_hf_and_vllm_kernel_refuses_fp32(result):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_module_served_exactly_and_moves_the_output(result, mode):
-    rows = {k.split("/")[0]: v for k, v in result["served"].items() if k.endswith("/" + mode) and "/" in k
-            and not k.startswith("chunked")}
+    rows = {k.split("/")[0]: v for k, v in result["served"].items() if k.endswith("/" + mode)
+            and k.split("/")[0] not in ("chunked", "prefix")}
     assert set(rows) == set(result["groups"]) | {"all"}, rows.keys()
     assert {"experts", "shared_expert", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj", "qkv_proj"} <= set(rows)
     for name, r in rows.items():
@@ -67,3 +70,10 @@ def test_chunked_prefill_exact(result, mode):
     r = result["served"][f"chunked/{mode}"]
     assert result["long_len"] > 2 * result["budget"]
     assert r["prompt_max"] <= TOL and r["decode_max"] <= TOL and r["greedy_equal"], r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_cache_hit_exact(result, mode):
+    r = result["served"][f"prefix/{mode}"]
+    assert r["hit_tokens"] > 0, r
+    assert r["decode_max"] <= TOL and r["greedy_equal"], r

@@ -15,6 +15,8 @@ the same checks as kit.mla_serve (its adapters, engine runs and comparison are r
     routes      R3 capture while serving every module: captured top-k vs HF's router at every token and MoE layer
     chunked     a prompt longer than the step's token budget (max_num_batched_tokens), prefilled in chunks (the
                 conv and SSM state carried between chunks), vs HF, under the all-modules adapter
+    prefix      prefix caching on (vLLM's mamba_cache_mode 'align'): a request whose prefix the previous one cached
+                (attention blocks and the recurrent state at the block boundary) vs HF, under the all-modules adapter
 
 Prints "RESULT <json>".
 """
@@ -48,11 +50,37 @@ def groups_for(arch) -> dict[str, tuple[str, ...]]:
     return {k: v for k, v in table.items() if set(v) <= have}
 
 
+def prefix_check(llm, shared: list[int], gen_len: int, ref) -> dict:
+    """Two requests sharing a prefix, one after the other (decode logprobs only: a request asking for prompt
+    logprobs does not read the cache): the second reads the first's blocks, the recurrent state at the last full
+    block included (mamba_cache_mode 'align'); its decoded tokens vs HF on the whole sequence."""
+    import torch
+    from vllm import SamplingParams
+
+    from moe_lora_rl.rollout.generate import captured_generate
+
+    def hits():
+        return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=0, logprobs=0, ignore_eos=True)
+    captured_generate(llm, [shared + [5, 6, 7]], sp)
+    before = hits()
+    [gen] = captured_generate(llm, [shared + [9, 10, 11, 12]], sp)
+    toks = list(gen.prompt) + list(gen.response)
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(input_ids=torch.tensor([toks])).logits[0].double(), -1)
+    n = len(gen.prompt)
+    want = lp[n - 1:-1].gather(-1, torch.tensor(gen.response)[:, None])[:, 0]
+    return {"hit_tokens": int(hits() - before), "prefix_len": len(shared),
+            "decode_max": (want - torch.tensor(gen.logprobs, dtype=torch.float64)).abs().max().item(),
+            "greedy_equal": lp[n - 1:-1].argmax(-1).tolist() == list(gen.response)}
+
+
 def _strip(c: dict) -> dict:
     return {k: v for k, v in c.items() if not k.startswith("_")}
 
 
-def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: int) -> dict:
+def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: int, prefix_len: int) -> dict:
     import torch
 
     from moe_lora_rl.checks.route_reference import agreement, hf_routes, merged_hf_model
@@ -66,8 +94,9 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
     prompts = torch.randint(3, arch.vocab_size, (seqs, prompt_len), generator=g).tolist()
     long_prompt = torch.randint(3, arch.vocab_size, (1, long_len), generator=g).tolist()
     budget = 32
-    llm = make_engine(model, dtype="float32", prefix_caching=False, max_model_len=256, max_num_batched_tokens=budget,
-                      max_num_seqs=8)
+    shared = torch.randint(3, arch.vocab_size, (prefix_len,), generator=g).tolist()
+    llm = make_engine(model, dtype="float32", prefix_caching=True, max_model_len=256, max_num_batched_tokens=budget,
+                      max_num_seqs=8, disable_log_stats=False)
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     net = worker.model_runner.model
     res: dict = {"model": model, "gdn_fp32_layers": worker._moe_lora_model_fixes["gdn_fp32_layers"]}
@@ -93,6 +122,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
                 table[f"routes_{mode}"] = agreement([g.routes for g in gens], hf_routes(refs[name], moe, seq))
                 # chunked prefill: the long prompt takes several steps of `budget` tokens
                 table[f"chunked/{mode}"] = _strip(compare(engine_run(llm, long_prompt, gen_len), refs[name]))
+                table[f"prefix/{mode}"] = prefix_check(llm, shared, gen_len, refs[name])
             else:
                 gens = engine_run(llm, prompts, gen_len)
             c = compare(gens, refs[name])
@@ -129,8 +159,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=12)
     p.add_argument("--gen-len", type=int, default=6)
     p.add_argument("--long-len", type=int, default=100)
+    p.add_argument("--prefix-len", type=int, default=200)
     a = p.parse_args(argv)
-    return run_model(a.model, a.seqs, a.prompt_len, a.gen_len, a.long_len)
+    return run_model(a.model, a.seqs, a.prompt_len, a.gen_len, a.long_len, a.prefix_len)
 
 
 if __name__ == "__main__":
