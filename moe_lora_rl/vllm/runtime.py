@@ -96,7 +96,9 @@ class LoRARuntime:
         self.dtype = dtype or next(model.parameters()).dtype
         self.expert_precision = _check_precision(expert_precision)
         self.arch: MoEArch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(str(self.model_dir)))
-        self.layers = model.model.layers
+        # a multimodal model (Qwen3.5's released layout) serves adapters on its text tower
+        text = model.get_language_model() if hasattr(model, "get_language_model") else model
+        self.layers = text.model.layers
         self.blocks = {li: layer.mlp for li, layer in enumerate(self.layers) if self.arch.moe_layers[li]}
         self._init_state()
         self._hooks = []

@@ -2,7 +2,7 @@
 adapter merged (tests/kit/hybrid_serve.py, one engine, every check on it); HF = Megatron within 1e-4 on this family
 is tests/distributed/test_hybrid_parity.py.
 
-- base: prompt logprobs and greedy decode equal HF's through the fp32 delta-net core (vllm/gdn_fp32.py); with it
+- base: prompt logprobs and greedy decode equal HF's through the fp32 delta-net core (vllm/gdn_torch.py); with it
   undone vLLM's CPU op refuses fp32 (negative control: "CPU GDN attention requires BF16.")
 - every module group the engine adapts on this family, served merged and unmerged: the routed experts, the shared
   expert (behind its sigmoid gate), o_proj, and by vLLM module the delta-net's in_proj_qkvz / in_proj_ba / out_proj
@@ -37,7 +37,7 @@ def result(tmp_path_factory):
 
 def test_fp32_base_matches_hf_and_vllm_kernel_refuses_fp32(result):
     b = result["base"]
-    assert result["gdn_fp32_layers"] == 3, result["gdn_fp32_layers"]          # the tiny's three delta-net layers
+    assert result["gdn_torch_layers"] == 3, result["gdn_torch_layers"]          # the tiny's three delta-net layers
     assert b["prompt_max"] <= TOL and b["decode_max"] <= TOL and b["greedy_equal"], b
     assert "CPU GDN attention requires BF16" in result["base_unfixed_error"], result["base_unfixed_error"]
 

@@ -3,7 +3,7 @@ linear-attention family (Qwen3.5/3.6-MoE, Qwen3-Next) against HF transformers, f
 the same checks as kit.mla_serve (its adapters, engine runs and comparison are reused).
 
     base        prompt logprobs (positions > 0) and greedy decode vs HF: the delta-net layers run the fp32 torch core
-                (vllm/gdn_fp32.py); last of all, with it undone, the engine refuses a request (vLLM's CPU GDN op is
+                (vllm/gdn_torch.py); last of all, with it undone, the engine refuses a request (vLLM's CPU GDN op is
                 bf16-only): the message is recorded
     modules     per serving mode (merged / unmerged) and per adapter on one module group alone (the routed experts,
                 the shared expert, o_proj; and by vLLM module, ready for the delta-net / gated-attention targets:
@@ -86,7 +86,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
     from moe_lora_rl.checks.route_reference import agreement, hf_routes, merged_hf_model
     from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.transfer.transports import InprocTransport
-    from moe_lora_rl.vllm import gdn_fp32
+    from moe_lora_rl.vllm import gdn_torch
 
     arch = load_arch(model)
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
@@ -99,7 +99,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
                       max_num_seqs=8, disable_log_stats=False)
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     net = worker.model_runner.model
-    res: dict = {"model": model, "gdn_fp32_layers": worker._moe_lora_model_fixes["gdn_fp32_layers"]}
+    res: dict = {"model": model, "gdn_torch_layers": worker._moe_lora_model_fixes["gdn_torch_layers"]}
     base_ref = merged_hf_model(model, None, 1.0, torch.float32)
     base = compare(engine_run(llm, prompts, gen_len), base_ref)
     res["base"] = _strip(base)
@@ -140,7 +140,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
             dropped[f"{name}/{mode}"] = max(c["prompt_max"], c["decode_max"])
     llm.collective_rpc("moe_lora_clear")
     res["served"], res["dropped"], res["groups"] = table, dropped, list(groups)
-    gdn_fp32.restore(net)               # last: the failed request is left in the engine, which is not used again
+    gdn_torch.restore(net)               # last: the failed request is left in the engine, which is not used again
     try:
         engine_run(llm, prompts[:1], 1)
         res["base_unfixed_error"] = ""

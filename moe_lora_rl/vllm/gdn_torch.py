@@ -1,24 +1,29 @@
-"""vLLM CPU Gated DeltaNet at fp32 (Qwen3.5/3.6-MoE, Qwen3-Next): the engine's core op is bf16-only.
+"""vLLM CPU Gated DeltaNet (Qwen3.5/3.6-MoE, Qwen3-Next) where the engine's kernels do not run: fp32 engines, and
+head widths other than 64 and 128.
 
 vLLM 0.32's `QwenGatedDeltaNetAttention.forward_cpu` hands the conv and the delta rule to the custom op
 `cpu_gdn_attention_core` (model_executor/layers/mamba/ops/cpu/gdn_attention.py), which asserts bf16 inputs ("CPU GDN
-attention requires BF16."): an fp32 engine starts and fails at its first request. This gives each such layer of an
-fp32 (or fp16) engine its own forward: the same projections, called as modules (so LoRA hooks on in_proj_qkvz /
-in_proj_ba / out_proj see them), the layer's own `_output_projection` (gated norm, out_proj), and between them the
-core in plain torch on the engine's own state cache:
+attention requires BF16."): an fp32 engine starts and fails at its first request. Its chunked delta-rule kernel
+(`chunk_gated_delta_rule_cpu`) runs key / value head widths 64 and 128 only ("Unexpected head dim size, 32"): a bf16
+engine of a checkpoint with other widths (our tiny ones: 32) fails at its first prefill. This gives each such layer its
+own forward: the same projections, called as modules (so LoRA hooks on in_proj_qkvz / in_proj_ba / out_proj see them),
+the layer's own `_output_projection` (gated norm, out_proj), and between them the core in plain torch on the engine's
+own state cache:
 
     conv      vLLM's torch causal conv (ops/cpu/causal_conv1d.py: causal_conv1d_fn_cpu for prefill chunks,
               causal_conv1d_update_cpu for decodes) on the layer's conv-state cache, as vLLM's non-AVX512-BF16 path
-              runs it (fp32 weights are never prepacked)
+              runs it, on the unpacked weight (vLLM prepacks bf16 conv weights for its kernel and keeps the unpacked
+              copy as `_cpu_unpacked_conv_weight`; fp32 weights are never packed)
     gating    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) in fp32, as transformers computes them
     rule      transformers' own torch_chunk_gated_delta_rule per prefill chunk (initial state read from the cache
-              when vLLM says the sequence has one) and torch_recurrent_gated_delta_rule for the batched decodes; the
-              final state written back to the request's slot, stored [slot, head, k, v] as vLLM's kernel stores it
+              when vLLM says the sequence has one) and torch_recurrent_gated_delta_rule for the batched decodes (both
+              in fp32); the final state written back to the request's slot, stored [slot, head, k, v] as vLLM's kernel
+              stores it
 
 Per instance, on a loaded model: apply(model) by the worker extension on its first moe_lora_* call (make_engine
-makes that call before any request), CPU platform only, on layers whose weights are not bf16; restore(model) undoes
-it. Speculative decoding (a wider conv-state buffer) is refused in one line. bf16 engines keep vLLM's kernel.
-Drop when vLLM's CPU GDN op takes fp32.
+makes that call before any request), CPU platform only, on the layers vLLM's kernels cannot run (needs_torch);
+restore(model) undoes it. Speculative decoding (a wider conv-state buffer) is refused in one line. bf16 layers of
+widths 64 / 128 keep vLLM's kernel. Drop when vLLM's CPU GDN op takes fp32 and any head width.
 """
 from __future__ import annotations
 
@@ -26,6 +31,18 @@ import torch
 import torch.nn.functional as F
 
 from .compat import check_vllm_version
+
+
+KERNEL_DTYPES = (torch.bfloat16,)
+KERNEL_HEAD_DIMS = (64, 128)
+"""What vLLM 0.32's CPU delta-net kernels run (cpu_gdn_attention_core's assertion; chunk_gated_delta_rule_cpu's head
+widths, measured by calling it with 32, 64, 128 and 256)."""
+
+
+def needs_torch(layer) -> bool:
+    """True when vLLM's CPU kernels cannot run this delta-net layer."""
+    return (layer.in_proj_qkvz.weight.dtype not in KERNEL_DTYPES
+            or layer.head_k_dim not in KERNEL_HEAD_DIMS or layer.head_v_dim not in KERNEL_HEAD_DIMS)
 
 
 def gdn_layers(model) -> list:
@@ -84,9 +101,11 @@ def core(layer, mixed_qkv, b, a, out) -> None:
     if not is_conv_state_dim_first():
         conv_state = conv_state.transpose(-1, -2)      # (slots, dim, state_len)
     if m.spec_sequence_masks is not None or conv_state.size(-1) != width - 1:
-        raise ValueError("moe_lora_rl's fp32 delta-net path runs without speculative decoding (vLLM's CPU GDN op "
-                         "is bf16-only): serve in bf16 or turn speculative decoding off")
-    weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), width)
+        raise ValueError("moe_lora_rl's torch delta-net path (fp32, or head widths vLLM's CPU kernel lacks) runs "
+                         "without speculative decoding: turn speculative decoding off")
+    weight = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)      # bf16: vLLM packed .weight for its kernel
+    if weight is None:
+        weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), width)
     ssm = layer.kv_cache[1]
     slots, heads, v_dim, k_dim = ssm.shape
     ssm = ssm.view(slots, heads, k_dim, v_dim)          # the layout vLLM's CPU kernel keeps
@@ -141,15 +160,15 @@ def _forward(layer):
 
 
 def apply(model) -> int:
-    """Give every non-bf16 delta-net layer the torch core; returns how many (0: not the CPU platform, no delta-net
-    layer, or a bf16 engine). ValueError on a vLLM version the fix was not written for, before anything is changed.
-    Idempotent."""
-    check_vllm_version("the CPU fp32 Gated DeltaNet path (QwenGatedDeltaNetAttention.forward_cpu)")
+    """Give every delta-net layer vLLM's kernels cannot run the torch core; returns how many (0: not the CPU
+    platform, no delta-net layer, or all run by vLLM's kernels). ValueError on a vLLM version the fix was not written
+    for, before anything is changed. Idempotent."""
+    check_vllm_version("the CPU torch Gated DeltaNet path (QwenGatedDeltaNetAttention.forward_cpu)")
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return 0
-    layers = [l for l in gdn_layers(model) if l.in_proj_qkvz.weight.dtype != torch.bfloat16]
+    layers = [l for l in gdn_layers(model) if needs_torch(l)]
     for layer in layers:
         if not hasattr(layer._forward_method, "moe_lora_kernel"):
             layer._forward_method = _forward(layer)
