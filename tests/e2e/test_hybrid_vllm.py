@@ -1,4 +1,4 @@
-"""vLLM's CPU engine on the hybrid linear-attention family (Qwen3.5-MoE tiny), fp32, against HF transformers with the
+"""vLLM's CPU engine on the hybrid linear-attention family (Qwen3.5-MoE tiny; its released layout with --all), fp32, against HF transformers with the
 adapter merged (tests/kit/hybrid_serve.py, one engine, every check on it); HF = Megatron within 1e-4 on this family
 is tests/distributed/test_hybrid_parity.py.
 
@@ -27,11 +27,14 @@ TOL, K3, MOVED = 1e-4, 1e-10, 1e-3
 MODES = ("merged", "unmerged")
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
+# CI runs the text checkpoint; the released layout (Qwen3_5MoeForConditionalGeneration, text_config, a vision tower and
+# an MTP layer set aside, served as its text tower with no image or video input) runs with --all (slow): same checks.
+@pytest.fixture(scope="module", params=[pytest.param("tiny", id="text"),
+                                        pytest.param("tiny_vl", id="released", marks=pytest.mark.slow)])
+def result(request, tmp_path_factory):
     from moe_lora_rl.models import get_model
 
-    return run_process("kit.hybrid_serve", ["--model", str(get_model("qwen3_5_moe", "tiny"))], timeout=1800,
+    return run_process("kit.hybrid_serve", ["--model", str(get_model("qwen3_5_moe", request.param))], timeout=1800,
                        cwd=tmp_path_factory.mktemp("hybrid"), what="hybrid serving worker")
 
 

@@ -76,6 +76,13 @@ def prefix_check(llm, shared: list[int], gen_len: int, ref) -> dict:
             "greedy_equal": lp[n - 1:-1].argmax(-1).tolist() == list(gen.response)}
 
 
+def _has_vision(model: str) -> bool:
+    """The released layout (Qwen3_5MoeForConditionalGeneration): served as its text tower, no image or video input."""
+    from pathlib import Path
+
+    return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+
+
 def _strip(c: dict) -> dict:
     return {k: v for k, v in c.items() if not k.startswith("_")}
 
@@ -95,8 +102,9 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
     long_prompt = torch.randint(3, arch.vocab_size, (1, long_len), generator=g).tolist()
     budget = 32
     shared = torch.randint(3, arch.vocab_size, (prefix_len,), generator=g).tolist()
+    text_only = {"limit_mm_per_prompt": {"image": 0, "video": 0}} if _has_vision(model) else {}
     llm = make_engine(model, dtype="float32", prefix_caching=True, max_model_len=256, max_num_batched_tokens=budget,
-                      max_num_seqs=8, disable_log_stats=False)
+                      max_num_seqs=8, disable_log_stats=False, **text_only)
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     net = worker.model_runner.model
     res: dict = {"model": model, "gdn_torch_layers": worker._moe_lora_model_fixes["gdn_torch_layers"]}
