@@ -16,7 +16,8 @@ is tests/distributed/test_hybrid_parity.py.
   the previous one reads the cached block (128 tokens: its attention KV and the recurrent state at its end) and
   decodes as HF does
 
-Tolerances as test_mla_vllm.py: 1e-4 is the same fp32 math in two implementations; k3 <= 1e-10 follows.
+Tolerances as test_mla_vllm.py: 1e-4 is the same fp32 math in two implementations; k3 <= 1e-10 follows; prompt
+positions 2e-4 (PROMPT_TOL: the reference's own fp32 sensitivity on this family).
 """
 import pytest
 
@@ -24,6 +25,10 @@ from moe_lora_rl.checks.torchrun import run_process
 
 pytestmark = pytest.mark.vllm
 TOL, K3, MOVED = 1e-4, 1e-10, 1e-3
+# prompt positions of the released layout's tiny: up to 1.13e-4 (the text tiny: 7.6e-5). These random tokens sit at
+# log p ~ -10, and HF's own fp32 logits on this family move by up to 1.1e-4 under a half-ulp change of the input
+# embeddings (the chunked delta rule's running sums; test_hybrid_parity.py's hf_ulp): the reference's own noise.
+PROMPT_TOL = 2e-4
 MODES = ("merged", "unmerged")
 
 
@@ -41,7 +46,7 @@ def result(request, tmp_path_factory):
 def test_fp32_base_matches_hf_and_vllm_kernel_refuses_fp32(result):
     b = result["base"]
     assert result["gdn_torch_layers"] == 3, result["gdn_torch_layers"]          # the tiny's three delta-net layers
-    assert b["prompt_max"] <= TOL and b["decode_max"] <= TOL and b["greedy_equal"], b
+    assert b["prompt_max"] <= PROMPT_TOL and b["decode_max"] <= TOL and b["greedy_equal"], b
     assert "CPU GDN attention requires BF16" in result["base_unfixed_error"], result["base_unfixed_error"]
 
 
@@ -52,7 +57,7 @@ def test_every_module_served_exactly_and_moves_the_output(result, mode):
     assert set(rows) == set(result["groups"]) | {"all"}, rows.keys()
     assert {"experts", "shared_expert", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj", "qkv_proj"} <= set(rows)
     for name, r in rows.items():
-        assert r["prompt_max"] <= TOL and r["decode_max"] <= TOL, (name, r)
+        assert r["prompt_max"] <= PROMPT_TOL and r["decode_max"] <= TOL, (name, r)
         assert r["k3"] <= K3 and r["greedy_equal"], (name, r)
         assert r["engine_moved"] > MOVED and r["ref_moved"] > MOVED, (name, r)
 
@@ -72,7 +77,7 @@ def test_r3_routes_equal_hf_router(result, mode):
 def test_chunked_prefill_exact(result, mode):
     r = result["served"][f"chunked/{mode}"]
     assert result["long_len"] > 2 * result["budget"]
-    assert r["prompt_max"] <= TOL and r["decode_max"] <= TOL and r["greedy_equal"], r
+    assert r["prompt_max"] <= PROMPT_TOL and r["decode_max"] <= TOL and r["greedy_equal"], r
 
 
 @pytest.mark.parametrize("mode", MODES)
