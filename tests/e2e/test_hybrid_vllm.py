@@ -33,13 +33,15 @@ MODES = ("merged", "unmerged")
 
 
 # CI runs the text checkpoint; the released layout (Qwen3_5MoeForConditionalGeneration, text_config, a vision tower and
-# an MTP layer set aside, served as its text tower with no image or video input) runs with --all (slow): same checks.
-@pytest.fixture(scope="module", params=[pytest.param("tiny", id="text"),
-                                        pytest.param("tiny_vl", id="released", marks=pytest.mark.slow)])
+# an MTP layer set aside, served as its text tower with no image or video input) and Qwen3-Next (in_proj_qkvz /
+# in_proj_ba fused per key head, a dense layer) run with --all (slow): same checks.
+@pytest.fixture(scope="module", params=[pytest.param(("qwen3_5_moe", "tiny"), id="text"),
+                                        pytest.param(("qwen3_5_moe", "tiny_vl"), id="released", marks=pytest.mark.slow),
+                                        pytest.param(("qwen3_next", "tiny"), id="next", marks=pytest.mark.slow)])
 def result(request, tmp_path_factory):
     from moe_lora_rl.models import get_model
 
-    return run_process("kit.hybrid_serve", ["--model", str(get_model("qwen3_5_moe", request.param))], timeout=1800,
+    return run_process("kit.hybrid_serve", ["--model", str(get_model(*request.param))], timeout=1800,
                        cwd=tmp_path_factory.mktemp("hybrid"), what="hybrid serving worker")
 
 
