@@ -12,6 +12,8 @@ is tests/distributed/test_hybrid_parity.py.
 - R3: captured routes equal HF's router top-k at every token and MoE layer (linear and full layers), both modes
 - chunked prefill: a 100-token prompt through a 32-token step budget (the conv and SSM state carried across chunks)
   equals HF under the all-modules adapter
+- preemption: a 9-block KV pool makes vLLM preempt running requests (resumed by recompute: state dropped, tokens
+  prefilled again); 8 greedy requests of 100 + 100 tokens under the all-modules adapter decode as HF does
 - prefix caching (on: the engine has chunked prefill; vllm/hybrid_config.py): a request sharing a 200-token prefix with
   the previous one reads the cached block (128 tokens: its attention KV and the recurrent state at its end) and
   decodes as HF does
@@ -86,4 +88,10 @@ def test_chunked_prefill_exact(result, mode):
 def test_prefix_cache_hit_exact(result, mode):
     r = result["served"][f"prefix/{mode}"]
     assert r["hit_tokens"] > 0, r
+    assert r["decode_max"] <= TOL and r["greedy_equal"], r
+
+
+def test_preempted_and_resumed_sequences_exact(result):
+    r = result["preempted"]
+    assert r["preemptions"] > 0, r                  # the small pool made vLLM preempt
     assert r["decode_max"] <= TOL and r["greedy_equal"], r

@@ -17,6 +17,8 @@ the same checks as kit.mla_serve (its adapters, engine runs and comparison are r
                 conv and SSM state carried between chunks), vs HF, under the all-modules adapter
     prefix      prefix caching on (vLLM's mamba_cache_mode 'align'): a request whose prefix the previous one cached
                 (attention blocks and the recurrent state at the block boundary) vs HF, under the all-modules adapter
+    preempted   a second engine with a 9-block KV pool: vLLM preempts and resumes requests by recompute; their decoded
+                tokens vs HF under the all-modules adapter
 
 Prints "RESULT <json>".
 """
@@ -74,6 +76,44 @@ def prefix_check(llm, shared: list[int], gen_len: int, ref) -> dict:
     return {"hit_tokens": int(hits() - before), "prefix_len": len(shared),
             "decode_max": (want - torch.tensor(gen.logprobs, dtype=torch.float64)).abs().max().item(),
             "greedy_equal": lp[n - 1:-1].argmax(-1).tolist() == list(gen.response)}
+
+
+def preemption_check(model: str, peft: dict, ref, text_only: dict, n: int = 8, prompt_len: int = 100,
+                     gen_len: int = 100, blocks: int = 9) -> dict:
+    """A second engine with a KV pool of `blocks` blocks (prefix caching off), so vLLM preempts running requests and
+    resumes them by recompute (their conv / SSM state dropped, their tokens prefilled again): n greedy requests under
+    the all-modules adapter (unmerged), each decoded token vs HF. Preemptions counted on the scheduler (its
+    _preempt_request wrapped on this engine's instance)."""
+    import torch
+    from vllm import SamplingParams
+
+    from moe_lora_rl.rollout.generate import captured_generate
+    from moe_lora_rl.transfer.transports import InprocTransport
+
+    llm = make_engine(model, dtype="float32", prefix_caching=False, max_model_len=256, num_gpu_blocks_override=blocks,
+                      **text_only)
+    InprocTransport(llm).push(1, peft, RANK, ALPHA)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    count, preempt = [0], sched._preempt_request
+
+    def counted(*args, **kw):
+        count[0] += 1
+        return preempt(*args, **kw)
+    sched._preempt_request = counted
+    prompts = torch.randint(3, 500, (n, prompt_len), generator=torch.Generator().manual_seed(7)).tolist()
+    sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=0, logprobs=0, ignore_eos=True)
+    gens = captured_generate(llm, prompts, sp)
+    worst, same = 0.0, True
+    for g in gens:
+        toks = list(g.prompt) + list(g.response)
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(input_ids=torch.tensor([toks])).logits[0].double(), -1)
+        k = len(g.prompt)
+        want = lp[k - 1:-1].gather(-1, torch.tensor(g.response)[:, None])[:, 0]
+        worst = max(worst, (want - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max().item())
+        same &= lp[k - 1:-1].argmax(-1).tolist() == list(g.response)
+    del llm
+    return {"preemptions": count[0], "decode_max": worst, "greedy_equal": bool(same)}
 
 
 def _has_vision(model: str) -> bool:
@@ -156,6 +196,10 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
         res["base_unfixed_error"] = " ".join(str(e).split())[:300]
     res["budget"], res["long_len"] = budget, long_len
     del llm
+    import gc
+
+    gc.collect()
+    res["preempted"] = preemption_check(model, adapters["all"], refs["all"], text_only)
     return res
 
 
