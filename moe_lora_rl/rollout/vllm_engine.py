@@ -57,11 +57,16 @@ def make_engine(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model
         llm_kw["additional_config"] = {**llm_kw.get("additional_config", {}),
                                        "moe_lora_stage_timeout_s": check_stage_timeout(stage_timeout_s)}
     from vllm import LLM
+    from vllm.platforms import current_platform
+
+    from ..vllm import vision_import_fix
 
     llm_kw = checkpoint_settings(model, llm_kw)
-    llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-              enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
-              load_format=load_format, worker_extension_cls=extension, **llm_kw)
+    prefix_caching = hybrid_prefix_caching(model, prefix_caching, llm_kw.get("enable_chunked_prefill"))
+    with vision_import_fix.scoped(model, cpu=current_platform.is_cpu()):    # Qwen3.5 without torchvision
+        llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+                  enable_prefix_caching=prefix_caching, block_size=block_size, max_num_seqs=max_num_seqs,
+                  load_format=load_format, worker_extension_cls=extension, **llm_kw)
     llm.collective_rpc("moe_lora_prepare")      # the fixes on the loaded model (vllm/rope_fix.py) before any request
     return llm
 
@@ -78,3 +83,14 @@ def checkpoint_settings(model: str, llm_kw: dict) -> dict:
     for line in lines:
         print(line, flush=True)
     return out
+
+
+def hybrid_prefix_caching(model: str, requested: bool | None, chunked_prefill: bool | None) -> bool | None:
+    """enable_prefix_caching for this checkpoint: off for a hybrid linear-attention one on an engine without chunked
+    prefill, with one line saying why (vllm/hybrid_config.py); `requested` otherwise."""
+    from ..vllm.hybrid_config import prefix_caching
+
+    value, lines = prefix_caching(model, requested, chunked_prefill=chunked_prefill)
+    for line in lines:
+        print(line, flush=True)
+    return value

@@ -24,12 +24,14 @@ def _ensure_ready() -> None:
 
 
 def ensure_model_ready(worker) -> dict:
-    """The fixes that act on the loaded model's modules (rope_fix), once per worker."""
+    """The fixes that act on the loaded model's modules (rope_fix, gdn_torch), once per worker."""
     done = getattr(worker, "_moe_lora_model_fixes", None)
     if done is None:
-        from . import rope_fix
+        from . import gdn_torch, rope_fix
 
-        done = worker._moe_lora_model_fixes = {"mla_rope_routed": rope_fix.apply(worker.model_runner.model)}
+        model = worker.model_runner.model
+        done = worker._moe_lora_model_fixes = {"mla_rope_routed": rope_fix.apply(model),
+                                               "gdn_torch_layers": gdn_torch.apply(model)}
     return done
 
 

@@ -55,6 +55,15 @@ def _resolve(root, dotted: str):
     return root
 
 
+SHARED_EXPERT = ("shared_experts", "shared_expert")
+"""vLLM's attribute for a MoE block's shared expert: DeepSeek-V3 / GLM-4.5 blocks; Qwen2-MoE / Qwen3-Next / Qwen3.5
+blocks (its sigmoid gate applied inside the module)."""
+
+
+def _shared_expert(block):
+    return next((m for m in (getattr(block, a, None) for a in SHARED_EXPERT) if m is not None), None)
+
+
 def _router(block):
     """vLLM's router of a MoE block (the object routing capture binds its capture_fn to)."""
     for mod in block.modules():
@@ -87,7 +96,9 @@ class LoRARuntime:
         self.dtype = dtype or next(model.parameters()).dtype
         self.expert_precision = _check_precision(expert_precision)
         self.arch: MoEArch = arch_from_hf_config(transformers.AutoConfig.from_pretrained(str(self.model_dir)))
-        self.layers = model.model.layers
+        # a multimodal model (Qwen3.5's released layout) serves adapters on its text tower
+        text = model.get_language_model() if hasattr(model, "get_language_model") else model
+        self.layers = text.model.layers
         self.blocks = {li: layer.mlp for li, layer in enumerate(self.layers) if self.arch.moe_layers[li]}
         self._init_state()
         self._hooks = []
@@ -199,7 +210,7 @@ class LoRARuntime:
             # routing capture (capture.py) listens on vLLM's router, which this path bypasses: report to it
             out = routed_experts(x, logits, runtime._base_experts(layer), runtime.arch, lora,
                                  on_route=_router(block).capture_fn, groups=by_version)
-            shared = getattr(block, "shared_experts", None)
+            shared = _shared_expert(block)
             if shared is not None:
                 out = out + shared(x)
             return out.reshape(shape)

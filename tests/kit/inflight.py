@@ -2,7 +2,8 @@
 version (merged), run position by position as the engine ran them.
 
 An engine step forwards each running request's newest position with the version served at that step, and attends
-to the KV of earlier positions as they were computed then (switch: under earlier versions). So the reference feeds
+to the KV of earlier positions as they were computed then (switch: under earlier versions); a linear-attention layer
+(the hybrid family) carries its conv and SSM state the same way, computed under the versions that forwarded them. So the reference feeds
 the sequence in runs of positions of one version, each run through that version's model with the captured routes
 forced, into one shared KV cache; position p's logits give the logprob of token p + 1.
 
@@ -48,7 +49,8 @@ def recompute_logprobs(models: dict, prompt: list[int], response: list[int], rou
     pv = position_versions(len(prompt), versions)
     if routes is not None and routes.shape[0] < len(pv):
         raise ValueError(f"routes cover {routes.shape[0]} positions, the sample forwards {len(pv)}")
-    cache = DynamicCache()
+    # built from the config: the hybrid family's linear-attention layers keep conv / SSM state, not keys and values
+    cache = DynamicCache(config=next(iter(models.values())).config)
     logits = []
     for a, b, v in runs(pv):
         if v not in models:
