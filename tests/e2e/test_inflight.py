@@ -286,6 +286,9 @@ def test_hybrid_switch_mid_sequence_matches_hf(hybrid, tmp_path_factory):
         eng.stop()
 
 
+# slow (CI time): the hybrid's own hazard, the recurrent state carried over a version change, is the switch test's;
+# two versions in one batch is the pin test's above on the GQA model
+@pytest.mark.slow
 def test_hybrid_pin_two_versions_in_one_batch(hybrid, tmp_path_factory):
     path, arch, adapters, refs = hybrid
     eng = start(path, tmp_path_factory, inflight="pin", max_versions=2, on_full="wait")
