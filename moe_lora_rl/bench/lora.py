@@ -2,7 +2,9 @@
 
     python -m moe_lora_rl.bench lora --json [--model DIR ...] [--speed-model DIR] [--layouts ...] [--rank 16]
 
-layout_max_diff: max over layouts/models of |loss| and |adapter| differences after 3 steps vs tp1ep1pp1.
+layout_max_diff: max over layouts/models of |loss| and |adapter| differences after 3 steps vs tp1ep1pp1, on a batch
+with an empty and an odd-loaded expert in one MoE layer (empty_expert: per model, False where its routers spread every
+batch tried, checks/data.py: the batch with the least-loaded expert is used).
 --controls: per layout and model, the negative controls on the adapters loaded from tp1ep1pp1: max |logit diff|
 against the reference with one target's adapters dropped ("drop:TARGET", every target the model has) or one factor
 perturbed ("perturb:TARGET"); control_min is the smallest, which must exceed the logit tolerance.
@@ -71,6 +73,7 @@ def run(models: list[str], speed_model: str | None, layouts: str, cfg: LoRAConfi
         result["speed_model"], result["speed_layout"] = speed_model, speed_layout
     result.update({"models": models, "layouts": layouts.split(","), "rank": cfg.rank,
                    "adapter_layout": cfg.adapter_layout, "per_model_peft_diff": pdiff,
+                   "empty_expert": {m: i["empty"] for m, i in rep["expert_load"].items()},
                    "per_layout": {k: {m: {kk: r[kk] for kk in ("loss_max_diff", "adapter_max_diff")}
                                       for m, r in v.items()} for k, v in rep["per_layout"].items()}})
     if controls:
