@@ -4,7 +4,8 @@ forced-route reference.
     python -m moe_lora_rl.bench replay --json [--model DIR ...] [--layouts tp1ep1pp1,ep4] [--engine vllm|hf]
         [--dtype fp32|bf16]
 
-replay_fidelity_max_diff: worst max |fp32 logit diff| over layouts, models, padded/packed, between Megatron replaying
+replay_fidelity_max_diff: worst max |fp32 logit diff| over layouts, models, padded/packed (packed refused on a hybrid
+linear-attention model: per_layout says so), between Megatron replaying
 a forced set (the rollout's routes; random valid routes) and HF transformers forced to the same routes. Target 1e-4.
 shuffled_routes_diff: the smallest such diff when Megatron replays the rollout routes shuffled across tokens (the
 negative control; must exceed 1e-2). forced_decisions_differ: fraction of forced decisions that the fp32 router,
@@ -33,7 +34,7 @@ from .run_args import add_run_args, run_config_from_args
 
 def summarize(res: dict, models: list[str], layouts: list[str], dtype: str = "fp32") -> dict:
     per = {l: {m: res[l][m] for m in models} for l in layouts}
-    kinds = [r[k] for l in layouts for r in per[l].values() for k in ("padded", "packed")]
+    kinds = [r[k] for l in layouts for r in per[l].values() for k in ("padded", "packed") if "refused" not in r[k]]
     bad = sum(b for m in models for b, _ in res["forced_decisions"][m].values())
     tot = sum(t for m in models for _, t in res["forced_decisions"][m].values())
     roll = [res["forced_decisions"][m]["rollout"] for m in models]

@@ -166,7 +166,11 @@ class Case:
 
 def run_case(case: Case, timing: int, sets=("rollout", "random")) -> dict:
     rec: dict = {}
-    for kind, packed in (("padded", False), ("packed", True)):
+    kinds = (("padded", False), ("packed", True))
+    if getattr(case.model.config, "experimental_attention_variant", None) == "gated_delta_net":
+        kinds = kinds[:1]           # packed samples refused on the hybrid (megatron/forward.refuse_packed_on_hybrid)
+        rec["packed"] = {"refused": "hybrid linear attention: the delta-net's state would run across samples"}
+    for kind, packed in kinds:
         m = case.rollout_metrics(packed)
         dist.all_reduce(m)
         rec[kind] = {"disagreement_without": float(m[0] / max(m[1], 1)), "decisions": int(m[1]),

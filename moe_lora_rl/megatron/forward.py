@@ -67,6 +67,19 @@ def packed_inputs(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return pos, (~allowed)[None, None]
 
 
+def refuse_packed_on_hybrid(config, position_ids: torch.Tensor | None) -> None:
+    """ValueError for samples packed into one row (positions restarting within it, packed_inputs) on a hybrid
+    linear-attention model: a block-diagonal mask separates samples in attention only, the delta-net's conv and
+    recurrent state would run from one sample into the next (megatron-core's GatedDeltaNet takes no packed sequences:
+    it raises NotImplementedError for packed_seq_params). Measured through the replay bench before this check:
+    packed logits 27 off HF's per sample, padded 9.7e-5."""
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net" or position_ids is None:
+        return
+    if position_ids.dim() == 2 and position_ids.shape[1] > 1 and bool((position_ids.diff(dim=1) <= 0).any()):
+        raise ValueError("packed samples (positions restarting within a row) on a hybrid linear-attention model: "
+                         "the delta-net's state would run across samples; pad each sample to its own row")
+
+
 def gather_vocab(logits_local: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[b, s, V/tp] vocab-parallel logits -> [b, s, V] (padding rows trimmed)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -110,6 +123,7 @@ def forward_logits(model, tokens: torch.Tensor, vocab_size: int, **inputs) -> to
     ranks, None on the others. inputs: optional position_ids / attention_mask (e.g. packed_inputs)."""
     from megatron.core import parallel_state as ps
 
+    refuse_packed_on_hybrid(getattr(model, "config", None), inputs.get("position_ids"))
     model.eval()
     b, s = tokens.shape
     outs = run_schedule(model, [{"tokens": tokens, **inputs}], forward_only=True,
