@@ -28,8 +28,7 @@ import argparse
 import json
 import re
 
-from kit.mla_serve import ALPHA, EXPERTS, RANK, compare, engine_run, module_adapter
-from moe_lora_rl.rollout.generate import capturing
+from kit.mla_serve import ALPHA, EXPERTS, RANK, compare, engine_run, module_adapter, serve_adapter
 from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
 
 SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
@@ -130,7 +129,7 @@ def _strip(c: dict) -> dict:
 def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: int, prefix_len: int) -> dict:
     import torch
 
-    from moe_lora_rl.checks.route_reference import agreement, hf_routes, merged_hf_model
+    from moe_lora_rl.checks.route_reference import merged_hf_model
     from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.transfer.transports import InprocTransport
     from moe_lora_rl.vllm import gdn_torch
@@ -162,21 +161,11 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int, long_len: in
         llm.collective_rpc("moe_lora_set_mode", args=(mode,))
         for name, peft in adapters.items():
             version += 1
-            tr.push(version, peft, RANK, ALPHA)
-            if name == "all":
-                with capturing(llm) as meta:
-                    gens = engine_run(llm, prompts, gen_len, meta)
-                seq = [g.tokens[:-1] for g in gens]
-                table[f"routes_{mode}"] = agreement([g.routes for g in gens], hf_routes(refs[name], moe, seq))
-                # chunked prefill: the long prompt takes several steps of `budget` tokens
-                table[f"chunked/{mode}"] = _strip(compare(engine_run(llm, long_prompt, gen_len), refs[name]))
-                table[f"prefix/{mode}"] = prefix_check(llm, shared, gen_len, refs[name])
-            else:
-                gens = engine_run(llm, prompts, gen_len)
-            c = compare(gens, refs[name])
-            c["engine_moved"] = (c["_eng_prompt"] - base["_eng_prompt"]).abs().max().item()
-            c["ref_moved"] = (c["_ref_prompt"] - base["_ref_prompt"]).abs().max().item()
-            table[f"{name}/{mode}"] = _strip(c)
+
+            def on_all(ref=refs[name], mode=mode):      # chunked prefill: the long prompt in steps of `budget` tokens
+                table[f"chunked/{mode}"] = _strip(compare(engine_run(llm, long_prompt, gen_len), ref))
+                table[f"prefix/{mode}"] = prefix_check(llm, shared, gen_len, ref)
+            serve_adapter(llm, tr, version, name, peft, refs[name], base, prompts, gen_len, moe, table, mode, on_all)
         for name, mods in groups.items():       # the all-modules adapter with one group left out of the push
             version += 1
             drop = re.compile("|".join(r"\.layers\.\d+\." + re.escape(m).replace(r"\{E\}", r"\d+") + r"\.lora_"

@@ -98,13 +98,37 @@ def compare(gens, ref) -> dict:
             "_eng_prompt": torch.cat([torch.tensor(g.prompt_logprobs, dtype=torch.float64) for g in gens])}
 
 
+def serve_adapter(llm, tr, version: int, name: str, peft: dict, ref, base: dict, prompts, gen_len: int, moe,
+                  table: dict, mode: str, on_all=None) -> dict:
+    """Push `peft` as `version`, generate, compare with `ref` (HF with it merged) and record how far the engine's and
+    the reference's prompt log-probs moved from the base run's; the "all" adapter also checks the captured routes
+    against HF's router (table["routes_MODE"]) and runs on_all(). The comparison, also stored as table["NAME/MODE"]."""
+    from moe_lora_rl.checks.route_reference import agreement, hf_routes
+
+    tr.push(version, peft, RANK, ALPHA)
+    if name == "all":
+        with capturing(llm) as meta:
+            gens = engine_run(llm, prompts, gen_len, meta)
+        seq = [g.tokens[:-1] for g in gens]
+        table[f"routes_{mode}"] = agreement([g.routes for g in gens], hf_routes(ref, moe, seq))
+        if on_all is not None:
+            on_all()
+    else:
+        gens = engine_run(llm, prompts, gen_len)
+    c = compare(gens, ref)
+    c["engine_moved"] = (c["_eng_prompt"] - base["_eng_prompt"]).abs().max().item()
+    c["ref_moved"] = (c["_ref_prompt"] - base["_ref_prompt"]).abs().max().item()
+    table[f"{name}/{mode}"] = {k: v for k, v in c.items() if not k.startswith("_")}
+    return c
+
+
 def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
     import torch
 
     from moe_lora_rl.models.arch import load_arch
     from moe_lora_rl.transfer.transports import InprocTransport
     from moe_lora_rl.vllm import rope_fix
-    from moe_lora_rl.checks.route_reference import agreement, hf_routes, merged_hf_model
+    from moe_lora_rl.checks.route_reference import merged_hf_model
 
     arch = load_arch(model)
     moe = [l for l, m in enumerate(arch.moe_layers) if m]
@@ -131,18 +155,7 @@ def run_model(model: str, seqs: int, prompt_len: int, gen_len: int) -> dict:
         llm.collective_rpc("moe_lora_set_mode", args=(mode,))
         for name, peft in adapters.items():
             version += 1
-            tr.push(version, peft, RANK, ALPHA)
-            if name == "all":
-                with capturing(llm) as meta:
-                    gens = engine_run(llm, prompts, gen_len, meta)
-                seq = [g.tokens[:-1] for g in gens]
-                table[f"routes_{mode}"] = agreement([g.routes for g in gens], hf_routes(refs[name], moe, seq))
-            else:
-                gens = engine_run(llm, prompts, gen_len)
-            c = compare(gens, refs[name])
-            c["engine_moved"] = (c["_eng_prompt"] - base["_eng_prompt"]).abs().max().item()
-            c["ref_moved"] = (c["_ref_prompt"] - base["_ref_prompt"]).abs().max().item()
-            table[f"{name}/{mode}"] = strip(c)
+            serve_adapter(llm, tr, version, name, peft, refs[name], base, prompts, gen_len, moe, table, mode)
     res["pin_kv_b_refused"] = _pin_refusal(worker, tr, version + 1, adapters["kv_b_proj"])
     res["kv_b_not_reabsorbed"] = _not_reabsorbed(worker, llm, tr, version + 2, adapters["kv_b_proj"], prompts, gen_len,
                                                  refs["kv_b_proj"])
