@@ -28,7 +28,7 @@ import argparse
 import json
 import re
 
-from kit.mla_serve import ALPHA, EXPERTS, RANK, compare, engine_run, module_adapter, serve_adapter
+from kit.mla_serve import ALPHA, EXPERTS, RANK, compare, engine_run, eos_ids, module_adapter, serve_adapter
 from moe_lora_rl.rollout.vllm_engine import make_engine, set_engine_env
 
 SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
@@ -107,6 +107,7 @@ def preemption_check(model: str, peft: dict, ref, text_only: dict, n: int = 8, p
     sp = SamplingParams(max_tokens=gen_len, min_tokens=gen_len, temperature=0, logprobs=0, ignore_eos=True)
     gens = captured_generate(llm, prompts, sp)
     worst, same, ties, widest = 0.0, True, 0, 0.0
+    eos = eos_ids(ref)
     for g in gens:
         toks = list(g.prompt) + list(g.response)
         with torch.no_grad():
@@ -114,9 +115,11 @@ def preemption_check(model: str, peft: dict, ref, text_only: dict, n: int = 8, p
         k = len(g.prompt)
         want = lp[k - 1:-1].gather(-1, torch.tensor(g.response)[:, None])[:, 0]
         worst = max(worst, (want - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max().item())
-        # greedy: the engine's token is HF's argmax, or within TIE of it (a near-tie that fp32 noise of the size
-        # compared above may flip; counted in greedy_ties)
-        gap = lp[k - 1:-1].max(-1).values - want
+        # greedy: the engine's token is HF's argmax over what the engine may sample (min_tokens masks the end-of-
+        # sequence ids), or within TIE of it (a near-tie that fp32 noise of the size compared above may flip)
+        allowed = lp[k - 1:-1].clone()
+        allowed[:, eos] = float("-inf")
+        gap = allowed.max(-1).values - want
         same &= bool((gap <= TIE).all())
         ties += int(((gap > 0) & (gap <= TIE)).sum())
         widest = max(widest, gap.max().item())

@@ -76,11 +76,23 @@ def engine_run(llm, prompts: list[list[int]], gen_len: int, meta=None):
     return captured_generate(llm, prompts, sp, meta)
 
 
+def eos_ids(ref) -> list[int]:
+    """The end-of-sequence ids the engine's min_tokens masks before it samples (the model's config and generation
+    config): HF's greedy choice is taken over the other ids."""
+    ids = set()
+    for cfg in (getattr(ref, "generation_config", None), getattr(ref, "config", None)):
+        e = getattr(cfg, "eos_token_id", None)
+        ids.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+    return sorted(ids)
+
+
 def compare(gens, ref) -> dict:
-    """Engine vs a HF model teacher-forced on the engine's own sequences: prompt positions > 0 and decoded tokens."""
+    """Engine vs a HF model teacher-forced on the engine's own sequences: prompt positions > 0 and decoded tokens;
+    greedy_equal: every decoded token is HF's argmax over what the engine may sample (min_tokens masks eos_ids)."""
     import torch
 
     d_prompt, d_decode, greedy = [], [], True
+    eos = eos_ids(ref)
     ref_prompt = []
     for g in gens:
         toks = list(g.prompt) + list(g.response)
@@ -90,7 +102,9 @@ def compare(gens, ref) -> dict:
         want = lp[:-1].gather(-1, torch.tensor(toks[1:])[:, None])[:, 0]
         d_prompt.append(want[:n - 1] - torch.tensor(g.prompt_logprobs, dtype=torch.float64))
         d_decode.append(want[n - 1:] - torch.tensor(g.logprobs, dtype=torch.float64))
-        greedy &= lp[n - 1:-1].argmax(-1).tolist() == list(g.response)
+        allowed = lp[n - 1:-1].clone()
+        allowed[:, eos] = float("-inf")
+        greedy &= allowed.argmax(-1).tolist() == list(g.response)
         ref_prompt.append(want[:n - 1])
     d, d_all = torch.cat(d_decode), torch.cat(d_prompt + d_decode)
     return {"prompt_max": torch.cat(d_prompt).abs().max().item(), "decode_max": d.abs().max().item(),
