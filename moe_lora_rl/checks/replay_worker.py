@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..megatron.forward import forward_logits, packed_inputs
+from ..megatron.forward import forward_logits, has_delta_net, packed_inputs
 from ..policy.model import build_from_hf
 from ..router_replay.align import align_microbatch
 from ..mismatch import k3_kl
@@ -167,7 +167,7 @@ class Case:
 def run_case(case: Case, timing: int, sets=("rollout", "random")) -> dict:
     rec: dict = {}
     kinds = (("padded", False), ("packed", True))
-    if getattr(case.model.config, "experimental_attention_variant", None) == "gated_delta_net":
+    if has_delta_net(case.model.config):
         kinds = kinds[:1]           # packed samples refused on the hybrid (megatron/forward.refuse_packed_on_hybrid)
         rec["packed"] = {"refused": "hybrid linear attention: the delta-net's state would run across samples"}
     for kind, packed in kinds:

@@ -67,13 +67,18 @@ def packed_inputs(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return pos, (~allowed)[None, None]
 
 
+def has_delta_net(config) -> bool:
+    """True for a megatron config with Gated DeltaNet layers (the hybrid linear-attention family's build)."""
+    return getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+
+
 def refuse_packed_on_hybrid(config, position_ids: torch.Tensor | None) -> None:
     """ValueError for samples packed into one row (positions restarting within it, packed_inputs) on a hybrid
     linear-attention model: a block-diagonal mask separates samples in attention only, the delta-net's conv and
     recurrent state would run from one sample into the next (megatron-core's GatedDeltaNet takes no packed sequences:
     it raises NotImplementedError for packed_seq_params). Measured through the replay bench before this check:
     packed logits 27 off HF's per sample, padded 9.7e-5."""
-    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net" or position_ids is None:
+    if not has_delta_net(config) or position_ids is None:
         return
     if position_ids.dim() == 2 and position_ids.shape[1] > 1 and bool((position_ids.diff(dim=1) <= 0).any()):
         raise ValueError("packed samples (positions restarting within a row) on a hybrid linear-attention model: "
