@@ -227,9 +227,11 @@ load-balanced trained router's, where bf16 rounding in the rollout flips decisio
 models (training the routers on this task sharpens them until almost nothing flips)."""
 
 
-FAMILY_WARM_STARTS = {"qwen3_moe": dict(router_lr_scale=1.0, bias_update=0.0)}
-"""Per family, how its warm start differs (after the size's): Qwen3-MoE's softmax routers carry no expert bias to
-balance a frozen router with, so they train with the rest, as in the model's own training."""
+_SOFTMAX_ROUTERS = dict(router_lr_scale=1.0, bias_update=0.0)
+FAMILY_WARM_STARTS = {family: _SOFTMAX_ROUTERS for family in ("qwen3_moe", "qwen3_5_moe", "qwen3_next")}
+"""Per family, how its warm start differs (after the size's): the softmax routers of Qwen3-MoE and of the hybrid
+family (Qwen3.5/3.6-MoE, Qwen3-Next) carry no expert bias to balance a frozen router with, so they train with the
+rest, as in the models' own training."""
 
 
 def default_spec(size: str, family: str | None = None) -> WarmStartSpec:
