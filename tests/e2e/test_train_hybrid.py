@@ -13,6 +13,7 @@ delta-net's in_proj and out_proj, the gated q_proj with k/v, o_proj and the rout
   stages) with the version the engine served it with and the rollout's routes replayed on every MoE layer, linear or
   full: max |logprob diff| <= 1e-4, per-sample k3 <= 1e-10. Controls: the routes shuffled over each sample's tokens,
   the pushed versions' samples without the adapter: both > 1e-2.
+- mode=async (slow): the same job with the engine generating ahead passes the same check.
 
 The learning run (held-out success against its algo.lr=0 control) is `bench e2e` on `wide` (docs/models.md).
 """
@@ -84,3 +85,15 @@ def test_engine_equals_megatron_with_replayed_routes_at_tp2_ep2_pp2(sync_run):
     served_megatron.assert_served(rep, 48)
     for layout, r in rep["layouts"].items():
         assert r["multi_version"] == r["left_out"] == 0 and set(r["by_version"]) == {"None", "1", "2"}, (layout, r)
+
+
+@pytest.mark.slow
+def test_async_mode(tmp_path):
+    """mode=async (the engine generating ahead, max_staleness 1, in-flight switches): its samples served by one
+    version pass the same Megatron check; the pushes carry the same adapter bytes."""
+    summary, rows, _ = finish_train(start_train(tmp_path, [*SMOKE, "mode=async"]), tmp_path)
+    assert summary["mode"] == "async" and summary["steps"] == 3 and summary["staleness_max"] <= 1, summary
+    assert all(r["refit_bytes"] == adapter_bytes(summary["model"], LORA["rank"]) for r in rows)
+    rep = served_megatron.launch(tmp_path, summary["model"], LAYOUTS, LORA)
+    print(json.dumps(rep))
+    served_megatron.assert_served(rep, 24)
