@@ -1,7 +1,7 @@
 """keep_served=true (either mode, rank 0): the adapters of the last max_staleness + 1 pushed versions, as the engine
 received them, and every trained sample with its per-token versions, written to out_dir/served/ so a check can
 recompute each trained token with the version that produced it (tests/e2e/test_async.py: HF;
-tests/e2e/test_train_mla.py: the Megatron trainer, tests/kit/served_megatron.py).
+tests/e2e/test_train_families.py: the Megatron trainer, tests/kit/served_megatron.py).
 
     rec = ServedAdapters(out_dir, keep=k + 1)
     transport = rec.wrap(engine.transport)          # push through it: the tensors of each version are kept

@@ -19,7 +19,7 @@
   versions per batch (inflight='pin') is refused in one line, the served version unchanged
 
 The Megatron trainer as the engine's reference (the adapters a run trained and pushed, the rollout's routes
-replayed, at tp1ep1pp1, tp2 and ep2): tests/e2e/test_train_mla.py.
+replayed, at tp1ep1pp1, tp2 and ep2): tests/e2e/test_train_families.py.
 
 Tolerances: 1e-4 is the same fp32 math in two implementations (measured ~2e-5); k3 <= 1e-10 follows (k3 ~ d^2 / 2),
 over the decoded tokens as the trainer's k3 (over the random prompt tokens too it is ~1e-10 already without an
