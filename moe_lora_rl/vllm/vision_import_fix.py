@@ -18,6 +18,9 @@ the engine runs on CPU and torchvision is absent (otherwise nothing happens):
   - `vllm.model_executor.models.registry._run_in_subprocess` runs its function in this process: vLLM inspects the
     model class in a fresh interpreter ("to avoid initializing CUDA", which a CPU engine does not have), where the
     first change would not reach.
+An engine whose workers run in processes of their own (verl's rollout server) takes the same block in each worker
+around its model load: engine_args(model_dir, kw, cpu=...) names our CPU worker class (vllm/cpu_worker.py), and the
+server enters scoped() around building the engine (the architecture's inspection runs there).
 Drop when the main venv has a CPU torchvision, or vLLM imports the image processor lazily.
 """
 from __future__ import annotations
@@ -34,6 +37,8 @@ ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForCondi
 """vLLM 0.32's architectures in models/qwen3_5.py (the module that imports qwen3_vl)."""
 IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+WORKER_CLS = "moe_lora_rl.vllm.cpu_worker.VisionFixCPUWorker"
+"""vLLM's CPU worker with scoped() around its model load (vllm/cpu_worker.py)."""
 
 
 def needed(model_dir: str | Path, *, cpu: bool) -> bool:
@@ -43,6 +48,16 @@ def needed(model_dir: str | Path, *, cpu: bool) -> bool:
     path = Path(model_dir) / "config.json"
     archs = json.loads(path.read_text()).get("architectures") or () if path.exists() else ()
     return bool(set(archs) & set(ARCHITECTURES))
+
+
+def engine_args(model_dir: str | Path, kw: dict, *, cpu: bool) -> tuple[dict, list[str]]:
+    """(kw with worker_cls=WORKER_CLS, one line) when needed(model_dir, cpu=cpu) and kw names no worker class (the
+    caller's wins); (kw, []) otherwise. For engines whose workers load the model in processes of their own."""
+    if not needed(model_dir, cpu=cpu) or kw.get("worker_cls", "auto") != "auto":
+        return kw, []
+    return {**kw, "worker_cls": WORKER_CLS}, [
+        "moe_lora: this Qwen3.5 checkpoint's vLLM model code imports transformers' torchvision image processor; "
+        f"torchvision is absent: the workers load it with the PIL twin's names ({WORKER_CLS})"]
 
 
 def _in_process(fn):

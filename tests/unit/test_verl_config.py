@@ -163,6 +163,53 @@ def test_mla_engine_settings_through_replica_hooks(compose, tmp_path, capsys):
     assert not glm.get("attention_backend") and not glm.get("hf_overrides")
 
 
+def test_hybrid_engine_settings_through_replica_hooks(compose, monkeypatch, capsys):
+    """verl's server is given what our own engine gives the hybrid family on a CPU without torchvision (make_engine:
+    vllm/vision_import_fix.scoped around the engine, vllm/hybrid_config.prefix_caching): its workers, processes of
+    their own, load the model through our CPU worker class (the fix around their model load); the engine is built
+    inside the fix (the architecture's inspection); prefix caching is off when chunked prefill is; a worker class
+    named in engine_kwargs.vllm wins. Controls: verl's own server and a GQA model get no worker class."""
+    import importlib.util
+
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    from moe_lora_rl.integration.verl.replica import MoELoRAvLLMHttpServer
+    from moe_lora_rl.models import get_model
+    from moe_lora_rl.vllm import vision_import_fix
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision" else real(name, *a))
+    hybrid = {"actor_rollout_ref.model.path": str(get_model("qwen3_5_moe", "tiny"))}
+    ours = _launch_args(MoELoRAvLLMHttpServer, compose(**hybrid))
+    assert ours["worker_cls"] == vision_import_fix.WORKER_CLS == "moe_lora_rl.vllm.cpu_worker.VisionFixCPUWorker"
+    assert ours["enable_prefix_caching"] is True and ours["enable_chunked_prefill"] is True   # exact as asked
+    assert sum("workers load it with the PIL twin" in l for l in capsys.readouterr().out.splitlines()) == 1
+    off = _launch_args(MoELoRAvLLMHttpServer, compose(**hybrid, **{
+        "actor_rollout_ref.rollout.enable_chunked_prefill": False,
+        "actor_rollout_ref.rollout.max_num_batched_tokens": 8192}))
+    assert off["enable_prefix_caching"] is False and off["enable_chunked_prefill"] is False
+    mine = _launch_args(MoELoRAvLLMHttpServer, compose(**hybrid, **{
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_cls": "my.Worker"}))
+    assert mine["worker_cls"] == "my.Worker"
+    # the engine is built inside the fix (vLLM inspects the architecture there), and only there
+    from vllm.model_executor.models import registry
+
+    seen = []
+
+    async def build(self, args):
+        seen.append((registry._run_in_subprocess is vision_import_fix._in_process,
+                     vision_import_fix.IMAGE_MODULE in sys.modules))
+        self.engine = types.SimpleNamespace(pause_generation=lambda wait_for_inflight_requests=True: None)
+    monkeypatch.setattr(vLLMHttpServer, "run_server", build)
+    server = object.__new__(MoELoRAvLLMHttpServer)
+    server.model_config = types.SimpleNamespace(local_path=hybrid["actor_rollout_ref.model.path"])
+    asyncio.run(server.run_server(None))
+    assert seen == [(True, True)] and registry._run_in_subprocess is not vision_import_fix._in_process
+    # controls: verl's own server and a GQA checkpoint keep vLLM's worker class
+    assert _launch_args(vLLMHttpServer, compose(**hybrid)).get("worker_cls", "auto") == "auto"
+    assert _launch_args(MoELoRAvLLMHttpServer, compose()).get("worker_cls", "auto") == "auto"
+
+
 @pytest.mark.parametrize("extra, match", [
     ({"+actor_rollout_ref.model.lora.adapter_layuot": "shared"},
      r"actor_rollout_ref.model.lora.adapter_layuot='shared' is not a key our override knows"),

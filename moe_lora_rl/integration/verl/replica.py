@@ -11,11 +11,15 @@
     _preprocess_engine_kwargs   what the checkpoint needs, as make_engine gives it (vllm/mla_config.engine_args):
     _apply_quantization  for MLA, DeepSeek-V3's routing keys where config.json lacks them (one line) in verl's
                          hf_overrides, the CPU MLA attention backend on a CPU engine, widths the CPU engine cannot
-                         decode refused before it starts; engine_kwargs.vllm's own values win. The model fixes
-                         (vllm/rope_fix.py) come with our worker extension: verl's monkey_patch_model call is its first
+                         decode refused before it starts; for Qwen3.5 on a CPU without torchvision our CPU worker
+                         class (vllm/vision_import_fix.py: the workers load the model in processes of their own);
+                         for a hybrid checkpoint without chunked prefill, prefix caching off (vllm/hybrid_config.py);
+                         engine_kwargs.vllm's own values win. The model fixes (vllm/rope_fix.py, vllm/gdn_torch.py)
+                         come with our worker extension: verl's monkey_patch_model call is its first
     generate             with rollout.enable_rollout_routing_replay: verl's TokenOutput.routed_experts filled from our
                          capture (server_routes.py); vLLM's own routed-experts return is never turned on
-    run_server           the engine wrapped so verl's pause call reaches vLLM 0.32 (engine_compat.py)
+    run_server           the engine wrapped so verl's pause call reaches vLLM 0.32 (engine_compat.py); built inside
+                         vision_import_fix.scoped (Qwen3.5's inspection without torchvision, CPU only)
     clear_kv_cache       (what verl's ServerAdapter calls after each weight sync) with engine_kwargs.moe_lora.sync_log:
     open_submission_gate the served version and a probe's log-probs recorded (sync_probe.py) once the engine runs
                          (verl's async trainers pause it for the sync and reopen the gate after)
@@ -28,11 +32,29 @@ from __future__ import annotations
 from verl.utils.tokenizer import normalize_token_ids
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from ...vllm import vision_import_fix
 from ...vllm.compat import check_vllm_version
 from .verl_config import WORKER_EXTENSION, check_rollout, lora_config, rollout_load_format
 from .engine_compat import PauseCompat, needs_pause_compat
 from .server_routes import ServerRoutes
 from .sync_probe import record_served, sync_settings
+
+
+def checkpoint_engine_args(model_dir: str, engine_kwargs: dict, rollout, *, cpu: bool) -> tuple[dict, list[str]]:
+    """(engine_kwargs with what the checkpoint needs, lines to print), as make_engine gives it to our own engine:
+    vllm/mla_config.engine_args (MLA), vllm/vision_import_fix.engine_args (Qwen3.5 on a CPU without torchvision: our
+    CPU worker class) and vllm/hybrid_config.prefix_caching (a hybrid checkpoint without chunked prefill: prefix
+    caching off); engine_kwargs' own values win, `rollout` (verl's rollout config) gives the rest."""
+    from ...vllm.hybrid_config import prefix_caching
+    from ...vllm.mla_config import engine_args
+
+    args, lines = engine_args(model_dir, engine_kwargs, cpu=cpu)
+    args, more = vision_import_fix.engine_args(model_dir, args, cpu=cpu)
+    caching, said = prefix_caching(model_dir, args.get("enable_prefix_caching", rollout.enable_prefix_caching),
+                                   chunked_prefill=args.get("enable_chunked_prefill", rollout.enable_chunked_prefill))
+    if said:
+        args["enable_prefix_caching"] = caching
+    return args, lines + more + said
 
 
 class MoELoRAvLLMHttpServer(vLLMHttpServer):
@@ -63,7 +85,12 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
         return out
 
     async def run_server(self, args):
-        await super().run_server(args)          # sets self.engine, then serves
+        from vllm.platforms import current_platform
+
+        # the architecture is inspected here as the engine is built (Qwen3.5 without torchvision: the fix's in-process
+        # inspection); the workers take the same fix through worker_cls (checkpoint_engine_args)
+        with vision_import_fix.scoped(self.model_config.local_path, cpu=current_platform.is_cpu()):
+            await super().run_server(args)          # sets self.engine, then serves
         if needs_pause_compat(self.engine):
             self.engine = PauseCompat(self.engine)
 
@@ -94,9 +121,8 @@ class MoELoRAvLLMHttpServer(vLLMHttpServer):
         super()._preprocess_engine_kwargs(engine_kwargs)
         from vllm.platforms import current_platform
 
-        from ...vllm.mla_config import engine_args
-
-        args, lines = engine_args(self.model_config.local_path, engine_kwargs, cpu=current_platform.is_cpu())
+        args, lines = checkpoint_engine_args(self.model_config.local_path, engine_kwargs, self.config,
+                                             cpu=current_platform.is_cpu())
         for line in lines:
             print(line, flush=True)
         # verl builds hf_overrides in _apply_quantization and spreads engine_kwargs after it: ours go there, unless
