@@ -2,8 +2,10 @@
 worker extension and CPU platform, 2 GRPO steps (colocated sync, R3 on: verl's routed_experts filled from our capture,
 replayed by our engine), on the tiny GLM-4.5-style model and on the plain-RoPE DeepSeek-V3 model (MLA: verl's server
 started with the engine settings our own engine uses, vllm/mla_config.engine_args, and our worker extension's
-plain-RoPE fix). Asserts on the numbers verl logs per step and on the in-run R3 check. The CI check of the MLA engine
-settings is tests/unit/test_verl_config.py::test_mla_engine_settings_through_replica_hooks."""
+plain-RoPE fix), and on the tiny Qwen3.5-MoE hybrid (the family's CPU fixes through the replica's hooks and our
+CPU worker class). Asserts on the numbers verl logs per step and on the in-run R3 check. The CI check of the MLA engine
+settings is tests/unit/test_verl_config.py::test_mla_engine_settings_through_replica_hooks, of the hybrid's
+test_hybrid_engine_settings_through_replica_hooks."""
 import json
 import math
 import os
@@ -77,6 +79,19 @@ def test_main_ppo_two_steps_on_cpu_mla(tmp_path):
 
     log = _smoke(tmp_path, MODEL=str(get_model("deepseek_v3", "tiny_rope")))
     assert "'--attention_backend'" in log and "'CPU_MLA'" in log      # verl's server started on our MLA backend
+
+
+def test_main_ppo_two_steps_on_cpu_hybrid(tmp_path):
+    """The same on qwen3_5_moe tiny (Gated DeltaNet + gated attention, every layer MoE): verl's server gets the fixes
+    our own engine takes for the family on CPU: its engine built inside vllm/vision_import_fix.scoped and its
+    spawned workers loading the model through our CPU worker class (vLLM's qwen3_5.py imports transformers'
+    torchvision image processor), the delta-net torch core (vllm/gdn_torch.py: vLLM's CPU op is bf16-only, head
+    widths 64/128 only) with our worker extension. 755 s here under load (rollout probs within 6.9e-6 of the trainer's,
+    k3 replay 3e-11, shifted routes 7.2)."""
+    from moe_lora_rl.models import get_model
+
+    log = _smoke(tmp_path, MODEL=str(get_model("qwen3_5_moe", "tiny")))
+    assert "'--worker_cls'" in log and "'moe_lora_rl.vllm.cpu_worker.VisionFixCPUWorker'" in log
 
 
 GSM8K_REWARD = '''
