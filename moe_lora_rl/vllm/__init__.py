@@ -11,8 +11,10 @@ first-call hook; base_entries.py: the base weights' entries), the staged-push st
 expert-LoRA runtime (runtime.py, token_groups.py: several versions per step; merge.py, mla_merge.py, moe_torch.py;
 versions.py: the version table), route capture (capture.py, prefix_routes.py, step_hooks.py), the full-base sync
 (base_sync.py, base_export.py: a peer's base; reload_txn.py), adapter validation (adapter_set.py), KV compression
-(kv_select.py, kv_evict.py), what an MLA checkpoint needs before an engine starts (mla_config.py), and the vLLM
-fixes the extension applies (reload_fix.py, rope_fix.py; compat.py: the version check).
+(kv_select.py, kv_evict.py), what an MLA or hybrid checkpoint needs before an engine starts (mla_config.py,
+hybrid_config.py), the vLLM fixes the extension applies (reload_fix.py, rope_fix.py, gdn_torch.py; compat.py: the
+version check), the Qwen3.5 vision import fix (vision_import_fix.py) and the CPU worker class that enters it in a
+spawned worker (cpu_worker.py).
 """
 
 # the one spelling of the extension's class path (engines are built by moe_lora_rl.rollout.vllm_engine.make_engine)
