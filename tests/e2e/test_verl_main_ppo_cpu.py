@@ -86,8 +86,8 @@ def test_main_ppo_two_steps_on_cpu_hybrid(tmp_path):
     our own engine takes for the family on CPU: its engine built inside vllm/vision_import_fix.scoped and its
     spawned workers loading the model through our CPU worker class (vLLM's qwen3_5.py imports transformers'
     torchvision image processor), the delta-net torch core (vllm/gdn_torch.py: vLLM's CPU op is bf16-only, head
-    widths 64/128 only) with our worker extension. 755 s here under load (rollout probs within 6.9e-6 of the trainer's,
-    k3 replay 3e-11, shifted routes 7.2). With vLLM's own CPU worker (engine_kwargs.vllm.worker_cls) the spawned
+    widths 64/128 only) with our worker extension. 851 s here under load (rollout probs within 7.4e-6 of the trainer's,
+    k3 replay 2.2e-11, shifted routes 7.6). With vLLM's own CPU worker (engine_kwargs.vllm.worker_cls) the spawned
     worker cannot import the model (no torchvision) and the engine never starts."""
     from moe_lora_rl.models import get_model
 
