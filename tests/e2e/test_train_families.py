@@ -54,6 +54,7 @@ class Family:
     name: str
     layouts: str
     modules: frozenset          # the PEFT target_modules the job's adapter names
+    parameters: frozenset       # its target_parameters (transformers' fused experts, where peft does not map them)
     async_extra: tuple          # mode=async's further overrides
     response_tokens: int        # the sort task's longest answer with its end of turn, in this family's tokenizer
 
@@ -63,12 +64,12 @@ class Family:
 
 FAMILIES = {
     "deepseek_v3": Family("deepseek_v3", "tp1ep1pp1,tp2,ep2", frozenset(
-        {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} | EXPERT_MODULES),
+        {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} | EXPERT_MODULES), frozenset(),
         ("serving=merged",), 6),
     # transformers' Qwen3_5Tokenizer splits digits from spaces: 10 tokens (the job's preflight says so otherwise)
     "qwen3_5_moe": Family("qwen3_5_moe", "tp2,ep2,pp2", frozenset(
-        {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"}
-        | EXPERT_MODULES), (), 10),
+        {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"}),
+        frozenset({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}), (), 10),
 }
 
 
@@ -98,6 +99,7 @@ def test_every_linear_trained_and_refit_bytes_from_config(sync_run):
     assert summary["warm_start"] and f"{fam.name}-tiny" in summary["model"], summary["model"]
     peft = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert set(peft["target_modules"]) == fam.modules, peft
+    assert set(peft.get("target_parameters") or ()) == fam.parameters, peft
     want = adapter_bytes(summary["model"], LORA["rank"])
     assert all(r["refit_bytes"] == want for r in rows), ([r["refit_bytes"] for r in rows], want)
     assert want < summary["full_bytes"] / 4
